@@ -1,0 +1,145 @@
+import os
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from torchtitan.config_manager import ConfigError, JobConfig, format_help
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LEGACY = os.path.join(ROOT, "tests", "assets", "torchtitan_2024")
+
+
+@pytest.fixture(autouse=True)
+def _repo_cwd(monkeypatch):
+    monkeypatch.chdir(ROOT)
+
+
+def test_defaults_without_file():
+    c = JobConfig.parse_args([])
+    assert c.training.data_parallel_shard_degree == -1
+    assert c.model.flavor == "debugmodel"
+    assert c.experimental.pipeline_parallel_split_points == []
+
+
+@pytest.mark.parametrize("name", ["debug_model.toml", "llama3_8b.toml"])
+def test_late_2024_torchtitan_files_load_unchanged(name):
+    path = os.path.join(LEGACY, name)
+    c = JobConfig.parse_args(["--job.config_file", path])
+    with open(path, "rb") as f:
+        raw = tomllib.load(f)
+    for section, values in raw.items():
+        for key, value in values.items():
+            assert getattr(getattr(c, section), key) == value, f"{section}.{key}"
+
+
+@pytest.mark.parametrize("name", ["debug_model.toml", "llama3_8b.toml", "llama3_70b.toml", "llama3_405b.toml"])
+def test_shipped_configs_load(name):
+    JobConfig.parse_args(["--job.config_file", os.path.join(ROOT, "train_configs", name)])
+
+
+def test_precedence_defaults_toml_cli(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text("[training]\nsteps = 7\nbatch_size = 3\n")
+    c = JobConfig.parse_args(["--job.config_file", str(toml), "--training.steps", "9"])
+    assert (c.training.steps, c.training.batch_size, c.training.seq_len) == (9, 3, 2048)
+    c = JobConfig.parse_args(["--training.steps=11", "--job.config_file", str(toml)])
+    assert c.training.steps == 11
+
+
+def test_bare_bool_flag_and_explicit_false():
+    c = JobConfig.parse_args(["--checkpoint.enable_checkpoint", "--training.compile", "false"])
+    assert c.checkpoint.enable_checkpoint is True and c.training.compile is False
+
+
+def test_cli_types():
+    c = JobConfig.parse_args(
+        [
+            "--optimizer.lr", "1e-3",
+            "--training.seed", "none",
+            "--experimental.pipeline_parallel_split_points", "layers.2, layers.4",
+            "--training.dataset_path=/x/y",
+        ]
+    )
+    assert c.optimizer.lr == 1e-3 and c.training.seed is None
+    assert c.experimental.pipeline_parallel_split_points == ["layers.2", "layers.4"]
+    assert c.training.dataset_path == "/x/y"
+
+
+def test_unknown_key_has_did_you_mean(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config key 'training.tensor_paralel_degree' \(did you mean 'training.tensor_parallel_degree'\?\)"):
+        JobConfig.parse_args(["--training.tensor_paralel_degree", "2"])
+    toml = tmp_path / "c.toml"
+    toml.write_text("[trainig]\nsteps = 1\n")
+    with pytest.raises(ConfigError, match="unknown config key 'trainig.steps'.*'training.steps'"):
+        JobConfig.parse_args(["--job.config_file", str(toml)])
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--training.steps", "ten"], r"'training.steps': got 'ten' \(str\), expected int"),
+        (["--training.compile", "maybe"], "'training.compile': got 'maybe'"),
+        (["--optimizer.name", "SGD"], "expected 'AdamW' | 'Adam'"),
+        (["--training.steps"], "flag --training.steps needs a value"),
+        (["training.steps", "3"], "unexpected argument 'training.steps'"),
+    ],
+)
+def test_bad_cli_values(args, match):
+    with pytest.raises(ConfigError, match=match):
+        JobConfig.parse_args(args)
+
+
+def test_bad_toml_types_and_syntax(tmp_path):
+    bad_type = tmp_path / "t.toml"
+    bad_type.write_text('[training]\nsteps = "10"\n')
+    with pytest.raises(ConfigError, match=r"'training.steps': got '10' \(str\), expected int"):
+        JobConfig.parse_args(["--job.config_file", str(bad_type)])
+    bad_syntax = tmp_path / "s.toml"
+    bad_syntax.write_text("[training\nsteps = 1\n")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        JobConfig.parse_args(["--job.config_file", str(bad_syntax)])
+
+
+def test_missing_config_file():
+    with pytest.raises(FileNotFoundError, match="config file not found: 'nope.toml'"):
+        JobConfig.parse_args(["--job.config_file", "nope.toml"])
+
+
+def test_toml_round_trip(tmp_path):
+    c = JobConfig.parse_args(["--training.steps", "5", "--experimental.pipeline_parallel_split_points", "layers.1"])
+    path = tmp_path / "dumped.toml"
+    path.write_text(c.to_toml())
+    again = JobConfig.parse_args(["--job.config_file", str(path)]).to_dict()
+    assert again["job"].pop("config_file") == str(path)
+    expected = c.to_dict()
+    expected["job"].pop("config_file")
+    assert again == expected
+
+
+def test_help_lists_every_key():
+    text = format_help()
+    c = JobConfig()
+    for section, values in c.to_dict().items():
+        for key in values:
+            assert f"--{section}.{key} " in text
+    assert "gradient-norm clipping threshold" in text
+
+
+def test_config_manager_cli_checks_and_exits_nonzero():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    bad = subprocess.run(
+        [sys.executable, "-m", "torchtitan.config_manager", "--world_size", "4", "--training.data_parallel_shard_degree", "3"],
+        cwd=ROOT, env=env, capture_output=True, text=True,
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == (
+        "error: dp_replicate(1) * dp_shard(3) * cp(1) * tp(1) * pp(1) = 3 != world_size(4); "
+        "set data_parallel_shard_degree = -1 to infer it"
+    )
+    ok = subprocess.run(
+        [sys.executable, "-m", "torchtitan.config_manager", "--world_size", "2", "--job.config_file", "train_configs/debug_model.toml"],
+        cwd=ROOT, env=env, capture_output=True, text=True,
+    )
+    assert ok.returncode == 0, ok.stderr

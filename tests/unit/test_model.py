@@ -1,0 +1,93 @@
+import dataclasses
+import pathlib
+import re
+
+import pytest
+import torch
+
+from torchtitan.models import ModelArgs, Transformer
+from torchtitan.models.llama import llama3_configs
+from torchtitan.models.llama.model import ffn_hidden_dim
+from torchtitan.parallelisms.init import init_model_weights
+
+TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=32, max_seq_len=32)
+
+
+def _build(args=TINY, seed=0):
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    init_model_weights(model, seed, torch.device("cpu"))
+    return model
+
+
+@pytest.mark.parametrize("flavor, billions", [("8B", 8.03), ("70B", 70.55), ("405B", 405.85)])
+def test_published_flavor_sizes_on_meta(flavor, billions):
+    with torch.device("meta"):
+        model = Transformer(llama3_configs[flavor])
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == billions
+
+
+def test_8b_ffn_width_matches_published():
+    assert ffn_hidden_dim(llama3_configs["8B"]) == 14336
+    assert ffn_hidden_dim(llama3_configs["70B"]) == 28672
+    assert ffn_hidden_dim(llama3_configs["405B"]) == 53248
+
+
+def test_forward_shapes_and_gqa():
+    model = _build()
+    tokens = torch.randint(0, TINY.vocab_size, (3, 16))
+    assert model(tokens).shape == (3, 16, TINY.vocab_size)
+    assert model.layers["0"].attention.wk.weight.shape == (2 * 16, 64)
+
+
+def test_explicit_positions_equal_default():
+    model = _build()
+    tokens = torch.randint(0, TINY.vocab_size, (2, 16))
+    torch.testing.assert_close(model(tokens), model(tokens, positions=torch.arange(16)), rtol=0, atol=0)
+
+
+def test_causal_prefix_invariance():
+    # A causal model's logits for a prefix do not depend on later tokens.
+    model = _build()
+    tokens = torch.randint(0, TINY.vocab_size, (1, 16))
+    torch.testing.assert_close(model(tokens)[:, :8], model(tokens[:, :8]), rtol=1e-5, atol=1e-5)
+
+
+def test_init_depends_only_on_seed_and_is_per_unit():
+    a, b, c = _build(seed=1), _build(seed=1), _build(seed=2)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+        if "norm" not in name:
+            assert not torch.equal(pa, pc), name
+    # A model without the embedding (a later pipeline stage) draws the same block weights.
+    with torch.device("meta"):
+        stage = Transformer(TINY)
+    stage.tok_embeddings = None
+    stage.to_empty(device="cpu")
+    init_model_weights(stage, 1, torch.device("cpu"))
+    torch.testing.assert_close(stage.layers["1"].attention.wq.weight, a.layers["1"].attention.wq.weight, rtol=0, atol=0)
+
+
+def test_init_statistics():
+    model = _build(dataclasses.replace(TINY, dim=128, n_heads=4, n_kv_heads=4))
+    assert abs(model.layers["0"].attention.wq.weight.std().item() - 0.02) < 0.003
+    assert torch.all(model.norm.weight == 1)
+    std = 128**-0.5
+    assert model.output.weight.abs().max().item() <= 3 * std + 1e-6
+
+
+def test_norm_types():
+    for norm in ("rmsnorm", "layernorm", "np_layernorm"):
+        model = _build(dataclasses.replace(TINY, norm_type=norm))
+        assert torch.isfinite(model(torch.zeros(1, 4, dtype=torch.long))).all()
+
+
+def test_models_import_nothing_distributed():
+    root = pathlib.Path(__file__).resolve().parents[2] / "torchtitan" / "models"
+    offenders = []
+    for path in root.rglob("*.py"):
+        text = path.read_text()
+        if re.search(r"torch\.distributed|os\.environ|\.cuda\(|import os\b|from torchtitan\.(?!models)", text):
+            offenders.append(str(path))
+    assert offenders == []

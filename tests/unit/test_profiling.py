@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan import profiling
+from torchtitan.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+
+
+def _train_steps(prof: torch.profiler.profile, first_step: int, last_step: int) -> None:
+    x = torch.randn(16, 16)
+    for _ in range(first_step, last_step + 1):
+        x = torch.tanh(x @ x)
+        prof.step()
+
+
+def _traced_steps(trace_dir: Path) -> list[int]:
+    return sorted(int(p.name.removeprefix("iteration_")) for p in trace_dir.iterdir())
+
+
+def test_trace_written_every_profile_freq_steps(tmp_path: Path) -> None:
+    with maybe_enable_profiling(True, trace_dir=str(tmp_path), profile_freq=3) as prof:
+        assert prof is not None
+        _train_steps(prof, 1, 8)  # exiting mid-window after step 8 must not write a trace
+    assert _traced_steps(tmp_path) == [3, 6]
+    trace = json.loads((tmp_path / "iteration_3" / "rank0_trace.json").read_text())
+    assert trace["traceEvents"]
+
+
+def test_resumed_run_traces_the_same_steps(tmp_path: Path) -> None:
+    with maybe_enable_profiling(
+        True, trace_dir=str(tmp_path), profile_freq=3, global_step=4, rank=2
+    ) as prof:
+        _train_steps(prof, 5, 6)
+    assert _traced_steps(tmp_path) == [6]
+    assert (tmp_path / "iteration_6" / "rank2_trace.json").is_file()
+
+
+def test_disabled_profiling_yields_none(tmp_path: Path) -> None:
+    with maybe_enable_profiling(False, trace_dir=str(tmp_path), profile_freq=1) as prof:
+        assert prof is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_profile_freq_too_small(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="profile_freq"):
+        with maybe_enable_profiling(True, trace_dir=str(tmp_path), profile_freq=1):
+            pass
+
+
+def test_memory_snapshot_off_cuda_warns_and_yields_none(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    profiling._warn_once.cache_clear()
+    kwargs = dict(snapshot_dir=str(tmp_path), profile_freq=2, device=torch.device("cpu"))
+    with maybe_enable_memory_snapshot(False, **kwargs) as snapshotter:
+        assert snapshotter is None
+    with caplog.at_level(logging.WARNING, logger="torchtitan.profiling"):
+        with maybe_enable_memory_snapshot(True, **kwargs) as snapshotter:
+            assert snapshotter is None
+    assert "CUDA" in caplog.text
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_memory_snapshot_dumps_on_cuda(tmp_path: Path) -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    with maybe_enable_memory_snapshot(
+        True, snapshot_dir=str(tmp_path), profile_freq=2, device=device
+    ) as snapshotter:
+        for _ in range(4):
+            torch.ones(1024, device=device)
+            snapshotter.step()
+    assert _traced_steps(tmp_path) == [2, 4]
+    assert (tmp_path / "iteration_2" / "rank0_memory_snapshot.pickle").stat().st_size > 0

@@ -1,0 +1,58 @@
+"""The build path shared by the trainer and the memory estimator: model, data loader, loss."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan.models import ModelArgs, model_name_to_cls, model_name_to_flavors
+from torchtitan.parallelisms.init import init_model_weights
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.parallelize_llama import parallelize_llama
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from torchtitan.config_manager import JobConfig
+
+
+def build_model_args(config: JobConfig, vocab_size: int) -> ModelArgs:
+    """The flavor's args with the tokenizer's vocab, the training seq_len and the norm type (a new object)."""
+    flavor = model_name_to_flavors[config.model.name][config.model.flavor]
+    return dataclasses.replace(
+        flavor, vocab_size=vocab_size, max_seq_len=config.training.seq_len, norm_type=config.model.norm_type
+    )
+
+
+def build_model(
+    config: JobConfig,
+    model_args: ModelArgs,
+    parallel_dims: ParallelDims,
+    world_mesh: DeviceMesh | None,
+    device: torch.device,
+) -> nn.Module:
+    """Build on the meta device, parallelize, materialise on ``device``, then init from the seed."""
+    with torch.device("meta"):
+        model = model_name_to_cls[config.model.name](model_args)
+    parallelize_llama(model, world_mesh, parallel_dims, config)
+    model.to_empty(device=device)
+    seed = 0 if config.training.seed is None else config.training.seed
+    init_model_weights(model, seed, buffer_device=device)
+    model.train()
+    return model
+
+
+def num_non_embedding_params(model: nn.Module) -> int:
+    """Global (unsharded) parameter count without the embedding table: what the matmuls touch."""
+    total = sum(p.numel() for p in model.parameters())
+    embed = getattr(model, "tok_embeddings", None)
+    return total - (embed.weight.numel() if embed is not None else 0)
+
+
+def cross_entropy_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token loss; logits are upcast to fp32 so a bf16 forward still gets an accurate loss."""
+    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))

@@ -1,0 +1,174 @@
+"""The typed config tree: one dataclass per TOML section, a help string per field.
+
+The field help strings are what ``--help`` prints. Field names and sections accept the
+late-2024 torchtitan schema so its published TOML files load unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+def _f(default: Any, help: str) -> Any:
+    """A dataclass field with a help string (a list default gets its own copy per instance)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Job:
+    config_file: str | None = _f(None, "TOML file to load; its values override the defaults, CLI flags override it")
+    dump_folder: str = _f("./outputs", "folder for everything a run writes: metrics.jsonl, config.toml, tb/, traces")
+    description: str = _f("default job", "free text describing the run")
+    use_for_integration_test: bool = _f(False, "marks configs that the integration tests may use")
+    print_args: bool = _f(False, "print the resolved config at start")
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = _f(False, "record torch.profiler traces")
+    save_traces_folder: str = _f("profile_traces", "trace folder, relative to job.dump_folder")
+    profile_freq: int = _f(10, "record one step every N steps")
+    enable_memory_snapshot: bool = _f(False, "dump CUDA memory snapshots (CUDA only; warns elsewhere)")
+    save_memory_snapshot_folder: str = _f("memory_snapshot", "snapshot folder, relative to job.dump_folder")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = _f(10, "log metrics every N steps (each log syncs the device once)")
+    enable_tensorboard: bool = _f(False, "also write TensorBoard scalars")
+    enable_color_printing: bool = _f(True, "colour the step log lines on a terminal")
+    disable_color_printing: bool = _f(False, "turn colour off (kept for older configs)")
+    save_tb_folder: str = _f("tb", "TensorBoard folder, relative to job.dump_folder")
+    rank_0_only: bool = _f(True, "only the logging rank writes metrics (the only mode supported)")
+    enable_wandb: bool = _f(False, "log to Weights & Biases (not built yet)")
+    device_peak_flops: float = _f(
+        0.0, "peak FLOP/s of one device for MFU; 0 = look up (GPU table) or measure once (CPU GEMM, cached)"
+    )
+
+
+@dataclass
+class Model:
+    name: str = _f("llama3", "model family: llama3")
+    flavor: str = _f("debugmodel", "model size: debugmodel, 8B, 70B, 405B")
+    norm_type: str = _f("rmsnorm", "normalization layer: rmsnorm, layernorm, np_layernorm (no affine)")
+    tokenizer_path: str = _f(
+        "./torchtitan/datasets/assets/tokenizer/pydocs_bpe2048.tiktoken",
+        "tokenizer file in tiktoken BPE format (scripts/download_tokenizer.py fetches Llama 3's)",
+    )
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW", "Adam"] = _f("AdamW", "optimizer")
+    lr: float = _f(8e-4, "peak learning rate")
+    eps: float = _f(1e-8, "Adam epsilon")
+    beta1: float = _f(0.9, "Adam beta1")
+    beta2: float = _f(0.95, "Adam beta2")
+    weight_decay: float = _f(0.1, "decoupled weight decay (AdamW) or L2 penalty (Adam)")
+    fused: bool = _f(False, "use the fused kernel (CUDA); default is the foreach implementation")
+    early_step_in_backward: bool = _f(False, "step the optimizer per parameter during backward (not built yet)")
+
+
+@dataclass
+class Training:
+    dataset: str = _f("pydocs", "dataset name: pydocs (shipped, offline), c4, c4_test, fineweb")
+    dataset_path: str | None = _f(None, "local file/folder (or hub id) to read the dataset from")
+    batch_size: int = _f(8, "samples per data-parallel rank per micro-batch")
+    seq_len: int = _f(2048, "tokens per sample")
+    warmup_steps: int = _f(200, "linear warmup steps of the learning rate (then linear decay to 0 at `steps`)")
+    max_norm: float = _f(1.0, "gradient-norm clipping threshold (total 2-norm over all parameters)")
+    steps: int = _f(10000, "optimizer steps to train")
+    gradient_accumulation_steps: int = _f(1, "micro-batches accumulated per optimizer step")
+    data_parallel_replicate_degree: int = _f(1, "replicas (DDP, or the replicate axis of HSDP)")
+    data_parallel_shard_degree: int = _f(-1, "FSDP shard degree; -1 = whatever the other degrees leave")
+    enable_cpu_offload: bool = _f(False, "FSDP CPU offload of parameters/grads/optimizer (not built yet)")
+    tensor_parallel_degree: int = _f(1, "tensor-parallel degree")
+    enable_loss_parallel: bool = _f(True, "with TP, keep logits vocab-sharded and compute the loss in parallel")
+    disable_loss_parallel: bool = _f(False, "older spelling of enable_loss_parallel = false")
+    mixed_precision_param: Literal["bfloat16", "float32"] = _f(
+        "bfloat16", "parameter dtype in forward/backward (FSDP MixedPrecisionPolicy, else autocast)"
+    )
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = _f("float32", "gradient reduction dtype under FSDP")
+    compile: bool = _f(False, "torch.compile each transformer block")
+    gc_freq: int = _f(50, "run Python garbage collection every N steps (automatic GC is off while training)")
+    seed: int | None = _f(None, "seed for weights init; None = 0. Weights depend only on it, not on the layout")
+    deterministic: bool = _f(False, "use deterministic algorithms (slower)")
+
+
+@dataclass
+class Experimental:
+    context_parallel_degree: int = _f(1, "context-parallel degree (not built yet)")
+    context_parallel_rotate_method: Literal["allgather", "alltoall"] = _f("allgather", "ring attention K/V rotation")
+    pipeline_parallel_degree: int = _f(1, "pipeline-parallel degree (not built yet)")
+    pipeline_parallel_split_points: list[str] = _f([], "layer names where stages start, e.g. layers.4,layers.8")
+    pipeline_parallel_schedule: str = _f("1F1B", "pipeline schedule name")
+    pipeline_parallel_schedule_csv: str = _f("", "CSV file describing a custom pipeline schedule")
+    pipeline_parallel_microbatches: int | None = _f(None, "pipeline micro-batches; None = the pp degree")
+    enable_async_tensor_parallel: bool = _f(False, "overlap TP communication with compute (not built yet)")
+    expert_parallel_degree: int = _f(1, "expert-parallel degree (not built yet)")
+    enable_compiled_autograd: bool = _f(False, "compile the backward graph too (not built yet)")
+
+
+@dataclass
+class Checkpoint:
+    enable_checkpoint: bool = _f(False, "save/load DCP checkpoints (not built yet)")
+    folder: str = _f("checkpoint", "checkpoint folder, relative to job.dump_folder")
+    interval_type: Literal["steps", "seconds"] = _f("steps", "unit of `interval`")
+    interval: int = _f(500, "save every N steps or seconds")
+    model_weights_only: bool = _f(False, "final save holds the model weights only")
+    export_dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "dtype of a weights-only export")
+    create_seed_checkpoint: bool = _f(False, "initialise on one process and save step 0")
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = _f("disabled", "asynchronous saving")
+    keep_latest_k: int = _f(0, "keep only the newest K checkpoints; 0 = keep all")
+    load_step: int = _f(-1, "step to resume from; -1 = newest")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "selective", "full"] = _f("selective", "activation checkpointing mode")
+    selective_ac_option: str = _f("2", "'N' = checkpoint every N-th block, 'op' = save selected ops' outputs")
+
+
+@dataclass
+class Float8:
+    enable_float8_linear: bool = _f(False, "float8 linears (needs a supporting GPU; no effect here)")
+    enable_fsdp_float8_all_gather: bool = _f(False, "float8 FSDP all-gather (needs float8 linears)")
+    precompute_float8_dynamic_scale_for_fsdp: bool = _f(False, "precompute float8 scales for FSDP")
+    force_recompute_fp8_weight_in_bwd: bool = _f(False, "recompute the float8 weight in backward")
+    scaling_type_input: Literal["dynamic", "delayed"] = _f("dynamic", "float8 scaling of inputs")
+    scaling_type_weight: Literal["dynamic", "delayed"] = _f("dynamic", "float8 scaling of weights")
+    scaling_type_grad_output: Literal["dynamic", "delayed"] = _f("dynamic", "float8 scaling of output grads")
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = _f(300, "timeout of process-group init and the first step's collectives")
+    train_timeout_seconds: int = _f(100, "timeout of collectives after the first step")
+    trace_buf_size: int = _f(20000, "NCCL flight-recorder entries (CUDA only)")
+
+
+@dataclass
+class MemoryEstimation:
+    enabled: bool = _f(False, "estimate memory before training (not built yet)")
+    disable_fake_mode: bool = _f(False, "estimate with real tensors instead of FakeTensorMode")
+
+
+@dataclass
+class JobConfigTree:
+    """Field order here is the section order of --help and of the dumped config."""
+
+    job: Job = field(default_factory=Job)
+    profiling: Profiling = field(default_factory=Profiling)
+    metrics: Metrics = field(default_factory=Metrics)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    training: Training = field(default_factory=Training)
+    experimental: Experimental = field(default_factory=Experimental)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    float8: Float8 = field(default_factory=Float8)
+    comm: Comm = field(default_factory=Comm)
+    memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)

@@ -1,0 +1,133 @@
+"""Whole-config checks that run once, before any process group exists.
+
+Every error names the key, the value, what is allowed and how to fix it. A key whose feature is
+not built yet raises NotImplementedError naming the key rather than being silently ignored.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from torchtitan.config_manager import ConfigError
+
+if TYPE_CHECKING:
+    from torchtitan.config_manager import JobConfig
+
+# key -> (value that means "off", what to say). Non-default values raise NotImplementedError.
+_NOT_BUILT = {
+    "training.tensor_parallel_degree": (1, "tensor parallel"),
+    "training.enable_cpu_offload": (False, "FSDP CPU offload"),
+    "experimental.pipeline_parallel_degree": (1, "pipeline parallel"),
+    "experimental.context_parallel_degree": (1, "context parallel"),
+    "experimental.expert_parallel_degree": (1, "expert parallel"),
+    "experimental.enable_async_tensor_parallel": (False, "async tensor parallel"),
+    "experimental.enable_compiled_autograd": (False, "compiled autograd"),
+    "checkpoint.enable_checkpoint": (False, "checkpointing"),
+    "checkpoint.create_seed_checkpoint": (False, "seed checkpoints"),
+    "memory_estimation.enabled": (False, "memory estimation in the trainer"),
+    "metrics.enable_wandb": (False, "Weights & Biases logging"),
+    "optimizer.early_step_in_backward": (False, "optimizer steps in backward"),
+}
+
+_POSITIVE = (
+    "training.steps",
+    "training.batch_size",
+    "training.seq_len",
+    "training.gradient_accumulation_steps",
+    "training.gc_freq",
+    "training.data_parallel_replicate_degree",
+    "metrics.log_freq",
+    "profiling.profile_freq",
+    "comm.init_timeout_seconds",
+    "comm.train_timeout_seconds",
+)
+
+
+def _get(config: JobConfig, key: str):
+    section, _, name = key.partition(".")
+    return getattr(getattr(config, section), name)
+
+
+def _check_not_built(config: JobConfig) -> None:
+    for key, (off, feature) in _NOT_BUILT.items():
+        if _get(config, key) != off:
+            raise NotImplementedError(
+                f"{key} = {_get(config, key)!r}: {feature} is not available yet; set {key} = {off!r}"
+            )
+
+
+def _check_ranges(config: JobConfig) -> None:
+    for key in _POSITIVE:
+        if _get(config, key) < 1:
+            raise ConfigError(f"{key} must be >= 1, got {_get(config, key)}")
+    if config.training.warmup_steps < 0:
+        raise ConfigError(f"training.warmup_steps must be >= 0, got {config.training.warmup_steps}")
+    for key in ("optimizer.lr", "training.max_norm"):
+        if not _get(config, key) > 0:
+            raise ConfigError(f"{key} must be > 0, got {_get(config, key)}")
+    ac = config.activation_checkpoint
+    if ac.mode == "selective" and ac.selective_ac_option != "op":
+        if not ac.selective_ac_option.isdigit() or int(ac.selective_ac_option) < 1:
+            raise ConfigError(
+                f"activation_checkpoint.selective_ac_option = {ac.selective_ac_option!r}: "
+                "allowed are 'op' or a positive integer N (checkpoint every N-th block)"
+            )
+
+
+def _check_model(config: JobConfig) -> None:
+    from torchtitan.models import model_name_to_flavors, norm_types
+
+    flavors = model_name_to_flavors.get(config.model.name)
+    if flavors is None:
+        raise ConfigError(f"model.name = {config.model.name!r}: allowed are {sorted(model_name_to_flavors)}")
+    args = flavors.get(config.model.flavor)
+    if args is None:
+        raise ConfigError(
+            f"model.flavor = {config.model.flavor!r} is not a {config.model.name} flavor; allowed are {list(flavors)}"
+        )
+    if config.model.norm_type not in norm_types:
+        raise ConfigError(f"model.norm_type = {config.model.norm_type!r}: allowed are {list(norm_types)}")
+    if config.training.seq_len > args.max_seq_len:
+        raise ConfigError(
+            f"training.seq_len = {config.training.seq_len} does not fit model {config.model.flavor}, whose "
+            f"max_seq_len is {args.max_seq_len}; lower training.seq_len"
+        )
+
+
+def _check_paths(config: JobConfig) -> None:
+    path = config.model.tokenizer_path
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"model.tokenizer_path = '{path}' does not exist; use the shipped "
+            "./torchtitan/datasets/assets/tokenizer/pydocs_bpe2048.tiktoken or fetch Llama 3's with "
+            "scripts/download_tokenizer.py"
+        )
+    data = config.training.dataset_path
+    # A hub id looks like "org/name"; anything that starts like a filesystem path must exist.
+    if data is not None and data.startswith((".", "/", "~")) and not os.path.exists(os.path.expanduser(data)):
+        raise FileNotFoundError(f"training.dataset_path = '{data}' does not exist")
+
+
+def _warnings(config: JobConfig, world_size: int) -> list[str]:
+    out = []
+    if config.float8.enable_float8_linear:
+        out.append("float8.enable_float8_linear has no effect without a GPU that supports float8 (ignored)")
+    if config.training.enable_loss_parallel is False or config.training.disable_loss_parallel:
+        if config.training.tensor_parallel_degree == 1:
+            out.append("loss parallel settings have no effect without tensor parallel")
+    if config.metrics.rank_0_only is False:
+        out.append("metrics.rank_0_only = false has no effect: only the logging rank writes metrics")
+    return out
+
+
+def validate_config(config: JobConfig, world_size: int) -> list[str]:
+    """Raise on the first problem; return warnings (settings that have no effect)."""
+    from torchtitan.parallelisms.parallel_dims import ParallelDims
+
+    _check_ranges(config)
+    _check_not_built(config)
+    ParallelDims.from_config(config, world_size)  # raises on degrees that do not fit the world size
+    _check_model(config)
+    _check_paths(config)
+    return _warnings(config, world_size)

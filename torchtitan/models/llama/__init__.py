@@ -1,0 +1,44 @@
+"""Llama 3 flavors with the published shapes (vocab 128256 = Llama 3's tokenizer).
+
+The trainer replaces ``vocab_size`` with its tokenizer's size and ``max_seq_len`` with
+``training.seq_len`` (a new ModelArgs; these stay untouched). ``max_seq_len`` here is the longest
+context the flavor supports.
+"""
+
+from torchtitan.models.llama.model import ModelArgs, Transformer
+
+__all__ = ["ModelArgs", "Transformer", "llama3_configs"]
+
+llama3_configs = {
+    "debugmodel": ModelArgs(dim=256, n_layers=8, n_heads=16, rope_theta=500000, max_seq_len=2048),
+    "8B": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        rope_theta=500000,
+        max_seq_len=131072,
+    ),
+    "70B": ModelArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
+        rope_theta=500000,
+        max_seq_len=131072,
+    ),
+    "405B": ModelArgs(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
+        rope_theta=500000,
+        max_seq_len=131072,
+    ),
+}

@@ -1,0 +1,199 @@
+"""Llama 3: RoPE, grouped-query attention, SwiGLU feed-forward, RMSNorm. A plain nn.Module.
+
+This file knows nothing of parallelism. Attention reads the local head count from tensor shapes
+(``view(bs, seqlen, -1, head_dim)``), so tensor parallel shards the projections without edits, and
+``positions`` is an input, so context parallel can shard the sequence and pass each token's true
+position. Submodules ``tok_embeddings``, ``norm`` and ``output`` may be None (pipeline stages that
+do not own them), and ``layers`` is a ModuleDict keyed "0".."N-1" so names stay stable when a stage
+drops layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None
+    vocab_size: int = 128256
+    multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    # depth_init: scale each block's output-projection init by its depth (True) or by the model depth.
+    depth_init: bool = True
+    norm_type: str = "rmsnorm"
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+def build_norm(norm_type: str, dim: int, eps: float) -> nn.Module:
+    if norm_type == "rmsnorm":
+        return nn.RMSNorm(dim, eps=eps)
+    if norm_type == "layernorm":
+        return nn.LayerNorm(dim, eps=eps, bias=False)
+    if norm_type == "np_layernorm":
+        return nn.LayerNorm(dim, eps=eps, elementwise_affine=False, bias=False)
+    raise ValueError(f"model.norm_type = {norm_type!r}: allowed are rmsnorm, layernorm, np_layernorm")
+
+
+def compute_rope_cache(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
+    """(max_seq_len, head_dim) holding [cos | sin] of each position's rotation angles."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (head_dim/2,)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)  # (seq, head_dim/2)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of ``x`` (bs, seqlen, heads, head_dim) by ``rope`` (seqlen, head_dim)."""
+    cos, sin = rope.unsqueeze(1).chunk(2, dim=-1)  # (seqlen, 1, head_dim/2) each
+    x_even, x_odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (bs, seqlen, heads, head_dim/2)
+    rotated = torch.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        n_kv_heads = args.n_kv_heads or args.n_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def init_weights(self, init_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        # -1: the local head count, which tensor parallel divides by the TP degree.
+        q = self.wq(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_heads, head_dim)
+        k = self.wk(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_kv_heads, head_dim)
+        v = self.wv(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_kv_heads, head_dim)
+        q, k = apply_rotary_emb(q, rope), apply_rotary_emb(k, rope)
+        n_rep = q.shape[2] // k.shape[2]
+        k = k.repeat_interleave(n_rep, dim=2)  # (bs, seqlen, n_heads, head_dim)
+        v = v.repeat_interleave(n_rep, dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )  # (bs, n_heads, seqlen, head_dim)
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))  # (bs, seqlen, dim)
+
+
+def ffn_hidden_dim(args: ModelArgs) -> int:
+    """Llama's SwiGLU width: 2/3 of 4*dim, times the multiplier, rounded up to multiple_of."""
+    hidden = int(2 * (4 * args.dim) / 3)
+    if args.ffn_dim_multiplier is not None:
+        hidden = int(args.ffn_dim_multiplier * hidden)
+    return args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        hidden = ffn_hidden_dim(args)
+        self.w1 = nn.Linear(args.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, hidden, bias=False)
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        for linear in (self.w2, self.w3):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = build_norm(args.norm_type, args.dim, args.norm_eps)
+        self.ffn_norm = build_norm(args.norm_type, args.dim, args.norm_eps)
+        depth = layer_id + 1 if args.depth_init else args.n_layers
+        self.init_std = 0.02 / (2 * depth) ** 0.5
+
+    def init_weights(self) -> None:
+        for norm in (self.attention_norm, self.ffn_norm):
+            norm.reset_parameters()
+        self.attention.init_weights(self.init_std)
+        self.feed_forward.init_weights(self.init_std)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        # Not persistent: recomputed by init_weights, never checkpointed.
+        self.register_buffer("rope_cache", self._rope_cache(), persistent=False)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm: nn.Module | None = build_norm(args.norm_type, args.dim, args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def _rope_cache(self) -> torch.Tensor:
+        return compute_rope_cache(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
+
+    def init_units(self) -> Iterator[tuple[str, Callable[[], None]]]:
+        """(name, init function) for each separately initialised unit this module still owns.
+
+        The caller may reseed between units, so a pipeline stage that owns only some units draws
+        the same values for them as the whole model does.
+        """
+        if self.tok_embeddings is not None:
+            yield "tok_embeddings", lambda: nn.init.normal_(self.tok_embeddings.weight)
+        for name, block in self.layers.items():
+            yield f"layers.{name}", block.init_weights
+        if self.norm is not None:
+            yield "norm", self.norm.reset_parameters
+        if self.output is not None:
+            yield "output", self._init_output
+
+    def _init_output(self) -> None:
+        std = self.args.dim**-0.5
+        nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Fill every parameter and buffer (after ``to_empty``) from the global RNG."""
+        self.init_buffers(buffer_device)
+        for _, init in self.init_units():
+            init()
+
+    def init_buffers(self, buffer_device: torch.device | None = None) -> None:
+        device = buffer_device or self.rope_cache.device
+        with torch.device(device):
+            self.rope_cache = self._rope_cache()
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (bs, seqlen) -> logits (bs, seqlen, vocab); on a middle pipeline stage, hidden -> hidden.
+
+        positions (seqlen,) are the tokens' positions in their sequence (default 0..seqlen-1).
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
+        seqlen = h.shape[1]
+        rope = self.rope_cache[:seqlen] if positions is None else self.rope_cache[positions]  # (seqlen, head_dim)
+        for layer in self.layers.values():
+            h = layer(h, rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h  # (bs, seqlen, vocab)

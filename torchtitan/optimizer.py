@@ -1,0 +1,40 @@
+"""Optimizer and learning-rate schedule."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from torchtitan.config_schema import Optimizer as OptimizerConfig
+from torchtitan.config_schema import Training
+
+
+def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
+    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[config.name]
+    # foreach (multi-tensor) is the default; fused only where asked (a CUDA kernel).
+    impl = {"fused": True} if config.fused else {"foreach": True}
+    return cls(
+        model.parameters(),
+        lr=config.lr,
+        betas=(config.beta1, config.beta2),
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        **impl,
+    )
+
+
+def compute_lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
+    """LR multiplier before optimizer step ``step + 1``: linear warmup, then linear decay toward 0.
+
+    Warmup: (step+1)/(warmup+1), so the first step already moves. Decay: from 1 down to
+    1/(decay_steps+1) at the last step (never exactly 0, which would waste the step).
+    """
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    decay_steps = max(1, total_steps - warmup_steps)
+    return 1.0 - (step - warmup_steps) / (decay_steps + 1)
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: Training) -> LambdaLR:
+    return LambdaLR(optimizer, lambda step: compute_lr_factor(step, config.warmup_steps, config.steps))

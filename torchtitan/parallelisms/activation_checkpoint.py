@@ -1,0 +1,62 @@
+"""Activation checkpointing of transformer blocks: full, every N-th block, or selective by op."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from torchtitan.config_schema import ActivationCheckpoint
+
+# Ops whose outputs are expensive to recompute and cheap to keep: attention (every backend's
+# variant, the CPU one included) and reductions; matmuls are handled separately below.
+_SAVE_OPS = {
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops.aten.max.default,
+}
+
+
+def _op_policy():
+    """Save attention outputs and every other matmul; recompute the rest (cheap elementwise ops)."""
+    mm_count: dict[str, int] = defaultdict(int)
+
+    def policy(ctx, op, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if op == torch.ops.aten.mm.default:
+            mm_count[mode] += 1
+            # Keep the first of each pair of matmuls: halves the matmul recompute for half the memory.
+            return CheckpointPolicy.MUST_SAVE if mm_count[mode] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _wrap(block: nn.Module, *, op_selective: bool) -> nn.Module:
+    if op_selective:
+        return checkpoint_wrapper(
+            block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, context_fn=_op_policy, preserve_rng_state=False
+        )
+    return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False)
+
+
+def apply_ac(model: nn.Module, config: ActivationCheckpoint) -> None:
+    """Wrap blocks of ``model.layers`` in place. ``mode`` none is a no-op.
+
+    full: every block recomputes its forward in backward. selective 'N': every N-th block does.
+    selective 'op': every block keeps only the outputs of the ops in the save policy.
+    """
+    if config.mode == "none":
+        return
+    op_selective = config.mode == "selective" and config.selective_ac_option == "op"
+    every = int(config.selective_ac_option) if config.mode == "selective" and not op_selective else 1
+    for i, (name, block) in enumerate(list(model.layers.items())):
+        if i % every == 0:
+            model.layers[name] = _wrap(block, op_selective=op_selective)
+

@@ -1,0 +1,74 @@
+"""Weight init that is a function of the seed, not of the parallel layout.
+
+Every rank draws each parameter's *full* tensor from the same RNG stream, in the same order, and
+keeps the slice its placement owns. So a sharded (FSDP/TP) parameter ends up holding exactly the
+values the single-process init gives that slice. The model's own ``init_weights`` code is used
+unchanged: a TorchFunctionMode intercepts, on DTensor parameters, the ``nn.init`` functions that
+defer to modes (normal_, uniform_, ...) and the in-place random fills the others bottom out in
+(trunc_normal_ is uniform_ followed by elementwise math, which then runs shard-locally).
+The RNG is reseeded per init unit (embedding, each block, norm, output), so a pipeline stage that
+owns only some units draws the same values for them as the whole model.
+
+Cost: each rank generates every parameter it holds at full size, one at a time (peak extra memory =
+the largest single parameter). That is cheap next to a training step, and it is what makes loss
+parity and resume-on-another-layout possible.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.overrides import TorchFunctionMode
+
+# In-place random fills whose result does not depend on the tensor's old values.
+_RANDOM_FILLS = {
+    torch.Tensor.uniform_,
+    torch.Tensor.normal_,
+    torch.Tensor.random_,
+    torch.Tensor.bernoulli_,
+    torch.Tensor.exponential_,
+    torch.Tensor.log_normal_,
+    torch.Tensor.cauchy_,
+    torch.Tensor.geometric_,
+}
+
+
+class _FullTensorInitMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        # nn.init functions that defer to modes pass the tensor by keyword.
+        param = args[0] if args else kwargs.get("tensor")
+        is_init = func in _RANDOM_FILLS or getattr(func, "__module__", None) == "torch.nn.init"
+        if not (is_init and isinstance(param, DTensor)):
+            return func(*args, **kwargs)
+        full = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
+        if args:
+            func(full, *args[1:], **kwargs)  # the mode is off inside its own handler
+        else:
+            func(**{**kwargs, "tensor": full})
+        # src_data_rank=None: every rank already holds the full tensor, so no communication.
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(local.to_local())
+        return param
+
+
+def unit_seed(seed: int, unit_name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(unit_name.encode())) % (2**63)
+
+
+@torch.no_grad()
+def init_model_weights(model: nn.Module, seed: int, buffer_device: torch.device) -> None:
+    """Initialise a materialised (``to_empty``) model so its values depend only on ``seed``.
+
+    ``model`` must provide ``init_buffers(device)`` and ``init_units()`` (see models/llama/model.py).
+    The global RNG is left reseeded from ``seed``.
+    """
+    model.init_buffers(buffer_device)
+    with _FullTensorInitMode():
+        for name, init in model.init_units():
+            torch.manual_seed(unit_seed(seed, name))
+            init()
+    torch.manual_seed(seed)

@@ -1,0 +1,179 @@
+"""Periodic torch.profiler traces and CUDA memory snapshots of the training loop.
+
+Both are context managers around the loop; the caller calls `.step()` once per training step
+on whatever they yield (when it is not None).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import pickle
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+from torch.profiler import ProfilerAction, ProfilerActivity
+
+logger = logging.getLogger(__name__)
+
+# One warmup step lets the profiler's own start-up cost fall outside the recorded step.
+_WARMUP_STEPS = 1
+_ACTIVE_STEPS = 1
+# Memory history entries kept; enough for several steps of a large model at ~100 B each.
+_MAX_MEMORY_EVENTS = 100_000
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    logger.warning(message)
+
+
+def _profiler_activities() -> list[ProfilerActivity]:
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    return activities
+
+
+def _trace_path(trace_dir: str, step: int | str, rank: int, suffix: str) -> str:
+    step_dir = os.path.join(trace_dir, f"iteration_{step}")
+    os.makedirs(step_dir, exist_ok=True)
+    return os.path.join(step_dir, f"rank{rank}_{suffix}")
+
+
+def _offset_schedule(profile_freq: int, global_step: int) -> Callable[[int], ProfilerAction]:
+    """A schedule recording the last step of every `profile_freq` training steps.
+
+    The profiler counts steps from 0 on each (re)start, so the training step it is at is
+    `global_step + profiler_step + 1`; offsetting keeps resumed runs tracing the same steps as
+    uninterrupted ones.
+    """
+    base = torch.profiler.schedule(
+        wait=profile_freq - _WARMUP_STEPS - _ACTIVE_STEPS,
+        warmup=_WARMUP_STEPS,
+        active=_ACTIVE_STEPS,
+    )
+    return lambda profiler_step: base(profiler_step + global_step)
+
+
+def _check_profile_freq(profile_freq: int, minimum: int) -> None:
+    if profile_freq < minimum:
+        raise ValueError(
+            f"profile_freq must be >= {minimum} (got {profile_freq}); set a larger "
+            "profiling.profile_freq"
+        )
+
+
+@contextlib.contextmanager
+def maybe_enable_profiling(
+    enable: bool,
+    *,
+    trace_dir: str,
+    profile_freq: int,
+    global_step: int = 0,
+    rank: int = 0,
+) -> Iterator[torch.profiler.profile | None]:
+    """Yield a profiler that traces training step k * `profile_freq` for every k, or None.
+
+    Each trace goes to `<trace_dir>/iteration_<step>/rank<rank>_trace.json` (Chrome trace
+    format; open it in Perfetto or chrome://tracing).
+
+    Args:
+        global_step: the step the run resumes from (0 for a fresh run).
+
+    Raises:
+        ValueError: `profile_freq` < 2 (one warmup and one recorded step per window).
+    """
+    if not enable:
+        yield None
+        return
+    _check_profile_freq(profile_freq, _WARMUP_STEPS + _ACTIVE_STEPS)
+
+    def on_trace_ready(prof: torch.profiler.profile) -> None:
+        # Called from prof.step() right after the recorded step, so step_num has moved past it.
+        step = global_step + prof.step_num
+        if step % profile_freq != 0:
+            # Leaving the context mid-window also fires this, for a step that never ran.
+            logger.debug("dropping partial profiler trace at exit after step %d", step)
+            return
+        path = _trace_path(trace_dir, step, rank, "trace.json")
+        start = time.perf_counter()
+        prof.export_chrome_trace(path)
+        logger.info("wrote profiler trace %s in %.2f s", path, time.perf_counter() - start)
+
+    logger.info("profiling every %d steps into %s", profile_freq, trace_dir)
+    with torch.profiler.profile(
+        activities=_profiler_activities(),
+        schedule=_offset_schedule(profile_freq, global_step),
+        on_trace_ready=on_trace_ready,
+        record_shapes=True,
+    ) as prof:
+        yield prof
+
+
+class MemorySnapshotter:
+    """Dumps a CUDA allocator snapshot every `profile_freq` steps (use via the context manager)."""
+
+    def __init__(
+        self,
+        snapshot_dir: str,
+        profile_freq: int,
+        device: torch.device,
+        global_step: int,
+        rank: int,
+    ) -> None:
+        self.snapshot_dir = snapshot_dir
+        self.profile_freq = profile_freq
+        self.device = device
+        self.step_num = global_step
+        self.rank = rank
+
+    def step(self, exited_with_oom: bool = False) -> None:
+        """Advance one training step; also dump now when the step ran out of memory."""
+        self.step_num += 1
+        if exited_with_oom:
+            self._dump(f"{self.step_num}_exit")
+        elif self.step_num % self.profile_freq == 0:
+            self._dump(str(self.step_num))
+
+    def _dump(self, step_label: str) -> None:
+        path = _trace_path(self.snapshot_dir, step_label, self.rank, "memory_snapshot.pickle")
+        start = time.perf_counter()
+        with open(path, "wb") as f:
+            pickle.dump(torch.cuda.memory._snapshot(self.device), f)
+        logger.info("wrote memory snapshot %s in %.2f s", path, time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def maybe_enable_memory_snapshot(
+    enable: bool,
+    *,
+    snapshot_dir: str,
+    profile_freq: int,
+    device: torch.device,
+    global_step: int = 0,
+    rank: int = 0,
+) -> Iterator[MemorySnapshotter | None]:
+    """Yield a `MemorySnapshotter` recording CUDA allocator history, or None.
+
+    Snapshots go to `<snapshot_dir>/iteration_<step>/rank<rank>_memory_snapshot.pickle`; view
+    them at https://pytorch.org/memory_viz. Only CUDA has an allocator history, so on any other
+    device this warns once and yields None.
+    """
+    if not enable:
+        yield None
+        return
+    if device.type != "cuda":
+        _warn_once(f"memory snapshots need a CUDA device, not '{device.type}'; skipping them")
+        yield None
+        return
+    _check_profile_freq(profile_freq, 1)
+    torch.cuda.memory._record_memory_history(max_entries=_MAX_MEMORY_EVENTS, device=device)
+    logger.info("memory snapshot every %d steps into %s", profile_freq, snapshot_dir)
+    try:
+        yield MemorySnapshotter(snapshot_dir, profile_freq, device, global_step, rank)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None, device=device)

@@ -1,0 +1,216 @@
+"""The trainer: ``python -m torchtitan.train --job.config_file FILE [--section.key value ...]``.
+
+Launch several processes with torchrun (see run_llama_train.sh); one process needs no launcher.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.build import build_model, build_model_args, cross_entropy_loss, num_non_embedding_params
+from torchtitan.config_manager import JobConfig, format_help, wants_help
+from torchtitan.datasets import build_hf_data_loader, build_tokenizer, compute_stream_groups
+from torchtitan.logging import init_logger
+from torchtitan.optimizer import build_lr_scheduler, build_optimizer
+from torchtitan.parallelisms.fsdp import to_dtype
+from torchtitan.parallelisms.grad_norm import clip_grad_norm_
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+from torchtitan.train_metrics import StepMetrics
+from torchtitan.utils.device import get_device_info, init_distributed, set_pg_timeout
+
+logger = logging.getLogger(__name__)
+
+# What a user can get wrong: shown as one line on rank 0, exit code 2. Anything else is a bug
+# and keeps its traceback.
+USER_ERRORS = (ValueError, NotImplementedError, FileNotFoundError)
+
+
+class Trainer:
+    """Builds everything once from the config, then ``train()`` runs the loop."""
+
+    def __init__(self, config: JobConfig, *, world_size: int, rank: int):
+        self.config = config
+        self.rank = rank
+        self.device = get_device_info().device
+        if world_size > 1:
+            init_distributed(get_device_info(), config.comm.init_timeout_seconds)
+        self.parallel_dims = ParallelDims.from_config(config, world_size)
+        self.world_mesh = self.parallel_dims.build_mesh(self.device.type)
+        _set_determinism(config)
+        tokenizer = build_tokenizer(config.model.tokenizer_path)
+        self.data_loader = self._build_data_loader(tokenizer)
+        self.model_args = build_model_args(config, tokenizer.n_words)
+        self.model = build_model(config, self.model_args, self.parallel_dims, self.world_mesh, self.device)
+        self.optimizer = build_optimizer(self.model, config.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.training)
+        self.amp = self._autocast()
+        self.step = 0
+        self.metrics = StepMetrics(
+            config,
+            device=self.device,
+            enabled=rank == 0,
+            loss_group=self._mesh_group("dp_cp"),
+            num_params=num_non_embedding_params(self.model),
+            model_args=self.model_args,
+        )
+        logger.info(
+            "model %s %s: %s params (%s without embedding), layout %s, device %s",
+            config.model.name,
+            config.model.flavor,
+            f"{sum(p.numel() for p in self.model.parameters()):,}",
+            f"{num_non_embedding_params(self.model):,}",
+            self.parallel_dims,
+            self.device,
+        )
+
+    def _mesh_group(self, flat_axis: str) -> dist.ProcessGroup | None:
+        axis = self.parallel_dims.axis_name(flat_axis)
+        return None if axis is None else self.world_mesh[axis].get_group()
+
+    def _build_data_loader(self, tokenizer):
+        t = self.config.training
+        dp_axis = self.parallel_dims.axis_name("dp")
+        dp_rank = 0 if dp_axis is None else self.world_mesh[dp_axis].get_local_rank()
+        dp_degree = self.parallel_dims.dp_degree
+        groups = compute_stream_groups(dp_rank, dp_degree, t.batch_size, t.gradient_accumulation_steps)
+        num_streams = dp_degree * t.batch_size * t.gradient_accumulation_steps
+        return build_hf_data_loader(t.dataset, t.dataset_path, tokenizer, t.seq_len, groups, num_streams)
+
+    def _autocast(self):
+        """FSDP applies mixed precision itself; without FSDP, autocast gives the same compute dtype."""
+        dtype = to_dtype(self.config.training.mixed_precision_param)
+        if self.parallel_dims.fsdp_enabled or dtype == torch.float32:
+            return None
+        return dtype
+
+    def _next_batches(self, data_iter: Iterator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        batches = []
+        for _ in range(self.config.training.gradient_accumulation_steps):
+            inputs, labels = next(data_iter)
+            batches.append((inputs.to(self.device), labels.to(self.device)))
+        return batches
+
+    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward/backward every micro-batch, clip, step. Returns (mean loss, grad norm), unsynced."""
+        loss_sum = torch.zeros((), device=self.device)
+        for inputs, labels in batches:
+            with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
+                pred = self.model(inputs)  # (bs, seqlen, vocab)
+            # Dividing by the micro-batch count makes the accumulated gradient the gradient of the mean.
+            loss = cross_entropy_loss(pred, labels) / len(batches)
+            del pred
+            loss.backward()
+            loss_sum += loss.detach()
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.config.training.max_norm)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, grad_norm
+
+    def train(self) -> None:
+        cfg = self.config
+        data_iter = iter(self.data_loader)
+        gc.disable()  # collected every gc_freq steps instead, so pauses don't vary step to step
+        trace_dir = os.path.join(cfg.job.dump_folder, cfg.profiling.save_traces_folder)
+        snap_dir = os.path.join(cfg.job.dump_folder, cfg.profiling.save_memory_snapshot_folder)
+        with (
+            maybe_enable_profiling(
+                cfg.profiling.enable_profiling, trace_dir=trace_dir, profile_freq=cfg.profiling.profile_freq,
+                global_step=self.step, rank=self.rank,
+            ) as profiler,
+            maybe_enable_memory_snapshot(
+                cfg.profiling.enable_memory_snapshot, snapshot_dir=snap_dir, profile_freq=cfg.profiling.profile_freq,
+                device=self.device, global_step=self.step, rank=self.rank,
+            ) as snapshotter,
+        ):
+            while self.step < cfg.training.steps:
+                self.step += 1
+                data_start = time.perf_counter()
+                batches = self._next_batches(data_iter)
+                self.metrics.add_data_time(time.perf_counter() - data_start)
+                loss, grad_norm = self.train_step(batches)
+                self._after_step(loss, grad_norm)
+                for tool in (profiler, snapshotter):
+                    if tool is not None:
+                        tool.step()
+        gc.enable()
+        logger.info("training done after %d steps", self.step)
+
+    def _after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        cfg = self.config
+        tokens = cfg.training.batch_size * cfg.training.seq_len * cfg.training.gradient_accumulation_steps
+        self.metrics.add_step(tokens)
+        if self.step == 1 or self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
+            self.metrics.log(self.step, loss, grad_norm, lr=self.lr_scheduler.get_last_lr()[0])
+        if self.step == 1:
+            set_pg_timeout(cfg.comm.train_timeout_seconds)
+        if self.step % cfg.training.gc_freq == 0:
+            gc.collect(1)
+
+    def close(self) -> None:
+        self.metrics.close()
+
+
+def _set_determinism(config: JobConfig) -> None:
+    torch.manual_seed(0 if config.training.seed is None else config.training.seed)
+    if config.training.deterministic:
+        # Deterministic cuBLAS needs a fixed workspace; read when the first CUDA matmul runs.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+
+
+def run(config: JobConfig, *, world_size: int, rank: int) -> None:
+    """Validate, build, train; always leave the process group destroyed."""
+    for warning in config.validate(world_size):
+        if rank == 0:
+            logger.warning(warning)
+    os.makedirs(config.job.dump_folder, exist_ok=True)
+    if rank == 0:
+        with open(os.path.join(config.job.dump_folder, "config.toml"), "w") as f:
+            f.write(config.to_toml())
+        if config.job.print_args:
+            logger.info("resolved config:\n%s", config.to_toml())
+    try:
+        trainer = Trainer(config, world_size=world_size, rank=rank)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if wants_help(argv):
+        print(format_help())
+        return 0
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    init_logger(rank)
+    try:
+        run(JobConfig.parse_args(argv), world_size=world_size, rank=rank)
+    except USER_ERRORS as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        if os.environ.get("TORCHTITAN_TRACEBACK"):
+            traceback.print_exc()
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

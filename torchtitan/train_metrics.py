@@ -1,0 +1,106 @@
+"""Per-step metrics of the trainer: global loss, tokens/s, MFU, memory, timings.
+
+Nothing here synchronises the device except ``log``: step times are averaged over the window
+since the last log, so a log_freq > 1 costs one sync per window rather than one per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.flops import get_peak_flops
+from torchtitan.metrics import build_device_memory_monitor, build_metric_logger, compute_mfu, compute_num_flops_per_token
+from torchtitan.parallelisms.fsdp import to_dtype
+from torchtitan.utils.device import synchronize
+
+if TYPE_CHECKING:
+    from torchtitan.config_manager import JobConfig
+    from torchtitan.models import ModelArgs
+
+logger = logging.getLogger(__name__)
+
+
+class StepMetrics:
+    def __init__(
+        self,
+        config: JobConfig,
+        *,
+        device: torch.device,
+        enabled: bool,
+        loss_group: dist.ProcessGroup | None,
+        num_params: int,
+        model_args: ModelArgs,
+    ):
+        self.device = device
+        self.enabled = enabled
+        self.loss_group = loss_group
+        self.flops_per_token = compute_num_flops_per_token(
+            num_params, model_args.n_layers, model_args.n_heads, model_args.head_dim, config.training.seq_len
+        )
+        compute_dtype = to_dtype(config.training.mixed_precision_param)
+        self.peak_flops = get_peak_flops(device, compute_dtype, config.metrics.device_peak_flops)
+        self.memory = build_device_memory_monitor(device)
+        self.logger = build_metric_logger(
+            config.job.dump_folder,
+            enabled=enabled,
+            enable_tensorboard=config.metrics.enable_tensorboard,
+            save_tb_folder=config.metrics.save_tb_folder,
+        )
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self.window_start = time.perf_counter()
+        self.window_tokens = 0
+        self.window_steps = 0
+        self.window_data_time = 0.0
+
+    def add_data_time(self, seconds: float) -> None:
+        self.window_data_time += seconds
+
+    def add_step(self, tokens: int) -> None:
+        self.window_tokens += tokens
+        self.window_steps += 1
+
+    def _global_loss(self, loss: torch.Tensor) -> tuple[float, float]:
+        """(mean, max) of the per-rank mean losses over the data-parallel ranks."""
+        if self.loss_group is None:
+            return loss.item(), loss.item()
+        both = torch.stack([loss.detach().float(), loss.detach().float()])
+        dist.all_reduce(both[:1], op=dist.ReduceOp.SUM, group=self.loss_group)
+        dist.all_reduce(both[1:], op=dist.ReduceOp.MAX, group=self.loss_group)
+        return both[0].item() / dist.get_world_size(self.loss_group), both[1].item()
+
+    def log(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, *, lr: float) -> dict[str, float]:
+        synchronize(self.device)
+        elapsed = time.perf_counter() - self.window_start
+        loss_avg, loss_max = self._global_loss(loss)
+        tps = self.window_tokens / elapsed
+        mem = self.memory.get_peak_stats()
+        record = {
+            "loss": loss_avg,
+            "loss_max": loss_max,
+            "grad_norm": grad_norm.item(),
+            "lr": lr,
+            "tps": tps,
+            "mfu": compute_mfu(tps, self.flops_per_token, self.peak_flops),
+            "memory_gib": mem.max_active_gib,
+            "step_time_s": elapsed / self.window_steps,
+            "data_time_s": self.window_data_time / self.window_steps,
+        }
+        if self.enabled:
+            logger.info(
+                "step %5d  loss %8.4f  grad_norm %7.4f  lr %.2e  memory %6.2f GiB  tps %9s  mfu %6.2f%%",
+                step, loss_avg, record["grad_norm"], lr, mem.max_active_gib, f"{tps:,.0f}", record["mfu"],
+            )
+            self.logger.log(step, record)
+        self.memory.reset_peak_stats()
+        self._reset_window()
+        return record
+
+    def close(self) -> None:
+        self.logger.close()

@@ -1,0 +1,47 @@
+"""The one place that chooses the device and the process-group backend; everything else is passed them."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    device: torch.device
+    backend: str  # for init_process_group, e.g. "cpu:gloo,cuda:nccl"
+
+
+def get_device_info(local_rank: int | None = None) -> DeviceInfo:
+    """CUDA + NCCL where a GPU exists (one GPU per local rank), else CPU + gloo."""
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        # gloo stays registered for CPU tensors (e.g. a CPU-side dataloader state exchange).
+        return DeviceInfo(torch.device("cuda", local_rank % torch.cuda.device_count()), "cpu:gloo,cuda:nccl")  # device-choice
+    return DeviceInfo(torch.device("cpu"), "gloo")
+
+
+def init_distributed(info: DeviceInfo, timeout_s: int) -> None:
+    """Join the process group torchrun describes (RANK/WORLD_SIZE/MASTER_ADDR in the environment)."""
+    if info.device.type != "cpu":
+        torch.accelerator.set_device_index(info.device.index)
+    kwargs = {"device_id": info.device} if info.device.type != "cpu" else {}
+    dist.init_process_group(backend=info.backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+
+
+def set_pg_timeout(timeout_s: int) -> None:
+    """Shorten the collective timeout once the first (slow, compiling) step is done."""
+    if dist.is_initialized():
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(timedelta(seconds=timeout_s), None)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
