@@ -134,17 +134,21 @@ class Trainer:
             ) as snapshotter,
         ):
             while self.step < cfg.training.steps:
-                self.step += 1
-                data_start = time.perf_counter()
-                batches = self._next_batches(data_iter)
-                self.metrics.add_data_time(time.perf_counter() - data_start)
-                loss, grad_norm = self.train_step(batches)
-                self._after_step(loss, grad_norm)
+                self.run_step(data_iter)
                 for tool in (profiler, snapshotter):
                     if tool is not None:
                         tool.step()
         gc.enable()
         logger.info("training done after %d steps", self.step)
+
+    def run_step(self, data_iter: Iterator) -> None:
+        """One optimizer step: fetch the micro-batches, train on them, record metrics."""
+        self.step += 1
+        data_start = time.perf_counter()
+        batches = self._next_batches(data_iter)
+        self.metrics.add_data_time(time.perf_counter() - data_start)
+        loss, grad_norm = self.train_step(batches)
+        self._after_step(loss, grad_norm)
 
     def _after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         cfg = self.config
@@ -200,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    init_logger(rank)
+    init_logger()
     try:
         run(JobConfig.parse_args(argv), world_size=world_size, rank=rank)
     except USER_ERRORS as e:

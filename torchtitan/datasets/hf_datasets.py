@@ -15,6 +15,7 @@ a checkpoint can be loaded under a different dp degree by redistributing streams
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -217,6 +218,12 @@ class ParallelAwareDataloader(StatefulDataLoader):
 
     def __init__(self, dataset: HuggingFaceDataset) -> None:
         super().__init__(dataset, batch_size=None, num_workers=0)
+
+    def __iter__(self):
+        # torchdata 0.11 calls the deprecated torch.set_vital on every iter(); the warning is noise.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+            return super().__iter__()
 
     def state_dict(self) -> dict[str, Any]:
         # with num_workers=0 the dataset object is the one being iterated: its state is exact,
