@@ -143,3 +143,10 @@ def test_config_manager_cli_checks_and_exits_nonzero():
         cwd=ROOT, env=env, capture_output=True, text=True,
     )
     assert ok.returncode == 0, ok.stderr
+
+
+def test_train_help_exits_zero():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-m", "torchtitan.train", "--help"], cwd=ROOT, env=env,
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and "--training.data_parallel_shard_degree" in out.stdout

@@ -217,13 +217,10 @@ class ParallelAwareDataloader(StatefulDataLoader):
     """
 
     def __init__(self, dataset: HuggingFaceDataset) -> None:
-        super().__init__(dataset, batch_size=None, num_workers=0)
-
-    def __iter__(self):
-        # torchdata 0.11 calls the deprecated torch.set_vital on every iter(); the warning is noise.
+        # torchdata 0.11's constructor calls the deprecated torch.set_vital; the warning is noise.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-            return super().__iter__()
+            super().__init__(dataset, batch_size=None, num_workers=0)
 
     def state_dict(self) -> dict[str, Any]:
         # with num_workers=0 the dataset object is the one being iterated: its state is exact,
