@@ -42,18 +42,33 @@ class Row:
     ngpu: int
     local_batch: int
     overrides: list[str] = field(default_factory=list)
+    tp: int = 1
+
+    def args(self) -> list[str]:
+        return [*self.overrides, "--training.tensor_parallel_degree", str(self.tp)]
+
+
+ASYNC = ["--experimental.enable_async_tensor_parallel"]
+HSDP_2x2 = ["--training.data_parallel_replicate_degree", "2", "--training.data_parallel_shard_degree", "2"]
 
 
 ROWS = [
     Row("fsdp2", 2, 4),
     Row("fsdp4", 4, 2),
-    Row("hsdp_2x2", 4, 2, ["--training.data_parallel_replicate_degree", "2", "--training.data_parallel_shard_degree", "2"]),
+    Row("hsdp_2x2", 4, 2, HSDP_2x2),
     Row("ddp2", 2, 4, ["--training.data_parallel_replicate_degree", "2", "--training.data_parallel_shard_degree", "1"]),
     Row("fsdp2_grad_accum2", 2, 2, ["--training.gradient_accumulation_steps", "2"]),
     Row("fsdp2_ac_full", 2, 4, ["--activation_checkpoint.mode", "full"]),
     Row("fsdp2_ac_every_2nd", 2, 4, ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"]),
     Row("fsdp2_ac_op", 2, 4, ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]),
     Row("fsdp2_compile", 2, 4, ["--training.compile"]),
+    # tensor parallel: TP ranks share their data-parallel rank's samples
+    Row("tp2", 2, 8, tp=2),
+    Row("tp2_loss_parallel_off", 2, 8, ["--training.enable_loss_parallel", "false"], tp=2),
+    Row("fsdp2_tp2", 4, 4, tp=2),
+    Row("hsdp_2x2_tp2", 8, 2, HSDP_2x2, tp=2),
+    Row("async_tp2", 2, 8, ASYNC, tp=2),
+    Row("fsdp2_async_tp2", 4, 4, ASYNC, tp=2),
 ]
 
 
@@ -91,8 +106,8 @@ def reference(tmp_path_factory) -> list[float]:
 @pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
 def test_loss_parity(row: Row, reference: list[float], tmp_path):
     grad_accum = 2 if "--training.gradient_accumulation_steps" in row.overrides else 1
-    dp = row.ngpu  # every row is data parallel only
+    dp = row.ngpu // row.tp
     assert dp * row.local_batch * grad_accum == GLOBAL_BATCH
-    losses = train_losses(row.ngpu, row.local_batch, str(tmp_path), row.overrides)
+    losses = train_losses(row.ngpu, row.local_batch, str(tmp_path), row.args())
     for step, (got, want) in enumerate(zip(losses, reference), start=1):
         assert abs(got - want) <= RTOL * abs(want), f"step {step}: {row.name} loss {got} vs single-process {want}"

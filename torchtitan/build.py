@@ -23,6 +23,13 @@ if TYPE_CHECKING:
 def build_model_args(config: JobConfig, vocab_size: int) -> ModelArgs:
     """The flavor's args with the tokenizer's vocab, the training seq_len and the norm type (a new object)."""
     flavor = model_name_to_flavors[config.model.name][config.model.flavor]
+    tp = config.training.tensor_parallel_degree
+    if vocab_size % tp:
+        raise ValueError(
+            f"the tokenizer's vocabulary ({vocab_size} words, {config.model.tokenizer_path}) is not divisible by "
+            f"training.tensor_parallel_degree = {tp}: TP shards the embedding and output over the vocabulary; "
+            "choose a TP degree that divides it"
+        )
     return dataclasses.replace(
         flavor, vocab_size=vocab_size, max_seq_len=config.training.seq_len, norm_type=config.model.norm_type
     )

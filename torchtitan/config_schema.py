@@ -107,7 +107,13 @@ class Experimental:
     pipeline_parallel_schedule: str = _f("1F1B", "pipeline schedule name")
     pipeline_parallel_schedule_csv: str = _f("", "CSV file describing a custom pipeline schedule")
     pipeline_parallel_microbatches: int | None = _f(None, "pipeline micro-batches; None = the pp degree")
-    enable_async_tensor_parallel: bool = _f(False, "overlap TP communication with compute (not built yet)")
+    enable_async_tensor_parallel: bool = _f(False, "overlap TP communication with the matmuls (needs TP)")
+    async_tensor_parallel_impl: Literal["auto", "ring", "compiler"] = _f(
+        "auto",
+        "async TP implementation: 'ring' = ours, chunked P2P ring on any backend; 'compiler' = torch's "
+        "symmetric-memory micro-pipeline pass (CUDA + training.compile); 'auto' = compiler where it "
+        "can run, else ring",
+    )
     expert_parallel_degree: int = _f(1, "expert-parallel degree (not built yet)")
     enable_compiled_autograd: bool = _f(False, "compile the backward graph too (not built yet)")
 

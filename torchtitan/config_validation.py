@@ -16,12 +16,10 @@ if TYPE_CHECKING:
 
 # key -> (value that means "off", what to say). Non-default values raise NotImplementedError.
 _NOT_BUILT = {
-    "training.tensor_parallel_degree": (1, "tensor parallel"),
     "training.enable_cpu_offload": (False, "FSDP CPU offload"),
     "experimental.pipeline_parallel_degree": (1, "pipeline parallel"),
     "experimental.context_parallel_degree": (1, "context parallel"),
     "experimental.expert_parallel_degree": (1, "expert parallel"),
-    "experimental.enable_async_tensor_parallel": (False, "async tensor parallel"),
     "experimental.enable_compiled_autograd": (False, "compiled autograd"),
     "checkpoint.enable_checkpoint": (False, "checkpointing"),
     "checkpoint.create_seed_checkpoint": (False, "seed checkpoints"),
@@ -88,11 +86,43 @@ def _check_model(config: JobConfig) -> None:
         )
     if config.model.norm_type not in norm_types:
         raise ConfigError(f"model.norm_type = {config.model.norm_type!r}: allowed are {list(norm_types)}")
+    _check_tp_divisibility(config, args)
     if config.training.seq_len > args.max_seq_len:
         raise ConfigError(
             f"training.seq_len = {config.training.seq_len} does not fit model {config.model.flavor}, whose "
             f"max_seq_len is {args.max_seq_len}; lower training.seq_len"
         )
+
+
+def _check_tp_divisibility(config: JobConfig, args) -> None:
+    """TP shards heads, kv heads and the FFN width; sequence parallel shards the sequence."""
+    from torchtitan.models.llama.model import ffn_hidden_dim
+
+    tp = config.training.tensor_parallel_degree
+    if tp == 1:
+        if config.experimental.enable_async_tensor_parallel:
+            raise ConfigError(
+                "experimental.enable_async_tensor_parallel = true needs training.tensor_parallel_degree > 1"
+            )
+        return
+    sizes = {
+        "n_heads": args.n_heads,
+        "n_kv_heads": args.n_kv_heads or args.n_heads,
+        "ffn hidden size": ffn_hidden_dim(args),
+        "training.seq_len (sequence parallel)": config.training.seq_len,
+    }
+    for name, size in sizes.items():
+        if size % tp:
+            raise ConfigError(
+                f"model {config.model.flavor}: {name} = {size} is not divisible by "
+                f"training.tensor_parallel_degree = {tp}; choose a TP degree that divides it"
+            )
+    if config.experimental.enable_async_tensor_parallel and config.experimental.async_tensor_parallel_impl == "compiler":
+        if not config.training.compile:
+            raise ConfigError(
+                "experimental.async_tensor_parallel_impl = 'compiler' needs training.compile = true "
+                "(the overlap is a compiler pass); set it, or use 'ring'"
+            )
 
 
 def _check_paths(config: JobConfig) -> None:
@@ -127,7 +157,12 @@ def validate_config(config: JobConfig, world_size: int) -> list[str]:
 
     _check_ranges(config)
     _check_not_built(config)
-    ParallelDims.from_config(config, world_size)  # raises on degrees that do not fit the world size
+    dims = ParallelDims.from_config(config, world_size)  # raises on degrees that do not fit the world size
+    if dims.dp_replicate_enabled and not dims.fsdp_enabled and dims.tp_enabled:
+        raise NotImplementedError(
+            "DDP (data_parallel_replicate_degree > 1, data_parallel_shard_degree = 1) with tensor parallel "
+            "is not supported; use HSDP (data_parallel_shard_degree > 1) or FSDP with TP"
+        )
     _check_model(config)
     _check_paths(config)
     return _warnings(config, world_size)

@@ -5,6 +5,7 @@ Launch several processes with torchrun (see run_llama_train.sh); one process nee
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -15,6 +16,8 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.build import build_model, build_model_args, cross_entropy_loss, num_non_embedding_params
 from torchtitan.config_manager import JobConfig, format_help, wants_help
@@ -22,7 +25,7 @@ from torchtitan.datasets import build_hf_data_loader, build_tokenizer, compute_s
 from torchtitan.logging import init_logger
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer
 from torchtitan.parallelisms.fsdp import to_dtype
-from torchtitan.parallelisms.grad_norm import clip_grad_norm_
+from torchtitan.parallelisms.grad_norm import clip_grad_norm_, reduce_partial_grads_
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.train_metrics import StepMetrics
@@ -54,6 +57,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.training)
         self.amp = self._autocast()
+        self.loss_context = loss_parallel if self.parallel_dims.loss_parallel_enabled else contextlib.nullcontext
         self.step = 0
         self.metrics = StepMetrics(
             config,
@@ -105,12 +109,14 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for inputs, labels in batches:
             with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
-                pred = self.model(inputs)  # (bs, seqlen, vocab)
-            # Dividing by the micro-batch count makes the accumulated gradient the gradient of the mean.
-            loss = cross_entropy_loss(pred, labels) / len(batches)
-            del pred
-            loss.backward()
-            loss_sum += loss.detach()
+                pred = self.model(inputs)  # (bs, seqlen, vocab); vocab-sharded DTensor under loss parallel
+            with self.loss_context():
+                # Dividing by the micro-batch count makes the accumulated gradient the gradient of the mean.
+                loss = cross_entropy_loss(pred, labels) / len(batches)
+                del pred
+                loss.backward()
+            loss_sum += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
+        reduce_partial_grads_(self.model.parameters())
         grad_norm = clip_grad_norm_(self.model.parameters(), self.config.training.max_norm)
         self.optimizer.step()
         self.lr_scheduler.step()

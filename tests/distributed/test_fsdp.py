@@ -11,7 +11,7 @@ from tests.distributed.harness import run_distributed
 from torchtitan.build import build_model, cross_entropy_loss
 from torchtitan.config_manager import JobConfig
 from torchtitan.models import ModelArgs
-from torchtitan.parallelisms.grad_norm import clip_grad_norm_
+from torchtitan.parallelisms.grad_norm import clip_grad_norm_, reduce_partial_grads_
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 
 pytestmark = pytest.mark.distributed
@@ -46,6 +46,7 @@ def _train(model, batches, dp_rank: int, dp_degree: int):
         xs, ys = x[dp_rank * per_rank : (dp_rank + 1) * per_rank], y[dp_rank * per_rank : (dp_rank + 1) * per_rank]
         loss = cross_entropy_loss(model(xs), ys)
         loss.backward()
+        reduce_partial_grads_(model.parameters())
         with CommDebugMode() as comm:
             norms.append(clip_grad_norm_(model.parameters(), max_norm=0.5).item())
         clip_comms.append(comm.get_total_counts())

@@ -150,3 +150,27 @@ def test_train_help_exits_zero():
     out = subprocess.run([sys.executable, "-m", "torchtitan.train", "--help"], cwd=ROOT, env=env,
                          capture_output=True, text=True)
     assert out.returncode == 0 and "--training.data_parallel_shard_degree" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args, world, error, match",
+    [
+        (["--training.tensor_parallel_degree", "3"], 3, ConfigError, r"n_heads = 16 is not divisible by training.tensor_parallel_degree = 3"),
+        (["--training.tensor_parallel_degree", "2", "--training.seq_len", "129"], 2, ConfigError, r"training.seq_len \(sequence parallel\) = 129 is not divisible"),
+        (["--experimental.enable_async_tensor_parallel"], 2, ConfigError, "needs training.tensor_parallel_degree > 1"),
+        (["--training.tensor_parallel_degree", "2", "--experimental.enable_async_tensor_parallel",
+          "--experimental.async_tensor_parallel_impl", "compiler"], 2, ConfigError, "needs training.compile = true"),
+        (["--training.tensor_parallel_degree", "2", "--training.data_parallel_replicate_degree", "2",
+          "--training.data_parallel_shard_degree", "1"], 4, NotImplementedError, "DDP .* with tensor parallel is not supported"),
+    ],
+    ids=["heads", "seq-len", "async-without-tp", "compiler-without-compile", "ddp-tp"],
+)
+def test_tp_validation(args, world, error, match):
+    config = JobConfig.parse_args(["--job.config_file", "train_configs/debug_model.toml", *args])
+    with pytest.raises(error, match=match):
+        config.validate(world)
+
+
+def test_tp_valid_layout_passes():
+    config = JobConfig.parse_args(["--job.config_file", "train_configs/debug_model.toml", "--training.tensor_parallel_degree", "4"])
+    config.validate(8)

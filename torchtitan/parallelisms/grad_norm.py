@@ -1,9 +1,11 @@
-"""Gradient-norm clipping for any mix of plain and DTensor gradients.
+"""Gradient-norm clipping for any mix of plain and DTensor gradients, with one all-reduce.
 
-The total norm is computed from local shards and reduced *once* per group of parameters that
-share a mesh and sharding axes: a partial sum of squares (or max, for the inf-norm) is
-all-reduced over exactly the axes that shard those parameters, never over axes that replicate
-them (which would count a parameter more than once). Then every gradient is scaled locally.
+Each rank sums the p-th powers of its *local* gradient shards. A shard replicated over some mesh
+axes exists on every rank of those axes, so its contribution is divided by their size: summing
+over the whole mesh then counts every parameter exactly once. One all-reduce over the (flattened)
+mesh gives the total, whatever mix of FSDP/HSDP/TP placements the parameters have; then every
+gradient is scaled locally. (DTensor's own norm reduction would do one all-reduce per mesh axis.)
+Plain-tensor gradients (one process, or DDP, where they are already identical) need no reduction.
 """
 
 from __future__ import annotations
@@ -13,34 +15,69 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+_flat_groups: dict[tuple, dist.ProcessGroup] = {}
 
 
-def _group_local_grads(parameters: Iterable[torch.nn.Parameter]) -> dict[tuple | None, list[torch.Tensor]]:
-    """Local gradient tensors keyed by (mesh, sharded axes); None for unsharded ones."""
-    groups: dict[tuple | None, list[torch.Tensor]] = {}
+def _mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The process group spanning every axis of ``mesh`` (flattened once, then cached)."""
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    key = (id(mesh), mesh.mesh_dim_names)
+    if key not in _flat_groups:
+        _flat_groups[key] = mesh._flatten("_".join(mesh.mesh_dim_names) + "_norm").get_group()
+    return _flat_groups[key]
+
+
+def _replication(g: DTensor) -> int:
+    assert not any(pl.is_partial() for pl in g.placements), "gradients must be reduced before clipping"
+    return math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate())
+
+
+def _partial_norms(grads: list[torch.Tensor], norm_type: float) -> dict[DeviceMesh | None, torch.Tensor]:
+    """Per mesh (None = plain tensors): the local sum of |g|^p, or max |g| for the inf-norm."""
+    inf_norm = math.isinf(norm_type)
+    buckets: dict[DeviceMesh | None, tuple[list[torch.Tensor], list[float]]] = {}
+    for g in grads:
+        mesh = g.device_mesh if isinstance(g, DTensor) else None
+        local, weight = (g.to_local(), 1.0 / _replication(g)) if mesh is not None else (g, 1.0)
+        buckets.setdefault(mesh, ([], []))[0].append(local)
+        buckets[mesh][1].append(weight)
+    out = {}
+    for mesh, (locals_, weights) in buckets.items():
+        norms = torch.stack(torch._foreach_norm(locals_, norm_type)).float()
+        if inf_norm:
+            out[mesh] = norms.max()
+        else:
+            out[mesh] = (norms.pow(norm_type) * torch.tensor(weights, device=norms.device)).sum()
+    return out
+
+
+@torch.no_grad()
+def reduce_partial_grads_(parameters: Iterable[torch.nn.Parameter]) -> None:
+    """Finish gradients that DTensor left as pending sums (``Partial``), in one all-reduce per layout.
+
+    Under sequence parallel, a replicated weight applied to sequence-sharded activations (the
+    norms) gets a per-rank partial gradient. Reducing them here, batched, before clipping and the
+    optimizer means both see final values and the optimizer does not reduce them again one by one.
+    """
+    buckets: dict[tuple, list[torch.nn.Parameter]] = {}
     for p in parameters:
         g = p.grad
-        if g is None:
-            continue
-        key = None
-        if isinstance(g, DTensor):
-            assert not any(pl.is_partial() for pl in g.placements), "gradients must be reduced before clipping"
-            axes = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
-            key = (g.device_mesh, axes) if axes else None
-            g = g.to_local()
-        groups.setdefault(key, []).append(g)
-    return groups
-
-
-def _reduce_partial(part: torch.Tensor, key: tuple | None, inf_norm: bool) -> torch.Tensor:
-    if key is None:
-        return part
-    mesh, axes = key
-    op = dist.ReduceOp.MAX if inf_norm else dist.ReduceOp.SUM
-    for axis in axes:
-        dist.all_reduce(part, op=op, group=mesh.get_group(axis))
-    return part
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            buckets.setdefault((g.device_mesh, g.placements), []).append(p)
+    for (mesh, placements), params in buckets.items():
+        flat = torch.cat([p.grad.to_local().reshape(-1) for p in params])
+        for axis, pl in enumerate(placements):
+            if pl.is_partial():
+                assert pl.reduce_op == "sum", f"unexpected partial reduction {pl}"
+                dist.all_reduce(flat, group=mesh.get_group(axis))
+        done = tuple(Replicate() if pl.is_partial() else pl for pl in placements)
+        for p, chunk in zip(params, flat.split([p.grad.to_local().numel() for p in params])):
+            local = chunk.view_as(p.grad.to_local())
+            p.grad = DTensor.from_local(local, mesh, done, run_check=False, shape=p.grad.shape, stride=p.grad.stride())
 
 
 @torch.no_grad()
@@ -52,23 +89,23 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip gradients in place to total norm ``max_norm``; return the total norm (before clipping).
 
-    ``extra_groups``: process groups whose ranks hold *different* parameters (e.g. pipeline
-    stages); the total norm is reduced over them as well.
+    ``extra_groups``: process groups whose ranks hold *different* parameters that are not visible
+    in the DTensor placements (e.g. pipeline stages); the total is reduced over them too.
     """
     inf_norm = math.isinf(norm_type)
-    groups = _group_local_grads(parameters)
-    all_grads = [g for gs in groups.values() for g in gs]
-    if not all_grads:
+    op = dist.ReduceOp.MAX if inf_norm else dist.ReduceOp.SUM
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
         return torch.tensor(0.0)
-    total = torch.zeros((), dtype=torch.float32, device=all_grads[0].device)
-    for key, grads in groups.items():
-        norms = torch.stack(torch._foreach_norm(grads, norm_type)).float()
-        part = norms.max() if inf_norm else norms.pow(norm_type).sum()
-        part = _reduce_partial(part, key, inf_norm)
-        total = torch.maximum(total, part) if inf_norm else total + part
+    total = None
+    for mesh, part in _partial_norms(grads, norm_type).items():
+        if mesh is not None:
+            dist.all_reduce(part, op=op, group=_mesh_group(mesh))
+        total = part if total is None else (torch.maximum(total, part) if inf_norm else total + part)
     for group in extra_groups:
-        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf_norm else dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(total, op=op, group=group)
     total_norm = total if inf_norm else total.pow(1.0 / norm_type)
     clip_coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-    torch._foreach_mul_(all_grads, clip_coef.to(all_grads[0].dtype))
+    local_grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    torch._foreach_mul_(local_grads, clip_coef.to(local_grads[0].dtype))
     return total_norm

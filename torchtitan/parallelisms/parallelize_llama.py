@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -10,30 +11,72 @@ from torch import nn
 from torchtitan.parallelisms.activation_checkpoint import apply_ac
 from torchtitan.parallelisms.fsdp import apply_ddp, apply_fsdp, to_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.tensor_parallel import apply_tp
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from torchtitan.config_manager import JobConfig
 
+logger = logging.getLogger(__name__)
 
-def apply_compile(model: nn.Module) -> None:
+
+def apply_compile(model: nn.Module, *, tp_enabled: bool) -> None:
     """Compile each block separately: blocks are identical, so one compiled graph is reused by all."""
     for name, block in list(model.layers.items()):
         model.layers[name] = torch.compile(block, fullgraph=True)
+    if tp_enabled and model.tok_embeddings is not None:
+        # A compiled block whose input is a view of a DTensor's local tensor (the TP embedding's
+        # output) gets a plain-tensor gradient back and DTensor's backward fails (torch 2.13);
+        # a copy makes the compiled region's input a non-view. Cheap: one activation per step.
+        model.tok_embeddings.register_forward_hook(lambda mod, inputs, out: out.clone())
 
 
-def parallelize_llama(model: nn.Module, world_mesh: DeviceMesh | None, parallel_dims: ParallelDims, config: JobConfig) -> None:
-    """Apply, in place and in this order: activation checkpointing, compile, then FSDP/HSDP or DDP.
+def resolve_async_tp(config: JobConfig, device_type: str) -> str | None:
+    """None (sync TP), "ring" (ours, any backend) or "compiler" (torch's, CUDA + compile)."""
+    exp = config.experimental
+    if not exp.enable_async_tensor_parallel:
+        return None
+    if exp.async_tensor_parallel_impl == "auto":
+        return "compiler" if device_type == "cuda" and config.training.compile else "ring"  # device-choice
+    return exp.async_tensor_parallel_impl
 
-    Why this order: AC wraps each block before compile so the compiled graph contains the
-    recomputation policy; compile comes before FSDP so FSDP's hooks stay outside the compiled
-    region (its communication is not traced). Data parallelism is last because it wraps whatever
-    module structure the earlier steps produced, and its unit is the (wrapped, compiled) block.
+
+def enable_compiler_async_tp(tp_mesh: DeviceMesh) -> None:
+    """torch's async TP: symmetric memory for the TP group + inductor's micro-pipeline TP pass."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    if tp_mesh.device_type == "cpu" or symm_mem.get_backend(tp_mesh.device_type) is None:
+        raise NotImplementedError(
+            f"experimental.async_tensor_parallel_impl = 'compiler' needs symmetric memory, which torch "
+            f"{torch.__version__} does not provide on device '{tp_mesh.device_type}'; use 'ring' (any backend)"
+        )
+    torch._inductor.config._micro_pipeline_tp = True
+    symm_mem.enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+def parallelize_llama(
+    model: nn.Module, world_mesh: DeviceMesh | None, parallel_dims: ParallelDims, config: JobConfig
+) -> None:
+    """Apply, in place and in this order: TP, activation checkpointing, compile, then FSDP/HSDP or DDP.
+
+    Why this order: TP first because it rewrites each linear's parameters into DTensors and its
+    plan addresses the model's own module names, which wrappers would change; AC wraps each
+    (TP'd) block before compile so the compiled graph contains the recomputation policy; compile
+    before FSDP so FSDP's hooks stay outside the compiled region (its communication is not traced);
+    data parallelism last because its unit is the finished (TP'd, wrapped, compiled) block, and
+    FSDP over TP DTensors gives 2-D parameters (dp_shard, tp).
     """
+    if parallel_dims.tp_enabled:
+        tp_mesh = world_mesh["tp"]
+        async_tp = resolve_async_tp(config, tp_mesh.device_type)
+        apply_tp(model, tp_mesh, loss_parallel=parallel_dims.loss_parallel_enabled, ring_async=async_tp == "ring")
+        if async_tp == "compiler":
+            enable_compiler_async_tp(tp_mesh)
+        logger.info("applied tensor parallel over %d ranks (async: %s)", parallel_dims.tp, async_tp or "off")
     apply_ac(model, config.activation_checkpoint)
     if config.training.compile:
-        apply_compile(model)
+        apply_compile(model, tp_enabled=parallel_dims.tp_enabled)
     if parallel_dims.fsdp_enabled:
         shard_axis = parallel_dims.axis_name("dp_shard_cp")
         dims = ("dp_replicate", shard_axis) if parallel_dims.dp_replicate_enabled else (shard_axis,)

@@ -80,11 +80,14 @@ class Attention(nn.Module):
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """x (bs, seqlen, dim); rope (>= seqlen, head_dim), row i for the i-th token of x."""
         bs, seqlen, _ = x.shape
         # -1: the local head count, which tensor parallel divides by the TP degree.
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_heads, head_dim)
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_kv_heads, head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_kv_heads, head_dim)
+        # Sliced here, where the sequence is whole: between blocks, sequence parallel shards it.
+        rope = rope[:seqlen]
         q, k = apply_rotary_emb(q, rope), apply_rotary_emb(k, rope)
         n_rep = q.shape[2] // k.shape[2]
         k = k.repeat_interleave(n_rep, dim=2)  # (bs, seqlen, n_heads, head_dim)
@@ -191,8 +194,7 @@ class Transformer(nn.Module):
         positions (seqlen,) are the tokens' positions in their sequence (default 0..seqlen-1).
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
-        seqlen = h.shape[1]
-        rope = self.rope_cache[:seqlen] if positions is None else self.rope_cache[positions]  # (seqlen, head_dim)
+        rope = self.rope_cache if positions is None else self.rope_cache[positions]  # (seqlen, head_dim)
         for layer in self.layers.values():
             h = layer(h, rope)
         h = self.norm(h) if self.norm is not None else h

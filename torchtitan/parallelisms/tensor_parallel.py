@@ -1,0 +1,92 @@
+"""Tensor parallel with sequence parallel and loss parallel, as plans of ParallelStyles.
+
+Layouts (tp = the TP degree):
+* Between blocks the residual stream is sequence-sharded: a local (bs, seq/tp, dim) tensor.
+* Norms run sequence-parallel (their weights replicated), so no rank normalises another's tokens.
+* Attention / feed-forward inputs are all-gathered along the sequence once, then wq/wk/wv/w1/w3
+  are column-parallel (each rank computes n_heads/tp heads, hidden/tp units) and wo/w2 are
+  row-parallel with a reduce-scatter back to sequence shards. Per block: 2 all-gathers and 2
+  reduce-scatters forward (and the same backward), no all-reduce.
+* The embedding is row-parallel over the vocabulary (a rank owns vocab/tp rows), its output
+  reduce-scattered to sequence shards; the output projection is column-parallel over the vocab.
+  With loss parallel the logits stay vocab-sharded and cross-entropy runs under
+  ``loss_parallel()`` (never materialising full logits on one rank); without, they are gathered.
+
+The model is unchanged: attention reads its local head count from tensor shapes.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def top_level_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            # A DTensor output is what loss_parallel's cross-entropy consumes.
+            use_local_output=not loss_parallel,
+        ),
+    }
+
+
+def block_plan() -> dict[str, ParallelStyle]:
+    """Synchronous TP + SP for one transformer block."""
+    return {
+        "attention_norm": SequenceParallel(),
+        # rope (the second input) is a plain per-position table, the same on every rank.
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
+def async_block_plan() -> dict[str, ParallelStyle]:
+    """TP + SP whose all-gathers and reduce-scatters overlap the matmuls (our ring, any backend).
+
+    The norms' sequence-sharded outputs go straight into the column-parallel linears, which gather
+    them chunk by chunk while multiplying; one shared style per consumer group gathers the input
+    once for wq/wk/wv (and once for w1/w3).
+    """
+    from torchtitan.parallelisms.async_tp import AsyncColwiseParallel, AsyncRowwiseParallel
+
+    attention_in, ffn_in = AsyncColwiseParallel(), AsyncColwiseParallel()
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention.wq": attention_in,
+        "attention.wk": attention_in,
+        "attention.wv": attention_in,
+        "attention.wo": AsyncRowwiseParallel(),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward.w1": ffn_in,
+        "feed_forward.w2": AsyncRowwiseParallel(),
+        "feed_forward.w3": ffn_in,
+    }
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, ring_async: bool) -> None:
+    """Shard ``model`` in place over ``tp_mesh``. Submodules a pipeline stage dropped (None) are skipped."""
+    plan = {k: v for k, v in top_level_plan(loss_parallel).items() if getattr(model, k, None) is not None}
+    parallelize_module(model, tp_mesh, plan)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, async_block_plan() if ring_async else block_plan())
