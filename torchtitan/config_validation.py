@@ -117,6 +117,12 @@ def _check_tp_divisibility(config: JobConfig, args) -> None:
                 f"model {config.model.flavor}: {name} = {size} is not divisible by "
                 f"training.tensor_parallel_degree = {tp}; choose a TP degree that divides it"
             )
+    if config.experimental.enable_async_tensor_parallel and config.experimental.async_tensor_parallel_impl == "ring":
+        if config.training.compile:
+            raise NotImplementedError(
+                "experimental.async_tensor_parallel_impl = 'ring' with training.compile = true: the ring is "
+                "eager point-to-point code that full-graph compile cannot trace; turn one of them off"
+            )
     if config.experimental.enable_async_tensor_parallel and config.experimental.async_tensor_parallel_impl == "compiler":
         if not config.training.compile:
             raise ConfigError(

@@ -162,8 +162,10 @@ def test_train_help_exits_zero():
           "--experimental.async_tensor_parallel_impl", "compiler"], 2, ConfigError, "needs training.compile = true"),
         (["--training.tensor_parallel_degree", "2", "--training.data_parallel_replicate_degree", "2",
           "--training.data_parallel_shard_degree", "1"], 4, NotImplementedError, "DDP .* with tensor parallel is not supported"),
+        (["--training.tensor_parallel_degree", "2", "--experimental.enable_async_tensor_parallel",
+          "--experimental.async_tensor_parallel_impl", "ring", "--training.compile"], 2, NotImplementedError, "cannot trace"),
     ],
-    ids=["heads", "seq-len", "async-without-tp", "compiler-without-compile", "ddp-tp"],
+    ids=["heads", "seq-len", "async-without-tp", "compiler-without-compile", "ddp-tp", "ring-with-compile"],
 )
 def test_tp_validation(args, world, error, match):
     config = JobConfig.parse_args(["--job.config_file", "train_configs/debug_model.toml", *args])

@@ -37,9 +37,16 @@ def resolve_async_tp(config: JobConfig, device_type: str) -> str | None:
     exp = config.experimental
     if not exp.enable_async_tensor_parallel:
         return None
-    if exp.async_tensor_parallel_impl == "auto":
-        return "compiler" if device_type == "cuda" and config.training.compile else "ring"  # device-choice
-    return exp.async_tensor_parallel_impl
+    impl = exp.async_tensor_parallel_impl
+    if impl == "auto":
+        impl = "compiler" if device_type == "cuda" and config.training.compile else "ring"  # device-choice
+    if impl == "ring" and config.training.compile:
+        raise NotImplementedError(
+            "ring async TP (experimental.async_tensor_parallel_impl = 'ring', or 'auto' without CUDA) runs "
+            "eager point-to-point code that full-graph compile cannot trace; turn training.compile off or "
+            "use 'compiler' on CUDA"
+        )
+    return impl
 
 
 def enable_compiler_async_tp(tp_mesh: DeviceMesh) -> None:
