@@ -43,9 +43,27 @@ class Row:
     local_batch: int
     overrides: list[str] = field(default_factory=list)
     tp: int = 1
+    pp: int = 1
 
     def args(self) -> list[str]:
-        return [*self.overrides, "--training.tensor_parallel_degree", str(self.tp)]
+        return [
+            *self.overrides,
+            "--training.tensor_parallel_degree", str(self.tp),
+            "--experimental.pipeline_parallel_degree", str(self.pp),
+        ]
+
+
+def pp_schedule(name: str, microbatches: int = 4) -> list[str]:
+    return [
+        "--experimental.pipeline_parallel_schedule", name,
+        "--experimental.pipeline_parallel_microbatches", str(microbatches),
+    ]
+
+
+PP_CSV = [
+    *pp_schedule("loop"),
+    "--experimental.pipeline_parallel_schedule_csv", "./tests/assets/pp2_breadth_first_4stages_4mb.csv",
+]
 
 
 ASYNC = ["--experimental.enable_async_tensor_parallel"]
@@ -69,6 +87,18 @@ ROWS = [
     Row("hsdp_2x2_tp2", 8, 2, HSDP_2x2, tp=2),
     Row("async_tp2", 2, 8, ASYNC, tp=2),
     Row("fsdp2_async_tp2", 4, 4, ASYNC, tp=2),
+    # pipeline parallel: the debug model's 8 layers in 2 stages (4 stages for the multi-stage ones)
+    Row("pp2_gpipe", 2, 8, pp_schedule("GPipe"), pp=2),
+    Row("pp2_1f1b", 2, 8, pp_schedule("1F1B"), pp=2),
+    Row("pp2_interleaved1f1b", 2, 8, pp_schedule("Interleaved1F1B"), pp=2),
+    Row("pp2_loopedbfs", 2, 8, pp_schedule("LoopedBFS"), pp=2),
+    Row("pp2_interleaved_zero_bubble", 2, 8, pp_schedule("InterleavedZeroBubble"), pp=2),
+    Row("pp2_zbv_zero_bubble", 2, 8, pp_schedule("ZBVZeroBubble"), pp=2),
+    Row("pp2_dualpipev", 2, 8, pp_schedule("DualPipeV"), pp=2),
+    Row("pp2_csv_schedule", 2, 8, PP_CSV, pp=2),
+    Row("pp2_fsdp2", 4, 4, pp_schedule("1F1B", 2), pp=2),
+    Row("pp2_tp2", 4, 8, pp_schedule("1F1B"), tp=2, pp=2),
+    Row("pp2_fsdp2_tp2", 8, 4, pp_schedule("1F1B", 2), tp=2, pp=2),
 ]
 
 
@@ -106,7 +136,7 @@ def reference(tmp_path_factory) -> list[float]:
 @pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
 def test_loss_parity(row: Row, reference: list[float], tmp_path):
     grad_accum = 2 if "--training.gradient_accumulation_steps" in row.overrides else 1
-    dp = row.ngpu // row.tp
+    dp = row.ngpu // (row.tp * row.pp)
     assert dp * row.local_batch * grad_accum == GLOBAL_BATCH
     losses = train_losses(row.ngpu, row.local_batch, str(tmp_path), row.args())
     for step, (got, want) in enumerate(zip(losses, reference), start=1):

@@ -35,7 +35,7 @@ def _error_lines(stderr: str) -> list[str]:
         (["--training.seq_len", "4096"], None, "training.seq_len = 4096 does not fit model debugmodel, whose max_seq_len is 2048"),
         (["--model.tokenizer_path", "./nope.tiktoken"], None, "model.tokenizer_path = './nope.tiktoken' does not exist"),
         (["--training.dataset_path", "./no/such/data.jsonl"], None, "training.dataset_path = './no/such/data.jsonl' does not exist"),
-        (["--experimental.pipeline_parallel_degree", "2"], None, "pipeline parallel is not available yet"),
+        (["--experimental.context_parallel_degree", "2"], None, "context parallel is not available yet"),
     ],
     ids=["missing-config", "bad-toml", "unknown-key", "degrees", "seq-len", "tokenizer", "dataset-path", "not-built"],
 )

@@ -35,6 +35,27 @@ def build_model_args(config: JobConfig, vocab_size: int) -> ModelArgs:
     )
 
 
+def build_meta_model(config: JobConfig, model_args: ModelArgs) -> nn.Module:
+    """The whole model on the meta device: shapes only, no memory."""
+    with torch.device("meta"):
+        return model_name_to_cls[config.model.name](model_args)
+
+
+def finish_model_part(
+    part: nn.Module,
+    config: JobConfig,
+    parallel_dims: ParallelDims,
+    world_mesh: DeviceMesh | None,
+    device: torch.device,
+) -> None:
+    """Parallelize a meta model (or pipeline stage), materialise it on ``device``, init from the seed."""
+    parallelize_llama(part, world_mesh, parallel_dims, config)
+    part.to_empty(device=device)
+    seed = 0 if config.training.seed is None else config.training.seed
+    init_model_weights(part, seed, buffer_device=device)
+    part.train()
+
+
 def build_model(
     config: JobConfig,
     model_args: ModelArgs,
@@ -43,14 +64,39 @@ def build_model(
     device: torch.device,
 ) -> nn.Module:
     """Build on the meta device, parallelize, materialise on ``device``, then init from the seed."""
-    with torch.device("meta"):
-        model = model_name_to_cls[config.model.name](model_args)
-    parallelize_llama(model, world_mesh, parallel_dims, config)
-    model.to_empty(device=device)
-    seed = 0 if config.training.seed is None else config.training.seed
-    init_model_weights(model, seed, buffer_device=device)
-    model.train()
+    model = build_meta_model(config, model_args)
+    finish_model_part(model, config, parallel_dims, world_mesh, device)
     return model
+
+
+def build_pipeline_parts(
+    config: JobConfig,
+    whole: nn.Module,
+    parallel_dims: ParallelDims,
+    world_mesh: DeviceMesh,
+    device: torch.device,
+):
+    """Split the meta model into this rank's pipeline stages, finish each, and build the schedule."""
+    from torchtitan.parallelisms.pipeline_llama import build_pipeline
+
+    exp, accum = config.experimental, config.training.gradient_accumulation_steps
+
+    def loss_fn(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # The schedule averages over its micro-batches; accumulation steps average on top.
+        return cross_entropy_loss(pred, labels) / accum
+
+    return build_pipeline(
+        whole,
+        pp_mesh=world_mesh["pp"],
+        device=device,
+        n_microbatches=exp.pipeline_parallel_microbatches or parallel_dims.pp,
+        local_batch_size=config.training.batch_size,
+        schedule=exp.pipeline_parallel_schedule,
+        split_points=exp.pipeline_parallel_split_points,
+        csv_path=exp.pipeline_parallel_schedule_csv,
+        loss_fn=loss_fn,
+        finish_stage=lambda part: finish_model_part(part, config, parallel_dims, world_mesh, device),
+    )
 
 
 def num_non_embedding_params(model: nn.Module) -> int:

@@ -17,7 +17,6 @@ if TYPE_CHECKING:
 # key -> (value that means "off", what to say). Non-default values raise NotImplementedError.
 _NOT_BUILT = {
     "training.enable_cpu_offload": (False, "FSDP CPU offload"),
-    "experimental.pipeline_parallel_degree": (1, "pipeline parallel"),
     "experimental.context_parallel_degree": (1, "context parallel"),
     "experimental.expert_parallel_degree": (1, "expert parallel"),
     "experimental.enable_compiled_autograd": (False, "compiled autograd"),
@@ -87,6 +86,7 @@ def _check_model(config: JobConfig) -> None:
     if config.model.norm_type not in norm_types:
         raise ConfigError(f"model.norm_type = {config.model.norm_type!r}: allowed are {list(norm_types)}")
     _check_tp_divisibility(config, args)
+    _check_pipeline(config, args)
     if config.training.seq_len > args.max_seq_len:
         raise ConfigError(
             f"training.seq_len = {config.training.seq_len} does not fit model {config.model.flavor}, whose "
@@ -129,6 +129,26 @@ def _check_tp_divisibility(config: JobConfig, args) -> None:
                 "experimental.async_tensor_parallel_impl = 'compiler' needs training.compile = true "
                 "(the overlap is a compiler pass); set it, or use 'ring'"
             )
+
+
+def _check_pipeline(config: JobConfig, args) -> None:
+    """Stage split and micro-batches, checked here so the user sees our message, not torch's."""
+    exp = config.experimental
+    pp = exp.pipeline_parallel_degree
+    if pp == 1:
+        return
+    from torchtitan.parallelisms.pipeline_llama import resolve_stage_layout, validate_microbatches
+
+    if exp.pipeline_parallel_schedule_csv and not os.path.isfile(exp.pipeline_parallel_schedule_csv):
+        raise FileNotFoundError(
+            f"experimental.pipeline_parallel_schedule_csv = '{exp.pipeline_parallel_schedule_csv}' does not exist"
+        )
+    stages = resolve_stage_layout(
+        args.n_layers, pp, exp.pipeline_parallel_schedule, exp.pipeline_parallel_split_points,
+        exp.pipeline_parallel_schedule_csv,
+    )
+    n_microbatches = exp.pipeline_parallel_microbatches or pp
+    validate_microbatches(exp.pipeline_parallel_schedule, n_microbatches, config.training.batch_size, len(stages), pp)
 
 
 def _check_paths(config: JobConfig) -> None:

@@ -10,12 +10,13 @@ from torchtitan.config_schema import Optimizer as OptimizerConfig
 from torchtitan.config_schema import Training
 
 
-def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
+def build_optimizer(model_parts: list[nn.Module], config: OptimizerConfig) -> torch.optim.Optimizer:
+    """One optimizer over the parameters of every model part (several with pipeline stages per rank)."""
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[config.name]
     # foreach (multi-tensor) is the default; fused only where asked (a CUDA kernel).
     impl = {"fused": True} if config.fused else {"foreach": True}
     return cls(
-        model.parameters(),
+        [p for part in model_parts for p in part.parameters()],
         lr=config.lr,
         betas=(config.beta1, config.beta2),
         eps=config.eps,

@@ -19,7 +19,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torchtitan.build import build_model, build_model_args, cross_entropy_loss, num_non_embedding_params
+from torchtitan.build import (
+    build_meta_model,
+    build_model_args,
+    build_pipeline_parts,
+    cross_entropy_loss,
+    finish_model_part,
+    num_non_embedding_params,
+)
 from torchtitan.config_manager import JobConfig, format_help, wants_help
 from torchtitan.datasets import build_hf_data_loader, build_tokenizer, compute_stream_groups
 from torchtitan.logging import init_logger
@@ -27,6 +34,7 @@ from torchtitan.optimizer import build_lr_scheduler, build_optimizer
 from torchtitan.parallelisms.fsdp import to_dtype
 from torchtitan.parallelisms.grad_norm import clip_grad_norm_, reduce_partial_grads_
 from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.pipeline_llama import pipeline_step
 from torchtitan.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.train_metrics import StepMetrics
 from torchtitan.utils.device import get_device_info, init_distributed, set_pg_timeout
@@ -53,8 +61,16 @@ class Trainer:
         tokenizer = build_tokenizer(config.model.tokenizer_path)
         self.data_loader = self._build_data_loader(tokenizer)
         self.model_args = build_model_args(config, tokenizer.n_words)
-        self.model = build_model(config, self.model_args, self.parallel_dims, self.world_mesh, self.device)
-        self.optimizer = build_optimizer(self.model, config.optimizer)
+        whole = build_meta_model(config, self.model_args)
+        num_params, num_flop_params = sum(p.numel() for p in whole.parameters()), num_non_embedding_params(whole)
+        self.pipeline = None
+        if self.parallel_dims.pp_enabled:
+            self.pipeline = build_pipeline_parts(config, whole, self.parallel_dims, self.world_mesh, self.device)
+            self.model_parts = self.pipeline.model_parts
+        else:
+            finish_model_part(whole, config, self.parallel_dims, self.world_mesh, self.device)
+            self.model_parts = [whole]
+        self.optimizer = build_optimizer(self.model_parts, config.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.training)
         self.amp = self._autocast()
         self.loss_context = loss_parallel if self.parallel_dims.loss_parallel_enabled else contextlib.nullcontext
@@ -64,18 +80,18 @@ class Trainer:
             device=self.device,
             enabled=rank == 0,
             loss_group=self._mesh_group("dp_cp"),
-            num_params=num_non_embedding_params(self.model),
+            pp_group=self._mesh_group("pp"),
+            num_params=num_flop_params,
             model_args=self.model_args,
         )
         logger.info(
             "model %s %s: %s params (%s without embedding), layout %s, device %s",
-            config.model.name,
-            config.model.flavor,
-            f"{sum(p.numel() for p in self.model.parameters()):,}",
-            f"{num_non_embedding_params(self.model):,}",
-            self.parallel_dims,
-            self.device,
+            config.model.name, config.model.flavor, f"{num_params:,}", f"{num_flop_params:,}",
+            self.parallel_dims, self.device,
         )
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for part in self.model_parts for p in part.parameters()]
 
     def _mesh_group(self, flat_axis: str) -> dist.ProcessGroup | None:
         axis = self.parallel_dims.axis_name(flat_axis)
@@ -105,19 +121,31 @@ class Trainer:
         return batches
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward/backward every micro-batch, clip, step. Returns (mean loss, grad norm), unsynced."""
+        """Forward/backward every micro-batch, clip, step. Returns (mean loss, grad norm), unsynced.
+
+        Under pipeline parallel the loss is known only on the rank holding the last stage; other
+        ranks return 0 and the metrics sum over the pipeline group.
+        """
         loss_sum = torch.zeros((), device=self.device)
         for inputs, labels in batches:
+            if self.pipeline is not None:
+                with self.loss_context():  # the schedule runs the loss and its backward inside
+                    loss = pipeline_step(self.pipeline, inputs, labels)
+                if loss is not None:
+                    loss_sum += _plain(loss)
+                continue
             with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
-                pred = self.model(inputs)  # (bs, seqlen, vocab); vocab-sharded DTensor under loss parallel
+                pred = self.model_parts[0](inputs)  # (bs, seqlen, vocab); vocab-sharded DTensor under loss parallel
             with self.loss_context():
                 # Dividing by the micro-batch count makes the accumulated gradient the gradient of the mean.
                 loss = cross_entropy_loss(pred, labels) / len(batches)
                 del pred
                 loss.backward()
-            loss_sum += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
-        reduce_partial_grads_(self.model.parameters())
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.config.training.max_norm)
+            loss_sum += _plain(loss)
+        params = self.parameters()
+        reduce_partial_grads_(params)
+        pp_group = self._mesh_group("pp")
+        grad_norm = clip_grad_norm_(params, self.config.training.max_norm, extra_groups=[pp_group] if pp_group else [])
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -169,6 +197,12 @@ class Trainer:
 
     def close(self) -> None:
         self.metrics.close()
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """A detached plain tensor (loss parallel returns a replicated DTensor)."""
+    loss = loss.detach()
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def _set_determinism(config: JobConfig) -> None:

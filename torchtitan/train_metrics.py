@@ -33,12 +33,14 @@ class StepMetrics:
         device: torch.device,
         enabled: bool,
         loss_group: dist.ProcessGroup | None,
+        pp_group: dist.ProcessGroup | None,
         num_params: int,
         model_args: ModelArgs,
     ):
         self.device = device
         self.enabled = enabled
         self.loss_group = loss_group
+        self.pp_group = pp_group
         self.flops_per_token = compute_num_flops_per_token(
             num_params, model_args.n_layers, model_args.n_heads, model_args.head_dim, config.training.seq_len
         )
@@ -67,7 +69,14 @@ class StepMetrics:
         self.window_steps += 1
 
     def _global_loss(self, loss: torch.Tensor) -> tuple[float, float]:
-        """(mean, max) of the per-rank mean losses over the data-parallel ranks."""
+        """(mean, max) of the per-rank mean losses over the data-parallel ranks.
+
+        Under pipeline parallel only the last stage's rank has a loss (the others hold 0): a sum over
+        the pipeline group brings it to every rank, so the usual logging rank can report it.
+        """
+        if self.pp_group is not None:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=self.pp_group)
         if self.loss_group is None:
             return loss.item(), loss.item()
         both = torch.stack([loss.detach().float(), loss.detach().float()])

@@ -176,3 +176,21 @@ def test_tp_validation(args, world, error, match):
 def test_tp_valid_layout_passes():
     config = JobConfig.parse_args(["--job.config_file", "train_configs/debug_model.toml", "--training.tensor_parallel_degree", "4"])
     config.validate(8)
+
+
+@pytest.mark.parametrize(
+    "args, error, match",
+    [
+        (["--experimental.pipeline_parallel_schedule", "Zigzag"], ValueError, "Zigzag.*GPipe"),
+        (["--experimental.pipeline_parallel_split_points", "layers.9"], ValueError, "layers.9"),
+        (["--experimental.pipeline_parallel_microbatches", "3"], ValueError, "pipeline_parallel_microbatches"),
+        (["--experimental.pipeline_parallel_schedule_csv", "./nope.csv"], FileNotFoundError, "nope.csv"),
+    ],
+    ids=["schedule-name", "split-point", "microbatches", "csv-missing"],
+)
+def test_pipeline_validation(args, error, match):
+    config = JobConfig.parse_args(
+        ["--job.config_file", "train_configs/debug_model.toml", "--experimental.pipeline_parallel_degree", "2", *args]
+    )
+    with pytest.raises(error, match=match):
+        config.validate(2)
