@@ -23,16 +23,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import parallelize_module
 
-from torchtitan.parallelisms.async_tp import AsyncColwiseParallel, AsyncRowwiseParallel
+from torchtitan.parallelisms.tensor_parallel import async_block_plan, block_plan
 
 
 class Attention(nn.Module):
@@ -42,7 +35,7 @@ class Attention(nn.Module):
         super().__init__()
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: object = None) -> torch.Tensor:
         return self.wo(self.wq(x) * torch.sigmoid(self.wk(x)) + self.wv(x))
 
 
@@ -63,35 +56,18 @@ class Block(nn.Module):
         self.ffn_norm, self.feed_forward = nn.RMSNorm(dim), FeedForward(dim, ffn_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x))
+        h = x + self.attention(self.attention_norm(x), None)  # llama's (x, rope) signature
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 def sync_plan() -> dict:
-    """torchtitan's SP plan: one all-gather per shared input (on the parent), sync collectives."""
-    gather = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    return {
-        "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(**gather),
-        **{f"attention.{n}": ColwiseParallel() for n in ("wq", "wk", "wv")},
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(**gather),
-        **{f"feed_forward.{n}": ColwiseParallel() for n in ("w1", "w3")},
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-    }
+    """The trainer's sync SP block plan (one all-gather per shared input, on the parent)."""
+    return block_plan()
 
 
 def async_plan() -> dict:
-    attention_in, ffn_in = AsyncColwiseParallel(), AsyncColwiseParallel()  # one per shared input
-    return {
-        "attention_norm": SequenceParallel(),
-        **{f"attention.{n}": attention_in for n in ("wq", "wk", "wv")},
-        "attention.wo": AsyncRowwiseParallel(),
-        "ffn_norm": SequenceParallel(),
-        **{f"feed_forward.{n}": ffn_in for n in ("w1", "w3")},
-        "feed_forward.w2": AsyncRowwiseParallel(),
-    }
+    """The trainer's async block plan: one AsyncColwiseParallel instance per shared input."""
+    return async_block_plan()
 
 
 def build_stack(args: argparse.Namespace, mesh: DeviceMesh, plan) -> nn.Sequential:

@@ -16,18 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.checkpoint import checkpoint
 
 from tests.distributed.harness import run_distributed
-from torchtitan.parallelisms.async_tp import AsyncColwiseParallel, AsyncRowwiseParallel, record_events
+from torchtitan.parallelisms.async_tp import record_events
+from torchtitan.parallelisms.tensor_parallel import async_block_plan, block_plan
 
 pytestmark = pytest.mark.distributed
 
@@ -44,7 +39,7 @@ class _Attention(nn.Module):
         self.wq, self.wk, self.wv = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
         self.wo = nn.Linear(DIM, DIM)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: object = None) -> torch.Tensor:
         q, k, v = self.wq(x), self.wk(x), self.wv(x)  # (bs, seq, dim/tp)
         positions = torch.arange(1, q.shape[1] + 1, dtype=q.dtype).view(1, -1, 1)
         mixed = torch.cumsum(torch.sigmoid(k) * v, dim=1) / positions
@@ -68,34 +63,18 @@ class _Block(nn.Module):
         self.ffn_norm, self.feed_forward = nn.RMSNorm(DIM), _FeedForward()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x))
+        h = x + self.attention(self.attention_norm(x), None)  # llama's (x, rope) signature
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 def _sync_plan() -> dict:
-    gather = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    return {
-        "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(**gather),
-        **{f"attention.{n}": ColwiseParallel() for n in ("wq", "wk", "wv")},
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(**gather),
-        **{f"feed_forward.{n}": ColwiseParallel() for n in ("w1", "w3")},
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-    }
+    """The trainer's sync SP block plan (one all-gather per shared input, on the parent)."""
+    return block_plan()
 
 
 def _async_plan() -> dict:
-    attention_in, ffn_in = AsyncColwiseParallel(), AsyncColwiseParallel()  # one per shared input
-    return {
-        "attention_norm": SequenceParallel(),
-        **{f"attention.{n}": attention_in for n in ("wq", "wk", "wv")},
-        "attention.wo": AsyncRowwiseParallel(),
-        "ffn_norm": SequenceParallel(),
-        **{f"feed_forward.{n}": ffn_in for n in ("w1", "w3")},
-        "feed_forward.w2": AsyncRowwiseParallel(),
-    }
+    """The trainer's async block plan: one AsyncColwiseParallel instance per shared input."""
+    return async_block_plan()
 
 
 def _step(model: nn.Module, x: torch.Tensor, grad_out: torch.Tensor, use_ac: bool) -> dict:
