@@ -28,6 +28,7 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 DEFAULT_OUTPUT = "torchtitan/datasets/assets/pydocs/pydocs.jsonl"
+DEFAULT_VAL_OUTPUT = "torchtitan/datasets/assets/pydocs/pydocs_val.jsonl"
 MIN_DOC_CHARS = 200
 
 # Modules that open windows/browsers, print on import, need a display, are test suites, or whose
@@ -160,9 +161,18 @@ def write_jsonl(docs: list[str], output: Path) -> int:
     return output.stat().st_size
 
 
+def split_held_out(docs: list[str], every: int) -> tuple[list[str], list[str]]:
+    """(training, held-out): every ``every``-th document (the last of each run of ``every``) is held out."""
+    train = [d for i, d in enumerate(docs) if i % every != every - 1]
+    held_out = [d for i, d in enumerate(docs) if i % every == every - 1]
+    return train, held_out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default=DEFAULT_OUTPUT, help="JSONL file to write")
+    parser.add_argument("--val_output", default=DEFAULT_VAL_OUTPUT, help="held-out JSONL for validation")
+    parser.add_argument("--val_every", type=int, default=20, help="every N-th document is held out")
     parser.add_argument("--max_bytes", type=int, default=2_000_000, help="cap on the output size")
     args = parser.parse_args(argv)
     if args.max_bytes < 1_000_000:
@@ -173,6 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     # the reference is always kept whole; docstrings fill the rest of the budget
     budget = args.max_bytes - sum(_jsonl_size(t) for t in reference)
     selected = reference + select_documents(docstrings, budget)
+    selected, held_out = split_held_out(selected, args.val_every)
+    write_jsonl(held_out, Path(args.val_output))
     size = write_jsonl(selected, Path(args.output))
     logger.info(
         "wrote %d documents (%d reference topics, %d of %d docstrings), %d bytes, to %s",

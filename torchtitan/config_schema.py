@@ -43,7 +43,7 @@ class Metrics:
     disable_color_printing: bool = _f(False, "turn colour off (kept for older configs)")
     save_tb_folder: str = _f("tb", "TensorBoard folder, relative to job.dump_folder")
     rank_0_only: bool = _f(True, "only the logging rank writes metrics (the only mode supported)")
-    enable_wandb: bool = _f(False, "log to Weights & Biases (not built yet)")
+    enable_wandb: bool = _f(False, "also log to Weights & Biases (needs `pip install wandb`; WANDB_* env vars apply)")
     device_peak_flops: float = _f(
         0.0, "peak FLOP/s of one device for MFU; 0 = look up (GPU table) or measure once (CPU GEMM, cached)"
     )
@@ -96,6 +96,16 @@ class Training:
     gc_freq: int = _f(50, "run Python garbage collection every N steps (automatic GC is off while training)")
     seed: int | None = _f(None, "seed for weights init; None = 0. Weights depend only on it, not on the layout")
     deterministic: bool = _f(False, "use deterministic algorithms (slower)")
+
+
+@dataclass
+class Validation:
+    enabled: bool = _f(False, "compute the loss on held-out data every `freq` steps and at the last step")
+    freq: int = _f(10, "validate every N training steps")
+    steps: int = _f(2, "batches per validation (the same batches every time, so values compare over time)")
+    dataset: str = _f("pydocs_val", "validation dataset name (pydocs_val = held out of pydocs)")
+    dataset_path: str | None = _f(None, "local file/folder (or hub id) to read the validation data from")
+    batch_size: int | None = _f(None, "samples per data-parallel rank per batch; None = training.batch_size")
 
 
 @dataclass
@@ -172,6 +182,7 @@ class JobConfigTree:
     model: Model = field(default_factory=Model)
     optimizer: Optimizer = field(default_factory=Optimizer)
     training: Training = field(default_factory=Training)
+    validation: Validation = field(default_factory=Validation)
     experimental: Experimental = field(default_factory=Experimental)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)

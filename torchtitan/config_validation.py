@@ -23,7 +23,6 @@ _NOT_BUILT = {
     "checkpoint.enable_checkpoint": (False, "checkpointing"),
     "checkpoint.create_seed_checkpoint": (False, "seed checkpoints"),
     "memory_estimation.enabled": (False, "memory estimation in the trainer"),
-    "metrics.enable_wandb": (False, "Weights & Biases logging"),
     "optimizer.early_step_in_backward": (False, "optimizer steps in backward"),
 }
 
@@ -36,6 +35,8 @@ _POSITIVE = (
     "training.data_parallel_replicate_degree",
     "metrics.log_freq",
     "profiling.profile_freq",
+    "validation.freq",
+    "validation.steps",
     "comm.init_timeout_seconds",
     "comm.train_timeout_seconds",
 )
@@ -177,6 +178,19 @@ def _warnings(config: JobConfig, world_size: int) -> list[str]:
     return out
 
 
+def _check_validation_and_logging(config: JobConfig) -> None:
+    import importlib.util
+
+    v = config.validation
+    if v.batch_size is not None and v.batch_size < 1:
+        raise ConfigError(f"validation.batch_size must be >= 1 (or unset), got {v.batch_size}")
+    if v.enabled and v.dataset_path is not None and v.dataset_path.startswith((".", "/", "~")):
+        if not os.path.exists(os.path.expanduser(v.dataset_path)):
+            raise FileNotFoundError(f"validation.dataset_path = '{v.dataset_path}' does not exist")
+    if config.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("metrics.enable_wandb = true but the wandb package is not installed; `pip install wandb`")
+
+
 def validate_config(config: JobConfig, world_size: int) -> list[str]:
     """Raise on the first problem; return warnings (settings that have no effect)."""
     from torchtitan.parallelisms.parallel_dims import ParallelDims
@@ -191,4 +205,5 @@ def validate_config(config: JobConfig, world_size: int) -> list[str]:
         )
     _check_model(config)
     _check_paths(config)
+    _check_validation_and_logging(config)
     return _warnings(config, world_size)

@@ -210,9 +210,10 @@ class MetricLogger:
     accepts every call and does nothing, so callers need no rank checks.
     """
 
-    def __init__(self, jsonl_file: IO[str] | None = None, tb_writer: Any | None = None) -> None:
+    def __init__(self, jsonl_file: IO[str] | None = None, tb_writer: Any | None = None, wandb_run: Any | None = None) -> None:
         self._jsonl_file = jsonl_file
         self._tb_writer = tb_writer
+        self._wandb_run = wandb_run
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record `metrics` for `step`.
@@ -228,8 +229,13 @@ class MetricLogger:
             for name, value in metrics.items():
                 self._tb_writer.add_scalar(name, value, step)
             self._tb_writer.flush()
+        if self._wandb_run is not None:
+            self._wandb_run.log(metrics, step=step)
 
     def close(self) -> None:
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
         if self._jsonl_file is not None:
             self._jsonl_file.close()
             self._jsonl_file = None
@@ -256,12 +262,16 @@ def build_metric_logger(
     enable_tensorboard: bool,
     save_tb_folder: str,
     append: bool = False,
+    enable_wandb: bool = False,
+    wandb_config: dict[str, Any] | None = None,
 ) -> MetricLogger:
     """Build the run's metric logger.
 
     Args:
         enabled: True only on the rank that logs; otherwise every method is a no-op.
         enable_tensorboard: also write scalars under `<dump_folder>/<save_tb_folder>/<timestamp>`.
+        enable_wandb: also log to Weights & Biases (project from WANDB_PROJECT, default "torchtitan";
+            files under `<dump_folder>/wandb`); `wandb_config` is recorded as the run's config.
         append: keep an existing `<dump_folder>/metrics.jsonl` (a resumed run) instead of
             truncating it.
 
@@ -272,11 +282,24 @@ def build_metric_logger(
         return MetricLogger()
     # Import first so a missing package fails before any file is created.
     tb_writer = _build_tb_writer(dump_folder, save_tb_folder) if enable_tensorboard else None
+    wandb_run = _build_wandb_run(dump_folder, wandb_config) if enable_wandb else None
     os.makedirs(dump_folder, exist_ok=True)
     jsonl_path = os.path.join(dump_folder, "metrics.jsonl")
     jsonl_file = open(jsonl_path, "a" if append else "w", encoding="utf-8")
     logger.info("writing metrics to %s", jsonl_path)
-    return MetricLogger(jsonl_file, tb_writer)
+    return MetricLogger(jsonl_file, tb_writer, wandb_run)
+
+
+def _build_wandb_run(dump_folder: str, config: dict[str, Any] | None) -> Any:
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError(
+            "metrics.enable_wandb is set but the wandb package is not installed: run `pip install wandb`, "
+            "or turn Weights & Biases logging off"
+        ) from e
+    os.makedirs(dump_folder, exist_ok=True)
+    return wandb.init(project=os.environ.get("WANDB_PROJECT", "torchtitan"), dir=dump_folder, config=config)
 
 
 def _build_tb_writer(dump_folder: str, save_tb_folder: str) -> Any:

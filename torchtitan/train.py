@@ -28,6 +28,7 @@ from torchtitan.build import (
     num_non_embedding_params,
 )
 from torchtitan.config_manager import JobConfig, format_help, wants_help
+from torchtitan.console import format_layout, format_start_summary
 from torchtitan.datasets import build_hf_data_loader, build_tokenizer, compute_stream_groups
 from torchtitan.logging import init_logger
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer
@@ -37,6 +38,8 @@ from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline_llama import pipeline_step
 from torchtitan.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.train_metrics import StepMetrics
+from torchtitan.run_records import write_run_records
+from torchtitan.validation import Validator
 from torchtitan.utils.device import get_device_info, init_distributed, set_pg_timeout
 
 logger = logging.getLogger(__name__)
@@ -84,10 +87,32 @@ class Trainer:
             num_params=num_flop_params,
             model_args=self.model_args,
         )
-        logger.info(
-            "model %s %s: %s params (%s without embedding), layout %s, device %s",
-            config.model.name, config.model.flavor, f"{num_params:,}", f"{num_flop_params:,}",
-            self.parallel_dims, self.device,
+        self.validator = self._build_validator(tokenizer) if config.validation.enabled else None
+        if rank == 0:
+            logger.info("\n%s", self._start_summary(num_params, num_flop_params))
+
+    def _start_summary(self, num_params: int, num_flop_params: int) -> str:
+        cfg, dims = self.config, self.parallel_dims
+        return format_start_summary(
+            model=f"{cfg.model.name} {cfg.model.flavor}", params=num_params, flop_params=num_flop_params,
+            layout=format_layout({"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
+                                  "cp": dims.cp, "tp": dims.tp}),
+            world_size=dims.world_size,
+            global_batch=dims.dp_degree * cfg.training.batch_size * cfg.training.gradient_accumulation_steps,
+            seq_len=cfg.training.seq_len, steps=cfg.training.steps, device=str(self.device),
+            dump_folder=cfg.job.dump_folder,
+        )
+
+    def _dp_coords(self) -> tuple[int, int]:
+        dp_axis = self.parallel_dims.axis_name("dp")
+        return (0 if dp_axis is None else self.world_mesh[dp_axis].get_local_rank()), self.parallel_dims.dp_degree
+
+    def _build_validator(self, tokenizer) -> Validator:
+        dp_rank, dp_degree = self._dp_coords()
+        return Validator(
+            self.config, tokenizer, dp_rank=dp_rank, dp_degree=dp_degree, device=self.device,
+            loss_context=self.loss_context, loss_group=self._mesh_group("dp_cp"), pp_group=self._mesh_group("pp"),
+            pipeline=self.pipeline,
         )
 
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -99,9 +124,7 @@ class Trainer:
 
     def _build_data_loader(self, tokenizer):
         t = self.config.training
-        dp_axis = self.parallel_dims.axis_name("dp")
-        dp_rank = 0 if dp_axis is None else self.world_mesh[dp_axis].get_local_rank()
-        dp_degree = self.parallel_dims.dp_degree
+        dp_rank, dp_degree = self._dp_coords()
         groups = compute_stream_groups(dp_rank, dp_degree, t.batch_size, t.gradient_accumulation_steps)
         num_streams = dp_degree * t.batch_size * t.gradient_accumulation_steps
         return build_hf_data_loader(t.dataset, t.dataset_path, tokenizer, t.seq_len, groups, num_streams)
@@ -173,7 +196,8 @@ class Trainer:
                     if tool is not None:
                         tool.step()
         gc.enable()
-        logger.info("training done after %d steps", self.step)
+        if self.rank == 0:
+            logger.info(self.metrics.end_summary(self.step, checkpoint="not enabled (checkpoint.enable_checkpoint)"))
 
     def run_step(self, data_iter: Iterator) -> None:
         """One optimizer step: fetch the micro-batches, train on them, record metrics."""
@@ -190,6 +214,9 @@ class Trainer:
         self.metrics.add_step(tokens)
         if self.step == 1 or self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
             self.metrics.log(self.step, loss, grad_norm, lr=self.lr_scheduler.get_last_lr()[0])
+        v = cfg.validation
+        if self.validator is not None and (self.step % v.freq == 0 or self.step == cfg.training.steps):
+            self.metrics.log_validation(self.step, self.validator.run(self.model_parts))
         if self.step == 1:
             set_pg_timeout(cfg.comm.train_timeout_seconds)
         if self.step % cfg.training.gc_freq == 0:
@@ -222,8 +249,7 @@ def run(config: JobConfig, *, world_size: int, rank: int) -> None:
             logger.warning(warning)
     os.makedirs(config.job.dump_folder, exist_ok=True)
     if rank == 0:
-        with open(os.path.join(config.job.dump_folder, "config.toml"), "w") as f:
-            f.write(config.to_toml())
+        write_run_records(config, world_size)
         if config.job.print_args:
             logger.info("resolved config:\n%s", config.to_toml())
     try:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from torchtitan.console import build_palette, format_end_summary, format_step_line, format_validation_line
 from torchtitan.flops import get_peak_flops
 from torchtitan.metrics import build_device_memory_monitor, build_metric_logger, compute_mfu, compute_num_flops_per_token
 from torchtitan.parallelisms.fsdp import to_dtype
@@ -52,7 +53,15 @@ class StepMetrics:
             enabled=enabled,
             enable_tensorboard=config.metrics.enable_tensorboard,
             save_tb_folder=config.metrics.save_tb_folder,
+            enable_wandb=config.metrics.enable_wandb,
+            wandb_config=config.to_dict(),
         )
+        self.total_steps = config.training.steps
+        self.palette = build_palette(config.metrics.enable_color_printing and not config.metrics.disable_color_printing)
+        self.run_start = time.perf_counter()
+        self.tps_history: list[float] = []
+        self.best: tuple[float, int] | None = None
+        self.last_validation: float | None = None
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -101,15 +110,32 @@ class StepMetrics:
             "step_time_s": elapsed / self.window_steps,
             "data_time_s": self.window_data_time / self.window_steps,
         }
+        self.tps_history.append(tps)
+        if self.best is None or loss_avg < self.best[0]:
+            self.best = (loss_avg, step)
         if self.enabled:
-            logger.info(
-                "step %5d  loss %8.4f  grad_norm %7.4f  lr %.2e  memory %6.2f GiB  tps %9s  mfu %6.2f%%",
-                step, loss_avg, record["grad_norm"], lr, mem.max_active_gib, f"{tps:,.0f}", record["mfu"],
-            )
+            eta = (self.total_steps - step) * record["step_time_s"]
+            logger.info(format_step_line(step, self.total_steps, record, eta, self.palette))
             self.logger.log(step, record)
         self.memory.reset_peak_stats()
         self._reset_window()
         return record
+
+    def log_validation(self, step: int, record: dict[str, float]) -> None:
+        self.last_validation = record["validation_loss"]
+        if self.enabled:
+            logger.info(format_validation_line(step, self.total_steps, record, self.palette))
+            self.logger.log(step, record)
+        # validation time must not count as training time in the next window's tokens/s
+        self._reset_window()
+
+    def end_summary(self, steps: int, checkpoint: str) -> str:
+        mean_tps = sum(self.tps_history) / len(self.tps_history) if self.tps_history else 0.0
+        return format_end_summary(
+            steps=steps, wall_s=time.perf_counter() - self.run_start, mean_tps=mean_tps,
+            best_loss=self.best[0] if self.best else None, best_step=self.best[1] if self.best else None,
+            last_validation=self.last_validation, checkpoint=checkpoint,
+        )
 
     def close(self) -> None:
         self.logger.close()

@@ -34,6 +34,8 @@ class DatasetSpec:
 DATASETS: dict[str, DatasetSpec] = {
     # the offline default: Python's own docs, built by scripts/build_default_corpus.py
     "pydocs": DatasetSpec(default_path=_REPO_ROOT / "torchtitan/datasets/assets/pydocs/pydocs.jsonl"),
+    # held out from pydocs (every 20th document): the default validation set
+    "pydocs_val": DatasetSpec(default_path=_REPO_ROOT / "torchtitan/datasets/assets/pydocs/pydocs_val.jsonl"),
     "c4": DatasetSpec(hub_id="allenai/c4", hub_config="en"),
     "c4_test": DatasetSpec(default_path=_REPO_ROOT / "tests/assets/c4_test"),
     "fineweb": DatasetSpec(hub_id="HuggingFaceFW/fineweb"),

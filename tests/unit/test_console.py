@@ -1,0 +1,73 @@
+import io
+import sys
+import types
+
+import pytest
+
+from torchtitan.config_manager import ConfigError, JobConfig
+from torchtitan.console import COLOURS, PLAIN, build_palette, format_duration, format_step_line
+from torchtitan.metrics import build_metric_logger
+
+RECORD = {"loss": 7.123456, "grad_norm": 0.5, "lr": 8e-4, "tps": 12345.6, "mfu": 41.25, "memory_gib": 1.5}
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_palette_only_on_a_terminal_and_when_enabled():
+    assert build_palette(True, _Tty()) is COLOURS
+    assert build_palette(False, _Tty()) is PLAIN
+    assert build_palette(True, io.StringIO()) is PLAIN  # redirected: plain text
+
+
+def test_step_line_plain_and_coloured():
+    plain = format_step_line(3, 100, RECORD, eta_s=3725, c=PLAIN)
+    assert "\x1b[" not in plain
+    assert plain.startswith("step   3/100  loss   7.1235  grad_norm  0.5000  lr 8.00e-04  tps    12,346")
+    assert plain.endswith("mfu 41.25%  memory   1.50 GiB  eta 1:02:05")
+    coloured = format_step_line(3, 100, RECORD, eta_s=0, c=COLOURS)
+    assert "\x1b[" in coloured
+    # the same text once the escape codes are removed: colour never changes the alignment
+    import re
+    assert re.sub(r"\x1b\[[0-9;]*m", "", coloured) == format_step_line(3, 100, RECORD, eta_s=0)
+
+
+def test_duration():
+    assert format_duration(0) == "0:00:00" and format_duration(59.6) == "0:01:00" and format_duration(90061) == "25:01:01"
+
+
+def test_wandb_logging_goes_through_wandb(tmp_path, monkeypatch):
+    calls = []
+
+    class Run:
+        def log(self, metrics, step):
+            calls.append((step, metrics))
+
+        def finish(self):
+            calls.append("finish")
+
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw["project"], kw["dir"])) or Run())
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setenv("WANDB_PROJECT", "p")
+    logger = build_metric_logger(str(tmp_path), enabled=True, enable_tensorboard=False, save_tb_folder="tb",
+                                 enable_wandb=True, wandb_config={"a": 1})
+    logger.log(5, {"loss": 1.0})
+    logger.close()
+    assert calls == [("init", "p", str(tmp_path)), (5, {"loss": 1.0}), "finish"]
+
+
+def test_wandb_missing_is_a_clear_config_error(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    config = JobConfig.parse_args(["--job.config_file", "train_configs/debug_model.toml", "--metrics.enable_wandb"])
+    with pytest.raises(ConfigError, match="pip install wandb"):
+        config.validate(1)
+
+
+def test_validation_keys_checked():
+    with pytest.raises(ConfigError, match="validation.freq must be >= 1"):
+        JobConfig.parse_args(["--job.config_file", "train_configs/debug_model.toml", "--validation.freq", "0"]).validate(1)

@@ -1,0 +1,86 @@
+"""What a person reads on the console: the step line and the start/end summaries.
+
+Colour only when the log stream is a terminal and colour printing is on; redirected output
+(files, CI logs, `tee`) is plain text with no escape codes.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Palette:
+    step: str = ""
+    loss: str = ""
+    value: str = ""
+    dim: str = ""
+    reset: str = ""
+
+
+PLAIN = Palette()
+COLOURS = Palette(step="\033[36m", loss="\033[1;32m", value="\033[33m", dim="\033[2m", reset="\033[0m")
+
+
+def build_palette(enabled: bool, stream=None) -> Palette:
+    stream = sys.stderr if stream is None else stream
+    is_tty = hasattr(stream, "isatty") and stream.isatty()
+    return COLOURS if enabled and is_tty else PLAIN
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}"
+
+
+def format_step_line(step: int, total: int, record: dict[str, float], eta_s: float, c: Palette = PLAIN) -> str:
+    """One aligned line per logged step: step/total, loss, grad norm, lr, tokens/s, MFU, memory, ETA."""
+    width = len(str(total))
+    return (
+        f"{c.step}step {step:>{width}}/{total}{c.reset}  "
+        f"loss {c.loss}{record['loss']:8.4f}{c.reset}  "
+        f"grad_norm {c.value}{record['grad_norm']:7.4f}{c.reset}  "
+        f"lr {c.value}{record['lr']:.2e}{c.reset}  "
+        f"tps {c.value}{record['tps']:>9,.0f}{c.reset}  "
+        f"mfu {c.value}{record['mfu']:5.2f}%{c.reset}  "
+        f"memory {c.value}{record['memory_gib']:6.2f} GiB{c.reset}  "
+        f"{c.dim}eta {format_duration(eta_s)}{c.reset}"
+    )
+
+
+def format_validation_line(step: int, total: int, record: dict[str, float], c: Palette = PLAIN) -> str:
+    width = len(str(total))
+    return (
+        f"{c.step}validation at step {step:>{width}}/{total}{c.reset}  "
+        f"loss {c.loss}{record['validation_loss']:8.4f}{c.reset}  "
+        f"perplexity {c.value}{record['validation_perplexity']:10.3f}{c.reset}"
+    )
+
+
+def format_layout(degrees: dict[str, int]) -> str:
+    """'dp_shard 2 x tp 2' for the axes with a degree > 1; 'single process' when none."""
+    parts = [f"{name} {d}" for name, d in degrees.items() if d > 1]
+    return " x ".join(parts) if parts else "single process"
+
+
+def format_start_summary(*, model: str, params: int, flop_params: int, layout: str, world_size: int,
+                         global_batch: int, seq_len: int, steps: int, device: str, dump_folder: str) -> str:
+    tokens = global_batch * seq_len
+    return "\n".join([
+        f"model       {model}: {params:,} parameters ({flop_params:,} without the embedding)",
+        f"layout      {layout} ({world_size} process{'es' if world_size > 1 else ''}, device {device})",
+        f"batch       {global_batch} samples x {seq_len} tokens = {tokens:,} tokens per step, {steps} steps",
+        f"outputs     {dump_folder} (metrics.jsonl, config.toml, command.txt, run_info.json)",
+    ])
+
+
+def format_end_summary(*, steps: int, wall_s: float, mean_tps: float, best_loss: float | None,
+                       best_step: int | None, last_validation: float | None, checkpoint: str) -> str:
+    best = "n/a" if best_loss is None else f"{best_loss:.4f} (step {best_step})"
+    val = "" if last_validation is None else f", last validation loss {last_validation:.4f}"
+    return (
+        f"done: {steps} steps in {format_duration(wall_s)}, mean {mean_tps:,.0f} tokens/s per rank, "
+        f"best logged loss {best}{val}; checkpoint: {checkpoint}"
+    )
