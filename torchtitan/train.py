@@ -151,20 +151,11 @@ class Trainer:
         """
         loss_sum = torch.zeros((), device=self.device)
         for inputs, labels in batches:
-            if self.pipeline is not None:
-                with self.loss_context():  # the schedule runs the loss and its backward inside
-                    loss = pipeline_step(self.pipeline, inputs, labels)
-                if loss is not None:
-                    loss_sum += _plain(loss)
-                continue
-            with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
-                pred = self.model_parts[0](inputs)  # (bs, seqlen, vocab); vocab-sharded DTensor under loss parallel
-            with self.loss_context():
-                # Dividing by the micro-batch count makes the accumulated gradient the gradient of the mean.
-                loss = cross_entropy_loss(pred, labels) / len(batches)
-                del pred
-                loss.backward()
-            loss_sum += _plain(loss)
+            # Dividing by the micro-batch count makes the accumulated gradient the gradient of the
+            # mean (under PP the pipeline's loss function divides).
+            loss = self._forward_backward(inputs, labels, scale=1.0 / len(batches))
+            if loss is not None:
+                loss_sum += _plain(loss)
         params = self.parameters()
         reduce_partial_grads_(params)
         pp_group = self._mesh_group("pp")
@@ -173,6 +164,19 @@ class Trainer:
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm
+
+    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor | None:
+        autocast = torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None)
+        if self.pipeline is not None:
+            with autocast, self.loss_context():  # the schedule runs the loss and its backward inside
+                return pipeline_step(self.pipeline, inputs, labels)
+        with autocast:
+            pred = self.model_parts[0](inputs)  # (bs, seqlen, vocab); vocab-sharded DTensor under loss parallel
+        with self.loss_context():
+            loss = cross_entropy_loss(pred, labels) * scale
+            del pred
+            loss.backward()
+        return loss
 
     def train(self) -> None:
         cfg = self.config
