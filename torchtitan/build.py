@@ -50,7 +50,10 @@ def finish_model_part(
 ) -> None:
     """Parallelize a meta model (or pipeline stage), materialise it on ``device``, init from the seed."""
     parallelize_llama(part, world_mesh, parallel_dims, config)
-    part.to_empty(device=device)
+    # With FSDP CPU offload the sharded parameters live in CPU memory; FSDP copies them to the
+    # device for each block's compute. Buffers (the RoPE table) stay on the device.
+    offload = config.training.enable_cpu_offload and parallel_dims.fsdp_enabled
+    part.to_empty(device=torch.device("cpu") if offload else device)
     seed = 0 if config.training.seed is None else config.training.seed
     init_model_weights(part, seed, buffer_device=device)
     part.train()

@@ -84,7 +84,15 @@ class Training:
     gradient_accumulation_steps: int = _f(1, "micro-batches accumulated per optimizer step")
     data_parallel_replicate_degree: int = _f(1, "replicas (DDP, or the replicate axis of HSDP)")
     data_parallel_shard_degree: int = _f(-1, "FSDP shard degree; -1 = whatever the other degrees leave")
-    enable_cpu_offload: bool = _f(False, "FSDP CPU offload of parameters/grads/optimizer (not built yet)")
+    enable_cpu_offload: bool = _f(
+        False, "FSDP CPU offload: sharded parameters, gradients and optimizer state live in CPU memory"
+    )
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = _f(
+        "default",
+        "free each block's gathered parameters after forward: always; never (keep them for backward: fewer "
+        "all-gathers, more memory); default = always except the last block",
+    )
+    fsdp_prefetch_depth: int = _f(1, "blocks FSDP all-gathers ahead of the one computing (forward and backward)")
     tensor_parallel_degree: int = _f(1, "tensor-parallel degree")
     enable_loss_parallel: bool = _f(True, "with TP, keep logits vocab-sharded and compute the loss in parallel")
     disable_loss_parallel: bool = _f(False, "older spelling of enable_loss_parallel = false")
@@ -105,7 +113,7 @@ class Validation:
     steps: int = _f(2, "batches per validation (the same batches every time, so values compare over time)")
     dataset: str = _f("pydocs_val", "validation dataset name (pydocs_val = held out of pydocs)")
     dataset_path: str | None = _f(None, "local file/folder (or hub id) to read the validation data from")
-    batch_size: int | None = _f(None, "samples per data-parallel rank per batch; None = training.batch_size")
+    batch_size: int | None = _f(None, "samples per data-parallel rank per batch; None = batch_size x gradient_accumulation_steps")
 
 
 @dataclass

@@ -16,7 +16,6 @@ if TYPE_CHECKING:
 
 # key -> (value that means "off", what to say). Non-default values raise NotImplementedError.
 _NOT_BUILT = {
-    "training.enable_cpu_offload": (False, "FSDP CPU offload"),
     "experimental.context_parallel_degree": (1, "context parallel"),
     "experimental.expert_parallel_degree": (1, "expert parallel"),
     "experimental.enable_compiled_autograd": (False, "compiled autograd"),
@@ -33,6 +32,7 @@ _POSITIVE = (
     "training.gradient_accumulation_steps",
     "training.gc_freq",
     "training.data_parallel_replicate_degree",
+    "training.fsdp_prefetch_depth",
     "metrics.log_freq",
     "profiling.profile_freq",
     "validation.freq",
@@ -167,12 +167,19 @@ def _check_paths(config: JobConfig) -> None:
 
 
 def _warnings(config: JobConfig, world_size: int) -> list[str]:
+    from torchtitan.parallelisms.parallel_dims import ParallelDims
+
     out = []
     if config.float8.enable_float8_linear:
         out.append("float8.enable_float8_linear has no effect without a GPU that supports float8 (ignored)")
     if config.training.enable_loss_parallel is False or config.training.disable_loss_parallel:
         if config.training.tensor_parallel_degree == 1:
             out.append("loss parallel settings have no effect without tensor parallel")
+    t = config.training
+    fsdp_knobs = t.enable_cpu_offload or t.fsdp_reshard_after_forward != "default" or t.fsdp_prefetch_depth != 1
+    if fsdp_knobs and not ParallelDims.from_config(config, world_size).fsdp_enabled:
+        out.append("training.enable_cpu_offload / fsdp_reshard_after_forward / fsdp_prefetch_depth have no effect "
+                   "without FSDP (data_parallel_shard_degree > 1)")
     if config.metrics.rank_0_only is False:
         out.append("metrics.rank_0_only = false has no effect: only the logging rank writes metrics")
     return out

@@ -40,7 +40,9 @@ class Validator:
         pipeline=None,
     ):
         v = config.validation
-        batch_size = v.batch_size or config.training.batch_size
+        # Default: one training step's worth of samples per rank, so the global validation batch
+        # (and so the number) does not depend on how training splits its batch into micro-batches.
+        batch_size = v.batch_size or config.training.batch_size * config.training.gradient_accumulation_steps
         groups = compute_stream_groups(dp_rank, dp_degree, batch_size, 1)
         self.loader = build_hf_data_loader(
             v.dataset, v.dataset_path, tokenizer, config.training.seq_len, groups, dp_degree * batch_size

@@ -16,14 +16,15 @@ from torchtitan.parallelisms.parallel_dims import ParallelDims
 
 pytestmark = pytest.mark.distributed
 
-ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=16)
+ARGS = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=16)
 GLOBAL_BATCH, SEQ, STEPS = 8, 16, 3
 TOL = dict(rtol=1e-5, atol=1e-6)  # fp32: only the order of the gradient reduction differs
 
 
-def _config(dp_replicate: int, dp_shard: int, ac_mode: str = "none") -> JobConfig:
+def _config(dp_replicate: int, dp_shard: int, ac_mode: str = "none", extra: tuple[str, ...] = ()) -> JobConfig:
     return JobConfig.parse_args(
         [
+            *extra,
             "--training.data_parallel_replicate_degree", str(dp_replicate),
             "--training.data_parallel_shard_degree", str(dp_shard),
             "--training.mixed_precision_param", "float32",
@@ -66,10 +67,10 @@ def _batches():
     ]
 
 
-def _check_against_reference(rank: int, world: int, dp_replicate: int, dp_shard: int, ac_mode: str):
+def _check_against_reference(rank: int, world: int, dp_replicate: int, dp_shard: int, ac_mode: str, extra=()):
     import torch.distributed as dist
 
-    config = _config(dp_replicate, dp_shard, ac_mode)
+    config = _config(dp_replicate, dp_shard, ac_mode, extra)
     dims = ParallelDims.from_config(config, world)
     mesh = dims.build_mesh("cpu")
     model = build_model(config, ARGS, dims, mesh, torch.device("cpu"))
@@ -88,6 +89,8 @@ def _check_against_reference(rank: int, world: int, dp_replicate: int, dp_shard:
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), **TOL)
     for name, g in grads.items():
         torch.testing.assert_close(g, ref_grads[name], **TOL, msg=f"grad differs: {name}")
+    if extra:  # how many blocks block 0 all-gathers ahead in forward
+        return comms, len(model.layers["0"]._get_fsdp_state()._states_to_forward_prefetch)
     return comms
 
 
@@ -104,3 +107,11 @@ def test_data_parallel_matches_single_process(world, dp_replicate, dp_shard, ac_
     comms = run_distributed(_check_against_reference, world, dp_replicate, dp_shard, ac_mode)
     for per_rank in comms:
         assert per_rank == [clip_all_reduces] * STEPS
+
+
+def test_fsdp_prefetch_reshard_and_offload_controls_keep_parity():
+    extra = ("--training.fsdp_prefetch_depth", "2", "--training.fsdp_reshard_after_forward", "never",
+             "--training.enable_cpu_offload")
+    for comms, forward_prefetch in run_distributed(_check_against_reference, 2, 1, 2, "none", extra):
+        assert comms == [1] * STEPS
+        assert forward_prefetch == 2  # block 0 of the 3-block model gathers blocks 1 and 2 ahead

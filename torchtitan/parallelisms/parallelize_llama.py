@@ -92,6 +92,16 @@ def parallelize_llama(
             world_mesh[dims],
             param_dtype=to_dtype(config.training.mixed_precision_param),
             reduce_dtype=to_dtype(config.training.mixed_precision_reduce),
+            reshard_after_forward=config.training.fsdp_reshard_after_forward,
+            prefetch_depth=config.training.fsdp_prefetch_depth,
+            cpu_offload=config.training.enable_cpu_offload,
+            # pinned host memory speeds up host<->device copies; there are none on a CPU device
+            pin_memory=world_mesh.device_type != "cpu",
         )
+        if config.training.enable_cpu_offload and world_mesh.device_type == "cpu":
+            logger.warning(
+                "training.enable_cpu_offload on a CPU device: parameters already live in CPU memory, "
+                "so offloading saves nothing here (it applies on accelerators)"
+            )
     elif parallel_dims.dp_replicate_enabled:
         apply_ddp(model, world_mesh["dp_replicate"])

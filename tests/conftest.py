@@ -1,0 +1,29 @@
+"""Fixtures shared by the integration modules (one single-process reference run per session)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tests.integration_tests import GLOBAL_BATCH, losses_of, read_metrics, run_train
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory) -> tuple[str, subprocess.CompletedProcess]:
+    """One process, the whole global batch: (dump folder, the launcher's completed process)."""
+    folder = str(tmp_path_factory.mktemp("reference"))
+    result = run_train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return folder, result
+
+
+@pytest.fixture(scope="session")
+def reference(reference_run) -> dict[str, list[float]]:
+    folder, _ = reference_run
+    records = read_metrics(folder)
+    for key in ("step", "loss", "tps", "mfu", "memory_gib", "grad_norm", "lr"):
+        assert key in records[0], key
+    losses = losses_of(folder)
+    assert losses["loss"][-1] < losses["loss"][0] - 0.3, f"loss did not fall: {losses['loss']}"
+    return losses
