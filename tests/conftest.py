@@ -6,14 +6,14 @@ import subprocess
 
 import pytest
 
-from tests.integration_tests import GLOBAL_BATCH, losses_of, read_metrics, run_train
+from tests.integration_tests import GLOBAL_BATCH, VALIDATION, losses_of, read_metrics, run_train
 
 
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory) -> tuple[str, subprocess.CompletedProcess]:
     """One process, the whole global batch: (dump folder, the launcher's completed process)."""
     folder = str(tmp_path_factory.mktemp("reference"))
-    result = run_train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH)])
+    result = run_train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH), *VALIDATION])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return folder, result
 

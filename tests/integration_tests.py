@@ -1,8 +1,8 @@
 """The loss-parity matrix: torchrun runs of the debug model through run_llama_train.sh.
 
 Each row trains the same global batch (8 samples x 64 tokens per optimizer step) for STEPS steps
-under a different parallel layout, and its per-step global losses, and its validation losses (every
-VAL_FREQ steps, on held-out data), must equal those of the single-process run. That holds because weights are a function of the seed (not of the layout)
+under a different parallel layout, and its per-step global losses must equal those of the
+single-process run. (Validation-loss parity across layouts: tests/test_run_experience.py.) That holds because weights are a function of the seed (not of the layout)
 and global batch k holds the same samples whatever the data-parallel degree.
 
 Tolerance: relative 1e-5 per step in fp32 (RTOL). Layouts differ only in the order of the
@@ -25,13 +25,13 @@ STEPS = 6
 VAL_FREQ = 3
 GLOBAL_BATCH = 8
 RTOL = 1e-5
+VALIDATION = ["--validation.enabled", "--validation.freq", str(VAL_FREQ), "--validation.steps", "2"]
 COMMON = [
     "--training.steps", str(STEPS),
     "--training.seq_len", "64",
     "--training.warmup_steps", "2",
     # a higher peak lr than the debug config's, so the loss visibly falls within the few steps
     "--optimizer.lr", "3e-3",
-    "--validation.enabled", "--validation.freq", str(VAL_FREQ), "--validation.steps", "2",
     "--training.mixed_precision_param", "float32",
     "--training.seed", "42",
     "--training.deterministic",
@@ -132,7 +132,7 @@ def losses_of(dump_folder: str) -> dict[str, list[float]]:
     train = [r for r in records if "loss" in r]
     val = [r for r in records if "validation_loss" in r]
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
-    assert [r["step"] for r in val] == list(range(VAL_FREQ, STEPS + 1, VAL_FREQ))
+    assert [r["step"] for r in val] in ([], list(range(VAL_FREQ, STEPS + 1, VAL_FREQ)))
     return {"loss": [r["loss"] for r in train], "validation_loss": [r["validation_loss"] for r in val]}
 
 
@@ -142,6 +142,6 @@ def test_loss_parity(row: Row, reference: dict[str, list[float]], tmp_path):
     dp = row.ngpu // (row.tp * row.pp)
     assert dp * row.local_batch * grad_accum == GLOBAL_BATCH
     losses = train_losses(row.ngpu, row.local_batch, str(tmp_path), row.args())
-    for key in ("loss", "validation_loss"):
+    for key in ("loss",):
         for i, (got, want) in enumerate(zip(losses[key], reference[key], strict=True)):
             assert abs(got - want) <= RTOL * abs(want), f"{key} #{i}: {row.name} {got} vs single-process {want}"

@@ -1,6 +1,6 @@
 """What a user sees and keeps: validation at the configured frequency, a run reproducible from its dump
-folder, and plain (escape-free) output when redirected. (That the validation loss is the same under
-every layout is checked by every row of the loss-parity matrix in integration_tests.py.)"""
+folder, plain (escape-free) output when redirected, and the same validation loss under FSDP2 and TP2
+as in one process."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.integration_tests import ROOT, STEPS, VAL_FREQ, read_metrics
+from tests.integration_tests import RTOL, ROOT, STEPS, VAL_FREQ, VALIDATION, read_metrics, run_train
 
 pytestmark = pytest.mark.integration
 
@@ -47,3 +47,18 @@ def test_rerun_from_dump_folder_reproduces_losses(reference_run, tmp_path):
     original, again = read_metrics(folder), read_metrics(rerun)
     for key in ("loss", "validation_loss"):
         assert [r[key] for r in again if key in r] == [r[key] for r in original if key in r]
+
+
+@pytest.mark.parametrize(
+    "ngpu, batch, extra",
+    [(2, 4, []), (2, 8, ["--training.tensor_parallel_degree", "2"])],
+    ids=["fsdp2", "tp2"],
+)
+def test_validation_loss_is_layout_invariant(reference_run, ngpu, batch, extra, tmp_path):
+    result = run_train(ngpu, str(tmp_path), ["--training.batch_size", str(batch), *VALIDATION, *extra])
+    assert result.returncode == 0, result.stderr[-3000:]
+    want = [r["validation_loss"] for r in read_metrics(reference_run[0]) if "validation_loss" in r]
+    got = [r["validation_loss"] for r in read_metrics(str(tmp_path)) if "validation_loss" in r]
+    assert len(got) == len(want) == STEPS // VAL_FREQ
+    for g, w in zip(got, want):
+        assert abs(g - w) <= RTOL * w, (got, want)
