@@ -3,6 +3,8 @@
 #   NGPU         processes to start (default: number of GPUs, or 2 on a machine without one)
 #   LOG_RANK     ranks whose output is shown, comma-separated (default 0)
 #   CONFIG_FILE  TOML config (default ./train_configs/debug_model.toml)
+#   PREFLIGHT    1 (default): check the config in one process before starting NGPU; 0 skips that
+#                (every rank checks it again anyway; the test matrix saves a torch import per run)
 # Any further arguments are config overrides, e.g. --training.steps 20 --training.batch_size=4
 set -eu -o pipefail
 
@@ -21,7 +23,9 @@ for arg in "$@"; do
 done
 
 # Check the config in one process first: a bad key or layout is one clear line, not N tracebacks.
-"$PYTHON" -m torchtitan.config_manager --world_size "$NGPU" --job.config_file "$CONFIG_FILE" "$@"
+if [ "${PREFLIGHT:-1}" != "0" ]; then
+  "$PYTHON" -m torchtitan.config_manager --world_size "$NGPU" --job.config_file "$CONFIG_FILE" "$@"
+fi
 
 exec "$PYTHON" -m torch.distributed.run \
   --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \

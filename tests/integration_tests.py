@@ -48,12 +48,14 @@ class Row:
     overrides: list[str] = field(default_factory=list)
     tp: int = 1
     pp: int = 1
+    cp: int = 1
 
     def args(self) -> list[str]:
         return [
             *self.overrides,
             "--training.tensor_parallel_degree", str(self.tp),
             "--experimental.pipeline_parallel_degree", str(self.pp),
+            "--experimental.context_parallel_degree", str(self.cp),
         ]
 
 
@@ -71,6 +73,8 @@ PP_CSV = [
 
 
 ASYNC = ["--experimental.enable_async_tensor_parallel"]
+ROTATE_ALLGATHER = ["--experimental.context_parallel_rotate_method", "allgather"]
+ROTATE_ALLTOALL = ["--experimental.context_parallel_rotate_method", "alltoall"]
 HSDP_2x2 = ["--training.data_parallel_replicate_degree", "2", "--training.data_parallel_shard_degree", "2"]
 
 
@@ -106,11 +110,20 @@ ROWS = [
     Row("pp2_fsdp2", 4, 4, pp_schedule("1F1B", 2), pp=2),
     Row("pp2_tp2", 4, 8, pp_schedule("1F1B"), tp=2, pp=2),
     Row("pp2_fsdp2_tp2", 8, 4, pp_schedule("1F1B", 2), tp=2, pp=2),
+    # context parallel: CP ranks split each of their data-parallel rank's sequences
+    Row("cp2_allgather", 2, 8, ROTATE_ALLGATHER, cp=2),
+    Row("cp2_alltoall", 2, 8, ROTATE_ALLTOALL, cp=2),
+    Row("cp4", 4, 8, ROTATE_ALLTOALL, cp=4),
+    Row("fsdp2_cp2", 4, 4, ROTATE_ALLGATHER, cp=2),
+    Row("tp2_cp2", 4, 8, ROTATE_ALLTOALL, tp=2, cp=2),
+    Row("fsdp2_tp2_cp2", 8, 4, ROTATE_ALLTOALL, tp=2, cp=2),
+    Row("fsdp2_tp2_cp2_pp2", 16, 4, [*ROTATE_ALLTOALL, *pp_schedule("1F1B", 2)], tp=2, cp=2, pp=2),
 ]
 
 
 def run_train(ngpu: int, dump_folder: str, overrides: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, NGPU=str(ngpu), LOG_RANK="0", CONFIG_FILE="./train_configs/debug_model.toml")
+    # PREFLIGHT=0: every rank validates the config anyway; tests/test_bad_input.py covers the preflight.
+    env = dict(os.environ, NGPU=str(ngpu), LOG_RANK="0", CONFIG_FILE="./train_configs/debug_model.toml", PREFLIGHT="0")
     cmd = ["bash", "./run_llama_train.sh", *COMMON, *overrides, "--job.dump_folder", dump_folder]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -139,7 +152,7 @@ def losses_of(dump_folder: str) -> dict[str, list[float]]:
 @pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
 def test_loss_parity(row: Row, reference: dict[str, list[float]], tmp_path):
     grad_accum = 2 if "--training.gradient_accumulation_steps" in row.overrides else 1
-    dp = row.ngpu // (row.tp * row.pp)
+    dp = row.ngpu // (row.tp * row.pp * row.cp)
     assert dp * row.local_batch * grad_accum == GLOBAL_BATCH
     losses = train_losses(row.ngpu, row.local_batch, str(tmp_path), row.args())
     for key in ("loss",):

@@ -69,6 +69,10 @@ class Optimizer:
     beta2: float = _f(0.95, "Adam beta2")
     weight_decay: float = _f(0.1, "decoupled weight decay (AdamW) or L2 penalty (Adam)")
     fused: bool = _f(False, "use the fused kernel (CUDA); default is the foreach implementation")
+    state_dtype: Literal["float32", "bfloat16"] = _f(
+        "float32",
+        "dtype of Adam's exp_avg / exp_avg_sq; bfloat16 halves the optimizer state (the update still runs in fp32)",
+    )
     early_step_in_backward: bool = _f(False, "step the optimizer per parameter during backward (not built yet)")
 
 
@@ -96,6 +100,11 @@ class Training:
     tensor_parallel_degree: int = _f(1, "tensor-parallel degree")
     enable_loss_parallel: bool = _f(True, "with TP, keep logits vocab-sharded and compute the loss in parallel")
     disable_loss_parallel: bool = _f(False, "older spelling of enable_loss_parallel = false")
+    loss_chunk_size: int = _f(
+        0,
+        "sequence positions per chunk of the output projection + cross-entropy (each chunk's logits are "
+        "recomputed in backward, never all held); 0 = one chunk (the full logits)",
+    )
     mixed_precision_param: Literal["bfloat16", "float32"] = _f(
         "bfloat16", "parameter dtype in forward/backward (FSDP MixedPrecisionPolicy, else autocast)"
     )
@@ -118,8 +127,15 @@ class Validation:
 
 @dataclass
 class Experimental:
-    context_parallel_degree: int = _f(1, "context-parallel degree (not built yet)")
-    context_parallel_rotate_method: Literal["allgather", "alltoall"] = _f("allgather", "ring attention K/V rotation")
+    context_parallel_degree: int = _f(1, "context-parallel degree: ranks that split each sequence (ring attention)")
+    context_parallel_rotate_method: Literal["allgather", "alltoall"] = _f(
+        "allgather",
+        "how ring attention gets the other ranks' keys/values: allgather (all at once; K/V memory x cp) or "
+        "alltoall (passed around the ring one block at a time, overlapping the next transfer with compute)",
+    )
+    context_parallel_load_balance: bool = _f(
+        True, "give each CP rank a head and the mirrored tail chunk of the sequence, so causal work is even"
+    )
     pipeline_parallel_degree: int = _f(1, "pipeline-parallel degree (not built yet)")
     pipeline_parallel_split_points: list[str] = _f([], "layer names where stages start, e.g. layers.4,layers.8")
     pipeline_parallel_schedule: str = _f("1F1B", "pipeline schedule name")
@@ -138,16 +154,18 @@ class Experimental:
 
 @dataclass
 class Checkpoint:
-    enable_checkpoint: bool = _f(False, "save/load DCP checkpoints (not built yet)")
+    enable_checkpoint: bool = _f(False, "save DCP checkpoints and resume from the newest complete one")
     folder: str = _f("checkpoint", "checkpoint folder, relative to job.dump_folder")
-    interval_type: Literal["steps", "seconds"] = _f("steps", "unit of `interval`")
+    interval_type: Literal["steps", "seconds"] = _f("steps", "unit of `interval` (seconds: rank 0's clock decides)")
     interval: int = _f(500, "save every N steps or seconds")
-    model_weights_only: bool = _f(False, "final save holds the model weights only")
+    model_weights_only: bool = _f(False, "the final save holds the model weights only (an export, not a resume point)")
     export_dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "dtype of a weights-only export")
-    create_seed_checkpoint: bool = _f(False, "initialise on one process and save step 0")
-    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = _f("disabled", "asynchronous saving")
-    keep_latest_k: int = _f(0, "keep only the newest K checkpoints; 0 = keep all")
-    load_step: int = _f(-1, "step to resume from; -1 = newest")
+    create_seed_checkpoint: bool = _f(False, "initialise on one process, save step-0 (weights only) and exit")
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = _f(
+        "disabled", "write checkpoints in a background thread (the final save is synchronous)"
+    )
+    keep_latest_k: int = _f(0, "keep only the newest K complete checkpoints (the step-0 seed is kept); 0 = all")
+    load_step: int = _f(-1, "step to resume from; -1 = the newest complete checkpoint")
 
 
 @dataclass

@@ -16,11 +16,8 @@ if TYPE_CHECKING:
 
 # key -> (value that means "off", what to say). Non-default values raise NotImplementedError.
 _NOT_BUILT = {
-    "experimental.context_parallel_degree": (1, "context parallel"),
     "experimental.expert_parallel_degree": (1, "expert parallel"),
     "experimental.enable_compiled_autograd": (False, "compiled autograd"),
-    "checkpoint.enable_checkpoint": (False, "checkpointing"),
-    "checkpoint.create_seed_checkpoint": (False, "seed checkpoints"),
     "memory_estimation.enabled": (False, "memory estimation in the trainer"),
     "optimizer.early_step_in_backward": (False, "optimizer steps in backward"),
 }
@@ -87,6 +84,7 @@ def _check_model(config: JobConfig) -> None:
     if config.model.norm_type not in norm_types:
         raise ConfigError(f"model.norm_type = {config.model.norm_type!r}: allowed are {list(norm_types)}")
     _check_tp_divisibility(config, args)
+    _check_context_parallel(config)
     _check_pipeline(config, args)
     if config.training.seq_len > args.max_seq_len:
         raise ConfigError(
@@ -132,6 +130,35 @@ def _check_tp_divisibility(config: JobConfig, args) -> None:
             )
 
 
+def _check_context_parallel(config: JobConfig) -> None:
+    """CP splits each sequence into cp (or 2 x cp, load-balanced) equal chunks."""
+    exp = config.experimental
+    cp = exp.context_parallel_degree
+    if cp < 1:
+        raise ConfigError(f"experimental.context_parallel_degree must be >= 1, got {cp}")
+    if cp == 1:
+        return
+    chunks = 2 * cp if exp.context_parallel_load_balance else cp
+    how = "2 x context_parallel_degree (load balancing)" if exp.context_parallel_load_balance else "context_parallel_degree"
+    if config.training.seq_len % chunks:
+        raise ConfigError(
+            f"training.seq_len = {config.training.seq_len} is not divisible by {how} = {chunks}; "
+            f"choose a seq_len that is a multiple of {chunks}"
+        )
+    tp = config.training.tensor_parallel_degree
+    if tp > 1 and (config.training.seq_len // cp) % tp:
+        raise ConfigError(
+            f"training.seq_len / context_parallel_degree = {config.training.seq_len // cp} is not divisible by "
+            f"training.tensor_parallel_degree = {tp} (sequence parallel splits each CP chunk again); "
+            f"choose a seq_len that is a multiple of {cp * tp}"
+        )
+    if config.training.compile:
+        raise NotImplementedError(
+            "experimental.context_parallel_degree > 1 with training.compile = true: ring attention is eager "
+            "point-to-point code that full-graph compile cannot trace; turn one of them off"
+        )
+
+
 def _check_pipeline(config: JobConfig, args) -> None:
     """Stage split and micro-batches, checked here so the user sees our message, not torch's."""
     exp = config.experimental
@@ -150,6 +177,28 @@ def _check_pipeline(config: JobConfig, args) -> None:
     )
     n_microbatches = exp.pipeline_parallel_microbatches or pp
     validate_microbatches(exp.pipeline_parallel_schedule, n_microbatches, config.training.batch_size, len(stages), pp)
+
+
+def _check_memory_options(config: JobConfig) -> None:
+    """bf16 optimizer states and the chunked loss (see docs/parallelisms.md, "Memory-saving options")."""
+    opt = config.optimizer
+    if opt.state_dtype == "bfloat16" and opt.fused:
+        raise ConfigError(
+            "optimizer.fused = true with optimizer.state_dtype = 'bfloat16': torch's fused Adam kernel keeps its "
+            "states in the parameter dtype; allowed with bfloat16 states is fused = false (the per-parameter "
+            "fp32-math implementation), or set state_dtype = 'float32' to keep fused"
+        )
+    chunk = config.training.loss_chunk_size
+    if chunk < 0:
+        raise ConfigError(
+            f"training.loss_chunk_size must be >= 0 (0 = one chunk, the full logits), got {chunk}"
+        )
+    if chunk > 0 and config.experimental.pipeline_parallel_degree > 1:
+        raise NotImplementedError(
+            f"training.loss_chunk_size = {chunk} with experimental.pipeline_parallel_degree = "
+            f"{config.experimental.pipeline_parallel_degree}: the pipeline schedule computes the loss from the "
+            "last stage's logits; set training.loss_chunk_size = 0 under pipeline parallel"
+        )
 
 
 def _check_paths(config: JobConfig) -> None:
@@ -180,6 +229,14 @@ def _warnings(config: JobConfig, world_size: int) -> list[str]:
     if fsdp_knobs and not ParallelDims.from_config(config, world_size).fsdp_enabled:
         out.append("training.enable_cpu_offload / fsdp_reshard_after_forward / fsdp_prefetch_depth have no effect "
                    "without FSDP (data_parallel_shard_degree > 1)")
+    ck = config.checkpoint
+    if not ck.enable_checkpoint and not ck.create_seed_checkpoint and (
+        ck.async_mode != "disabled" or ck.keep_latest_k or ck.load_step != -1 or ck.model_weights_only
+    ):
+        out.append("checkpoint.async_mode / keep_latest_k / load_step / model_weights_only have no effect "
+                   "without checkpoint.enable_checkpoint = true")
+    if ck.export_dtype != "float32" and not ck.model_weights_only:
+        out.append("checkpoint.export_dtype has no effect without checkpoint.model_weights_only = true")
     if config.metrics.rank_0_only is False:
         out.append("metrics.rank_0_only = false has no effect: only the logging rank writes metrics")
     return out
@@ -198,12 +255,41 @@ def _check_validation_and_logging(config: JobConfig) -> None:
         raise ConfigError("metrics.enable_wandb = true but the wandb package is not installed; `pip install wandb`")
 
 
+def _check_checkpoint(config: JobConfig, world_size: int) -> None:
+    """Checkpoint ranges and combinations (see docs/checkpoint.md)."""
+    ck = config.checkpoint
+    if ck.interval < 1:
+        raise ConfigError(f"checkpoint.interval must be >= 1 ({ck.interval_type}), got {ck.interval}")
+    if ck.keep_latest_k < 0:
+        raise ConfigError(f"checkpoint.keep_latest_k must be >= 0 (0 keeps every checkpoint), got {ck.keep_latest_k}")
+    if ck.load_step < -1:
+        raise ConfigError(f"checkpoint.load_step must be -1 (the newest complete checkpoint) or a step >= 0, "
+                          f"got {ck.load_step}")
+    if ck.create_seed_checkpoint and world_size != 1:
+        raise ConfigError(
+            f"checkpoint.create_seed_checkpoint = true needs one process (it initialises the whole model and "
+            f"exits), got world_size {world_size}; run scripts/create_seed_checkpoint.sh"
+        )
+    if ck.async_mode == "async_with_pinned_mem":
+        import torch
+
+        if not torch.cuda.is_available():  # device-choice: pinned host memory only speeds device-to-host copies
+            raise ConfigError(
+                "checkpoint.async_mode = 'async_with_pinned_mem' stages into pinned memory for fast GPU-to-host "
+                "copies, and this machine has no GPU; use 'async' (the state is already in host memory)"
+            )
+        raise NotImplementedError(
+            "checkpoint.async_mode = 'async_with_pinned_mem' is not built yet; use 'async'"
+        )
+
+
 def validate_config(config: JobConfig, world_size: int) -> list[str]:
     """Raise on the first problem; return warnings (settings that have no effect)."""
     from torchtitan.parallelisms.parallel_dims import ParallelDims
 
     _check_ranges(config)
     _check_not_built(config)
+    _check_memory_options(config)
     dims = ParallelDims.from_config(config, world_size)  # raises on degrees that do not fit the world size
     if dims.dp_replicate_enabled and not dims.fsdp_enabled and dims.tp_enabled:
         raise NotImplementedError(
@@ -213,4 +299,5 @@ def validate_config(config: JobConfig, world_size: int) -> list[str]:
     _check_model(config)
     _check_paths(config)
     _check_validation_and_logging(config)
+    _check_checkpoint(config, world_size)
     return _warnings(config, world_size)

@@ -8,10 +8,21 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from torchtitan.config_schema import Optimizer as OptimizerConfig
 from torchtitan.config_schema import Training
+from torchtitan.optim_lowp import LowPrecisionAdamW
 
 
 def build_optimizer(model_parts: list[nn.Module], config: OptimizerConfig) -> torch.optim.Optimizer:
     """One optimizer over the parameters of every model part (several with pipeline stages per rank)."""
+    if config.state_dtype == "bfloat16":
+        return LowPrecisionAdamW(
+            [p for part in model_parts for p in part.parameters()],
+            lr=config.lr,
+            betas=(config.beta1, config.beta2),
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+            decoupled_weight_decay=config.name == "AdamW",
+            state_dtype="bfloat16",
+        )
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[config.name]
     # foreach (multi-tensor) is the default; fused only where asked (a CUDA kernel).
     impl = {"fused": True} if config.fused else {"foreach": True}

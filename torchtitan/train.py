@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -27,11 +28,14 @@ from torchtitan.build import (
     finish_model_part,
     num_non_embedding_params,
 )
+from torchtitan.checkpointing import CheckpointManager, create_seed_checkpoint, model_info, trim_metrics
+from torchtitan.chunked_loss import chunked_cross_entropy
 from torchtitan.config_manager import JobConfig, format_help, wants_help
 from torchtitan.console import format_layout, format_start_summary
 from torchtitan.datasets import build_hf_data_loader, build_tokenizer, compute_stream_groups
 from torchtitan.logging import init_logger
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer
+from torchtitan.parallelisms.context_parallel import compute_cp_positions, shard_sequence
 from torchtitan.parallelisms.fsdp import to_dtype
 from torchtitan.parallelisms.grad_norm import clip_grad_norm_, reduce_partial_grads_
 from torchtitan.parallelisms.parallel_dims import ParallelDims
@@ -60,6 +64,7 @@ class Trainer:
             init_distributed(get_device_info(), config.comm.init_timeout_seconds)
         self.parallel_dims = ParallelDims.from_config(config, world_size)
         self.world_mesh = self.parallel_dims.build_mesh(self.device.type)
+        self.cp_positions = self._cp_positions()
         _set_determinism(config)
         tokenizer = build_tokenizer(config.model.tokenizer_path)
         self.data_loader = self._build_data_loader(tokenizer)
@@ -78,8 +83,14 @@ class Trainer:
         self.amp = self._autocast()
         self.loss_context = loss_parallel if self.parallel_dims.loss_parallel_enabled else contextlib.nullcontext
         self.step = 0
+        self.checkpointer = self._build_checkpointer()
+        # A resumed run continues at checkpoint step + 1; metrics.jsonl keeps the records up to it.
+        self.step = self.start_step = self.checkpointer.load()
+        if rank == 0 and self.step > 0:
+            trim_metrics(config.job.dump_folder, self.step)
         self.metrics = StepMetrics(
             config,
+            append=self.step > 0,
             device=self.device,
             enabled=rank == 0,
             loss_group=self._mesh_group("dp_cp"),
@@ -90,6 +101,14 @@ class Trainer:
         self.validator = self._build_validator(tokenizer) if config.validation.enabled else None
         if rank == 0:
             logger.info("\n%s", self._start_summary(num_params, num_flop_params))
+
+    def _build_checkpointer(self) -> CheckpointManager:
+        return CheckpointManager(
+            self.config.checkpoint, dump_folder=self.config.job.dump_folder, model_parts=self.model_parts,
+            optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, data_loader=self.data_loader,
+            dp_rank=self._dp_coords()[0], rank=self.rank, device=self.device,
+            model_info=model_info(self.config, self.model_args),
+        )
 
     def _start_summary(self, num_params: int, num_flop_params: int) -> str:
         cfg, dims = self.config, self.parallel_dims
@@ -112,7 +131,7 @@ class Trainer:
         return Validator(
             self.config, tokenizer, dp_rank=dp_rank, dp_degree=dp_degree, device=self.device,
             loss_context=self.loss_context, loss_group=self._mesh_group("dp_cp"), pp_group=self._mesh_group("pp"),
-            pipeline=self.pipeline,
+            pipeline=self.pipeline, shard_batch=self._shard_batch,
         )
 
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -140,8 +159,27 @@ class Trainer:
         batches = []
         for _ in range(self.config.training.gradient_accumulation_steps):
             inputs, labels = next(data_iter)
-            batches.append((inputs.to(self.device), labels.to(self.device)))
+            batches.append(self._shard_batch(inputs.to(self.device), labels.to(self.device)))
         return batches
+
+    def _shard_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Under context parallel, this rank's sequence positions of the batch its dp rank reads.
+
+        The model gets the matching positions from the hook apply_cp installs, so RoPE rotates each
+        token by its true position.
+        """
+        if self.cp_positions is None:
+            return inputs, labels
+        inputs, labels = shard_sequence([inputs, labels], seq_dim=1, positions=self.cp_positions)
+        return inputs, labels
+
+    def _cp_positions(self) -> torch.Tensor | None:
+        dims, exp = self.parallel_dims, self.config.experimental
+        if not dims.cp_enabled:
+            return None
+        cp_rank = self.world_mesh["cp"].get_local_rank()
+        positions = compute_cp_positions(self.config.training.seq_len, dims.cp, cp_rank, exp.context_parallel_load_balance)
+        return positions.to(self.device)
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward/backward every micro-batch, clip, step. Returns (mean loss, grad norm), unsynced.
@@ -170,6 +208,23 @@ class Trainer:
         if self.pipeline is not None:
             with autocast, self.loss_context():  # the schedule runs the loss and its backward inside
                 return pipeline_step(self.pipeline, inputs, labels)
+        chunk_size = self.config.training.loss_chunk_size
+        if chunk_size > 0:
+            model = self.model_parts[0]
+            with autocast:
+                hidden = model(inputs, return_hidden=True)  # (bs, seqlen, dim); Shard(1) DTensor under SP
+            if isinstance(model, FSDPModule):
+                # The root FSDP unit (which owns ``output``) resharded after forward; gather it again for
+                # the loss. Its gradient is reduce-scattered by the root's post-backward, as usual.
+                model.unshard()
+            with self.loss_context():
+                # The output projection runs per chunk inside the loss, under the forward's autocast
+                # (checkpoint replays that autocast state when it recomputes a chunk in backward).
+                with autocast:
+                    loss = chunked_cross_entropy(hidden, model.output, labels, chunk_size=chunk_size) * scale
+                del hidden
+                loss.backward()
+            return loss
         with autocast:
             pred = self.model_parts[0](inputs)  # (bs, seqlen, vocab); vocab-sharded DTensor under loss parallel
         with self.loss_context():
@@ -201,7 +256,7 @@ class Trainer:
                         tool.step()
         gc.enable()
         if self.rank == 0:
-            logger.info(self.metrics.end_summary(self.step, checkpoint="not enabled (checkpoint.enable_checkpoint)"))
+            logger.info(self.metrics.end_summary(self.step, checkpoint=self.checkpointer.summary()))
 
     def run_step(self, data_iter: Iterator) -> None:
         """One optimizer step: fetch the micro-batches, train on them, record metrics."""
@@ -214,19 +269,26 @@ class Trainer:
 
     def _after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         cfg = self.config
-        tokens = cfg.training.batch_size * cfg.training.seq_len * cfg.training.gradient_accumulation_steps
+        # This rank's share of the step's tokens: TP, CP and PP ranks split the work on the same
+        # samples, so tokens/s and MFU are per-rank numbers that add up across the world.
+        dims = self.parallel_dims
+        samples = cfg.training.batch_size * cfg.training.gradient_accumulation_steps
+        tokens = samples * cfg.training.seq_len / (dims.tp * dims.cp * dims.pp)
         self.metrics.add_step(tokens)
-        if self.step == 1 or self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
+        first = self.step == self.start_step + 1
+        if first or self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
             self.metrics.log(self.step, loss, grad_norm, lr=self.lr_scheduler.get_last_lr()[0])
         v = cfg.validation
         if self.validator is not None and (self.step % v.freq == 0 or self.step == cfg.training.steps):
             self.metrics.log_validation(self.step, self.validator.run(self.model_parts))
-        if self.step == 1:
+        self.checkpointer.maybe_save(self.step, last=self.step == cfg.training.steps)
+        if first:
             set_pg_timeout(cfg.comm.train_timeout_seconds)
         if self.step % cfg.training.gc_freq == 0:
             gc.collect(1)
 
     def close(self) -> None:
+        self.checkpointer.close()  # waits for an async save in flight
         self.metrics.close()
 
 
@@ -256,6 +318,9 @@ def run(config: JobConfig, *, world_size: int, rank: int) -> None:
         write_run_records(config, world_size)
         if config.job.print_args:
             logger.info("resolved config:\n%s", config.to_toml())
+    if config.checkpoint.create_seed_checkpoint:
+        create_seed_checkpoint(config)
+        return
     try:
         trainer = Trainer(config, world_size=world_size, rank=rank)
         try:

@@ -37,6 +37,7 @@ class StepMetrics:
         pp_group: dist.ProcessGroup | None,
         num_params: int,
         model_args: ModelArgs,
+        append: bool = False,
     ):
         self.device = device
         self.enabled = enabled
@@ -53,6 +54,7 @@ class StepMetrics:
             enabled=enabled,
             enable_tensorboard=config.metrics.enable_tensorboard,
             save_tb_folder=config.metrics.save_tb_folder,
+            append=append,
             enable_wandb=config.metrics.enable_wandb,
             wandb_config=config.to_dict(),
         )

@@ -38,6 +38,7 @@ class Validator:
         loss_group: dist.ProcessGroup | None,
         pp_group: dist.ProcessGroup | None,
         pipeline=None,
+        shard_batch: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ):
         v = config.validation
         # Default: one training step's worth of samples per rank, so the global validation batch
@@ -54,6 +55,7 @@ class Validator:
         self.loss_group = loss_group
         self.pp_group = pp_group
         self.pipeline = pipeline
+        self.shard_batch = shard_batch or (lambda inputs, labels: (inputs, labels))  # context parallel's slice
 
     def _batch_loss(self, model_parts: list[nn.Module], inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with self.loss_context():
@@ -78,7 +80,8 @@ class Validator:
         total = torch.zeros((), device=self.device)
         for _ in range(self.steps):
             inputs, labels = next(data)
-            total += self._batch_loss(model_parts, inputs.to(self.device), labels.to(self.device)).float()
+            inputs, labels = self.shard_batch(inputs.to(self.device), labels.to(self.device))
+            total += self._batch_loss(model_parts, inputs, labels).float()
         for part in model_parts:
             part.train()
         if self.pp_group is not None:  # only the last stage holds the loss

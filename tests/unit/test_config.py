@@ -194,3 +194,28 @@ def test_pipeline_validation(args, error, match):
     )
     with pytest.raises(error, match=match):
         config.validate(2)
+
+
+@pytest.mark.parametrize(
+    "cp, args, world, error, match",
+    [
+        (4, ["--training.seq_len", "100"], 4, ConfigError, r"seq_len = 100 is not divisible by 2 x context_parallel_degree"),
+        (8, ["--training.seq_len", "36", "--experimental.context_parallel_load_balance", "false"], 8, ConfigError,
+         r"seq_len = 36 is not divisible by context_parallel_degree = 8"),
+        (2, ["--training.seq_len", "36", "--training.tensor_parallel_degree", "4"], 8, ConfigError,
+         r"seq_len / context_parallel_degree = 18 is not divisible by training.tensor_parallel_degree = 4"),
+        (2, ["--training.compile"], 2, NotImplementedError, "context_parallel_degree > 1 with training.compile"),
+    ],
+    ids=["seq-len-load-balanced", "seq-len-plain", "seq-len-with-sp", "compile"],
+)
+def test_context_parallel_validation(cp, args, world, error, match):
+    config = JobConfig.parse_args(["--job.config_file", "train_configs/debug_model.toml",
+                                   "--experimental.context_parallel_degree", str(cp), *args])
+    with pytest.raises(error, match=match):
+        config.validate(world)
+
+
+def test_context_parallel_valid_layout_passes():
+    config = JobConfig.parse_args(["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "64",
+                                   "--experimental.context_parallel_degree", "2", "--training.tensor_parallel_degree", "2"])
+    config.validate(8)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from torchtitan.parallelisms.activation_checkpoint import apply_ac
+from torchtitan.parallelisms.context_parallel import apply_cp, compute_cp_positions
 from torchtitan.parallelisms.fsdp import apply_ddp, apply_fsdp, to_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.tensor_parallel import apply_tp
@@ -30,6 +31,25 @@ def apply_compile(model: nn.Module, *, tp_enabled: bool) -> None:
         # output) gets a plain-tensor gradient back and DTensor's backward fails (torch 2.13);
         # a copy makes the compiled region's input a non-view. Cheap: one activation per step.
         model.tok_embeddings.register_forward_hook(lambda mod, inputs, out: out.clone())
+
+
+def pass_positions(model: nn.Module, positions: torch.Tensor) -> None:
+    """Make the model's forward receive ``positions`` (its tokens' places in the whole sequence).
+
+    Under context parallel each rank holds a fixed, non-contiguous slice of every sequence (the
+    trainer cuts inputs and labels with the same positions); RoPE must rotate each token by its
+    true position. A forward pre-hook keeps the call sites (trainer, validator, pipeline
+    schedules, whose stages get only hidden states) unaware of it.
+    """
+    on_device: dict[torch.device, torch.Tensor] = {}
+
+    def add_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        x = args[0] if args else kwargs["tokens"]
+        if x.device not in on_device:
+            on_device[x.device] = positions.to(x.device)
+        return args, {**kwargs, "positions": on_device[x.device]}
+
+    model.register_forward_pre_hook(add_positions, with_kwargs=True)
 
 
 def resolve_async_tp(config: JobConfig, device_type: str) -> str | None:
@@ -65,10 +85,11 @@ def enable_compiler_async_tp(tp_mesh: DeviceMesh) -> None:
 def parallelize_llama(
     model: nn.Module, world_mesh: DeviceMesh | None, parallel_dims: ParallelDims, config: JobConfig
 ) -> None:
-    """Apply, in place and in this order: TP, activation checkpointing, compile, then FSDP/HSDP or DDP.
+    """Apply, in place and in this order: TP, CP, activation checkpointing, compile, then FSDP/HSDP or DDP.
 
     Why this order: TP first because it rewrites each linear's parameters into DTensors and its
-    plan addresses the model's own module names, which wrappers would change; AC wraps each
+    plan addresses the model's own module names, which wrappers would change; CP swaps each
+    attention's core (no parameters) for ring attention, also by module name; AC wraps each
     (TP'd) block before compile so the compiled graph contains the recomputation policy; compile
     before FSDP so FSDP's hooks stay outside the compiled region (its communication is not traced);
     data parallelism last because its unit is the finished (TP'd, wrapped, compiled) block, and
@@ -81,6 +102,19 @@ def parallelize_llama(
         if async_tp == "compiler":
             enable_compiler_async_tp(tp_mesh)
         logger.info("applied tensor parallel over %d ranks (async: %s)", parallel_dims.tp, async_tp or "off")
+    if parallel_dims.cp_enabled:
+        exp = config.experimental
+        cp_mesh = world_mesh["cp"]
+        apply_cp(model, cp_mesh, rotate_method=exp.context_parallel_rotate_method,
+                 load_balance=exp.context_parallel_load_balance)
+        positions = compute_cp_positions(
+            config.training.seq_len, parallel_dims.cp, cp_mesh.get_local_rank(), exp.context_parallel_load_balance
+        )
+        pass_positions(model, positions)
+        logger.info(
+            "applied context parallel over %d ranks (%s, load balance %s)",
+            parallel_dims.cp, exp.context_parallel_rotate_method, exp.context_parallel_load_balance,
+        )
     apply_ac(model, config.activation_checkpoint)
     if config.training.compile:
         apply_compile(model, tp_enabled=parallel_dims.tp_enabled)

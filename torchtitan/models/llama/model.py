@@ -64,6 +64,21 @@ def apply_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return rotated.flatten(-2).type_as(x)
 
 
+class CausalAttention(nn.Module):
+    """softmax(q k^T / sqrt(d) + causal mask) v, a module so context parallel can swap in ring attention.
+
+    Takes k and v with the (fewer) key/value heads: grouped-query heads are expanded here, after any
+    communication, so a CP ring passes the compact tensors.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (bs, n_heads, seqlen, head_dim); k, v (bs, n_kv_heads, seqlen, head_dim) -> like q."""
+        n_rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(n_rep, dim=1)  # (bs, n_heads, seqlen, head_dim)
+        v = v.repeat_interleave(n_rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -73,6 +88,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.sdpa: nn.Module = CausalAttention()
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -89,12 +105,7 @@ class Attention(nn.Module):
         # Sliced here, where the sequence is whole: between blocks, sequence parallel shards it.
         rope = rope[:seqlen]
         q, k = apply_rotary_emb(q, rope), apply_rotary_emb(k, rope)
-        n_rep = q.shape[2] // k.shape[2]
-        k = k.repeat_interleave(n_rep, dim=2)  # (bs, seqlen, n_heads, head_dim)
-        v = v.repeat_interleave(n_rep, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )  # (bs, n_heads, seqlen, head_dim)
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (bs, n_heads, seqlen, head_dim)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))  # (bs, seqlen, dim)
 
 
@@ -188,14 +199,20 @@ class Transformer(nn.Module):
         with torch.device(device):
             self.rope_cache = self._rope_cache()
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, *, return_hidden: bool = False
+    ) -> torch.Tensor:
         """tokens (bs, seqlen) -> logits (bs, seqlen, vocab); on a middle pipeline stage, hidden -> hidden.
 
         positions (seqlen,) are the tokens' positions in their sequence (default 0..seqlen-1).
+        return_hidden: return the normed hidden state (bs, seqlen, dim) and skip ``output``, for a
+        loss that applies the output projection itself (torchtitan.chunked_loss).
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
         rope = self.rope_cache if positions is None else self.rope_cache[positions]  # (seqlen, head_dim)
         for layer in self.layers.values():
             h = layer(h, rope)
         h = self.norm(h) if self.norm is not None else h
+        if return_hidden:
+            return h  # (bs, seqlen, dim)
         return self.output(h) if self.output is not None else h  # (bs, seqlen, vocab)

@@ -1,0 +1,43 @@
+"""Convert one of our checkpoints (a complete ``step-N`` folder) to Hugging Face Llama format.
+
+    python scripts/convert_to_hf.py outputs/debug_model/checkpoint/step-30 outputs/hf_debug [--dtype bfloat16]
+
+Writes ``model.safetensors`` and ``config.json`` (``LlamaForCausalLM``), which
+``transformers.AutoModelForCausalLM.from_pretrained(outputs/hf_debug)`` loads. q/k projection rows
+are permuted from our interleaved RoPE to HF's rotate-half layout. The tokenizer is not converted.
+Only convert checkpoints you trust: DCP metadata is unpickled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+import torch  # noqa: E402
+
+from torchtitan.checkpointing.hf import export_to_hf  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a complete step-N checkpoint folder")
+    parser.add_argument("output", help="output folder for model.safetensors and config.json")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's dtype")
+    args = parser.parse_args(argv)
+    try:
+        config = export_to_hf(args.checkpoint, args.output, DTYPES.get(args.dtype))
+    except (ValueError, NotImplementedError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.output}: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
+          f"{config['torch_dtype']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Checkpoint runs through run_llama_train.sh: bit-exact resume, resharded resume, a killed save.
+
+Runs are shared between checks to keep the file short (6 steps, seq 64, the matrix's settings):
+
+* fsdp2: a seed checkpoint (seed 7) in the folder, async saves every 2 steps, keep_latest_k 2 ->
+  step-0 kept, step-2 purged, step-4/6 kept; resume with load_step 4 must give steps 5-6 bit-exact.
+* fsdp2 (seed 7, no seed checkpoint) SIGKILLed while step-4's marker is held back -> the restart
+  ignores the incomplete step-4, resumes from step-2, and its steps 1-6 equal the seeded run's
+  exactly (the seed checkpoint holds exactly seed 7's init).
+* tp2, pp2 (1F1B) and cp2: save at 3, resume at 3 under the same layout -> bit-exact; the tp2 step-3
+  checkpoint also resumes on 1 process, the 1F1B one under Interleaved1F1B (2 stages per rank,
+  one optimizer over both), the cp2 one under FSDP2 (the data-parallel degree changes 1 -> 2)
+  -> within RTOL.
+* fsdp4 save at 3 -> fsdp2 x tp2 resume -> within RTOL (slow: two 4-process runs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.integration_tests import COMMON, ROOT, RTOL, STEPS, pp_schedule, read_metrics, run_train
+
+pytestmark = pytest.mark.integration
+
+CKPT = ["--checkpoint.enable_checkpoint"]
+
+
+def losses(folder: str) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(folder) if "loss" in r}
+
+
+def train(ngpu: int, folder: str, args: list[str]) -> str:
+    result = run_train(ngpu, folder, [*CKPT, *args])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+def complete_steps(folder: str) -> list[int]:
+    root = os.path.join(folder, "checkpoint")
+    return sorted(int(d[5:]) for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, ".complete")))
+
+
+def assert_close(got: dict[int, float], want: dict[int, float], steps: range) -> None:
+    for s in steps:
+        assert abs(got[s] - want[s]) <= RTOL * abs(want[s]), f"step {s}: {got[s]} vs uninterrupted {want[s]}"
+
+
+@pytest.fixture(scope="module")
+def seeded_fsdp2(tmp_path_factory) -> tuple[str, dict[int, float], str]:
+    """(folder, per-step losses, log) of the fsdp2 run that starts from a seed-7 seed checkpoint."""
+    folder = str(tmp_path_factory.mktemp("fsdp2"))
+    env = dict(os.environ, CONFIG_FILE="./train_configs/debug_model.toml")
+    seed = subprocess.run(
+        ["bash", "./scripts/create_seed_checkpoint.sh", *COMMON, "--training.seed", "7", "--job.dump_folder", folder],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert seed.returncode == 0, seed.stderr[-3000:]
+    assert complete_steps(folder) == [0]
+    log = train(2, folder, ["--training.batch_size", "4", "--checkpoint.interval", "2",
+                            "--checkpoint.keep_latest_k", "2", "--checkpoint.async_mode", "async"])
+    return folder, losses(folder), log
+
+
+def test_fsdp2_seed_async_purge_and_load_step(seeded_fsdp2):
+    folder, full, log = seeded_fsdp2
+    assert "loaded seed weights (model only) from step 0" in log
+    assert "writing in the background" in log  # async saves at 2 and 4; the final one is synchronous
+    assert complete_steps(folder) == [0, 4, 6]  # keep_latest_k 2 purged step-2; the seed is kept
+    shutil.copy(os.path.join(folder, "metrics.jsonl"), os.path.join(folder, "uninterrupted.jsonl"))
+    log = train(2, folder, ["--training.batch_size", "4", "--checkpoint.interval", "2", "--checkpoint.load_step", "4"])
+    assert "resumed from step 4" in log
+    resumed = losses(folder)
+    assert sorted(resumed) == list(range(1, STEPS + 1))  # metrics.jsonl: steps 1-4 kept, 5-6 appended
+    assert [resumed[s] for s in (5, 6)] == [full[s] for s in (5, 6)]
+
+
+def test_killed_save_resumes_from_previous_complete(seeded_fsdp2, tmp_path):
+    _, seeded, _ = seeded_fsdp2
+    folder = str(tmp_path)
+    args = [*CKPT, "--training.batch_size", "4", "--training.seed", "7", "--checkpoint.interval", "2"]
+    env = dict(os.environ, NGPU="2", LOG_RANK="0", CONFIG_FILE="./train_configs/debug_model.toml", PREFLIGHT="0",
+               TORCHTITAN_TEST_CHECKPOINT_MARKER_DELAY="4:120")
+    proc = subprocess.Popen(["bash", "./run_llama_train.sh", *COMMON, *args, "--job.dump_folder", folder], cwd=ROOT,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    step4 = os.path.join(folder, "checkpoint", "step-4")
+    deadline = time.monotonic() + 300
+    while not os.path.isfile(os.path.join(step4, ".metadata")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # data written, marker held back: a crash mid-save
+    proc.wait()
+    assert os.path.isfile(os.path.join(step4, ".metadata")) and not os.path.exists(os.path.join(step4, ".complete"))
+    log = train(2, folder, args)
+    assert "ignoring incomplete checkpoint" in log and "resumed from step 2" in log
+    got = losses(folder)
+    assert [got[s] for s in range(1, STEPS + 1)] == [seeded[s] for s in range(1, STEPS + 1)]
+    assert complete_steps(folder) == [2, 4, 6]
+
+
+@pytest.mark.parametrize(
+    "name,ngpu,local_batch,layout",
+    [
+        ("tp2", 2, 8, ["--training.tensor_parallel_degree", "2"]),
+        ("pp2_1f1b", 2, 8, ["--experimental.pipeline_parallel_degree", "2", *pp_schedule("1F1B")]),
+        ("cp2", 2, 8, ["--experimental.context_parallel_degree", "2",
+                       "--experimental.context_parallel_rotate_method", "alltoall"]),
+    ],
+)
+def test_resume_same_layout_is_bit_exact(name, ngpu, local_batch, layout, tmp_path):
+    folder = str(tmp_path)
+    args = ["--training.batch_size", str(local_batch), "--checkpoint.interval", "3", *layout]
+    train(ngpu, folder, args)
+    full = losses(folder)
+    train(ngpu, folder, [*args, "--checkpoint.load_step", "3"])
+    resumed = losses(folder)
+    assert [resumed[s] for s in range(4, STEPS + 1)] == [full[s] for s in range(4, STEPS + 1)]
+    # resharded: the TP2 checkpoint on one process; the 1F1B one (a stage per rank) under Interleaved1F1B
+    # (two stages per rank: one optimizer over both parts, the whole-model names merged)
+    # (and the CP2 one, whose ranks share one data-parallel rank, under FSDP2: two data-parallel ranks)
+    ngpu_other, batch_other, layout_other = {
+        "tp2": (1, 8, []),
+        "pp2_1f1b": (2, 8, ["--experimental.pipeline_parallel_degree", "2", *pp_schedule("Interleaved1F1B")]),
+        "cp2": (2, 4, []),
+    }[name]
+    other = str(tmp_path / "other")
+    shutil.copytree(os.path.join(folder, "checkpoint", "step-3"), os.path.join(other, "checkpoint", "step-3"))
+    log = train(ngpu_other, other, ["--training.batch_size", str(batch_other), *layout_other])
+    assert "resumed from step 3" in log
+    assert_close(losses(other), full, range(4, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_resume_fsdp4_checkpoint_as_fsdp2_tp2(tmp_path):
+    folder = str(tmp_path)
+    train(4, folder, ["--training.batch_size", "2", "--checkpoint.interval", "3"])
+    full = losses(folder)
+    other = str(tmp_path / "fsdp2_tp2")
+    shutil.copytree(os.path.join(folder, "checkpoint", "step-3"), os.path.join(other, "checkpoint", "step-3"))
+    log = train(4, other, ["--training.batch_size", "4", "--training.tensor_parallel_degree", "2"])
+    assert "resumed from step 3" in log
+    assert_close(losses(other), full, range(4, STEPS + 1))
+    with open(os.path.join(other, "checkpoint", "step-6", ".complete")) as f:
+        assert json.load(f)["world_size"] == 4

@@ -1,0 +1,90 @@
+"""Context parallel, single process: the sequence layout and the block / online-softmax math."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchtitan.models.llama.model import CausalAttention
+from torchtitan.parallelisms.context_parallel import (
+    RingAttention,
+    compute_block_attention,
+    compute_cp_positions,
+    merge_attention_,
+    shard_sequence,
+)
+
+TOL = dict(rtol=1e-5, atol=1e-5)  # fp32: only the order of the softmax reductions differs
+
+
+def test_load_balanced_layout_is_head_plus_mirrored_tail() -> None:
+    assert compute_cp_positions(8, 2, 0, load_balance=True).tolist() == [0, 1, 6, 7]
+    assert compute_cp_positions(8, 2, 1, load_balance=True).tolist() == [2, 3, 4, 5]
+    assert compute_cp_positions(8, 2, 1, load_balance=False).tolist() == [4, 5, 6, 7]
+    assert compute_cp_positions(8, 2, 0, load_balance=True).dtype == torch.int64
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("load_balance", [True, False])
+def test_positions_over_ranks_are_a_permutation(cp: int, load_balance: bool) -> None:
+    union = torch.cat([compute_cp_positions(32, cp, r, load_balance) for r in range(cp)])
+    assert union.shape == (32,)
+    assert sorted(union.tolist()) == list(range(32))
+
+
+def test_load_balanced_causal_work_is_even() -> None:
+    work = [sum(int(p) + 1 for p in compute_cp_positions(64, 4, r, True)) for r in range(4)]
+    assert len(set(work)) == 1  # visible keys per rank, summed over its queries
+
+
+@pytest.mark.parametrize(("seq_len", "cp", "load_balance", "need"), [
+    (12, 4, True, "2 × context_parallel_degree = 8"),
+    (10, 4, False, "context_parallel_degree = 4"),
+])
+def test_indivisible_seq_len_is_rejected(seq_len: int, cp: int, load_balance: bool, need: str) -> None:
+    with pytest.raises(ValueError, match="training.seq_len") as info:
+        compute_cp_positions(seq_len, cp, 0, load_balance)
+    assert need in str(info.value) and str(seq_len) in str(info.value)
+
+
+def test_shard_sequence_selects_positions_along_dim() -> None:
+    x, y = torch.arange(16).view(2, 8), torch.arange(8)
+    positions = compute_cp_positions(8, 2, 0, load_balance=True)
+    (xs,), (ys,) = shard_sequence([x], 1, positions), shard_sequence([y], 0, positions)
+    assert xs.tolist() == [[0, 1, 6, 7], [8, 9, 14, 15]] and xs.is_contiguous()
+    assert ys.tolist() == [0, 1, 6, 7]
+
+
+@pytest.mark.parametrize("n_kv_heads", [2, 4])
+@pytest.mark.parametrize("load_balance", [True, False])
+def test_blocks_merged_with_online_softmax_equal_causal_attention(n_kv_heads: int, load_balance: bool) -> None:
+    torch.manual_seed(0)
+    bs, n_heads, seq, head_dim, cp = 2, 4, 16, 8, 4
+    q = torch.randn(bs, n_heads, seq, head_dim)
+    k, v = torch.randn(bs, n_kv_heads, seq, head_dim), torch.randn(bs, n_kv_heads, seq, head_dim)
+    expected = CausalAttention()(q, k, v)  # (bs, n_heads, seq, head_dim)
+    positions = [compute_cp_positions(seq, cp, r, load_balance) for r in range(cp)]
+    for q_pos in positions:  # each rank's queries against every rank's block, in ring order
+        out, lse = compute_block_attention(q[:, :, q_pos], k[:, :, q_pos], v[:, :, q_pos], q_pos, q_pos,
+                                           head_dim**-0.5)
+        for k_pos in positions:
+            if k_pos is not q_pos:
+                merge_attention_(out, lse, *compute_block_attention(
+                    q[:, :, q_pos], k[:, :, k_pos], v[:, :, k_pos], q_pos, k_pos, head_dim**-0.5))
+        torch.testing.assert_close(out, expected[:, :, q_pos], **TOL)
+
+
+def test_fully_masked_rows_merge_without_nan() -> None:
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    future = compute_block_attention(q, k, k, torch.arange(4), torch.arange(4, 8), 1.0)  # sees nothing
+    assert torch.equal(future[0], torch.zeros_like(future[0])) and bool((future[1] == float("-inf")).all())
+    out, lse = compute_block_attention(q, k, k, torch.arange(4), torch.arange(2, 6), 1.0)  # rows 0, 1 empty
+    merge_attention_(out, lse, *future)
+    assert not out.isnan().any() and bool((lse[..., :2] == float("-inf")).all())
+    merge_attention_(out, lse, *compute_block_attention(q, k, k, torch.arange(4), torch.arange(4), 1.0))
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
+def test_unknown_rotate_method_is_rejected() -> None:
+    with pytest.raises(ValueError, match="rotate_method = 'ring'.*allgather, alltoall"):
+        RingAttention(None, rotate_method="ring", load_balance=True)

@@ -1,0 +1,49 @@
+"""Checkpointing: DCP save/resume of the whole training state, seed checkpoints, weight export.
+
+See docs/checkpoint.md for the layout on disk, the resume and resharding guarantees and the
+trust boundary (DCP metadata is pickled: load only checkpoints you trust).
+"""
+
+from torchtitan.checkpointing.folders import (
+    EXPORT,
+    FULL,
+    MARKER,
+    SEED,
+    CheckpointInfo,
+    SaveSchedule,
+    find_resume_checkpoint,
+    list_checkpoints,
+    purge_stale,
+    read_marker,
+    step_folder,
+    write_marker,
+)
+from torchtitan.checkpointing.manager import (
+    CheckpointManager,
+    create_seed_checkpoint,
+    load_model_weights,
+    model_info,
+    save_model_weights,
+    trim_metrics,
+)
+
+__all__ = [
+    "EXPORT",
+    "FULL",
+    "MARKER",
+    "SEED",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "SaveSchedule",
+    "create_seed_checkpoint",
+    "find_resume_checkpoint",
+    "list_checkpoints",
+    "load_model_weights",
+    "model_info",
+    "purge_stale",
+    "read_marker",
+    "save_model_weights",
+    "step_folder",
+    "trim_metrics",
+    "write_marker",
+]

@@ -1,0 +1,175 @@
+"""The checkpoint folder on disk: ``step-N`` folders, completion markers, discovery, purge, save schedule.
+
+No torch.distributed here: rank 0 calls these and broadcasts what it decided.
+
+A checkpoint counts only when its ``.complete`` marker exists. The marker is written last, by
+rank 0, after DCP reports every rank's data written (DCP's coordinator writes ``.metadata`` only
+after gathering all ranks' write results), and atomically (temp file + rename). A folder without
+it is a save that was interrupted: ignored on resume, never loaded, purged once a newer save completes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+MARKER = ".complete"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+# What a complete checkpoint holds ("kind" in its marker).
+FULL = "full"  # model, optimizer, lr scheduler, data loader, train state: a resume point
+SEED = "seed"  # step 0, model weights only: the initial weights a run starts from
+EXPORT = "export"  # model weights only (checkpoint.model_weights_only), maybe cast: not a resume point
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    path: str
+    marker: dict[str, Any] | None  # None: incomplete
+
+    @property
+    def complete(self) -> bool:
+        return self.marker is not None
+
+    @property
+    def kind(self) -> str | None:
+        return None if self.marker is None else self.marker.get("kind", FULL)
+
+
+def step_folder(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step}")
+
+
+def write_marker(path: str, step: int, kind: str, **extra: Any) -> None:
+    """Mark ``path`` complete. Atomic: readers see no marker or the whole marker."""
+    body = {"step": step, "kind": kind, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **extra}
+    tmp = os.path.join(path, MARKER + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(body, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(path, MARKER))
+
+
+def read_marker(path: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(path, MARKER), encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as e:
+        logger.warning("checkpoint %s: unreadable marker (%s); treating it as incomplete", path, e)
+        return None
+
+
+def list_checkpoints(root: str) -> list[CheckpointInfo]:
+    """Every ``step-N`` folder under ``root``, oldest first (none if ``root`` does not exist)."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = _STEP_DIR.match(name)
+        path = os.path.join(root, name)
+        if m and os.path.isdir(path):
+            found.append(CheckpointInfo(int(m.group(1)), path, read_marker(path)))
+    return sorted(found, key=lambda c: c.step)
+
+
+def find_resume_checkpoint(root: str, load_step: int) -> CheckpointInfo | None:
+    """The checkpoint to start from: ``load_step``, or with -1 the newest complete full/seed one.
+
+    Raises:
+        ValueError: ``load_step`` names a folder that is missing, incomplete or a weights-only export.
+    """
+    found = list_checkpoints(root)
+    if load_step >= 0:
+        match = [c for c in found if c.step == load_step]
+        if not match:
+            raise ValueError(
+                f"checkpoint.load_step = {load_step}: {step_folder(root, load_step)} does not exist; "
+                f"complete checkpoints: {[c.step for c in found if c.complete]} (or -1 for the newest)"
+            )
+        _check_loadable(match[0], f"checkpoint.load_step = {load_step}")
+        return match[0]
+    resumable = [c for c in found if c.kind in (FULL, SEED)]
+    newest = resumable[-1] if resumable else None
+    for c in found:
+        if newest is None or c.step > newest.step:
+            if not c.complete:
+                logger.warning("ignoring incomplete checkpoint %s (no %s marker: its save did not finish)", c.path, MARKER)
+            elif c.kind == EXPORT:
+                logger.info("not resuming from %s: a weights-only export, not a training state", c.path)
+    return newest
+
+
+def _check_loadable(c: CheckpointInfo, what: str) -> None:
+    if not c.complete:
+        raise ValueError(
+            f"{what}: {c.path} is incomplete (no {MARKER} marker: its save did not finish); "
+            "pick a complete step or -1 for the newest complete one"
+        )
+    if c.kind == EXPORT:
+        raise ValueError(
+            f"{what}: {c.path} is a weights-only export (checkpoint.model_weights_only), not a training "
+            "state; resume from a full checkpoint, or convert it (scripts/) to start a new run"
+        )
+
+
+def purge_stale(root: str, keep_latest_k: int) -> list[str]:
+    """Delete all but the newest ``keep_latest_k`` complete checkpoints; returns the deleted paths.
+
+    Counted: complete full checkpoints and exports. Never deleted: the step-0 seed, anything newer
+    than the newest complete checkpoint (a save in flight). Incomplete folders older than it are
+    interrupted saves and are deleted too. ``keep_latest_k = 0`` keeps everything.
+    """
+    if keep_latest_k <= 0:
+        return []
+    found = list_checkpoints(root)
+    counted = [c for c in found if c.complete and c.kind != SEED]
+    if len(counted) <= keep_latest_k:
+        stale = []
+    else:
+        stale = counted[:-keep_latest_k]
+    newest_complete = max((c.step for c in found if c.complete), default=-1)
+    stale += [c for c in found if not c.complete and c.step < newest_complete]
+    for c in stale:
+        # marker first: a purge interrupted half way leaves an incomplete folder, never a bad "complete" one
+        if c.complete:
+            os.remove(os.path.join(c.path, MARKER))
+        shutil.rmtree(c.path, ignore_errors=True)
+        logger.info("purged checkpoint %s (checkpoint.keep_latest_k = %d)", c.path, keep_latest_k)
+    return [c.path for c in stale]
+
+
+class SaveSchedule:
+    """Whether a step is due for a save: every ``interval`` steps, or ``interval`` seconds since the last save.
+
+    With seconds, only rank 0's answer counts (clocks differ per rank); the manager broadcasts it.
+    ``clock`` is injectable for tests.
+    """
+
+    def __init__(self, interval_type: str, interval: int, clock: Callable[[], float] = time.monotonic):
+        if interval_type not in ("steps", "seconds"):
+            raise ValueError(f"checkpoint.interval_type = {interval_type!r}: allowed are 'steps', 'seconds'")
+        self.interval_type = interval_type
+        self.interval = interval
+        self.clock = clock
+        self.last_save = clock()
+
+    def due(self, step: int) -> bool:
+        if self.interval_type == "steps":
+            return step % self.interval == 0
+        return self.clock() - self.last_save >= self.interval
+
+    def saved(self) -> None:
+        self.last_save = self.clock()

@@ -1,0 +1,351 @@
+"""CheckpointManager: when to save, what to save, how to resume; seed checkpoints; plain weight loading.
+
+Layout: ``<job.dump_folder>/<checkpoint.folder>/step-N/`` holds DCP files (``.metadata``,
+``__<rank>_0.distcp``) and, once complete, the ``.complete`` marker (folders.py). Top-level DCP keys:
+``model``, ``optimizer``, ``lr_scheduler``, ``dataloader``, ``train_state`` (state.py).
+
+Trust: DCP's ``.metadata`` and its non-tensor entries are pickles, unpickled on load. Load only
+checkpoints you (or your own runs) wrote.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from torchtitan.checkpointing.folders import (
+    EXPORT, FULL, SEED, CheckpointInfo, SaveSchedule, find_resume_checkpoint, purge_stale, read_marker,
+    step_folder, write_marker,
+)
+from torchtitan.checkpointing.state import (
+    DataLoaderState, ModelState, OptimizerState, SavedKeysOnly, TrainState, build_model_view, check_model_keys,
+)
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from torchtitan.config_manager import JobConfig
+    from torchtitan.config_schema import Checkpoint as CheckpointConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Test hook only (tests/test_checkpoint_runs.py): "STEP:SECONDS" sleeps on rank 0 after step STEP's data
+# is written and before its marker, so a test can kill the job mid-save. Not a configuration channel.
+_TEST_DELAY_ENV = "TORCHTITAN_TEST_CHECKPOINT_MARKER_DELAY"
+
+
+class CheckpointManager:
+    """Saves and resumes the trainer's state. Built by the trainer after the optimizer and scheduler.
+
+    Every rank calls every public method (they run collectives) with the same arguments.
+    """
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        *,
+        dump_folder: str,
+        model_parts: list[nn.Module],
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any,
+        data_loader: Any,
+        dp_rank: int,
+        rank: int,
+        device: torch.device,
+        model_info: dict[str, Any],
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.config = config
+        self.enabled = config.enable_checkpoint
+        self.root = os.path.join(dump_folder, config.folder)
+        self.view = build_model_view(model_parts)
+        self.optimizer, self.lr_scheduler, self.data_loader = optimizer, lr_scheduler, data_loader
+        self.dp_rank, self.rank, self.device = dp_rank, rank, device
+        self.model_info = model_info
+        self.train_state = TrainState(rank, device)
+        self.schedule = SaveSchedule(config.interval_type, config.interval, clock)
+        self.async_save = self.enabled and config.async_mode != "disabled"
+        # DCP's own collectives get a separate gloo group: an async save runs them from a background
+        # thread while training runs its own on the default group, and one group must not be used
+        # by two threads at once.
+        self.pg = dist.new_group(backend="gloo") if self.async_save and dist.is_initialized() else None
+        self._pending: tuple[Future, int, str, float] | None = None
+        self._finished: set[int] = set()
+        self._lock = threading.Lock()
+        self.loaded: str | None = None
+        self.last_saved: tuple[int, float] | None = None  # (step, seconds)
+
+    # ---- loading -------------------------------------------------------------------------------
+
+    def load(self) -> int:
+        """Load the checkpoint to resume from, if any; return the step training continues after."""
+        if not self.enabled:
+            return 0
+        info = _agree(lambda: find_resume_checkpoint(self.root, self.config.load_step))
+        if info is None:
+            return 0
+        start = time.perf_counter()
+        metadata = _read_metadata(info.path)
+        state = self._load_targets(info, metadata)
+        try:
+            with _one_process_quiet():
+                dcp.load(state, checkpoint_id=info.path, process_group=self.pg, no_dist=not dist.is_initialized())
+        except (Exception, CheckpointException) as e:
+            raise ValueError(f"checkpoint {info.path} could not be loaded: {_short_error(e)}") from e
+        seconds = time.perf_counter() - start
+        step = self.train_state.step if info.kind == FULL else 0
+        self.loaded = f"step-{info.step}"
+        if self.rank == 0:
+            what = "resumed from step" if info.kind == FULL else "loaded seed weights (model only) from step"
+            logger.info("%s %d (%s) in %.2f s", what, info.step, info.path, seconds)
+        if info.kind == FULL and f"train_state.rng_cpu.rank_{self.rank}" not in metadata.state_dict_metadata:
+            logger.warning("rank %d: the checkpoint has no RNG state for this rank (saved on another world "
+                           "size); keeping the seeded RNG", self.rank)
+        return step
+
+    def _load_targets(self, info: CheckpointInfo, metadata: Any) -> dict[str, Any]:
+        model = ModelState(self.view)
+        model_sd = model.state_dict()
+        all_keys = set(model_sd)
+        if dist.is_initialized():  # under PP each rank holds some stages: the union is the whole model
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, sorted(model_sd))
+            all_keys = set().union(*gathered)
+        check_model_keys(model_sd, metadata, info.path, all_keys)
+        state: dict[str, Any] = {"model": model}
+        if info.kind == FULL:
+            saved = set(metadata.state_dict_metadata)
+            loader_keys = sorted(k.split(".", 1)[1] for k in saved if k.startswith("dataloader."))
+            state.update(
+                optimizer=OptimizerState(self.view, self.optimizer),
+                lr_scheduler=self.lr_scheduler,
+                dataloader=DataLoaderState(self.data_loader, self.dp_rank, load_keys=loader_keys),
+                train_state=SavedKeysOnly(self.train_state, "train_state", saved),
+            )
+        return state
+
+    # ---- saving --------------------------------------------------------------------------------
+
+    def maybe_save(self, step: int, *, last: bool) -> None:
+        """Save if the interval is due; always at the last step."""
+        if not self.enabled:
+            return
+        due = last or self.schedule.due(step)
+        if self.schedule.interval_type == "seconds" and not last:
+            due = _agree(lambda: due)  # rank 0's clock decides, so all ranks join the same save
+        if due:
+            self.save(step, final=last)
+
+    def save(self, step: int, *, final: bool = False) -> None:
+        """Write ``step-N``; async (if configured) except for the final save, which also may be an export."""
+        self.wait()
+        kind = EXPORT if final and self.config.model_weights_only else FULL
+        path = step_folder(self.root, step)
+        if self.rank == 0:
+            if os.path.isdir(path):
+                logger.warning("replacing existing checkpoint %s", path)
+                shutil.rmtree(path)
+            os.makedirs(path)
+        if dist.is_initialized():
+            dist.barrier()  # nobody writes into the folder before rank 0 has cleared it
+        state = self._save_state(step, kind)
+        start = time.perf_counter()
+        if self.async_save and not final:
+            with _one_process_quiet():
+                future = dcp.async_save(state, checkpoint_id=path, process_group=self.pg,
+                                        no_dist=not dist.is_initialized())
+            self._pending = (future, step, kind, start)
+            if self.rank == 0:
+                logger.info("checkpoint step-%d: staged in %.2f s, writing in the background", step,
+                            time.perf_counter() - start)
+                future.add_done_callback(lambda f: f.exception() is None and self._mark_complete(step, kind, start))
+        else:
+            with _one_process_quiet():
+                dcp.save(state, checkpoint_id=path, process_group=self.pg, no_dist=not dist.is_initialized())
+            self._saved(step, kind, start)
+        self.schedule.saved()
+
+    def _save_state(self, step: int, kind: str) -> dict[str, Any]:
+        if kind == EXPORT:
+            return {"model": ModelState(self.view, _DTYPES[self.config.export_dtype])}
+        self.train_state.step = step
+        return {
+            "model": ModelState(self.view),
+            "optimizer": OptimizerState(self.view, self.optimizer),
+            "lr_scheduler": self.lr_scheduler,
+            "dataloader": DataLoaderState(self.data_loader, self.dp_rank),
+            "train_state": self.train_state,
+        }
+
+    def _saved(self, step: int, kind: str, start: float) -> None:
+        """After this rank's save returned: rank 0 marks it complete and purges old checkpoints."""
+        if self.rank == 0:
+            self._mark_complete(step, kind, start)
+            purge_stale(self.root, self.config.keep_latest_k)
+
+    def _mark_complete(self, step: int, kind: str, start: float) -> None:
+        """Rank 0, once DCP returned: the coordinator has then gathered every rank's write results."""
+        with self._lock:
+            if step in self._finished:
+                return
+            _maybe_test_delay(step)
+            extra = {"dtype": self.config.export_dtype} if kind == EXPORT else {}
+            write_marker(step_folder(self.root, step), step, kind, model=self.model_info,
+                         world_size=dist.get_world_size() if dist.is_initialized() else 1, **extra)
+            self._finished.add(step)
+            self.last_saved = (step, time.perf_counter() - start)
+            logger.info("checkpoint step-%d complete (%s) in %.2f s", step, kind, self.last_saved[1])
+
+    def wait(self) -> None:
+        """Block until the in-flight async save (if any) is written and marked complete."""
+        if self._pending is None:
+            return
+        future, step, kind, start = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except (Exception, CheckpointException) as e:
+            raise RuntimeError(f"async save of checkpoint step-{step} failed: {_short_error(e)}") from e
+        self._saved(step, kind, start)
+
+    def close(self) -> None:
+        self.wait()
+        if self.pg is not None:
+            dist.destroy_process_group(self.pg)
+            self.pg = None
+
+    def summary(self) -> str:
+        """For the end-of-run line."""
+        if not self.enabled:
+            return "not enabled (checkpoint.enable_checkpoint)"
+        parts = [f"resumed from {self.loaded}" if self.loaded else "started fresh"]
+        if self.last_saved is not None:
+            parts.append(f"last saved step-{self.last_saved[0]} in {self.root}")
+        return ", ".join(parts)
+
+
+def _agree(decide: Callable[[], Any]) -> Any:
+    """Rank 0 runs ``decide`` and every rank gets its result (or its ValueError, re-raised)."""
+    if not dist.is_initialized():
+        return decide()
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", decide())
+        except ValueError as e:
+            box[0] = ("error", str(e))
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise ValueError(value)
+    return value
+
+
+@contextmanager
+def _one_process_quiet() -> Iterator[None]:
+    """Without a process group DCP warns on every call that it assumes one process: that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _read_metadata(path: str) -> Any:
+    try:
+        return dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:
+        raise ValueError(f"checkpoint {path}: cannot read its DCP metadata ({type(e).__name__}: {e})") from e
+
+
+def _short_error(e: BaseException) -> str:
+    """One line per failing rank instead of DCP's per-rank tracebacks."""
+    if isinstance(e, CheckpointException):
+        return "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in e.failures.items())
+    return f"{type(e).__name__}: {e}"
+
+
+def _maybe_test_delay(step: int) -> None:
+    spec = os.environ.get(_TEST_DELAY_ENV)
+    if spec and int(spec.split(":")[0]) == step:
+        logger.warning("%s: sleeping before marking step-%d complete", _TEST_DELAY_ENV, step)
+        time.sleep(float(spec.split(":")[1]))
+
+
+def model_info(config: JobConfig, model_args: Any) -> dict[str, Any]:
+    """What a marker records about the model (read by the conversion scripts)."""
+    return {"name": config.model.name, "flavor": config.model.flavor, "args": dataclasses.asdict(model_args)}
+
+
+def create_seed_checkpoint(config: JobConfig) -> str:
+    """Build and initialise the model in this one process, save it as ``step-0`` (weights only)."""
+    from torchtitan.build import build_model, build_model_args
+    from torchtitan.datasets import build_tokenizer
+    from torchtitan.parallelisms.parallel_dims import ParallelDims
+    from torchtitan.utils.device import get_device_info
+
+    path = step_folder(os.path.join(config.job.dump_folder, config.checkpoint.folder), 0)
+    if read_marker(path) is not None:
+        raise ValueError(f"checkpoint.create_seed_checkpoint: {path} already exists; delete it to make a new seed")
+    args = build_model_args(config, build_tokenizer(config.model.tokenizer_path).n_words)
+    model = build_model(config, args, ParallelDims.from_config(config, 1), None, get_device_info().device)
+    save_model_weights(ModelState(model).state_dict(), path, model_info(config, args))
+    logger.info("seed checkpoint written to %s", path)
+    return path
+
+
+def save_model_weights(state_dict: dict[str, torch.Tensor], path: str, info: dict[str, Any]) -> None:
+    """One process: write whole-model weights as a complete step-0 seed checkpoint at ``path``."""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    with _one_process_quiet():
+        dcp.save({"model": state_dict}, checkpoint_id=path, no_dist=True)
+    write_marker(path, 0, SEED, model=info)
+
+
+def load_model_weights(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """One process, no process group: a checkpoint's whole-model weights as plain tensors, and its marker.
+
+    Raises:
+        ValueError: ``path`` is not a complete checkpoint.
+    """
+    marker = read_marker(path)
+    if marker is None:
+        raise ValueError(f"{path} is not a complete checkpoint (no .complete marker); pass a step-N folder")
+    metadata = _read_metadata(path)
+    weights = {
+        key[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith("model.")
+    }
+    with _one_process_quiet():
+        dcp.load({"model": weights}, checkpoint_id=path, no_dist=True)
+    return weights, marker
+
+
+def trim_metrics(dump_folder: str, last_step: int) -> None:
+    """Drop metrics.jsonl records after ``last_step``: a resumed run logs those steps again."""
+    path = os.path.join(dump_folder, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    if len(kept) != len(lines):
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)

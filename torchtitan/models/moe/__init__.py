@@ -1,0 +1,39 @@
+"""Llama 3 MoE flavors ("llama3_moe").
+
+debugmodel: llama3's debugmodel (dim 256, 8 layers, 16 heads) with every layer after the first an
+MoE of 8 experts (top 2, width 256) plus one shared expert. It balances with the DeepSeek-V3
+recipe: sigmoid scores, normalised top-k weights and the aux-loss-free expert bias. The bias needs
+no extra loss term, so it works the same under pipeline parallel (where middle stages cannot add
+to the loss) and under activation checkpointing; the trainer only calls ``update_expert_bias``.
+"""
+
+from torchtitan.models.moe.model import MoEArgs, MoETransformer, num_active_params
+from torchtitan.models.moe.moe import GroupedExperts, MoE, TokenChoiceRouter
+
+__all__ = [
+    "GroupedExperts",
+    "MoE",
+    "MoEArgs",
+    "MoETransformer",
+    "TokenChoiceRouter",
+    "moe_configs",
+    "num_active_params",
+]
+
+moe_configs = {
+    "debugmodel": MoEArgs(
+        dim=256,
+        n_layers=8,
+        n_heads=16,
+        rope_theta=500000,
+        max_seq_len=2048,
+        num_experts=8,
+        top_k=2,
+        moe_hidden_dim=256,
+        num_shared_experts=1,
+        first_k_dense=1,
+        score_func="sigmoid",
+        route_norm=True,
+        load_balance="bias",
+    ),
+}

@@ -1,0 +1,189 @@
+"""The mixture-of-experts layer: a token-choice top-k router, grouped SwiGLU experts, a shared expert.
+
+Pure torch, like the rest of ``models/``. Expert parallel (parallelisms/expert_parallel.py) wraps
+``MoE.experts`` so that ``GroupedExperts.forward`` receives the tokens this rank's experts were sent,
+already sorted by local expert; the layer itself never communicates.
+
+Load balancing (``MoEArgs.load_balance``):
+* ``"aux_loss"``: a switch-style balance loss per layer, kept in ``MoE.aux_loss`` (a tensor attached
+  to the graph of the last forward). The trainer adds ``model.aux_loss()`` to its loss; nothing is
+  injected into autograd behind its back, so the trainer controls the scale (gradient accumulation).
+* ``"bias"``: aux-loss-free balancing (DeepSeek-V3). A per-expert ``expert_bias`` buffer is added to
+  the scores for *selection only*; after each optimizer step ``update_expert_bias`` nudges it
+  against the (global) token counts. The combine weights never see the bias.
+* ``"none"``: neither.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan.models.llama.model import FeedForward
+
+if TYPE_CHECKING:
+    from torchtitan.models.moe.model import MoEArgs
+
+
+class TokenChoiceRouter(nn.Module):
+    """Scores every expert for every token and picks each token's top-k experts."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, score_func: str, route_norm: bool):
+        super().__init__()
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.top_k = top_k
+        self.score_func = score_func
+        self.route_norm = route_norm
+
+    def init_weights(self) -> None:
+        nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=0.02)
+
+    def forward(
+        self, x: torch.Tensor, expert_bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (T, dim) -> weights (T, top_k) fp32, experts (T, top_k) int64, scores (T, E) fp32.
+
+        ``expert_bias`` (E,) shifts which experts are *selected*; the weights are the unbiased scores.
+        """
+        logits = self.gate(x).float()  # (T, E); fp32 so bf16 training still routes stably
+        scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()  # (T, E)
+        choice = scores if expert_bias is None else scores + expert_bias
+        experts = choice.topk(self.top_k, dim=-1).indices  # (T, top_k)
+        weights = scores.gather(-1, experts)  # (T, top_k)
+        if self.route_norm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights, experts, scores
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    # Under expert parallel the weights are DTensors sharded over experts (Shard(0)) and this rank
+    # computes with its own experts only. Duck-typed so models/ imports nothing distributed.
+    return weight.to_local() if hasattr(weight, "to_local") else weight
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU FFNs with stacked weights, run over tokens grouped by expert."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
+        super().__init__()
+        self.num_experts = num_experts
+        self.use_grouped_mm = use_grouped_mm
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def init_weights(self, init_std: float) -> None:
+        """As llama's FeedForward: w1 at std 0.02, w2/w3 at the block's depth-scaled std."""
+        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
+        for w in (self.w2, self.w3):
+            nn.init.trunc_normal_(w, mean=0.0, std=init_std)
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x (T, dim) sorted by expert; num_tokens_per_expert (E_local,) summing to T -> (T, dim).
+
+        E_local is the number of experts whose weights this module holds locally (all of them
+        without expert parallel).
+        """
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)  # (E_local, ., .)
+        if self.use_grouped_mm:
+            return _grouped_swiglu(x, num_tokens_per_expert, w1, w2, w3)
+        return _looped_swiglu(x, num_tokens_per_expert, w1, w2, w3)
+
+
+def _grouped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
+    # offs: the end row of each expert's group. On CPU any group size works, empty ones included;
+    # CUDA kernels want each group padded to a multiple of 16 rows (not done here).
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)  # (E_local,)
+    h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))  # (T, hidden)
+    h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)  # (T, dim)
+
+
+def _looped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
+    outs = []
+    for e, x_e in enumerate(torch.split(x, counts.tolist())):  # x_e (T_e, dim)
+        h = F.silu(x_e @ w1[e].transpose(0, 1)) * (x_e @ w3[e].transpose(0, 1))  # (T_e, hidden)
+        outs.append(h @ w2[e].transpose(0, 1))  # (T_e, dim)
+    return torch.cat(outs)  # (T, dim)
+
+
+def compute_aux_loss(scores: torch.Tensor, num_tokens_per_expert: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Switch-style balance loss E * sum_i f_i * P_i (1.0 when routing is perfectly balanced).
+
+    f_i = the fraction of the T * top_k routing slots given to expert i (not differentiable);
+    P_i = the mean over tokens of expert i's routing probability (the scores, row-normalised so
+    sigmoid scores are probabilities too). scores (T, E); num_tokens_per_expert (E,).
+    """
+    num_tokens, num_experts = scores.shape
+    probs = scores / scores.sum(dim=-1, keepdim=True)  # (T, E); a no-op for softmax
+    frac = num_tokens_per_expert.float() / max(num_tokens * top_k, 1)  # (E,)
+    return num_experts * (frac * probs.mean(dim=0)).sum()
+
+
+class MoE(nn.Module):
+    """Routed experts (+ an optional shared expert) replacing a block's feed-forward."""
+
+    def __init__(self, args: MoEArgs):
+        super().__init__()
+        self.num_experts, self.top_k = args.num_experts, args.top_k
+        self.load_balance, self.aux_loss_coeff = args.load_balance, args.aux_loss_coeff
+        self.bias_update_rate = args.bias_update_rate
+        self.router = TokenChoiceRouter(args.dim, args.num_experts, args.top_k, args.score_func, args.route_norm)
+        self.experts = GroupedExperts(args.dim, args.moe_hidden_dim, args.num_experts, args.use_grouped_mm)
+        self.shared_expert: FeedForward | None = (
+            FeedForward(args.shared_expert_args()) if args.num_shared_experts else None
+        )
+        if args.load_balance == "bias":
+            # Model state (checkpointed), but not trained: only update_expert_bias changes it.
+            self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
+        else:
+            self.expert_bias = None
+        # Tokens routed to each expert by the last forward on this rank; metrics and bias updates.
+        # Assigned (not accumulated) each forward, so an activation-checkpoint recompute is harmless.
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+        self.aux_loss: torch.Tensor | None = None
+
+    def init_weights(self, init_std: float) -> None:
+        self.router.init_weights()
+        self.experts.init_weights(init_std)
+        if self.shared_expert is not None:
+            self.shared_expert.init_weights(init_std)
+        with torch.no_grad():
+            if self.expert_bias is not None:
+                self.expert_bias.zero_()
+            self.tokens_per_expert.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (bs, seqlen, dim) -> (bs, seqlen, dim)."""
+        bs, seqlen, dim = x.shape
+        x = x.reshape(-1, dim)  # (T, dim)
+        weights, experts, scores = self.router(x, self.expert_bias)  # (T, k), (T, k), (T, E)
+        counts = torch.bincount(experts.flatten(), minlength=self.num_experts)  # (E,)
+        self.tokens_per_expert = counts.detach().float()
+        if self.load_balance == "aux_loss":
+            self.aux_loss = self.aux_loss_coeff * compute_aux_loss(scores, counts, self.top_k)
+
+        # Permute the T * k routing slots so each expert's tokens are contiguous.
+        order = torch.argsort(experts.flatten(), stable=True)  # (T*k,)
+        token_of_slot = order // self.top_k  # (T*k,) the token each sorted slot came from
+        routed = self.experts(x[token_of_slot], counts)  # (T*k, dim)
+        routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
+        out = torch.zeros_like(x).index_add(0, token_of_slot, routed)  # (T, dim): sum over the top-k
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        return out.view(bs, seqlen, dim)
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """expert_bias += rate * sign(mean load - load): over-loaded experts get picked less.
+
+        ``tokens_per_expert`` (E,) must be the *global* counts since the last update (all ranks,
+        all microbatches), so every rank applies the same update.
+        """
+        if self.expert_bias is None or tokens_per_expert.sum() == 0:
+            return
+        load = tokens_per_expert.to(self.expert_bias)
+        self.expert_bias.add_(self.bias_update_rate * torch.sign(load.mean() - load))
