@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from tests.integration_tests import GLOBAL_BATCH, VALIDATION, losses_of, read_metrics, run_train
+from tests.integration_tests import GLOBAL_BATCH, MOE, VALIDATION, losses_of, read_metrics, run_train
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +27,12 @@ def reference(reference_run) -> dict[str, list[float]]:
     losses = losses_of(folder)
     assert losses["loss"][-1] < losses["loss"][0] - 0.3, f"loss did not fall: {losses['loss']}"
     return losses
+
+
+@pytest.fixture(scope="session")
+def moe_reference_run(tmp_path_factory) -> tuple[str, subprocess.CompletedProcess]:
+    """The MoE debug model on one process, the whole global batch: (dump folder, completed process)."""
+    folder = str(tmp_path_factory.mktemp("moe_reference"))
+    result = run_train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH), *MOE])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return folder, result

@@ -121,6 +121,30 @@ ROWS = [
 ]
 
 
+# The MoE debug model (torchtitan/models/moe: 8 experts, top 2, shared expert, expert-bias balancing)
+# against its own single-process run (the ``moe_reference`` fixture). EP borrows its ranks from
+# dp_shard and contains the TP ranks: ep = dp_shard_in_ep x tp (docs/moe.md).
+MOE = ["--model.name", "llama3_moe"]
+
+
+def ep(degree: int) -> list[str]:
+    return [*MOE, "--experimental.expert_parallel_degree", str(degree)]
+
+
+MOE_ROWS = [
+    Row("moe_fsdp2", 2, 4, MOE),
+    Row("moe_ep2", 2, 4, ep(2)),  # dp_shard 2 = ep 2: each rank owns 4 experts; experts' FSDP axis has 1 rank
+    Row("moe_fsdp2_ep2", 4, 2, ep(2)),  # dp_shard 4 = dp_shard_mod_ep 2 x ep 2
+    Row("moe_ep2_tp2", 4, 4, ep(2), tp=2),  # dp_shard 2 x tp 2; the EP group is the TP group
+    Row("moe_fsdp_ep_tp", 8, 2, ep(4), tp=2),  # dp_shard 4 x tp 2; ep 4 = dp_shard_in_ep 2 x tp 2
+    Row("moe_pp2_ep2", 4, 4, [*ep(2), *pp_schedule("1F1B", 2)], pp=2),  # pp 2 x dp_shard 2 = ep 2
+]
+# CPU fp32 norms of the ~600K-element output gradient accumulate rounding of ~1e-4 relative, so the
+# same gradients give grad norms that differ by ~7e-5 between one shard and two (dense fsdp2 too).
+# Counting the expert grads twice (or ep times) would change the norm far more than this.
+GRAD_NORM_RTOL = 3e-4
+
+
 def run_train(ngpu: int, dump_folder: str, overrides: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     # PREFLIGHT=0: every rank validates the config anyway; tests/test_bad_input.py covers the preflight.
     env = dict(os.environ, NGPU=str(ngpu), LOG_RANK="0", CONFIG_FILE="./train_configs/debug_model.toml", PREFLIGHT="0")
@@ -149,11 +173,45 @@ def losses_of(dump_folder: str) -> dict[str, list[float]]:
     return {"loss": [r["loss"] for r in train], "validation_loss": [r["validation_loss"] for r in val]}
 
 
-@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
-def test_loss_parity(row: Row, reference: dict[str, list[float]], tmp_path):
+def check_row(row: Row) -> None:
     grad_accum = 2 if "--training.gradient_accumulation_steps" in row.overrides else 1
     dp = row.ngpu // (row.tp * row.pp * row.cp)
     assert dp * row.local_batch * grad_accum == GLOBAL_BATCH
+
+
+@pytest.mark.parametrize("row", MOE_ROWS, ids=[r.name for r in MOE_ROWS])
+def test_moe_loss_parity(row: Row, moe_reference_run, tmp_path):
+    check_row(row)
+    losses = train_losses(row.ngpu, row.local_batch, str(tmp_path), row.args())
+    ref_folder, _ = moe_reference_run
+    reference = read_metrics(ref_folder)
+    for i, (got, want) in enumerate(zip(losses["loss"], [r["loss"] for r in reference], strict=True)):
+        assert abs(got - want) <= RTOL * abs(want), f"loss #{i}: {row.name} {got} vs single-process {want}"
+    # the expert bias follows the global counts, so routing (and the logged load) is layout-invariant
+    for got, want in zip(read_metrics(str(tmp_path)), reference, strict=True):
+        assert got["expert_load"] == want["expert_load"], f"step {want['step']}: expert load differs"
+        assert abs(got["grad_norm"] - want["grad_norm"]) <= GRAD_NORM_RTOL * want["grad_norm"], (got, want)
+
+
+def test_moe_reference_learns_and_logs_expert_load(moe_reference_run):
+    folder, result = moe_reference_run
+    records = read_metrics(folder)
+    losses = [r["loss"] for r in records]
+    assert losses[-1] < losses[0] - 0.3, f"MoE loss did not fall: {losses}"
+    moe_layers = [f"layers.{i}" for i in range(1, 8)]  # debugmodel: layer 0 dense, 1..7 MoE
+    tokens_per_step = GLOBAL_BATCH * 64 * 2  # every token picks top_k = 2 experts
+    for r in records:
+        assert sorted(r["expert_load"]) == sorted(moe_layers)
+        for name, load in r["expert_load"].items():
+            assert len(load) == 8 and sum(load) == tokens_per_step, (name, load)
+            assert r["expert_imbalance"][name] == pytest.approx(max(load) / (sum(load) / 8))
+        assert r["expert_imbalance_max"] == max(r["expert_imbalance"].values())
+    assert "moe_imbalance" in result.stdout + result.stderr  # the step line's short mention
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
+def test_loss_parity(row: Row, reference: dict[str, list[float]], tmp_path):
+    check_row(row)
     losses = train_losses(row.ngpu, row.local_batch, str(tmp_path), row.args())
     for key in ("loss",):
         for i, (got, want) in enumerate(zip(losses[key], reference[key], strict=True)):

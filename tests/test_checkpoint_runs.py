@@ -7,10 +7,11 @@ Runs are shared between checks to keep the file short (6 steps, seq 64, the matr
 * fsdp2 (seed 7, no seed checkpoint) SIGKILLed while step-4's marker is held back -> the restart
   ignores the incomplete step-4, resumes from step-2, and its steps 1-6 equal the seeded run's
   exactly (the seed checkpoint holds exactly seed 7's init).
-* tp2, pp2 (1F1B) and cp2: save at 3, resume at 3 under the same layout -> bit-exact; the tp2 step-3
-  checkpoint also resumes on 1 process, the 1F1B one under Interleaved1F1B (2 stages per rank,
-  one optimizer over both), the cp2 one under FSDP2 (the data-parallel degree changes 1 -> 2)
-  -> within RTOL.
+* tp2, pp2 (1F1B), cp2 and moe_ep2: save at 3, resume at 3 under the same layout -> bit-exact;
+  the tp2 step-3 checkpoint also resumes on 1 process, the 1F1B one under Interleaved1F1B (2 stages
+  per rank, one optimizer over both), the cp2 one under FSDP2 (the data-parallel degree changes
+  1 -> 2), the MoE EP2 one under FSDP2 without EP (experts resharded; the expert_bias buffer is
+  model state) -> within RTOL.
 * fsdp4 save at 3 -> fsdp2 x tp2 resume -> within RTOL (slow: two 4-process runs).
 """
 
@@ -110,6 +111,7 @@ def test_killed_save_resumes_from_previous_complete(seeded_fsdp2, tmp_path):
         ("pp2_1f1b", 2, 8, ["--experimental.pipeline_parallel_degree", "2", *pp_schedule("1F1B")]),
         ("cp2", 2, 8, ["--experimental.context_parallel_degree", "2",
                        "--experimental.context_parallel_rotate_method", "alltoall"]),
+        ("moe_ep2", 2, 4, ["--model.name", "llama3_moe", "--experimental.expert_parallel_degree", "2"]),
     ],
 )
 def test_resume_same_layout_is_bit_exact(name, ngpu, local_batch, layout, tmp_path):
@@ -123,10 +125,12 @@ def test_resume_same_layout_is_bit_exact(name, ngpu, local_batch, layout, tmp_pa
     # resharded: the TP2 checkpoint on one process; the 1F1B one (a stage per rank) under Interleaved1F1B
     # (two stages per rank: one optimizer over both parts, the whole-model names merged)
     # (and the CP2 one, whose ranks share one data-parallel rank, under FSDP2: two data-parallel ranks)
+    # (and the MoE EP2 one, experts split over the ranks, under FSDP2 without EP; expert_bias included)
     ngpu_other, batch_other, layout_other = {
         "tp2": (1, 8, []),
         "pp2_1f1b": (2, 8, ["--experimental.pipeline_parallel_degree", "2", *pp_schedule("Interleaved1F1B")]),
         "cp2": (2, 4, []),
+        "moe_ep2": (2, 4, ["--model.name", "llama3_moe"]),
     }[name]
     other = str(tmp_path / "other")
     shutil.copytree(os.path.join(folder, "checkpoint", "step-3"), os.path.join(other, "checkpoint", "step-3"))

@@ -148,7 +148,11 @@ class Experimental:
         "symmetric-memory micro-pipeline pass (CUDA + training.compile); 'auto' = compiler where it "
         "can run, else ring",
     )
-    expert_parallel_degree: int = _f(1, "expert-parallel degree (not built yet)")
+    expert_parallel_degree: int = _f(
+        1,
+        "expert-parallel degree (MoE models): ranks that split each MoE layer's experts; taken from "
+        "data_parallel_shard_degree and, with TP, contains the TP ranks (ep = tp x k, k dividing dp_shard)",
+    )
     enable_compiled_autograd: bool = _f(False, "compile the backward graph too (not built yet)")
 
 

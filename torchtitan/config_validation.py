@@ -16,7 +16,6 @@ if TYPE_CHECKING:
 
 # key -> (value that means "off", what to say). Non-default values raise NotImplementedError.
 _NOT_BUILT = {
-    "experimental.expert_parallel_degree": (1, "expert parallel"),
     "experimental.enable_compiled_autograd": (False, "compiled autograd"),
     "memory_estimation.enabled": (False, "memory estimation in the trainer"),
     "optimizer.early_step_in_backward": (False, "optimizer steps in backward"),
@@ -86,6 +85,7 @@ def _check_model(config: JobConfig) -> None:
     _check_tp_divisibility(config, args)
     _check_context_parallel(config)
     _check_pipeline(config, args)
+    _check_moe(config, args)
     if config.training.seq_len > args.max_seq_len:
         raise ConfigError(
             f"training.seq_len = {config.training.seq_len} does not fit model {config.model.flavor}, whose "
@@ -177,6 +177,45 @@ def _check_pipeline(config: JobConfig, args) -> None:
     )
     n_microbatches = exp.pipeline_parallel_microbatches or pp
     validate_microbatches(exp.pipeline_parallel_schedule, n_microbatches, config.training.batch_size, len(stages), pp)
+
+
+def _check_moe(config: JobConfig, args) -> None:
+    """Expert parallel and the MoE model (the EP/TP/dp_shard divisibility is checked by ParallelDims)."""
+    from torchtitan.models.moe import MoEArgs
+
+    exp, t = config.experimental, config.training
+    ep, tp = exp.expert_parallel_degree, t.tensor_parallel_degree
+    model = f"model.name = {config.model.name!r} (flavor {config.model.flavor!r})"
+    if not isinstance(args, MoEArgs):
+        if ep > 1:
+            raise ConfigError(f"experimental.expert_parallel_degree = {ep} but {model} has no experts; "
+                              "use model.name = 'llama3_moe' or set expert_parallel_degree = 1")
+        return
+    if ep < 1:
+        raise ConfigError(f"experimental.expert_parallel_degree must be >= 1, got {ep}")
+    if not 1 <= args.top_k <= args.num_experts:
+        raise ConfigError(f"{model}: top_k = {args.top_k} must be between 1 and num_experts = {args.num_experts}")
+    if args.num_experts % ep:
+        raise ConfigError(f"{model} has num_experts = {args.num_experts}, not divisible by "
+                          f"experimental.expert_parallel_degree = {ep}; choose an EP degree that divides it")
+    unsupported = [
+        (tp > 1 and ep == 1, f"training.tensor_parallel_degree = {tp} with experimental.expert_parallel_degree = 1: "
+         "the routed experts are not tensor-parallel; set expert_parallel_degree to a multiple of tp (EP contains "
+         "the TP ranks)"),
+        (exp.context_parallel_degree > 1 and ep > 1, f"experimental.expert_parallel_degree = {ep} with "
+         f"experimental.context_parallel_degree = {exp.context_parallel_degree}: expert parallel does not include "
+         "CP ranks yet; set one of them to 1"),
+        (t.compile, f"training.compile = true with {model}: the routed experts' fp32 grouped matmul and the EP "
+         "all-to-all (data-dependent splits) do not compile under fullgraph; turn training.compile off"),
+        (exp.enable_async_tensor_parallel, f"experimental.enable_async_tensor_parallel with {model}: the async TP "
+         "plan has no MoE block; turn async TP off"),
+        (args.load_balance == "aux_loss" and exp.pipeline_parallel_degree > 1, f"{model} balances with an aux "
+         f"loss, and under experimental.pipeline_parallel_degree = {exp.pipeline_parallel_degree} the middle "
+         "stages cannot add to the loss; use a flavor with load_balance = 'bias' or pipeline_parallel_degree = 1"),
+    ]
+    for bad, message in unsupported:
+        if bad:
+            raise NotImplementedError(message)
 
 
 def _check_memory_options(config: JobConfig) -> None:
@@ -283,8 +322,11 @@ def _check_checkpoint(config: JobConfig, world_size: int) -> None:
         )
 
 
-def validate_config(config: JobConfig, world_size: int) -> list[str]:
-    """Raise on the first problem; return warnings (settings that have no effect)."""
+def validate_config(config: JobConfig, world_size: int, *, check_paths: bool = True) -> list[str]:
+    """Raise on the first problem; return warnings (settings that have no effect).
+
+    check_paths=False skips the tokenizer/dataset file checks (the memory estimator reads no files).
+    """
     from torchtitan.parallelisms.parallel_dims import ParallelDims
 
     _check_ranges(config)
@@ -297,7 +339,8 @@ def validate_config(config: JobConfig, world_size: int) -> list[str]:
             "is not supported; use HSDP (data_parallel_shard_degree > 1) or FSDP with TP"
         )
     _check_model(config)
-    _check_paths(config)
+    if check_paths:
+        _check_paths(config)
     _check_validation_and_logging(config)
     _check_checkpoint(config, world_size)
     return _warnings(config, world_size)

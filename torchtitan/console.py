@@ -46,7 +46,10 @@ def format_step_line(step: int, total: int, record: dict[str, float], eta_s: flo
         f"tps {c.value}{record['tps']:>9,.0f}{c.reset}  "
         f"mfu {c.value}{record['mfu']:5.2f}%{c.reset}  "
         f"memory {c.value}{record['memory_gib']:6.2f} GiB{c.reset}  "
-        f"{c.dim}eta {format_duration(eta_s)}{c.reset}"
+        # MoE: the worst layer's max/mean tokens per expert (per layer: metrics.jsonl)
+        + (f"moe_imbalance {c.value}{record['expert_imbalance_max']:4.2f}{c.reset}  "
+           if "expert_imbalance_max" in record else "")
+        + f"{c.dim}eta {format_duration(eta_s)}{c.reset}"
     )
 
 

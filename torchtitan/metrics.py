@@ -215,18 +215,21 @@ class MetricLogger:
         self._tb_writer = tb_writer
         self._wandb_run = wandb_run
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, Any], *, tb_extra: dict[str, float] | None = None) -> None:
         """Record `metrics` for `step`.
 
         Floats are written by `json` with `repr` precision, so they read back bit-exact; NaN and
-        infinities are written as `NaN`/`Infinity`, which Python's `json` reads back.
+        infinities are written as `NaN`/`Infinity`, which Python's `json` reads back. Values that
+        are not numbers (e.g. per-expert load lists) go to the JSON file only; TensorBoard gets the
+        numbers plus ``tb_extra`` (scalars named for TensorBoard, e.g. "moe/layers.1/imbalance").
         """
         if self._jsonl_file is not None:
             self._jsonl_file.write(json.dumps({"step": step, **metrics}) + "\n")
             # Flush each step so a crash or a `tail -f` sees every logged step.
             self._jsonl_file.flush()
         if self._tb_writer is not None:
-            for name, value in metrics.items():
+            scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+            for name, value in {**scalars, **(tb_extra or {})}.items():
                 self._tb_writer.add_scalar(name, value, step)
             self._tb_writer.flush()
         if self._wandb_run is not None:

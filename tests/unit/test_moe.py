@@ -197,3 +197,29 @@ def test_models_moe_is_pure():
     hits = [f"{p.name}:{i}" for p in root.glob("*.py") for i, line in enumerate(p.read_text().splitlines(), 1)
             if banned.search(line)]
     assert list(root.glob("*.py")) and hits == []
+
+
+def test_moe_tp_plan_keeps_dense_ffn_entries_off_moe_blocks():
+    from torchtitan.parallelisms.tensor_parallel import TokenShardedReplicate, block_plan, moe_block_plan
+
+    plan = moe_block_plan(has_shared_expert=True)
+    assert not any(k.startswith("feed_forward.w") for k in plan)
+    attention = {k for k in block_plan() if not k.startswith("feed_forward")}
+    assert attention <= set(plan)  # llama's attention plan unchanged
+    assert isinstance(plan["feed_forward.router.gate"], TokenShardedReplicate)
+    assert isinstance(plan["feed_forward.shared_expert"], TokenShardedReplicate)
+    assert "feed_forward.shared_expert" not in moe_block_plan(has_shared_expert=False)
+
+
+def test_expert_load_metrics():
+    from torchtitan.expert_load import compute_load_metrics
+
+    out = compute_load_metrics({"layers.1": [2.0, 2.0, 2.0, 2.0], "layers.2": [8.0, 0.0, 0.0, 0.0]})
+    assert out["expert_imbalance"] == {"layers.1": 1.0, "layers.2": 4.0}
+    assert out["expert_imbalance_max"] == 4.0
+    assert out["expert_load"]["layers.2"] == [8.0, 0.0, 0.0, 0.0]
+
+
+def test_debugmodel_aux_loss_flavor():
+    args = model_name_to_flavors["llama3_moe"]["debugmodel_aux_loss"]
+    assert (args.load_balance, args.score_func, args.num_experts) == ("aux_loss", "softmax", 8)

@@ -24,6 +24,12 @@ mean loss over its own (equal-sized) slice, as plain data parallel does. Then
   Both results equal the single-process gradient of the global-mean loss.
 If local batches differ in size, scale each rank's local loss so that the AVG over dp ranks is
 the global loss (local loss = dp * sum of own token losses / global token count).
+
+With tensor (sequence) parallel inside the EP group (ep = dp_in_ep * tp, see parallel_dims.py)
+the tp ranks of one data-parallel rank each route their own sequence shard but share one loss,
+the mean over the whole dp-rank batch; their tokens' grads are therefore already 1/tp of an
+own-slice mean, and the scale becomes tp / ep = 1 / dp_in_ep (``ExpertParallel(tp=tp)``): the
+expert grad is then the AVG over the dp_in_ep data-parallel ranks of the EP group.
 """
 
 from __future__ import annotations
@@ -59,8 +65,9 @@ class ExpertParallel(ParallelStyle):
     the same order. Inside, the module sees only the tokens for its num_experts / ep local experts.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, tp: int = 1) -> None:
         super().__init__()
+        self.tp = tp  # EP ranks per data-parallel rank that share one loss (see the module docstring)
         # Set by the dispatch, read by the combine of the same forward call.
         self._input_splits: list[int] = []
         self._output_splits: list[int] = []
@@ -70,6 +77,8 @@ class ExpertParallel(ParallelStyle):
         if device_mesh.ndim != 1:
             raise NotImplementedError(f"ExpertParallel needs a 1-D EP mesh, got {device_mesh.ndim}-D {device_mesh}")
         ep, num_experts = device_mesh.size(), module.num_experts
+        if ep % self.tp:
+            raise ValueError(f"ExpertParallel(tp={self.tp}) over an EP mesh of {ep} ranks: ep must be a multiple of tp")
         if num_experts % ep:
             raise ValueError(
                 f"num_experts = {num_experts} is not divisible by the expert parallel degree {ep}: each EP "
@@ -89,9 +98,9 @@ class ExpertParallel(ParallelStyle):
         self._input_splits = counts.long().view(ep, local_experts).sum(dim=1).tolist()
         self._output_splits = counts_recv.sum(dim=1).tolist()
         recv = funcol.all_to_all_single_autograd(x, self._output_splits, self._input_splits, group)  # (T_recv, dim)
-        # The combine scales the experts' incoming grads by 1/ep (see the module docstring);
+        # The combine scales the experts' incoming grads by tp/ep (see the module docstring);
         # undo that on the grads flowing back to the tokens, which must stay unscaled.
-        recv = _ScaleGrad.apply(recv, float(ep))
+        recv = _ScaleGrad.apply(recv, ep / self.tp)
         # (source rank, local expert) order -> (local expert, source rank) order.
         segment = torch.repeat_interleave(torch.arange(ep * local_experts, device=x.device), counts_recv.flatten())
         source, expert = segment // local_experts, segment % local_experts  # (T_recv,) each
@@ -100,8 +109,9 @@ class ExpertParallel(ParallelStyle):
 
     def _combine(self, module: nn.Module, out: torch.Tensor, device_mesh: DeviceMesh) -> torch.Tensor:
         ep, group = device_mesh.size(), device_mesh.get_group()
-        # Expert grads come out summed over the EP ranks' tokens; 1/ep makes them the EP average.
-        out = _ScaleGrad.apply(out, 1.0 / ep)  # (T_recv, dim) in (local expert, source rank) order
+        # Expert grads come out summed over the EP ranks' tokens; tp/ep makes them the average
+        # over the EP group's data-parallel ranks (1/ep without TP).
+        out = _ScaleGrad.apply(out, self.tp / ep)  # (T_recv, dim) in (local expert, source rank) order
         out = out[torch.argsort(self._permutation)]  # back to (source rank, local expert) order
         return funcol.all_to_all_single_autograd(out, self._input_splits, self._output_splits, group)  # (T, dim)
 
@@ -114,8 +124,11 @@ def _shard_experts(name: str, module: nn.Module, device_mesh: DeviceMesh) -> Non
         module.register_parameter(param_name, sharded)
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Apply ``ExpertParallel`` to the experts of every MoE layer of ``model`` (in place)."""
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, *, tp: int = 1) -> None:
+    """Apply ``ExpertParallel`` to the experts of every MoE layer of ``model`` (in place).
+
+    ``tp``: the tensor-parallel ranks contained in ``ep_mesh`` (1 when EP is made of dp ranks only).
+    """
     for module in list(model.modules()):
         if isinstance(module, GroupedExperts):
-            parallelize_module(module, ep_mesh, ExpertParallel())
+            parallelize_module(module, ep_mesh, ExpertParallel(tp=tp))

@@ -8,6 +8,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
+
+from torchtitan.models.moe import GroupedExperts
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -26,6 +29,7 @@ def apply_fsdp(
     prefetch_depth: int = 1,
     cpu_offload: bool = False,
     pin_memory: bool = False,
+    experts_mesh: DeviceMesh | None = None,
 ) -> None:
     """Shard each block, then the root (embedding, norm, output), over ``dp_mesh``.
 
@@ -40,6 +44,12 @@ def apply_fsdp(
     (forward: the next blocks; backward: the previous ones). 1 is FSDP's own implicit prefetch.
     cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory; the
     optimizer step runs on the CPU.
+    experts_mesh: under expert parallel, the data-parallel ranks *outside* the EP group
+    (dp_shard_mod_ep, with dp_replicate for HSDP). Each MoE's experts (DTensors sharded over the
+    EP mesh) become their own FSDP unit on it, so their grads are averaged over those ranks only
+    (the EP all-to-all already averaged them inside the EP group); the rest of the block shards
+    over ``dp_mesh`` as usual. A size-1 experts_mesh still wraps them (it is what keeps them out
+    of the block's unit, whose mesh overlaps the EP mesh).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = {"offload_policy": CPUOffloadPolicy(pin_memory=pin_memory)} if cpu_offload else {}
@@ -47,10 +57,26 @@ def apply_fsdp(
     for i, block in enumerate(blocks):
         last = i == len(blocks) - 1
         reshard = reshard_after_forward == "always" or (reshard_after_forward == "default" and not last)
+        if experts_mesh is not None:
+            for experts in [m for m in block.modules() if isinstance(m, GroupedExperts)]:
+                fully_shard(experts, mesh=experts_mesh, mp_policy=mp, reshard_after_forward=reshard,
+                            shard_placement_fn=_experts_placement(experts_mesh), **offload)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard, **offload)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward != "never", **offload)
     if prefetch_depth > 1:
         _set_explicit_prefetch(blocks, prefetch_depth)
+
+
+def _experts_placement(experts_mesh: DeviceMesh):
+    """Shard the stacked (E_local, ., .) expert weights over experts (dim 0) when they divide evenly,
+    else along dim 1 (e.g. 2 local experts over 4 FSDP ranks)."""
+    shards = experts_mesh.size(experts_mesh.ndim - 1)  # the sharded (last) axis; HSDP replicates the first
+
+    def placement(param: nn.Parameter) -> Shard:
+        local = param.to_local() if hasattr(param, "to_local") else param
+        return Shard(0) if local.shape[0] % shards == 0 else Shard(1)
+
+    return placement
 
 
 def _set_explicit_prefetch(blocks: list[nn.Module], depth: int) -> None:

@@ -3,10 +3,17 @@
 Axis order, outermost first: pp, dp_replicate, dp_shard, cp, tp. TP is innermost so its heavy,
 per-layer collectives stay within the fastest links (one node); PP is outermost because it only
 sends activations between neighbours.
+
+Expert parallel (ep > 1) borrows its ranks from data parallel and, when TP is on, from TP (each
+TP rank routes its own sequence shard, so TP ranks hold different tokens too): dp_shard is split
+into two real axes, dp_shard_mod_ep (outer) x dp_shard_in_ep (inner), and the EP group is the
+flattened (dp_shard_in_ep, tp). The experts' FSDP runs over dp_shard_mod_ep (with dp_replicate:
+HSDP); dense parameters still shard over the flattened "dp_shard" (x cp) as without EP.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,6 +32,7 @@ class ParallelDims:
     pp: int
     world_size: int
     enable_loss_parallel: bool
+    ep: int = 1
 
     @classmethod
     def from_config(cls, config: JobConfig, world_size: int) -> ParallelDims:
@@ -37,12 +45,13 @@ class ParallelDims:
             pp=config.experimental.pipeline_parallel_degree,
             world_size=world_size,
             enable_loss_parallel=config.loss_parallel,
+            ep=config.experimental.expert_parallel_degree,
         )
 
     def __post_init__(self) -> None:
         from torchtitan.config_manager import ConfigError
 
-        for name in ("dp_replicate", "cp", "tp", "pp"):
+        for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} degree must be >= 1, got {getattr(self, name)}")
         others = self.dp_replicate * self.cp * self.tp * self.pp
@@ -60,6 +69,27 @@ class ParallelDims:
                 f"{self._degrees(str(self.dp_shard))} = {others * self.dp_shard} != world_size({self.world_size}); "
                 "set data_parallel_shard_degree = -1 to infer it"
             )
+        self._check_ep()
+
+    def _check_ep(self) -> None:
+        """EP = dp_shard_in_ep x tp: it must contain the TP group and take a divisor of dp_shard."""
+        from torchtitan.config_manager import ConfigError
+
+        if self.ep == 1:
+            return
+        key = f"experimental.expert_parallel_degree = {self.ep}"
+        if self.tp > 1 and self.ep % self.tp:
+            raise ConfigError(
+                f"{key} is not a multiple of training.tensor_parallel_degree = {self.tp}: the EP group contains "
+                f"the TP group (TP ranks route different tokens); use an EP degree of tp x k with k dividing "
+                f"data_parallel_shard_degree ({self.dp_shard})"
+            )
+        if self.dp_shard % self.ep_in_dp:
+            raise ConfigError(
+                f"{key}{f' / tensor_parallel_degree {self.tp}' if self.tp > 1 else ''} = {self.ep_in_dp} does not "
+                f"divide data_parallel_shard_degree = {self.dp_shard}: EP borrows its ranks from the sharded "
+                f"data-parallel axis; choose an EP degree (tp x k) whose k divides {self.dp_shard}"
+            )
 
     def _degrees(self, dp_shard: str) -> str:
         return (
@@ -73,44 +103,63 @@ class ParallelDims:
         Flattened axes: "dp" (dp_replicate x dp_shard) indexes the data; "dp_shard_cp" is the FSDP
         axis (CP ranks hold different tokens, so they reduce gradients like data-parallel ranks);
         "dp_cp" is the axis a loss is averaged over.
+        Under EP also "dp_shard" (dp_shard_mod_ep x dp_shard_in_ep, the dense FSDP axis) and "ep"
+        (dp_shard_in_ep x tp); dp_shard_mod_ep is kept even at size 1 as the experts' FSDP axis.
+        A flattened axis is only built from two or more axes > 1: use ``axis_name`` to address one.
         """
         from torch.distributed.device_mesh import init_device_mesh
 
-        dims = [(d, n) for d, n in self._axes() if d > 1]
-        if not dims:
+        dims = [(d, n) for d, n in self._axes() if d > 1 or n == "dp_shard_mod_ep"]
+        if self.world_size == 1:
             return None
         mesh = init_device_mesh(device_type, [d for d, _ in dims], mesh_dim_names=[n for _, n in dims])
         names = [n for _, n in dims]
-        for flat, parts in (
-            ("dp", ("dp_replicate", "dp_shard")),
-            ("dp_shard_cp", ("dp_shard", "cp")),
-            ("dp_cp", ("dp_replicate", "dp_shard", "cp")),
-        ):
-            present = [p for p in parts if p in names]
+        for flat, parts in self._flat_axes().items():
+            present = [p for p in parts if p in names and self.size(p) > 1]
             if len(present) > 1:
                 mesh[tuple(present)]._flatten(mesh_dim_name=flat)
         return mesh
 
     def _axes(self) -> list[tuple[int, str]]:
-        return [
-            (self.pp, "pp"),
-            (self.dp_replicate, "dp_replicate"),
-            (self.dp_shard, "dp_shard"),
-            (self.cp, "cp"),
-            (self.tp, "tp"),
-        ]
+        shard = [(self.dp_shard, "dp_shard")]
+        if self.ep_enabled:
+            shard = [(self.dp_shard // self.ep_in_dp, "dp_shard_mod_ep"), (self.ep_in_dp, "dp_shard_in_ep")]
+        return [(self.pp, "pp"), (self.dp_replicate, "dp_replicate"), *shard, (self.cp, "cp"), (self.tp, "tp")]
+
+    def _flat_axes(self) -> dict[str, tuple[str, ...]]:
+        """Flattened axis -> the real axes it spans (dp_shard itself is flattened under EP)."""
+        shard = ("dp_shard_mod_ep", "dp_shard_in_ep") if self.ep_enabled else ("dp_shard",)
+        flat = {
+            "dp": ("dp_replicate", *shard),
+            "dp_shard_cp": (*shard, "cp"),
+            "dp_cp": ("dp_replicate", *shard, "cp"),
+        }
+        if self.ep_enabled:
+            flat["dp_shard"] = shard
+            flat["ep"] = ("dp_shard_in_ep", "tp")
+        return flat
+
+    def size(self, axis: str) -> int:
+        """The number of ranks of a real or flattened axis."""
+        sizes = dict((n, d) for d, n in self._axes())
+        return math.prod(sizes.get(p, 1) for p in self._flat_axes().get(axis, (axis,)))
 
     def axis_name(self, flat: str) -> str | None:
         """The mesh axis to use for a (possibly flattened) group, or None if it has one rank."""
-        parts = {
-            "dp": ("dp_replicate", "dp_shard"),
-            "dp_shard_cp": ("dp_shard", "cp"),
-            "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-        }.get(flat, (flat,))
-        present = [p for p in parts if getattr(self, p) > 1]
+        parts = self._flat_axes().get(flat, (flat,))
+        present = [p for p in parts if self.size(p) > 1]
         if not present:
             return None
         return present[0] if len(present) == 1 else flat
+
+    @property
+    def ep_in_dp(self) -> int:
+        """dp_shard_in_ep: the data-parallel share of the EP group (ep / tp, or ep without TP)."""
+        return self.ep // self.tp if self.tp > 1 else self.ep
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
     @property
     def dp_degree(self) -> int:

@@ -10,6 +10,7 @@ from torch import nn
 
 from torchtitan.parallelisms.activation_checkpoint import apply_ac
 from torchtitan.parallelisms.context_parallel import apply_cp, compute_cp_positions
+from torchtitan.parallelisms.expert_parallel import apply_ep
 from torchtitan.parallelisms.fsdp import apply_ddp, apply_fsdp, to_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.tensor_parallel import apply_tp
@@ -82,18 +83,29 @@ def enable_compiler_async_tp(tp_mesh: DeviceMesh) -> None:
     symm_mem.enable_symm_mem_for_group(tp_mesh.get_group().group_name)
 
 
+def _experts_fsdp_mesh(world_mesh: DeviceMesh, parallel_dims: ParallelDims) -> DeviceMesh | None:
+    """Under EP, the experts' FSDP mesh: dp_shard_mod_ep (kept even at size 1), with dp_replicate for HSDP."""
+    if not parallel_dims.ep_enabled:
+        return None
+    dims = ("dp_replicate", "dp_shard_mod_ep") if parallel_dims.dp_replicate_enabled else ("dp_shard_mod_ep",)
+    return world_mesh[dims]
+
+
 def parallelize_llama(
     model: nn.Module, world_mesh: DeviceMesh | None, parallel_dims: ParallelDims, config: JobConfig
 ) -> None:
-    """Apply, in place and in this order: TP, CP, activation checkpointing, compile, then FSDP/HSDP or DDP.
+    """Apply, in place and in this order: TP, EP, CP, activation checkpointing, compile, then FSDP/HSDP or DDP.
 
     Why this order: TP first because it rewrites each linear's parameters into DTensors and its
-    plan addresses the model's own module names, which wrappers would change; CP swaps each
+    plan addresses the model's own module names, which wrappers would change (on MoE blocks it
+    parallelizes attention, router and shared expert, not the experts); EP then shards each MoE's
+    experts over the "ep" axis (dp_shard_in_ep x tp), also by module; CP swaps each
     attention's core (no parameters) for ring attention, also by module name; AC wraps each
     (TP'd) block before compile so the compiled graph contains the recomputation policy; compile
     before FSDP so FSDP's hooks stay outside the compiled region (its communication is not traced);
     data parallelism last because its unit is the finished (TP'd, wrapped, compiled) block, and
-    FSDP over TP DTensors gives 2-D parameters (dp_shard, tp).
+    FSDP over TP DTensors gives 2-D parameters (dp_shard, tp); under EP each MoE's experts are
+    their own FSDP unit over dp_shard_mod_ep, giving (dp_shard_mod_ep, ep) parameters.
     """
     if parallel_dims.tp_enabled:
         tp_mesh = world_mesh["tp"]
@@ -102,6 +114,9 @@ def parallelize_llama(
         if async_tp == "compiler":
             enable_compiler_async_tp(tp_mesh)
         logger.info("applied tensor parallel over %d ranks (async: %s)", parallel_dims.tp, async_tp or "off")
+    if parallel_dims.ep_enabled:
+        apply_ep(model, world_mesh[parallel_dims.axis_name("ep")], tp=parallel_dims.tp)
+        logger.info("applied expert parallel over %d ranks (%d of them TP ranks)", parallel_dims.ep, parallel_dims.tp)
     if parallel_dims.cp_enabled:
         exp = config.experimental
         cp_mesh = world_mesh["cp"]
@@ -131,6 +146,7 @@ def parallelize_llama(
             cpu_offload=config.training.enable_cpu_offload,
             # pinned host memory speeds up host<->device copies; there are none on a CPU device
             pin_memory=world_mesh.device_type != "cpu",
+            experts_mesh=_experts_fsdp_mesh(world_mesh, parallel_dims),
         )
         if config.training.enable_cpu_offload and world_mesh.device_type == "cpu":
             logger.warning(

@@ -252,7 +252,32 @@ def split_stage_model(whole: nn.Module, first_layer: int, end_layer: int, *, is_
     return part
 
 
-class _OutputReleasingStage(PipelineStage):
+_shape_inference_depth = 0
+
+
+def in_shape_inference() -> bool:
+    """True while a stage runs torch's metadata (shape) inference forward.
+
+    torch 2.13 stages infer their input/output shapes by running the stage once on the first
+    ``step`` (later stages on uninitialised tensors). Side effects of that forward, like MoE token
+    counts (expert_load.py), must be ignored.
+    """
+    return _shape_inference_depth > 0
+
+
+class _Stage(PipelineStage):
+    """PipelineStage that marks its shape-inference forward (see ``in_shape_inference``)."""
+
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any):
+        global _shape_inference_depth
+        _shape_inference_depth += 1
+        try:
+            return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            _shape_inference_depth -= 1
+
+
+class _OutputReleasingStage(_Stage):
     """A stage that frees each forward output's storage once its send has completed.
 
     Backward only needs the output's grad_fn and shape (``torch.autograd.backward`` checks that the
@@ -363,7 +388,7 @@ def build_pipeline(
     canonical = _canonical_schedule(schedule, csv_path)
     num_stages = len(layout)
     validate_microbatches(canonical, n_microbatches, local_batch_size, num_stages, pp)
-    stage_cls = _OutputReleasingStage if release_sent_outputs and canonical == "GPipe" else PipelineStage
+    stage_cls = _OutputReleasingStage if release_sent_outputs and canonical == "GPipe" else _Stage
     parts, stages = [], []
     for stage_id in stage_ids_for_rank(pp_rank, pp, num_stages, canonical):
         first, end = layout[stage_id]

@@ -13,13 +13,19 @@ Layouts (tp = the TP degree):
   ``loss_parallel()`` (never materialising full logits on one rank); without, they are gathered.
 
 The model is unchanged: attention reads its local head count from tensor shapes.
+
+MoE blocks (``moe_block_plan``): attention as above, but the MoE keeps the sequence-sharded
+tokens: each TP rank routes its own seq/tp tokens (expert parallel, which contains the TP ranks,
+moves them to their experts). The router gate and the shared expert keep replicated weights and
+see their inputs as token-sharded DTensors, so their grads come out Partial and are summed over
+TP like the norms' (grad_norm.reduce_partial_grads_).
 """
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -61,6 +67,40 @@ def block_plan() -> dict[str, ParallelStyle]:
     }
 
 
+class TokenShardedReplicate(ParallelStyle):
+    """Replicated weights applied to this rank's own tokens: (T_local, ...) plain in, plain out.
+
+    The input is read as Shard(0) of all TP ranks' tokens, so the weight grad is Partial(sum).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicate(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for param_name, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
+
+        def to_dtensor(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            return tuple(DTensor.from_local(x, mesh, [Shard(0)], run_check=False) for x in inputs)
+
+        def to_local(mod: nn.Module, out: DTensor, mesh: DeviceMesh):
+            return out.to_local()
+
+        return distribute_module(module, device_mesh, replicate, input_fn=to_dtensor, output_fn=to_local)
+
+
+def moe_block_plan(has_shared_expert: bool) -> dict[str, ParallelStyle]:
+    """TP + SP for an MoE block: llama's attention plan; the MoE works on the local sequence shard."""
+    plan = {k: v for k, v in block_plan().items() if not k.startswith("feed_forward")}
+    # ffn_norm's output is a Shard(1) DTensor; the MoE gets its local (bs, seq/tp, dim) part and
+    # returns the same shape, which is the residual stream's layout already.
+    plan["feed_forward"] = PrepareModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
+    )
+    plan["feed_forward.router.gate"] = TokenShardedReplicate()
+    if has_shared_expert:
+        plan["feed_forward.shared_expert"] = TokenShardedReplicate()
+    return plan
+
+
 def async_block_plan() -> dict[str, ParallelStyle]:
     """TP + SP whose all-gathers and reduce-scatters overlap the matmuls (our ring, any backend).
 
@@ -88,5 +128,16 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, ring
     """Shard ``model`` in place over ``tp_mesh``. Submodules a pipeline stage dropped (None) are skipped."""
     plan = {k: v for k, v in top_level_plan(loss_parallel).items() if getattr(model, k, None) is not None}
     parallelize_module(model, tp_mesh, plan)
+    from torchtitan.models.moe import MoE
+
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, async_block_plan() if ring_async else block_plan())
+        if isinstance(block.feed_forward, MoE):
+            if ring_async:
+                raise NotImplementedError(
+                    "experimental.enable_async_tensor_parallel with an MoE model: the async plan has no MoE "
+                    "block; turn async TP off"
+                )
+            plan = moe_block_plan(has_shared_expert=block.feed_forward.shared_expert is not None)
+        else:
+            plan = async_block_plan() if ring_async else block_plan()
+        parallelize_module(block, tp_mesh, plan)

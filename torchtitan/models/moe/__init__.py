@@ -5,7 +5,12 @@ MoE of 8 experts (top 2, width 256) plus one shared expert. It balances with the
 recipe: sigmoid scores, normalised top-k weights and the aux-loss-free expert bias. The bias needs
 no extra loss term, so it works the same under pipeline parallel (where middle stages cannot add
 to the loss) and under activation checkpointing; the trainer only calls ``update_expert_bias``.
+
+debugmodel_aux_loss: the same shape with softmax scores and the switch-style aux loss, which the
+trainer adds to each micro-batch's loss (not under pipeline parallel).
 """
+
+import dataclasses
 
 from torchtitan.models.moe.model import MoEArgs, MoETransformer, num_active_params
 from torchtitan.models.moe.moe import GroupedExperts, MoE, TokenChoiceRouter
@@ -37,3 +42,7 @@ moe_configs = {
         load_balance="bias",
     ),
 }
+# The same shape balanced with the switch-style aux loss instead (softmax scores, no bias).
+moe_configs["debugmodel_aux_loss"] = dataclasses.replace(
+    moe_configs["debugmodel"], score_func="softmax", route_norm=False, load_balance="aux_loss"
+)

@@ -1,0 +1,95 @@
+"""The trainer's side of MoE load balancing: token counts per expert over a step, reduced globally.
+
+``ExpertLoadTracker`` sums every MoE layer's ``tokens_per_expert`` over the step's micro-batches
+(forward hooks, so pipeline schedules, which run the micro-batches themselves, are counted too),
+then one all-reduce (SUM) over *every* rank gives the global counts of the step:
+
+* data-parallel, CP and (sequence-parallel) TP ranks hold different tokens, so their counts add;
+* pipeline ranks own different layers: each rank fills only its own layers' rows of a table
+  covering the whole model, zeros elsewhere, so the sum over pp leaves each layer's own counts.
+
+The same table feeds ``update_expert_bias`` (every step, load_balance = "bias"; every rank of a
+stage applies the same update to the layers it holds, so the bias stays replicated) and the
+expert-load metrics (log steps). The counts, and so the bias, do not depend on the layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchtitan.parallelisms.pipeline_llama import in_shape_inference
+
+
+def _in_recompute() -> bool:
+    # Activation checkpointing re-runs a block's forward inside the backward pass (a graph task
+    # is running then); its routing repeats the original forward's and must not count twice.
+    return torch._C._current_graph_task_id() != -1
+
+
+class ExpertLoadTracker:
+    """Counts tokens per expert of this rank's MoE layers; ``finish_step`` makes them global."""
+
+    def __init__(
+        self, layer_names: Sequence[str], num_experts: int, model_parts: Sequence[nn.Module], device: torch.device
+    ):
+        """``layer_names``: the whole model's MoE layers ("1", "2", ...), the same order on every rank."""
+        self.layer_names = list(layer_names)
+        self.num_experts = num_experts
+        self.counts: torch.Tensor | None = None  # (num_moe_layers, num_experts), this rank, this step
+        self.last: dict[str, list[float]] | None = None  # the last reduced counts, "layers.N" -> per expert
+        self.device = device
+        self.model_parts = list(model_parts)
+        for part in self.model_parts:
+            for name, moe in part.moe_layers().items():
+                moe.register_forward_hook(self._hook(self.layer_names.index(name)))
+
+    def _hook(self, row: int):
+        def count(module: nn.Module, inputs, output) -> None:
+            # Training forwards only: validation runs without grad, a recompute inside backward,
+            # a pipeline stage's shape inference on placeholder inputs.
+            if not torch.is_grad_enabled() or _in_recompute() or in_shape_inference():
+                return
+            if self.counts is None:
+                self.counts = self._zeros()
+            self.counts[row] += module.tokens_per_expert
+
+        return count
+
+    @torch.no_grad()
+    def finish_step(self, *, update_bias: bool, keep: bool) -> None:
+        """Reduce the step's counts over all ranks, update the expert bias, keep them for metrics.
+
+        Every rank must call it with the same flags (the all-reduce is collective).
+        """
+        counts, self.counts = self.counts, None
+        if not (update_bias or keep):
+            return
+        if counts is None:  # this rank holds no MoE layer (a pipeline stage of dense layers)
+            counts = self._zeros()
+        if dist.is_initialized():
+            dist.all_reduce(counts)
+        if update_bias:
+            table = {name: counts[i] for i, name in enumerate(self.layer_names)}
+            for part in self.model_parts:
+                part.update_expert_bias({name: table[name] for name in part.moe_layers()})
+        self.last = {f"layers.{name}": counts[i].tolist() for i, name in enumerate(self.layer_names)} if keep else None
+
+    def _zeros(self) -> torch.Tensor:
+        return torch.zeros(len(self.layer_names), self.num_experts, device=self.device)
+
+
+def compute_load_metrics(load: dict[str, list[float]]) -> dict[str, object]:
+    """Per layer: global tokens per expert and imbalance = max / mean (1.0 is perfectly even)."""
+    imbalance = {}
+    for name, counts in load.items():
+        mean = sum(counts) / len(counts)
+        imbalance[name] = max(counts) / mean if mean > 0 else 0.0
+    return {
+        "expert_load": load,
+        "expert_imbalance": imbalance,
+        "expert_imbalance_max": max(imbalance.values()) if imbalance else 0.0,
+    }
