@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
 
-from torchtitan.checkpointing import load_model_weights  # noqa: E402
+from torchtitan.checkpointing import MARKER, load_model_weights, read_marker  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("output", help="the .pt file to write")
     parser.add_argument("--model-only", action="store_true", help="only the model weights, as {fqn: tensor}")
     args = parser.parse_args(argv)
+    if not os.path.isdir(args.checkpoint):
+        print(f"error: checkpoint folder {args.checkpoint!r} does not exist", file=sys.stderr)
+        return 2
+    if read_marker(args.checkpoint) is None:
+        print(f"error: {args.checkpoint} is incomplete (no {MARKER} marker: its save did not finish); "
+              "convert a complete step-N folder", file=sys.stderr)
+        return 2
     if args.model_only:
         try:
             weights, _ = load_model_weights(args.checkpoint)

@@ -6,7 +6,9 @@ import subprocess
 
 import pytest
 
-from tests.integration_tests import GLOBAL_BATCH, MOE, VALIDATION, losses_of, read_metrics, run_train
+from tests.integration_tests import (
+    GLOBAL_BATCH, MOE, VALIDATION, MatrixLaunches, Row, losses_of, read_metrics, run_train,
+)
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +38,14 @@ def moe_reference_run(tmp_path_factory) -> tuple[str, subprocess.CompletedProces
     result = run_train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH), *MOE])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return folder, result
+
+
+@pytest.fixture(scope="session")
+def matrix(request, tmp_path_factory) -> MatrixLaunches:
+    """The loss-parity rows selected in this session, launched one world size at a time."""
+    rows = []
+    for item in request.session.items:
+        row = getattr(item, "callspec", None) and item.callspec.params.get("row")
+        if isinstance(row, Row) and row not in rows:
+            rows.append(row)
+    return MatrixLaunches(rows, str(tmp_path_factory.mktemp("matrix")))

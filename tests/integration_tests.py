@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from dataclasses import dataclass, field
 
 import pytest
@@ -145,6 +146,62 @@ MOE_ROWS = [
 GRAD_NORM_RTOL = 3e-4
 
 
+def job_argv(row: Row, dump_folder: str) -> list[str]:
+    """A matrix row's trainer arguments: what run_llama_train.sh would pass for it."""
+    return ["--job.config_file", "./train_configs/debug_model.toml", *COMMON,
+            "--training.batch_size", str(row.local_batch), *row.args(), "--job.dump_folder", dump_folder]
+
+
+class MatrixLaunches:
+    """The session's selected matrix rows, run in one torchrun launch per world size.
+
+    A launch costs more than a 6-step debug run (see tests/batch_runs.py), so every selected row
+    of one world size runs in the same worker processes, each with its own dump folder and status
+    file; ``losses(row)`` launches the row's world size on first use.
+    """
+
+    def __init__(self, rows: list[Row], base: str):
+        self.rows, self.base = rows, base
+        self.launched: dict[int, subprocess.CompletedProcess] = {}
+
+    def folder(self, row: Row) -> str:
+        return os.path.join(self.base, row.name)
+
+    def _launch(self, ngpu: int) -> None:
+        # compile rows last: inductor state stays in the process after them
+        rows = sorted((r for r in self.rows if r.ngpu == ngpu), key=lambda r: "--training.compile" in r.overrides)
+        spec = os.path.join(self.base, f"jobs_{ngpu}.json")
+        with open(spec, "w") as f:
+            json.dump([{"argv": job_argv(r, self.folder(r))} for r in rows], f)
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ngpu}", "--rdzv_backend", "c10d",
+               "--rdzv_endpoint=localhost:0", "--local-ranks-filter", "0", "--role", "rank", "--tee", "3",
+               "-m", "tests.batch_runs", spec]
+        self.launched[ngpu] = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                                             timeout=300 + 120 * len(rows))
+
+    def losses(self, row: Row) -> dict[str, list[float]]:
+        if row.ngpu not in self.launched:
+            self._launch(row.ngpu)
+        folder = self.folder(row)
+        status_path = os.path.join(folder, "job_status.json")
+        if not os.path.isfile(status_path):
+            launch = self.launched[row.ngpu]
+            pytest.fail(f"{row.name} was not run: its launch (world size {row.ngpu}) exited with "
+                        f"{launch.returncode} before it\n{launch.stdout[-2000:]}{launch.stderr[-3000:]}")
+        with open(status_path) as f:
+            status = json.load(f)
+        assert status["ok"], f"{row.name} failed:\n{status['error']}\n{_log_tails(folder)}"
+        return losses_of(folder)
+
+
+def _log_tails(folder: str) -> str:
+    tails = []
+    for name in sorted(n for n in os.listdir(folder) if n.endswith(".log")):
+        with open(os.path.join(folder, name)) as f:
+            tails.append(f"--- {name}\n" + "".join(f.readlines()[-15:]))
+    return "\n".join(tails)
+
+
 def run_train(ngpu: int, dump_folder: str, overrides: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     # PREFLIGHT=0: every rank validates the config anyway; tests/test_bad_input.py covers the preflight.
     env = dict(os.environ, NGPU=str(ngpu), LOG_RANK="0", CONFIG_FILE="./train_configs/debug_model.toml", PREFLIGHT="0")
@@ -155,13 +212,6 @@ def run_train(ngpu: int, dump_folder: str, overrides: list[str], timeout: int = 
 def read_metrics(dump_folder: str) -> list[dict]:
     with open(os.path.join(dump_folder, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
-
-
-def train_losses(ngpu: int, local_batch: int, dump_folder: str, overrides: list[str]) -> dict[str, list[float]]:
-    """Run, then {"loss": per-step losses, "validation_loss": per-validation losses}."""
-    result = run_train(ngpu, dump_folder, ["--training.batch_size", str(local_batch), *overrides])
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return losses_of(dump_folder)
 
 
 def losses_of(dump_folder: str) -> dict[str, list[float]]:
@@ -180,15 +230,15 @@ def check_row(row: Row) -> None:
 
 
 @pytest.mark.parametrize("row", MOE_ROWS, ids=[r.name for r in MOE_ROWS])
-def test_moe_loss_parity(row: Row, moe_reference_run, tmp_path):
+def test_moe_loss_parity(row: Row, moe_reference_run, matrix: MatrixLaunches):
     check_row(row)
-    losses = train_losses(row.ngpu, row.local_batch, str(tmp_path), row.args())
+    losses = matrix.losses(row)
     ref_folder, _ = moe_reference_run
     reference = read_metrics(ref_folder)
     for i, (got, want) in enumerate(zip(losses["loss"], [r["loss"] for r in reference], strict=True)):
         assert abs(got - want) <= RTOL * abs(want), f"loss #{i}: {row.name} {got} vs single-process {want}"
     # the expert bias follows the global counts, so routing (and the logged load) is layout-invariant
-    for got, want in zip(read_metrics(str(tmp_path)), reference, strict=True):
+    for got, want in zip(read_metrics(matrix.folder(row)), reference, strict=True):
         assert got["expert_load"] == want["expert_load"], f"step {want['step']}: expert load differs"
         assert abs(got["grad_norm"] - want["grad_norm"]) <= GRAD_NORM_RTOL * want["grad_norm"], (got, want)
 
@@ -210,9 +260,9 @@ def test_moe_reference_learns_and_logs_expert_load(moe_reference_run):
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
-def test_loss_parity(row: Row, reference: dict[str, list[float]], tmp_path):
+def test_loss_parity(row: Row, reference: dict[str, list[float]], matrix: MatrixLaunches):
     check_row(row)
-    losses = train_losses(row.ngpu, row.local_batch, str(tmp_path), row.args())
+    losses = matrix.losses(row)
     for key in ("loss",):
         for i, (got, want) in enumerate(zip(losses[key], reference[key], strict=True)):
             assert abs(got - want) <= RTOL * abs(want), f"{key} #{i}: {row.name} {got} vs single-process {want}"

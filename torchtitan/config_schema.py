@@ -168,7 +168,7 @@ class Checkpoint:
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = _f(
         "disabled", "write checkpoints in a background thread (the final save is synchronous)"
     )
-    keep_latest_k: int = _f(0, "keep only the newest K complete checkpoints (the step-0 seed is kept); 0 = all")
+    keep_latest_k: int = _f(0, "keep only the newest K complete full checkpoints (the step-0 seed and weights-only exports are kept); 0 = all")
     load_step: int = _f(-1, "step to resume from; -1 = the newest complete checkpoint")
 
 

@@ -353,8 +353,12 @@ def _set_determinism(config: JobConfig) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def run(config: JobConfig, *, world_size: int, rank: int) -> None:
-    """Validate, build, train; always leave the process group destroyed."""
+def run_job(config: JobConfig, *, world_size: int, rank: int) -> None:
+    """Validate, build, train. Joins the process group if none exists and leaves it as it is.
+
+    A launcher that runs several jobs in one set of processes (tests/batch_runs.py) calls this
+    once per job under one process group.
+    """
     for warning in config.validate(world_size):
         if rank == 0:
             logger.warning(warning)
@@ -366,12 +370,17 @@ def run(config: JobConfig, *, world_size: int, rank: int) -> None:
     if config.checkpoint.create_seed_checkpoint:
         create_seed_checkpoint(config)
         return
+    trainer = Trainer(config, world_size=world_size, rank=rank)
     try:
-        trainer = Trainer(config, world_size=world_size, rank=rank)
-        try:
-            trainer.train()
-        finally:
-            trainer.close()
+        trainer.train()
+    finally:
+        trainer.close()
+
+
+def run(config: JobConfig, *, world_size: int, rank: int) -> None:
+    """``run_job``, then always leave the process group destroyed."""
+    try:
+        run_job(config, world_size=world_size, rank=rank)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -90,6 +90,16 @@ def test_purge_keeps_newest_k_complete_and_the_seed(tmp_path):
     assert purge_stale(str(tmp_path), keep_latest_k=0) == []
 
 
+def test_a_final_export_does_not_purge_the_last_full_checkpoint(tmp_path):
+    make(tmp_path, 3)
+    make(tmp_path, 6, kind=EXPORT)  # model_weights_only at the last step
+    assert purge_stale(str(tmp_path), keep_latest_k=1) == []
+    assert find_resume_checkpoint(str(tmp_path), -1).step == 3
+    make(tmp_path, 9)
+    assert [os.path.basename(p) for p in purge_stale(str(tmp_path), keep_latest_k=1)] == ["step-3"]
+    assert [c.step for c in list_checkpoints(str(tmp_path))] == [6, 9]
+
+
 def test_marker_is_json_with_step_and_kind(tmp_path):
     path = make(tmp_path, 3)
     with open(os.path.join(path, ".complete")) as f:
@@ -178,13 +188,15 @@ def test_save_and_load_round_trip(tmp_path):
     assert torch.equal(loader.optimizer.state[next(other.parameters())]["exp_avg"], exp_avg)
 
 
-def test_final_save_as_bf16_export(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_final_save_as_export(tmp_path, dtype):
     model = _model(0)
-    manager = _manager(tmp_path, model, model_weights_only=True, export_dtype="bfloat16")
+    manager = _manager(tmp_path, model, model_weights_only=True, export_dtype=dtype)
     manager.maybe_save(3, last=True)
     weights, marker = load_model_weights(step_folder(str(tmp_path / "ckpt"), 3))
-    assert marker["kind"] == EXPORT and set(weights) == set(model.state_dict())
-    assert all(w.dtype == torch.bfloat16 for w in weights.values())
+    assert marker["kind"] == EXPORT and marker["dtype"] == dtype and set(weights) == set(model.state_dict())
+    for name, want in model.state_dict().items():
+        assert weights[name].dtype == getattr(torch, dtype) and torch.equal(weights[name], want.to(weights[name].dtype))
     with pytest.raises(ValueError, match="weights-only export"):
         _manager(tmp_path, _model(0), load_step=3).load()
 

@@ -128,14 +128,16 @@ def _check_loadable(c: CheckpointInfo, what: str) -> None:
 def purge_stale(root: str, keep_latest_k: int) -> list[str]:
     """Delete all but the newest ``keep_latest_k`` complete checkpoints; returns the deleted paths.
 
-    Counted: complete full checkpoints and exports. Never deleted: the step-0 seed, anything newer
-    than the newest complete checkpoint (a save in flight). Incomplete folders older than it are
-    interrupted saves and are deleted too. ``keep_latest_k = 0`` keeps everything.
+    Counted: complete full checkpoints (resume points) only. Never deleted: the step-0 seed,
+    weights-only exports (the run's output, not resume points: counting them would let a final
+    export purge the last full checkpoint at K = 1), anything newer than the newest complete
+    checkpoint (a save in flight). Incomplete folders older than it are interrupted saves and are
+    deleted too. ``keep_latest_k = 0`` keeps everything.
     """
     if keep_latest_k <= 0:
         return []
     found = list_checkpoints(root)
-    counted = [c for c in found if c.complete and c.kind != SEED]
+    counted = [c for c in found if c.complete and c.kind == FULL]
     if len(counted) <= keep_latest_k:
         stale = []
     else:
