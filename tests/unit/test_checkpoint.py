@@ -145,13 +145,13 @@ class _Loader:
         self.state = state
 
 
-def _manager(tmp_path, model: torch.nn.Module, **config) -> CheckpointManager:
+def _manager(tmp_path, model: torch.nn.Module, clock=None, **config) -> CheckpointManager:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
-    cfg = CheckpointConfig(enable_checkpoint=True, folder="ckpt", interval=2, **config)
+    cfg = CheckpointConfig(enable_checkpoint=True, folder="ckpt", **{"interval": 2, **config})
     return CheckpointManager(cfg, dump_folder=str(tmp_path), model_parts=[model], optimizer=opt, lr_scheduler=sched,
                              data_loader=_Loader(), dp_rank=0, rank=0, device=torch.device("cpu"),
-                             model_info={"args": dataclasses.asdict(ARGS)})
+                             model_info={"args": dataclasses.asdict(ARGS)}, **({"clock": clock} if clock else {}))
 
 
 def _model(seed: int, args: ModelArgs = ARGS) -> Transformer:
@@ -227,15 +227,47 @@ def test_corrupted_checkpoint_is_a_value_error(tmp_path):
     manager = _manager(tmp_path, model)
     manager.save(2)
     path = step_folder(str(tmp_path / "ckpt"), 2)
-    data = os.path.join(path, "__0_0.distcp")
+    data, metadata = os.path.join(path, "__0_0.distcp"), os.path.join(path, ".metadata")
+    original = open(metadata, "rb").read()
+    # altered metadata of the same size: caught by the marker's CRC32 before DCP unpickles it
+    with open(metadata, "r+b") as f:
+        f.seek(len(original) // 2)
+        f.write(bytes([original[len(original) // 2] ^ 0xFF]))
+    with pytest.raises(ValueError, match=r"step-2 is corrupted: .metadata does not match its CRC32"):
+        _manager(tmp_path, _model(1)).load()
+    with open(metadata, "wb") as f:
+        f.write(original)
     with open(data, "r+b") as f:
         f.truncate(100)
+    with pytest.raises(ValueError, match=r"step-2 is corrupted: __0_0.distcp has 100 bytes, the save wrote \d+"):
+        _manager(tmp_path, _model(1)).load()
+    with pytest.raises(ValueError, match="is corrupted"):
+        load_model_weights(path)
+    os.remove(data)
+    with pytest.raises(ValueError, match=r"__0_0.distcp is missing; resume from another step"):
+        _manager(tmp_path, _model(1)).load()
+    # a marker without the file list (written before the check existed): DCP's own errors, one line
+    marker = json.load(open(os.path.join(path, ".complete")))
+    del marker["files"]
+    json.dump(marker, open(os.path.join(path, ".complete"), "w"))
     with pytest.raises(ValueError, match=r"checkpoint .*step-2 could not be loaded"):
         _manager(tmp_path, _model(1)).load()
-    with open(os.path.join(path, ".metadata"), "wb") as f:
+    with open(metadata, "wb") as f:
         f.write(b"garbage")
     with pytest.raises(ValueError, match="cannot read its DCP metadata"):
         _manager(tmp_path, _model(1)).load()
+
+
+def test_manager_saves_by_seconds_and_at_the_last_step(tmp_path):
+    now = [0.0]
+    model = _model(0)
+    manager = _manager(tmp_path, model, interval_type="seconds", interval=10, clock=lambda: now[0])
+    for step, seconds in [(1, 4.0), (2, 11.0), (3, 15.0), (4, 22.0), (5, 23.0)]:
+        now[0] = seconds
+        _train_step(model, manager)
+        manager.maybe_save(step, last=step == 5)
+    manager.close()
+    assert [c.step for c in list_checkpoints(str(tmp_path / "ckpt")) if c.complete] == [2, 4, 5]
 
 
 def test_async_save_copies_the_state_before_training_continues(tmp_path):

@@ -74,3 +74,20 @@ def test_scripts_refuse_missing_and_incomplete_folders(saved, tmp_path, capsys):
     assert _script("convert_to_hf")([incomplete, str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert "does not exist" in err and "step-9 is incomplete" in err and "step-9 is not a complete checkpoint" in err
+
+
+def test_hf_export_loads_in_transformers_with_our_logits(saved, tmp_path):
+    """The real consumer: transformers' LlamaForCausalLM on the converted folder gives our logits."""
+    import transformers
+
+    from tests.unit.test_checkpoint import _model
+
+    folder, state = saved
+    hf_dir = str(tmp_path / "hf")
+    assert _script("convert_to_hf")([folder, hf_dir]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ours = _model(1)
+    ours.load_state_dict(state)
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-5)

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,52 @@ def write_marker(path: str, step: int, kind: str, **extra: Any) -> None:
     os.replace(tmp, os.path.join(path, MARKER))
 
 
+def list_files(path: str) -> dict[str, list[int]]:
+    """The checkpoint's data files -> [size in bytes, CRC32 or -1]; run on rank 0 before the marker.
+
+    Every file's size is recorded (a cheap ``stat``); only ``.metadata`` (small, and the file every
+    rank reads first) is checksummed: reading every rank's data back on one rank would cost as much
+    as the save. So a missing, truncated or extended file, or altered metadata, is caught before
+    loading; a flipped bit inside tensor data is not (DCP has no checksums of its own).
+    """
+    files = {}
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if name.startswith(MARKER) or not os.path.isfile(full):
+            continue
+        crc = -1
+        if name == ".metadata":
+            with open(full, "rb") as f:
+                crc = zlib.crc32(f.read())
+        files[name] = [os.path.getsize(full), crc]
+    return files
+
+
+def verify_files(c: CheckpointInfo) -> None:
+    """Compare the folder with what its marker recorded (markers from before this check record nothing).
+
+    Raises:
+        ValueError: naming each missing file, size change and checksum mismatch.
+    """
+    recorded = (c.marker or {}).get("files")
+    if not recorded:
+        return
+    present = list_files(c.path)
+    problems = []
+    for name, (size, crc) in recorded.items():
+        if name not in present:
+            problems.append(f"{name} is missing")
+        elif present[name][0] != size:
+            problems.append(f"{name} has {present[name][0]} bytes, the save wrote {size}")
+        elif crc != -1 and present[name][1] != crc:
+            problems.append(f"{name} does not match its CRC32 (altered after the save)")
+    if problems:
+        raise ValueError(
+            f"checkpoint {c.path} is corrupted: {'; '.join(problems)}; resume from another step "
+            "(checkpoint.load_step) or restore the folder"
+        )
+
+
 def read_marker(path: str) -> dict[str, Any] | None:
     try:
         with open(os.path.join(path, MARKER), encoding="utf-8") as f:
@@ -100,6 +147,7 @@ def find_resume_checkpoint(root: str, load_step: int) -> CheckpointInfo | None:
                 f"complete checkpoints: {[c.step for c in found if c.complete]} (or -1 for the newest)"
             )
         _check_loadable(match[0], f"checkpoint.load_step = {load_step}")
+        verify_files(match[0])
         return match[0]
     resumable = [c for c in found if c.kind in (FULL, SEED)]
     newest = resumable[-1] if resumable else None
@@ -109,6 +157,8 @@ def find_resume_checkpoint(root: str, load_step: int) -> CheckpointInfo | None:
                 logger.warning("ignoring incomplete checkpoint %s (no %s marker: its save did not finish)", c.path, MARKER)
             elif c.kind == EXPORT:
                 logger.info("not resuming from %s: a weights-only export, not a training state", c.path)
+    if newest is not None:
+        verify_files(newest)
     return newest
 
 

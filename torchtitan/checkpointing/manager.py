@@ -29,8 +29,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from torchtitan.checkpointing.folders import (
-    EXPORT, FULL, SEED, CheckpointInfo, SaveSchedule, find_resume_checkpoint, purge_stale, read_marker,
-    step_folder, write_marker,
+    EXPORT, FULL, SEED, CheckpointInfo, SaveSchedule, find_resume_checkpoint, list_files, purge_stale, read_marker,
+    step_folder, verify_files, write_marker,
 )
 from torchtitan.checkpointing.state import (
     DataLoaderState, ModelState, OptimizerState, SavedKeysOnly, TrainState, build_model_view, check_model_keys,
@@ -206,7 +206,8 @@ class CheckpointManager:
                 return
             _maybe_test_delay(step)
             extra = {"dtype": self.config.export_dtype} if kind == EXPORT else {}
-            write_marker(step_folder(self.root, step), step, kind, model=self.model_info,
+            path = step_folder(self.root, step)
+            write_marker(path, step, kind, model=self.model_info, files=list_files(path),
                          world_size=dist.get_world_size() if dist.is_initialized() else 1, **extra)
             self._finished.add(step)
             self.last_saved = (step, time.perf_counter() - start)
@@ -314,7 +315,7 @@ def save_model_weights(state_dict: dict[str, torch.Tensor], path: str, info: dic
         shutil.rmtree(path)
     with _one_process_quiet():
         dcp.save({"model": state_dict}, checkpoint_id=path, no_dist=True)
-    write_marker(path, 0, SEED, model=info)
+    write_marker(path, 0, SEED, model=info, files=list_files(path))
 
 
 def load_model_weights(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -326,6 +327,7 @@ def load_model_weights(path: str) -> tuple[dict[str, torch.Tensor], dict[str, An
     marker = read_marker(path)
     if marker is None:
         raise ValueError(f"{path} is not a complete checkpoint (no .complete marker); pass a step-N folder")
+    verify_files(CheckpointInfo(marker.get("step", -1), path, marker))
     metadata = _read_metadata(path)
     weights = {
         key[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
