@@ -92,6 +92,9 @@ ROWS = [
     Row("fsdp2_reshard_never", 2, 4, ["--training.fsdp_reshard_after_forward", "never"]),
     Row("fsdp2_prefetch2", 2, 4, ["--training.fsdp_prefetch_depth", "2"]),
     Row("fsdp2_cpu_offload", 2, 4, ["--training.enable_cpu_offload"]),
+    # the chunked output projection + loss (16 positions per chunk), with loss parallel under TP
+    Row("fsdp2_chunked_loss", 2, 4, ["--training.loss_chunk_size", "16"]),
+    Row("fsdp2_tp2_chunked_loss", 4, 4, ["--training.loss_chunk_size", "16"], tp=2),
     # tensor parallel: TP ranks share their data-parallel rank's samples
     Row("tp2", 2, 8, tp=2),
     Row("tp2_loss_parallel_off", 2, 8, ["--training.enable_loss_parallel", "false"], tp=2),

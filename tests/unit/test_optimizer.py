@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 
 import pytest
@@ -106,6 +108,25 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def test_debug_model_optimizer_state_halves(one_thread):
+    """The debug model's (7,999,744 parameters) AdamW state after one step: fp32 vs bf16 moments."""
+    from torchtitan.models import model_name_to_flavors
+    from torchtitan.models.llama import Transformer
+
+    args = dataclasses.replace(model_name_to_flavors["llama3"]["debugmodel"], vocab_size=2304)
+    sizes = {}
+    for dtype in ("float32", "bfloat16"):
+        torch.manual_seed(0)
+        model = Transformer(args)
+        opt = LowPrecisionAdamW(model.parameters(), lr=1e-3, state_dtype=dtype)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        sizes[dtype] = sum(s[k].nbytes for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq"))
+    print(f"\ndebug model AdamW moments: fp32 {sizes['float32']:,} B, bf16 {sizes['bfloat16']:,} B")
+    assert sizes["float32"] == 2 * 4 * 7_999_744 and sizes["bfloat16"] * 2 == sizes["float32"]
 
 
 def test_50_steps_bf16_states_track_fp32_states(one_thread):
