@@ -117,6 +117,8 @@ ROWS = [
     # context parallel: CP ranks split each of their data-parallel rank's sequences
     Row("cp2_allgather", 2, 8, ROTATE_ALLGATHER, cp=2),
     Row("cp2_alltoall", 2, 8, ROTATE_ALLTOALL, cp=2),
+    # torch's experimental ring attention instead of ours (its CUDA handlers; ours for the CPU kernel)
+    Row("cp2_torch", 2, 8, [*ROTATE_ALLTOALL, "--experimental.context_parallel_impl", "torch"], cp=2),
     Row("cp4", 4, 8, ROTATE_ALLTOALL, cp=4),
     Row("fsdp2_cp2", 4, 4, ROTATE_ALLGATHER, cp=2),
     Row("tp2_cp2", 4, 8, ROTATE_ALLTOALL, tp=2, cp=2),

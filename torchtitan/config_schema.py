@@ -136,6 +136,12 @@ class Experimental:
     context_parallel_load_balance: bool = _f(
         True, "give each CP rank a head and the mirrored tail chunk of the sequence, so causal work is even"
     )
+    context_parallel_impl: Literal["portable", "torch"] = _f(
+        "portable",
+        "ring attention implementation: portable (ours, any device/backend/torch) or torch (torch's "
+        "experimental ring attention: CUDA flash/efficient/cuDNN kernels, and on CPU through our handlers "
+        "for its CPU kernel; private torch names, pinned to torch 2.13)",
+    )
     pipeline_parallel_degree: int = _f(1, "pipeline-parallel degree (not built yet)")
     pipeline_parallel_split_points: list[str] = _f([], "layer names where stages start, e.g. layers.4,layers.8")
     pipeline_parallel_schedule: str = _f("1F1B", "pipeline schedule name")

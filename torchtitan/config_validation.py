@@ -152,6 +152,10 @@ def _check_context_parallel(config: JobConfig) -> None:
             f"training.tensor_parallel_degree = {tp} (sequence parallel splits each CP chunk again); "
             f"choose a seq_len that is a multiple of {cp * tp}"
         )
+    if exp.context_parallel_impl == "torch":
+        from torchtitan.parallelisms.torch_context_parallel import check_supported
+
+        check_supported()
     if config.training.compile:
         raise NotImplementedError(
             "experimental.context_parallel_degree > 1 with training.compile = true: ring attention is eager "

@@ -24,6 +24,7 @@ import torchtitan.parallelisms.context_parallel as cp_module
 from tests.distributed.harness import run_distributed
 from torchtitan.models.llama.model import CausalAttention, ModelArgs, Transformer
 from torchtitan.parallelisms.context_parallel import RingAttention, apply_cp, compute_cp_positions, shard_sequence
+from torchtitan.parallelisms.torch_context_parallel import TorchRingAttention, enable_torch_cp_dispatcher
 
 pytestmark = pytest.mark.distributed
 
@@ -36,15 +37,19 @@ VARIANTS = [dict(n_kv_heads=n_kv, rotate_method=rotate, load_balance=lb, dtype="
             for n_kv, rotate, lb in itertools.product((2, 4), ("allgather", "alltoall"), (True, False))]
 VARIANTS += [dict(n_kv_heads=2, rotate_method=rotate, load_balance=True, dtype="bfloat16")
              for rotate in ("allgather", "alltoall")]
+# torch's own ring attention (context_parallel_impl = "torch"; our CPU kernel handlers)
+VARIANTS += [dict(n_kv_heads=2, rotate_method=rotate, load_balance=lb, dtype="float32", impl="torch")
+             for rotate, lb in itertools.product(("allgather", "alltoall"), (True, False))]
 
 
 def _name(variant: dict) -> str:
     balance = "lb" if variant["load_balance"] else "nolb"
-    return "{rotate_method}-kv{n_kv_heads}-{dtype}-{balance}".format(**variant, balance=balance)
+    impl = "torch-" if variant.get("impl") == "torch" else ""
+    return impl + "{rotate_method}-kv{n_kv_heads}-{dtype}-{balance}".format(**variant, balance=balance)
 
 
-def _attention_case(rank: int, world: int, group, n_kv_heads: int, rotate_method: str, load_balance: bool,
-                    dtype: str) -> dict:
+def _attention_case(rank: int, world: int, mesh, n_kv_heads: int, rotate_method: str, load_balance: bool,
+                    dtype: str, impl: str = "portable") -> dict:
     """Ring attention on this rank's shard vs CausalAttention on the whole sequence (same seed everywhere)."""
     torch.manual_seed(0)
     q, dout = torch.randn(BS, N_HEADS, SEQ, HEAD_DIM), torch.randn(BS, N_HEADS, SEQ, HEAD_DIM)
@@ -53,7 +58,10 @@ def _attention_case(rank: int, world: int, group, n_kv_heads: int, rotate_method
     CausalAttention()(*full).backward(dout)
     positions = compute_cp_positions(SEQ, world, rank, load_balance)
     local = [t.to(getattr(torch, dtype)).requires_grad_() for t in shard_sequence([q, k, v], 2, positions)]
-    ring = RingAttention(group, rotate_method=rotate_method, load_balance=load_balance)
+    if impl == "torch":
+        ring = TorchRingAttention(mesh, rotate_method=rotate_method, load_balance=load_balance)
+    else:
+        ring = RingAttention(mesh.get_group(), rotate_method=rotate_method, load_balance=load_balance)
     out = ring(*local)
     out.backward(shard_sequence([dout], 2, positions)[0].to(out.dtype))
     expected_out = shard_sequence([CausalAttention()(q, k, v)], 2, positions)[0]
@@ -152,7 +160,8 @@ def _odd_seqlen_error(group) -> str:
 def _run_all(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     group = mesh.get_group()
-    results = {_name(variant): _attention_case(rank, world, group, **variant) for variant in VARIANTS}
+    enable_torch_cp_dispatcher()
+    results = {_name(variant): _attention_case(rank, world, mesh, **variant) for variant in VARIANTS}
     results["events"] = _ring_events(group)
     results["model"] = _model_case(rank, world, mesh)
     results["odd_seqlen_error"] = _odd_seqlen_error(group)

@@ -4,6 +4,7 @@ import sys
 import tomllib
 
 import pytest
+import torch
 
 from torchtitan.config_manager import ConfigError, JobConfig, format_help
 
@@ -281,3 +282,12 @@ def test_expert_parallel_layouts_and_axes(args, world, axes):
     assert {axis: dims.axis_name(axis) for axis in axes} == axes
     assert dims.size("ep") == config.experimental.expert_parallel_degree
     assert dims.size("dp_shard") == dims.dp_shard  # dense FSDP still shards over all of dp_shard
+
+
+def test_torch_context_parallel_is_pinned_to_its_torch_version(monkeypatch):
+    args = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "64",
+            "--experimental.context_parallel_degree", "2", "--experimental.context_parallel_impl", "torch"]
+    JobConfig.parse_args(args).validate(2)
+    monkeypatch.setattr(torch, "__version__", "2.14.0")
+    with pytest.raises(NotImplementedError, match=r"private names of torch 2.13.x .* this is torch 2.14.0"):
+        JobConfig.parse_args(args).validate(2)

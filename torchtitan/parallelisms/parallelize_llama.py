@@ -14,6 +14,7 @@ from torchtitan.parallelisms.expert_parallel import apply_ep
 from torchtitan.parallelisms.fsdp import apply_ddp, apply_fsdp, to_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.tensor_parallel import apply_tp
+from torchtitan.parallelisms.torch_context_parallel import apply_torch_cp
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -120,15 +121,17 @@ def parallelize_llama(
     if parallel_dims.cp_enabled:
         exp = config.experimental
         cp_mesh = world_mesh["cp"]
-        apply_cp(model, cp_mesh, rotate_method=exp.context_parallel_rotate_method,
-                 load_balance=exp.context_parallel_load_balance)
+        apply = apply_torch_cp if exp.context_parallel_impl == "torch" else apply_cp
+        apply(model, cp_mesh, rotate_method=exp.context_parallel_rotate_method,
+              load_balance=exp.context_parallel_load_balance)
         positions = compute_cp_positions(
             config.training.seq_len, parallel_dims.cp, cp_mesh.get_local_rank(), exp.context_parallel_load_balance
         )
         pass_positions(model, positions)
         logger.info(
-            "applied context parallel over %d ranks (%s, load balance %s)",
-            parallel_dims.cp, exp.context_parallel_rotate_method, exp.context_parallel_load_balance,
+            "applied context parallel over %d ranks (%s ring attention, %s, load balance %s)",
+            parallel_dims.cp, exp.context_parallel_impl, exp.context_parallel_rotate_method,
+            exp.context_parallel_load_balance,
         )
     apply_ac(model, config.activation_checkpoint)
     if config.training.compile:
