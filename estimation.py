@@ -1,15 +1,11 @@
-"""Memory estimator for a training config (placeholder until its issue lands).
+"""Memory estimator: ``python estimation.py --job.config_file FILE [--world_size N] [--json] [--plan ...]``.
 
-It will build the model, parallelisms, optimizer and a batch through the trainer's own build
-functions under FakeTensorMode with a fake process group, and report per-rank peak memory.
+Thin entry point; the estimator lives in torchtitan/estimation (see docs/estimation.md).
 """
 
 import sys
 
+from torchtitan.estimation.cli import main
+
 if __name__ == "__main__":
-    print(
-        "error: estimation.py is not yet available; see the open issue 'estimation.py: a memory "
-        "estimator for every parallelism'",
-        file=sys.stderr,
-    )
-    sys.exit(2)
+    sys.exit(main())

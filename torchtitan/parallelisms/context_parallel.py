@@ -132,9 +132,8 @@ def merge_attention_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tens
     lse.copy_(new_lse)
 
 
-def _accumulate_block(out, lse, q, k, v, q_pos, k_pos, scale) -> None:
+def _accumulate_block(out, lse, q, k, v, plan: _BlockPlan | None, scale) -> None:
     """Attend the local queries to one K/V block and merge it into the running (out, lse)."""
-    plan = _plan_block(q_pos, k_pos)
     if plan is None:
         return  # entirely in the future of every local query
     block_out, block_lse = _attend(q[:, :, plan.rows], k[:, :, plan.cols], v[:, :, plan.cols], plan.mask, scale)
@@ -157,7 +156,7 @@ def compute_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
     Rows that see no key get out = 0 and lse = -inf, which merge_attention_ treats as empty.
     """
     out, lse = _new_accumulators(q)
-    _accumulate_block(out, lse, q, k, v, q_pos.cpu(), k_pos.cpu(), scale)
+    _accumulate_block(out, lse, q, k, v, _plan_block(q_pos.cpu(), k_pos.cpu()), scale)
     return out, lse
 
 
@@ -174,9 +173,8 @@ def _block_backward(q, k, v, dout, lse, delta, mask, scale):
     return dq, _reduce_kv(dk, n_kv_heads), _reduce_kv(dv, n_kv_heads)
 
 
-def _accumulate_block_grad(dq, dkv, q, k, v, dout, lse, delta, q_pos, k_pos, scale) -> None:
+def _accumulate_block_grad(dq, dkv, q, k, v, dout, lse, delta, plan: _BlockPlan | None, scale) -> None:
     """Add one K/V block's contribution to dq (bs, h, sq, d) and dkv (2, bs, hkv, sk, d), fp32."""
-    plan = _plan_block(q_pos, k_pos)
     if plan is None:
         return
     r, c = plan.rows, plan.cols
@@ -212,17 +210,17 @@ def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out.unflatten(0, (group.size(), tensor.shape[0]))
 
 
-def _forward_allgather(q, k, v, group, positions, scale):
+def _forward_allgather(q, k, v, group, plans, scale):
     rank = group.rank()
     kv = _all_gather(torch.stack([k, v]), group)  # (cp, 2, bs, hkv, s, d), compact heads
     out, lse = _new_accumulators(q)
     for step in range(group.size()):
         j = (rank - step) % group.size()  # own block first: every row then has a finite lse
-        _accumulate_block(out, lse, q, kv[j, 0], kv[j, 1], positions[rank], positions[j], scale)
+        _accumulate_block(out, lse, q, kv[j, 0], kv[j, 1], plans[rank][j], scale)
     return out, lse
 
 
-def _forward_ring(q, k, v, group, positions, scale):
+def _forward_ring(q, k, v, group, plans, scale):
     rank, size = group.rank(), group.size()
     kv = torch.stack([k, v])  # (2, bs, hkv, s, d): one message per hop
     out, lse = _new_accumulators(q)
@@ -230,27 +228,26 @@ def _forward_ring(q, k, v, group, positions, scale):
         if step < size - 1:
             next_kv, works = _ring_shift(kv, group, _KV_TAG)  # in flight while this block computes
         j = (rank - step) % size  # the block this rank holds at this step
-        _accumulate_block(out, lse, q, kv[0], kv[1], positions[rank], positions[j], scale)
+        _accumulate_block(out, lse, q, kv[0], kv[1], plans[rank][j], scale)
         if step < size - 1:
             _wait(works)
             kv = next_kv
     return out, lse
 
 
-def _backward_allgather(q, k, v, dout, lse, delta, group, positions, scale):
+def _backward_allgather(q, k, v, dout, lse, delta, group, plans, scale):
     rank, size = group.rank(), group.size()
     kv = _all_gather(torch.stack([k, v]), group)  # gathered again: saving it would cost cp x memory
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # (cp, 2, bs, hkv, s, d)
     for j in range(size):
-        _accumulate_block_grad(dq, dkv[j], q, kv[j, 0], kv[j, 1], dout, lse, delta,
-                               positions[rank], positions[j], scale)
+        _accumulate_block_grad(dq, dkv[j], q, kv[j, 0], kv[j, 1], dout, lse, delta, plans[rank][j], scale)
     own = torch.empty(dkv.shape[1:], dtype=torch.float32, device=q.device)  # (2, bs, hkv, s, d)
     dist.reduce_scatter_single(own, dkv.flatten(0, 1), op=dist.ReduceOp.SUM, group=group)
     return dq, own
 
 
-def _backward_ring(q, k, v, dout, lse, delta, group, positions, scale):
+def _backward_ring(q, k, v, dout, lse, delta, group, plans, scale):
     rank, size = group.rank(), group.size()
     kv = torch.stack([k, v])  # (2, bs, hkv, s, d)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -262,8 +259,7 @@ def _backward_ring(q, k, v, dout, lse, delta, group, positions, scale):
             next_kv, kv_works = _ring_shift(kv, group, _KV_TAG)
         j = (rank - step) % size
         block_grad = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-        _accumulate_block_grad(dq, block_grad, q, kv[0], kv[1], dout, lse, delta,
-                               positions[rank], positions[j], scale)
+        _accumulate_block_grad(dq, block_grad, q, kv[0], kv[1], dout, lse, delta, plans[rank][j], scale)
         if pending is not None:  # the previous rank's accumulator for block j; arrived during compute
             _wait(pending[1])
             block_grad += pending[0]
@@ -284,12 +280,12 @@ class _RingAttentionFunction(torch.autograd.Function):
     """Explicit forward/backward so autograd never differentiates through a collective."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, rotate_method, positions):
+    def forward(ctx, q, k, v, group, rotate_method, plans):
         scale = q.shape[-1] ** -0.5
-        out, lse = _FORWARD[rotate_method](q, k, v, group, positions, scale)
+        out, lse = _FORWARD[rotate_method](q, k, v, group, plans, scale)
         out = out.to(q.dtype)  # (bs, h, sq, d)
         ctx.save_for_backward(q, k, v, out, lse)  # local only: O(seqlen / cp) per rank
-        ctx.group, ctx.rotate_method, ctx.positions, ctx.scale = group, rotate_method, positions, scale
+        ctx.group, ctx.rotate_method, ctx.plans, ctx.scale = group, rotate_method, plans, scale
         return out
 
     @staticmethod
@@ -297,7 +293,7 @@ class _RingAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dout = dout.float()  # (bs, h, sq, d)
         delta = (dout * out.float()).sum(-1)  # (bs, h, sq) = rowsum(dO * O)
-        dq, dkv = _BACKWARD[ctx.rotate_method](q, k, v, dout, lse, delta, ctx.group, ctx.positions, ctx.scale)
+        dq, dkv = _BACKWARD[ctx.rotate_method](q, k, v, dout, lse, delta, ctx.group, ctx.plans, ctx.scale)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
@@ -316,14 +312,16 @@ class RingAttention(nn.Module):
             raise ValueError(f"experimental.context_parallel_rotate_method = {rotate_method!r}: "
                              f"allowed are {', '.join(ROTATE_METHODS)}")
         self.cp_group, self.rotate_method, self.load_balance = cp_group, rotate_method, load_balance
-        self._positions: dict[int, torch.Tensor] = {}  # local seqlen -> (cp, local seqlen), on CPU
+        # local seqlen -> plans[i][j]: what rank i's queries see of rank j's block (from CPU positions,
+        # once per shape: no per-step nonzero or host sync)
+        self._plans: dict[int, list[list[_BlockPlan | None]]] = {}
 
     def extra_repr(self) -> str:
         return f"cp={self.cp_group.size()}, rotate_method={self.rotate_method}, load_balance={self.load_balance}"
 
-    def _all_positions(self, local_seqlen: int) -> torch.Tensor:
-        """(cp, local_seqlen) global positions of every rank's tokens; on CPU so block plans never sync."""
-        if local_seqlen not in self._positions:
+    def block_plans(self, local_seqlen: int) -> list[list[_BlockPlan | None]]:
+        """plans[i][j] for every pair of ranks' blocks, from the global positions (CPU, computed once)."""
+        if local_seqlen not in self._plans:
             cp = self.cp_group.size()
             seq_len = local_seqlen * cp
             if seq_len % (2 * cp if self.load_balance else cp) != 0:
@@ -332,17 +330,18 @@ class RingAttention(nn.Module):
                     f"with load_balance = {self.load_balance}: with load balancing each rank holds two equal "
                     "chunks, so the local seqlen must be even; shard inputs with "
                     "compute_cp_positions(training.seq_len, ...) and shard_sequence")
-            self._positions[local_seqlen] = torch.stack(
-                [compute_cp_positions(seq_len, cp, r, self.load_balance) for r in range(cp)])
-        return self._positions[local_seqlen]
+            positions = [compute_cp_positions(seq_len, cp, r, self.load_balance) for r in range(cp)]
+            self._plans[local_seqlen] = [[_plan_block(positions[i], positions[j]) for j in range(cp)]
+                                         for i in range(cp)]
+        return self._plans[local_seqlen]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (bs, n_heads, s, d); k, v (bs, n_kv_heads, s, d) -> (bs, n_heads, s, d)."""
         if k.shape[2] != q.shape[2] or v.shape != k.shape or q.shape[1] % k.shape[1] != 0:
             raise ValueError(f"ring attention needs q, k, v sharded alike along the sequence, with n_heads a "
                              f"multiple of n_kv_heads: got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-        positions = self._all_positions(q.shape[2])
-        return _RingAttentionFunction.apply(q, k, v, self.cp_group, self.rotate_method, positions)
+        plans = self.block_plans(q.shape[2])
+        return _RingAttentionFunction.apply(q, k, v, self.cp_group, self.rotate_method, plans)
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, rotate_method: str, load_balance: bool = True) -> None:

@@ -18,17 +18,19 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-_flat_groups: dict[tuple, dist.ProcessGroup] = {}
-
-
 def _mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    """The process group spanning every axis of ``mesh`` (flattened once, then cached)."""
+    """The process group spanning every axis of ``mesh`` (flattened once, cached on the mesh).
+
+    Cached on the mesh object itself: a module-level cache keyed by ``id(mesh)`` handed a later
+    mesh (same id after garbage collection) the group of an earlier one, possibly destroyed.
+    """
     if mesh.ndim == 1:
         return mesh.get_group()
-    key = (id(mesh), mesh.mesh_dim_names)
-    if key not in _flat_groups:
-        _flat_groups[key] = mesh._flatten("_".join(mesh.mesh_dim_names) + "_norm").get_group()
-    return _flat_groups[key]
+    group = getattr(mesh, "_torchtitan_norm_group", None)
+    if group is None:
+        group = mesh._flatten("_".join(mesh.mesh_dim_names) + "_norm").get_group()
+        mesh._torchtitan_norm_group = group
+    return group
 
 
 def _replication(g: DTensor) -> int:

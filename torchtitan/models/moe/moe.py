@@ -161,7 +161,7 @@ class MoE(nn.Module):
         bs, seqlen, dim = x.shape
         x = x.reshape(-1, dim)  # (T, dim)
         weights, experts, scores = self.router(x, self.expert_bias)  # (T, k), (T, k), (T, E)
-        counts = torch.bincount(experts.flatten(), minlength=self.num_experts)  # (E,)
+        counts = self.count_tokens(experts)  # (E,)
         self.tokens_per_expert = counts.detach().float()
         if self.load_balance == "aux_loss":
             self.aux_loss = self.aux_loss_coeff * compute_aux_loss(scores, counts, self.top_k)
@@ -175,6 +175,10 @@ class MoE(nn.Module):
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         return out.view(bs, seqlen, dim)
+
+    def count_tokens(self, experts: torch.Tensor) -> torch.Tensor:
+        """(T, top_k) chosen experts -> (E,) int64 routing slots per expert."""
+        return torch.bincount(experts.flatten(), minlength=self.num_experts)
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:

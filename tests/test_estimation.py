@@ -1,0 +1,220 @@
+"""estimation.py: accuracy against real runs, hand-computed terms for the real flavors, the planner, bad inputs.
+
+Accuracy, on the integration matrix's own rows (tests/integration_tests.py, same arguments):
+(a) every row practical on CPU: the fake-tensor estimate vs. the same tracker on the real step
+    (torchrun, gloo, `torchtitan/estimation/measure.py`), per role (each pipeline rank): within 1%.
+    This catches fake-mode artefacts (e.g. foreach temporaries overcounted) and checks the depth
+    extrapolation, which the estimate uses for every non-PP debug row (8 layers from 3 and 5).
+    Some multi-stage pipeline and MoE rows: within 2%, see GLOO_LIFETIME_ROWS. CI runs one row
+    per feature (CI_ROWS); TORCHTITAN_ESTIMATION_ALL_ROWS=1 runs every practical row.
+(b) the real run's peak RSS growth over the RSS before the build, with MALLOC_MMAP_THRESHOLD_
+    so freed buffers return to the OS: within 10%, on rows at seq_len 1024, where activations
+    dominate the ~20-30 MiB of process memory that is not tensors (allocator slack, gloo buffers,
+    Python objects, the tracker's own records), which makes seq_len-64 rows meaningless here.
+MoE rows: the estimate assumes balanced routing, and the real runs measured here apply the same
+routing (`moe_patches(shape_only_grouped_mm=False)`), so (a) compares like with like.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from functools import cache
+
+import pytest
+
+from tests.integration_tests import MOE_ROWS, ROOT, ROWS, Row, job_argv
+from torchtitan.config_manager import JobConfig
+
+pytestmark = pytest.mark.integration
+
+MIB = 2**20
+TRACKER_RTOL, RSS_RTOL = 0.01, 0.10
+NOT_PRACTICAL = {
+    "fsdp2_compile": "training.compile is not modeled (NotImplementedError)",
+    "fsdp2_cpu_offload": "CPU offload is not modeled (NotImplementedError)",
+}
+# Rows whose real peak moves with gloo's work lifetimes, which the fake process group does not
+# reproduce: a gloo send/recv/reduce-scatter work keeps its tensors alive until the work object is
+# destroyed (by the pipeline runtime at the end of the step, by a worker thread at some point after
+# wait()); measured within 1.7 % (docs/estimation.md), asserted within 2 %.
+GLOO_LIFETIME_RTOL = 0.02
+GLOO_LIFETIME_ROWS = {"pp2_interleaved1f1b", "pp2_interleaved_zero_bubble", "pp2_csv_schedule", "moe_fsdp2_ep2",
+                      "moe_ep2_tp2"}
+ALL_ROWS = [r for r in ROWS + MOE_ROWS if r.name not in NOT_PRACTICAL]
+# CI measures one row per feature (~2.5 minutes); every practical row takes ~9 minutes:
+# TORCHTITAN_ESTIMATION_ALL_ROWS=1 python -m pytest -s tests/test_estimation.py
+CI_ROWS = {"fsdp2", "ddp2", "hsdp_2x2", "fsdp2_grad_accum2", "fsdp2_ac_full", "fsdp2_ac_op", "fsdp2_chunked_loss",
+           "tp2", "fsdp2_tp2", "cp2_alltoall", "pp2_1f1b", "pp2_zbv_zero_bubble", "moe_ep2"}
+TRACKER_ROWS = ALL_ROWS if os.environ.get("TORCHTITAN_ESTIMATION_ALL_ROWS") else [r for r in ALL_ROWS if r.name in CI_ROWS]
+SEQ_1024 = ["--training.seq_len", "1024"]
+RSS_ROWS = [
+    Row("fsdp2_seq1024", 2, 4, SEQ_1024),
+    Row("tp2_seq1024", 2, 8, SEQ_1024, tp=2),
+    Row("cp2_seq1024", 2, 8, [*SEQ_1024, "--experimental.context_parallel_rotate_method", "alltoall"], cp=2),
+    Row("pp2_1f1b_seq1024", 2, 8, [*SEQ_1024, "--experimental.pipeline_parallel_schedule", "1F1B",
+                                   "--experimental.pipeline_parallel_microbatches", "4"], pp=2),
+]
+
+
+def _argv(row: Row) -> list[str]:
+    return job_argv(row, "unused")[:-2]  # no dump folder: the estimator writes nothing
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict[str, list[dict]]:
+    """Row name -> per global rank {tracker_peak, rss_peak, breakdown} of its real step; one launch per world size."""
+    out: dict[str, list[dict]] = {}
+    rows = TRACKER_ROWS + RSS_ROWS
+    for ngpu in sorted({r.ngpu for r in rows}):
+        folder = tmp_path_factory.mktemp(f"measure{ngpu}")
+        cases, result = folder / "cases.json", folder / "measured.json"
+        cases.write_text(json.dumps({r.name: _argv(r) for r in rows if r.ngpu == ngpu}))
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ngpu}", "--rdzv_backend", "c10d",
+               "--rdzv_endpoint=localhost:0", "-m", "torchtitan.estimation.measure", str(result), str(cases)]
+        run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+        per_rank = json.loads(result.read_text())
+        for name in per_rank[0]:
+            out[name] = [ranks[name] for ranks in per_rank]
+    return out
+
+
+def _estimate(row: Row):
+    return _estimate_argv(tuple(_argv(row)), row.ngpu)
+
+
+@cache
+def _estimate_argv(argv: tuple[str, ...], world_size: int):
+    from torchtitan.estimation.estimate import estimate_memory
+
+    return estimate_memory(JobConfig.parse_args(list(argv)), world_size)
+
+
+@pytest.mark.parametrize("row", TRACKER_ROWS, ids=[r.name for r in TRACKER_ROWS])
+def test_estimate_matches_the_tracker_on_the_real_step(row: Row, measured):
+    for role in _estimate(row).roles:
+        real = measured[row.name][role.rank]["tracker_peak"]
+        err = (role.memory.peak - real) / real
+        print(f"\n{row.name:<28}{role.role:<12}estimate {role.memory.peak / MIB:9.2f} MiB  real tracker "
+              f"{real / MIB:9.2f} MiB  {err:+.2%}")
+        rtol = GLOO_LIFETIME_RTOL if row.name in GLOO_LIFETIME_ROWS else TRACKER_RTOL
+        assert abs(err) <= rtol, (role.role, role.memory.breakdown, measured[row.name][role.rank]["breakdown"])
+
+
+@pytest.mark.parametrize("row", RSS_ROWS, ids=[r.name for r in RSS_ROWS])
+def test_estimate_matches_real_peak_rss(row: Row, measured):
+    for role in _estimate(row).roles:
+        real = measured[row.name][role.rank]
+        tracker_err = (role.memory.peak - real["tracker_peak"]) / real["tracker_peak"]
+        rss_err = (role.memory.peak - real["rss_peak"]) / real["rss_peak"]
+        print(f"\n{row.name:<20}{role.role:<12}estimate {role.memory.peak / MIB:9.2f} MiB  tracker "
+              f"{real['tracker_peak'] / MIB:9.2f} ({tracker_err:+.2%})  RSS growth {real['rss_peak'] / MIB:9.2f} "
+              f"({rss_err:+.2%})")
+        assert abs(tracker_err) <= TRACKER_RTOL and abs(rss_err) <= RSS_RTOL
+
+
+def _llama3_params(dim: int, layers: int, heads: int, kv_heads: int, ffn_multiplier: float, multiple_of: int) -> int:
+    """A Llama 3 flavor's parameter count from its published shapes, without the model code."""
+    vocab, head_dim = 128256, dim // heads
+    ffn = int(ffn_multiplier * int(2 * 4 * dim / 3))
+    ffn = multiple_of * math.ceil(ffn / multiple_of)
+    attn = dim * heads * head_dim * 2 + dim * kv_heads * head_dim * 2
+    block = attn + 3 * dim * ffn + 2 * dim
+    return 2 * vocab * dim + layers * block + dim
+
+
+FLAVORS = {  # config, world size, published shapes, total parameters
+    "8B": ("llama3_8b", 64, (4096, 32, 32, 8, 1.3, 1024), 8_030_261_248),
+    "70B": ("llama3_70b", 256, (8192, 80, 64, 8, 1.3, 4096), 70_553_706_496),
+    "405B": ("llama3_405b", 512, (16384, 126, 128, 8, 1.2, 4096), 405_853_388_800),
+}
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_real_flavors_terms_match_hand_computed(flavor):
+    """Sharded parameters and AdamW state per rank = params x 4 B (x 2) / (FSDP x TP shards)."""
+    config_name, world, shapes, total = FLAVORS[flavor]
+    params = _llama3_params(*shapes)
+    assert params == total
+    from torchtitan.estimation.estimate import estimate_memory
+
+    config = JobConfig.parse_args(["--job.config_file", f"train_configs/{config_name}.toml"])
+    est = estimate_memory(config, world)
+    shards = world // config.experimental.pipeline_parallel_degree  # dp_shard x tp (x cp) all shard parameters
+    b = est.roles[0].memory.breakdown
+    # FSDP pads each parameter's dim 0 to a multiple of the shard count: a little over the exact share.
+    assert b["params (sharded)"] == pytest.approx(params * 4 / shards, rel=2e-3)
+    assert b["optimizer state"] == pytest.approx(2 * params * 4 / shards, rel=2e-3)
+    assert "flavor" in est.vocab_source and est.seconds < 60
+    print(f"\n{flavor} at {world} ranks: peak {est.peak / 2**30:.2f} GiB in {est.seconds:.1f} s")
+
+
+def test_depth_extrapolation_equals_the_full_depth_run():
+    """8B at 64 ranks, FSDP 16 x TP 4 with selective op AC: 3- and 5-layer runs extrapolated to
+    32 layers vs. all 32 layers, every row of the breakdown."""
+    from torchtitan.estimation.estimate import estimate_memory
+
+    config = JobConfig.parse_args(["--job.config_file", "train_configs/llama3_8b.toml",
+                                   "--training.tensor_parallel_degree", "4", "--training.seq_len", "2048"])
+    fast, full = estimate_memory(config, 64), estimate_memory(config, 64, full_depth=True)
+    assert fast.roles[0].memory.notes[-1].startswith("extrapolated") and fast.seconds < full.seconds
+    assert fast.peak == pytest.approx(full.peak, rel=1e-4)
+    for row, value in full.roles[0].memory.breakdown.items():
+        assert fast.roles[0].memory.breakdown[row] == pytest.approx(value, rel=1e-3, abs=2**20), row
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "estimation.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900, env=dict(os.environ, **(env or {})))
+
+
+def test_plan_8b_on_64_ranks_with_80_gib(tmp_path):
+    # --top 3: the estimator stops once the 3 best layouts (by the throughput model) are shown to fit
+    result = _cli("--job.config_file", "train_configs/llama3_8b.toml", "--plan", "--world_size", "64",
+                  "--memory_gib", "80", "--top", "3", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = json.loads(result.stdout)
+    assert len(plan["fits"]) == 3 and plan["estimated"] >= 3 and plan["considered"] > 50
+    for row in plan["fits"]:
+        assert row["peak_bytes"] <= 80 * 2**30
+        layout = row["layout"]
+        assert layout["pp"] * layout["dp_replicate"] * layout["dp_shard"] * layout["cp"] * layout["tp"] == 64
+    speeds = [r["tokens_per_second_per_gpu"] for r in plan["fits"]]
+    assert speeds == sorted(speeds, reverse=True)
+    best = plan["fits"][0]
+    # the best layout's memory is the estimator's own number for that layout
+    from torchtitan.estimation.estimate import estimate_memory
+    from torchtitan.estimation.plan import Layout, _with_overrides
+
+    config = JobConfig.parse_args(["--job.config_file", "train_configs/llama3_8b.toml"])
+    layout = Layout(**best["layout"])
+    dp = layout.dp_replicate * layout.dp_shard
+    assert estimate_memory(_with_overrides(config, layout, plan["global_batch"] // dp), 64).peak == best["peak_bytes"]
+    print(f"\n8B plan: {len(plan['fits'])} layouts fit; best {best['layout']} at {best['peak_bytes'] / 2**30:.1f} GiB")
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--world_size", "0"], "--world_size must be a positive integer, got '0'"),
+        (["--world_size", "3", "--training.tensor_parallel_degree", "2"], "does not divide world_size(3)"),
+        (["--world_size", "2", "--training.compile"], "training.compile = True is not modeled"),
+        (["--world_size", "2", "--training.enable_cpu_offload"], "training.enable_cpu_offload = True is not modeled"),
+        (["--plan", "--world_size", "8"], "--plan needs --memory_gib M"),
+        (["--memory_gib", "80"], "--memory_gib only applies with --plan"),
+        (["--plan", "--world_size", "8", "--memory_gib", "x"], "--memory_gib must be a positive number, got 'x'"),
+        (["--plan", "--world_size", "8", "--memory_gib", "80", "--gpu", "Z80"], "--gpu 'Z80': known are"),
+    ],
+    ids=["world-size", "degrees", "compile", "offload", "plan-memory", "memory-without-plan", "memory-not-a-number",
+         "unknown-gpu"],
+)
+def test_bad_input_is_one_line_exit_2(args, expected):
+    result = _cli("--job.config_file", "train_configs/debug_model.toml", *args)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], result.stderr

@@ -1,0 +1,301 @@
+"""The trainer itself, with its build hooks pointed at fake inputs: no tokenizer file, data, metrics or output.
+
+Everything that decides memory (model build, parallelisms, optimizer, lr scheduler, the training
+step with its accumulation, loss parallel, chunked loss and pipeline schedule) is the unchanged
+``Trainer`` code; only the hooks below differ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import importlib
+import os
+import unittest.mock
+from collections.abc import Iterator
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from torchtitan.models import model_name_to_flavors
+from torchtitan.train import Trainer
+
+
+def _outside_fake_mode(fn):
+    def wrapped(*args, **kwargs):
+        with unset_fake_temporarily():
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+@contextlib.contextmanager
+def fake_mode_patches() -> Iterator[None]:
+    """Two fake-mode adaptations of the build path that change no shape, dtype or placement.
+
+    ``nn.init.trunc_normal_`` fills with ``normal_``: same tensor, no data-dependent loop.
+
+    torch 2.13's ``trunc_normal_`` resamples until no value is out of range (``pending.any()``),
+    which a fake tensor cannot answer. Fake tensors hold no values, so only the call's memory
+    matters, and both fill the given tensor in place.
+    """
+
+    def trunc_normal_(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None):
+        return tensor.normal_(mean, std)
+
+    def meta_deepcopy(module, memo=None):
+        # Pipeline stages are deepcopies of the plain-meta model; under fake mode the copy's tensors
+        # would turn fake half-way. A meta copy allocates nothing, so it may run outside fake mode.
+        with unset_fake_temporarily():
+            return copy.deepcopy(module, memo)
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from torchtitan.parallelisms import pipeline_llama
+
+    mesh_init = DeviceMesh.__init__
+
+    def real_mesh_init(self, *args, **kwargs):
+        # A mesh's rank map and coordinates are small CPU bookkeeping tensors, read with nonzero();
+        # FSDP over TP builds sub-meshes inside fake mode. They hold no device memory.
+        with unset_fake_temporarily():
+            mesh_init(self, *args, **kwargs)
+
+    # (the package's ``replicate`` attribute is the function, which shadows the module of that name)
+    replicate_module = importlib.import_module("torch.distributed._composable.replicate")
+
+    from torchtitan.parallelisms import context_parallel
+
+    def ddp_without_reducer(module, *args, **kwargs):
+        # DDP's C++ reducer reads parameter data (shape checks, bucket views), which fake tensors
+        # lack. Without it the step holds the same parameters, gradients and activations (the
+        # all-reduce is in place); its gradient buckets are added by the estimate (ddp_bucket_bytes).
+        return module
+
+    from torch.distributed.tensor import _sharding_prop
+
+    with (
+        unittest.mock.patch.object(replicate_module, "replicate", ddp_without_reducer),
+        # DTensor derives output metadata by running ops on global-shape fake tensors. In a real run
+        # that happens in a FakeTensorMode of its own, which torch's trackers skip; here it would
+        # reuse ours, and the trackers would count those global-shape tensors (seen with loss
+        # parallel's backward: one logits-sized temporary too many at the peak).
+        unittest.mock.patch.object(_sharding_prop, "detect_fake_mode", lambda *args, **kwargs: None),
+        unittest.mock.patch.object(torch.nn.init, "trunc_normal_", trunc_normal_),
+        unittest.mock.patch.object(pipeline_llama, "deepcopy", meta_deepcopy),
+        unittest.mock.patch.object(DeviceMesh, "__init__", real_mesh_init),
+        # Ring attention plans each block's visible rows/columns from the global token positions
+        # (nonzero on a few-KB CPU table); the blocks' q/k/v stay fake. The trackers still see the
+        # plan's masks, as in a real run.
+        unittest.mock.patch.object(context_parallel.RingAttention, "block_plans",
+                                   _outside_fake_mode(context_parallel.RingAttention.block_plans)),
+    ):
+        yield
+
+
+class FlavorVocabTokenizer:
+    """Stands in for a tokenizer file that is not on this machine: only its vocabulary size matters."""
+
+    def __init__(self, n_words: int):
+        self.n_words = n_words
+
+
+def resolve_vocab(config) -> tuple[int, str]:
+    """(vocabulary size, where it came from): the tokenizer file if present, else the flavor's."""
+    path = config.model.tokenizer_path
+    if os.path.isfile(path):
+        from torchtitan.datasets import build_tokenizer
+
+        return build_tokenizer(path).n_words, f"tokenizer {path}"
+    n = model_name_to_flavors[config.model.name][config.model.flavor].vocab_size
+    return n, f"flavor {config.model.flavor} vocabulary (tokenizer file {path} not found)"
+
+
+class _RandomTokens:
+    """Endless (inputs, labels) batches of the trainer's shape, created when drawn (so fake under fake mode)."""
+
+    def __init__(self, batch_size: int, seq_len: int, vocab: int):
+        self.shape, self.vocab = (batch_size, seq_len), vocab
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            tokens = torch.randint(0, self.vocab, (self.shape[0], self.shape[1] + 1))
+            yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+class _NoCheckpoint:
+    """Checkpoint saving is outside the training step; the estimate starts from step 0."""
+
+    def load(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+class _NoMetrics:
+    def close(self) -> None:
+        pass
+
+
+class EstimationTrainer(Trainer):
+    """``Trainer`` with fake inputs; the process group must already exist (fake or real)."""
+
+    def __init__(self, config, *, world_size: int, rank: int, vocab: int, n_layers: int | None = None):
+        """``n_layers``: build the flavor with this many layers (the depth extrapolation's runs)."""
+        self._vocab, self._n_layers = vocab, n_layers
+        super().__init__(config, world_size=world_size, rank=rank)
+
+    def _build_mesh(self):
+        # DeviceMesh reads rank coordinates with .item(), which fake tensors cannot answer.
+        with unset_fake_temporarily():
+            return super()._build_mesh()
+
+    def _build_meta_model(self):
+        if self._n_layers is not None:
+            self.model_args = dataclasses.replace(self.model_args, n_layers=self._n_layers)
+        # Plain meta tensors, not fake ones: pipeline stages deepcopy the meta model, and a deepcopied
+        # fake tensor gets a fake mode of its own that cannot mix with ours.
+        with unset_fake_temporarily():
+            return super()._build_meta_model()
+
+    def _build_tokenizer(self):
+        return FlavorVocabTokenizer(self._vocab)
+
+    def _build_data_loader(self, tokenizer):
+        t = self.config.training
+        return _RandomTokens(t.batch_size, t.seq_len, tokenizer.n_words)
+
+    def _build_metrics(self, num_flop_params: int):
+        return _NoMetrics()
+
+    def _build_checkpointer(self):
+        return _NoCheckpoint()
+
+    def _build_validator(self, tokenizer):
+        raise NotImplementedError(
+            "validation.enabled = true: the estimator models the training step, not validation; "
+            "set validation.enabled = false to estimate"
+        )
+
+    def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One optimizer step's micro-batches, sharded for context parallel by the trainer's own code."""
+        return self._next_batches(iter(self.data_loader))
+
+
+@contextlib.contextmanager
+def pipeline_patches(hidden_shape: tuple[int, ...], hidden_dtype: torch.dtype) -> Iterator[None]:
+    """Run torch's pipeline schedules for one simulated rank under the fake process group.
+
+    A schedule's first step votes (a P2P all-stage agreement read with ``.item()``) and then infers
+    each stage's input/output metadata from its neighbours over P2P object messages; the fake
+    group delivers nothing. Here every stage infers dynamically as in a real run, and what a
+    neighbour would have sent is supplied in place: the hidden state every stage boundary carries,
+    (micro-batch, local seqlen, dim) in the residual stream's dtype, and for backward the gradient
+    of this stage's own output. The data P2P of the actual steps runs through the fake group as is
+    (receive buffers are allocated as in a real run).
+    """
+    from torch.distributed.pipelining import schedules, stage
+    from torch.distributed.pipelining._utils import (
+        InferenceMode, _derive_grad_metas, _StageBackwardMeta, _StageForwardMeta, extract_tensor_meta,
+    )
+
+    hidden = extract_tensor_meta(torch.empty(hidden_shape, dtype=hidden_dtype, device="meta", requires_grad=True))
+
+    def warmup_p2p(self, stages, has_backward, p2p_done):
+        for s in stages:
+            s._inference_mode = InferenceMode.DYNAMIC
+
+    def recv_meta(self, src_stage):
+        if src_stage < self.stage_index:
+            return _StageForwardMeta(forward_metas=(hidden,))
+        return _StageBackwardMeta(backward_metas=_derive_grad_metas(self._stage_meta.outputs))
+
+    with (
+        unittest.mock.patch.object(schedules._PipelineSchedule, "_warmup_p2p", warmup_p2p),
+        unittest.mock.patch.object(stage.PipelineStage, "_recv_meta", recv_meta),
+        unittest.mock.patch.object(stage.PipelineStage, "_send_meta", lambda self, meta, dst_stage: None),
+    ):
+        yield
+
+
+def ddp_bucket_bytes(model_parts) -> int:
+    """DDP's gradient buckets: one flat copy of every gradient (gradient_as_bucket_view = False),
+    allocated when DDP is built and kept for the whole run."""
+    return sum(p.numel() * p.element_size() for part in model_parts for p in part.parameters() if p.requires_grad)
+
+
+def _balanced_counts(num_slots: int, num_experts: int) -> torch.Tensor:
+    """(E,) int64, as even as integers allow: the routing the estimate assumes (a real tensor)."""
+    base, extra = divmod(num_slots, num_experts)
+    with unset_fake_temporarily():
+        return torch.tensor([base + 1] * extra + [base] * (num_experts - extra), dtype=torch.int64)
+
+
+class _ShapeOnlyGroupedMM(torch.autograd.Function):
+    """``torch._grouped_mm``'s allocations for fp32 inputs, whose fake (meta) kernel accepts only bf16.
+
+    Forward: the (T, N) output, saving both inputs as the real op does; backward: grads shaped like
+    the inputs (the real op computes them with two more grouped matmuls of those shapes).
+    """
+
+    @staticmethod
+    def forward(ctx, a, b, offs):
+        ctx.save_for_backward(a, b)
+        return a.new_empty(a.shape[0], b.shape[-1])  # (T, N)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        return grad.new_empty(a.shape), grad.new_empty(b.shape), None
+
+
+def _grouped_mm(a, b, offs=None, **kwargs):
+    if a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16:
+        return _REAL_GROUPED_MM(a, b, offs=offs, **kwargs)
+    return _ShapeOnlyGroupedMM.apply(a, b, offs)
+
+
+_REAL_GROUPED_MM = torch._grouped_mm
+
+
+@contextlib.contextmanager
+def moe_patches(*, shape_only_grouped_mm: bool = True) -> Iterator[None]:
+    """MoE on fake tensors: routing is data-dependent, so the estimate assumes balanced routing.
+
+    Every expert gets T * top_k / E routing slots (``MoE.count_tokens``), and under expert parallel
+    every rank sends and receives the same number of tokens to and from each EP peer (the dispatch
+    below). Real routing is uneven; the estimate's activation terms of the routed experts are
+    those of perfect balance (docs/estimation.md). The step's expert-load reduction (a few bytes,
+    and ``.tolist()`` for the metrics) is skipped. The accuracy tests apply the same routing to
+    the real runs they compare with (``shape_only_grouped_mm=False``: real grouped matmuls).
+    """
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    from torchtitan.expert_load import ExpertLoadTracker
+    from torchtitan.models.moe import MoE
+    from torchtitan.parallelisms import expert_parallel
+    from torchtitan.parallelisms.expert_parallel import ExpertParallel
+
+    def count_tokens(self, experts):
+        return _balanced_counts(experts.numel(), self.num_experts)
+
+    def balanced_dispatch(self, module, inputs, device_mesh):
+        # The memory of ExpertParallel._dispatch under balanced routing: equal splits both ways.
+        x, counts = inputs  # (T*k, dim) sorted by expert
+        ep, group = device_mesh.size(), device_mesh.get_group()
+        local_experts = counts.numel() // ep
+        self._input_splits = self._output_splits = _balanced_counts(x.shape[0], ep).tolist()
+        recv = all_to_all_single_autograd(x, self._output_splits, self._input_splits, group)
+        recv = expert_parallel._ScaleGrad.apply(recv, ep / self.tp)
+        self._permutation = torch.arange(recv.shape[0], device=x.device)  # the real one is an argsort
+        return recv[self._permutation], _balanced_counts(recv.shape[0], local_experts)
+
+    with (
+        unittest.mock.patch.object(MoE, "count_tokens", count_tokens),
+        unittest.mock.patch.object(ExpertParallel, "_dispatch", balanced_dispatch),
+        unittest.mock.patch.object(ExpertLoadTracker, "finish_step", lambda self, **kwargs: None),
+        unittest.mock.patch.object(torch, "_grouped_mm", _grouped_mm if shape_only_grouped_mm else _REAL_GROUPED_MM),
+    ):
+        yield

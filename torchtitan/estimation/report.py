@@ -1,0 +1,47 @@
+"""Estimate -> a table for people or JSON for programs."""
+
+from __future__ import annotations
+
+import json
+
+from torchtitan.estimation.estimate import Estimate
+from torchtitan.estimation.tracker import ROWS
+
+GIB = 2**30
+
+
+def to_dict(est: Estimate) -> dict:
+    return {
+        "world_size": est.world_size,
+        "layout": est.layout,
+        "vocab_source": est.vocab_source,
+        "seconds": round(est.seconds, 2),
+        "peak_bytes": est.peak,
+        "warnings": est.warnings,
+        "roles": [
+            {"role": r.role, "rank": r.rank, "peak_bytes": r.memory.peak, "peak_phase": r.memory.peak_phase,
+             "breakdown_bytes": r.memory.breakdown, "notes": r.memory.notes}
+            for r in est.roles
+        ],
+    }
+
+
+def to_json(est: Estimate) -> str:
+    return json.dumps(to_dict(est), indent=2)
+
+
+def format_table(est: Estimate, title: str) -> str:
+    layout = " ".join(f"{k}={v}" for k, v in est.layout.items())
+    out = [f"{title}: world_size {est.world_size} ({layout}); vocabulary: {est.vocab_source}"]
+    roles = est.roles
+    out.append(f"{'GiB per rank at the peak':<26}" + "".join(f"{r.role:>16}" for r in roles))
+    for row in ROWS:
+        if any(row in r.memory.breakdown for r in roles):
+            out.append(f"  {row:<24}" + "".join(f"{r.memory.breakdown.get(row, 0) / GIB:>16.2f}" for r in roles))
+    out.append(f"{'peak':<26}" + "".join(f"{r.memory.peak / GIB:>16.2f}" for r in roles))
+    out.append(f"{'peak falls in':<26}" + "".join(f"{r.memory.peak_phase:>16}" for r in roles))
+    for r in roles:
+        out += [f"note ({r.role}): {n}" for n in r.memory.notes]
+    out += [f"warning: {w}" for w in est.warnings]
+    out.append(f"estimated in {est.seconds:.1f} s (fake tensors, one simulated rank per role)")
+    return "\n".join(out)
