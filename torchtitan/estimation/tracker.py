@@ -68,12 +68,15 @@ class StepMemory:
     notes: list[str] = field(default_factory=list)
     # Memory added by a model instead of being tracked on the fake run (by report row).
     modeled: dict[str, int] = field(default_factory=dict)
+    # The tracked peak of the last step up to the moment the backward of the third-to-last
+    # transformer block is done: the moments where (nearly) every block's activations are live.
+    # Only the depth extrapolation reads it.
+    all_activations: Phase | None = None
 
     @property
     def _top(self) -> Phase:
-        if self.optimizer_step is not None and self.optimizer_step.total > self.tracked.total:
-            return self.optimizer_step
-        return self.tracked
+        phases = [p for p in (self.tracked, self.all_activations, self.optimizer_step) if p is not None]
+        return max(phases, key=lambda p: p.total)
 
     @property
     def peak(self) -> int:
@@ -89,7 +92,7 @@ class StepMemory:
 
     def add_persistent(self, row: str, nbytes: int, note: str) -> None:
         """Modeled memory, live throughout the step, of something the fake run cannot execute (DDP's reducer)."""
-        for phase in (self.tracked, self.optimizer_step):
+        for phase in (self.tracked, self.optimizer_step, self.all_activations):
             if phase is not None:
                 phase.total += nbytes
                 phase.breakdown[row] = phase.breakdown.get(row, 0) + nbytes
@@ -97,13 +100,24 @@ class StepMemory:
         self.notes.append(note)
 
     def extrapolate(self, other: StepMemory, t: float, note: str) -> StepMemory:
-        """Affine in depth: self at depth d1, other at d2, result at d1 + t * (d2 - d1)."""
-        opt = None
-        if self.optimizer_step is not None and other.optimizer_step is not None:
-            opt = self.optimizer_step.extrapolate(other.optimizer_step, t)
+        """Self at depth d1, other at d2, result at d1 + t * (d2 - d1).
+
+        Memory at any one moment of the step is affine in depth, but the peak is a maximum over
+        moments, and the moment can change with depth: a shallow model may peak at the end of
+        backward (embedding and output gradients), a deep one where every block's activations are
+        live. Each candidate is extrapolated on its own (the overall tracked peak, the peak up to
+        the first blocks' backward, the optimizer step) and the largest wins. The all-activations
+        moment grows fastest with depth, so once it wins it keeps winning; a switch between the
+        two reduced depths only makes the overall-peak line lower than it.
+        """
+
+        def both(a: Phase | None, b: Phase | None) -> Phase | None:
+            return a.extrapolate(b, t) if a is not None and b is not None else None
+
         modeled = {r: round(v + t * (other.modeled.get(r, 0) - v)) for r, v in self.modeled.items()}
         notes = [n for n in self.notes if not n.startswith("foreach")] + [note]
-        return StepMemory(self.tracked.extrapolate(other.tracked, t), opt, notes, modeled)
+        return StepMemory(self.tracked.extrapolate(other.tracked, t), both(self.optimizer_step, other.optimizer_step),
+                          notes, modeled, both(self.all_activations, other.all_activations))
 
 
 def _breakdown(snapshot: dict) -> dict[str, int]:
@@ -209,7 +223,7 @@ def use_per_parameter_step(optimizer: torch.optim.Optimizer) -> int:
 
 
 def track_steps(trainer, *, foreach_temp: int = 0, steps: int = 2) -> StepMemory:
-    """Run ``trainer.train_step`` ``steps`` times under a tracker; the peak of the last steps.
+    """Run ``trainer.train_step`` ``steps`` times under a tracker; the peak of the last step.
 
     ``foreach_temp``: bytes of foreach temporaries the tracked step does not allocate (see
     ``use_per_parameter_step``); the optimizer-step peak is then the memory live when the step
@@ -217,22 +231,36 @@ def track_steps(trainer, *, foreach_temp: int = 0, steps: int = 2) -> StepMemory
     """
     tracker = _build_tracker(trainer.model_parts, trainer.optimizer)
     at_opt_step: list[dict] = []
-    hook = trainer.optimizer.register_step_pre_hook(
+    hooks = [trainer.optimizer.register_step_pre_hook(
         lambda *_: at_opt_step.append(tracker.get_tracker_snapshot("current"))
-    )
+    )]
+    after_last_block: list[dict] = []
+    for part in trainer.model_parts:
+        blocks = [b for b in getattr(part, "layers", {}).values() if b is not None]
+        if blocks:  # the third-to-last block on this part: the first few blocks' backward included
+            hooks.append(blocks[max(0, len(blocks) - 3)].register_full_backward_hook(
+                lambda *_: after_last_block.append(tracker.get_tracker_snapshot("peak"))))
     try:
         with _one_tracked_forward_per_call(tracker, trainer.model_parts), tracker:
             for i in range(steps):
                 batches = trainer.batches()
                 if isinstance(tracker, FSDPMemTracker):
                     tracker.track_inputs(tuple(t for b in batches for t in b))
+                if i == steps - 1:
+                    # The peak of the last step only (optimizer state exists by then): later
+                    # snapshots of "peak", the all-activations one included, then read this step.
+                    tracker._peak_mem, tracker._peak_mem_snap = {}, {}
                 trainer.train_step(batches)
                 if i == 0:
                     tracker.reset_mod_stats()
         peak = tracker.get_tracker_snapshot("peak")
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
     result = StepMemory(Phase(_total(peak), _breakdown(peak)))
+    if after_last_block:
+        last = after_last_block[-1]
+        result.all_activations = Phase(_total(last), _breakdown(last))
     if foreach_temp:
         before_step = at_opt_step[-1]
         breakdown = _breakdown(before_step)
