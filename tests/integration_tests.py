@@ -175,28 +175,37 @@ class MatrixLaunches:
     def _launch(self, ngpu: int) -> None:
         # compile rows last: inductor state stays in the process after them
         rows = sorted((r for r in self.rows if r.ngpu == ngpu), key=lambda r: "--training.compile" in r.overrides)
-        spec = os.path.join(self.base, f"jobs_{ngpu}.json")
-        with open(spec, "w") as f:
-            json.dump([{"argv": job_argv(r, self.folder(r))} for r in rows], f)
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ngpu}", "--rdzv_backend", "c10d",
-               "--rdzv_endpoint=localhost:0", "--local-ranks-filter", "0", "--role", "rank", "--tee", "3",
-               "-m", "tests.batch_runs", spec]
-        self.launched[ngpu] = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                                             timeout=300 + 120 * len(rows))
+        self.launched[ngpu] = launch_jobs(ngpu, [job_argv(r, self.folder(r)) for r in rows],
+                                          os.path.join(self.base, f"jobs_{ngpu}.json"))
 
     def losses(self, row: Row) -> dict[str, list[float]]:
         if row.ngpu not in self.launched:
             self._launch(row.ngpu)
-        folder = self.folder(row)
-        status_path = os.path.join(folder, "job_status.json")
-        if not os.path.isfile(status_path):
-            launch = self.launched[row.ngpu]
-            pytest.fail(f"{row.name} was not run: its launch (world size {row.ngpu}) exited with "
-                        f"{launch.returncode} before it\n{launch.stdout[-2000:]}{launch.stderr[-3000:]}")
-        with open(status_path) as f:
-            status = json.load(f)
-        assert status["ok"], f"{row.name} failed:\n{status['error']}\n{_log_tails(folder)}"
-        return losses_of(folder)
+        check_job(row.name, self.folder(row), self.launched[row.ngpu])
+        return losses_of(self.folder(row))
+
+
+def launch_jobs(ngpu: int, jobs: list[list[str]], spec_path: str) -> subprocess.CompletedProcess:
+    """Run trainer jobs (argument lists, each with its --job.dump_folder) in one torchrun launch."""
+    with open(spec_path, "w") as f:
+        json.dump([{"argv": argv} for argv in jobs], f)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ngpu}", "--rdzv_backend", "c10d",
+           "--rdzv_endpoint=localhost:0", "--local-ranks-filter", "0", "--role", "rank", "--tee", "3",
+           "-m", "tests.batch_runs", spec_path]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300 + 120 * len(jobs))
+
+
+def check_job(name: str, folder: str, launch: subprocess.CompletedProcess) -> str:
+    """Fail unless the job whose dump folder is ``folder`` ran and succeeded; returns its rank-0 log."""
+    status_path = os.path.join(folder, "job_status.json")
+    if not os.path.isfile(status_path):
+        pytest.fail(f"{name} was not run: its launch exited with {launch.returncode} before it\n"
+                    f"{launch.stdout[-2000:]}{launch.stderr[-3000:]}")
+    with open(status_path) as f:
+        status = json.load(f)
+    assert status["ok"], f"{name} failed:\n{status['error']}\n{_log_tails(folder)}"
+    with open(os.path.join(folder, "rank0.log")) as f:
+        return f.read()
 
 
 def _log_tails(folder: str) -> str:

@@ -26,7 +26,9 @@ import time
 
 import pytest
 
-from tests.integration_tests import COMMON, ROOT, RTOL, STEPS, pp_schedule, read_metrics, run_train
+from tests.integration_tests import (
+    COMMON, ROOT, RTOL, STEPS, check_job, launch_jobs, pp_schedule, read_metrics, run_train,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -104,39 +106,69 @@ def test_killed_save_resumes_from_previous_complete(seeded_fsdp2, tmp_path):
     assert complete_steps(folder) == [2, 4, 6]
 
 
-@pytest.mark.parametrize(
-    "name,ngpu,local_batch,layout",
-    [
-        ("tp2", 2, 8, ["--training.tensor_parallel_degree", "2"]),
-        ("pp2_1f1b", 2, 8, ["--experimental.pipeline_parallel_degree", "2", *pp_schedule("1F1B")]),
-        ("cp2", 2, 8, ["--experimental.context_parallel_degree", "2",
-                       "--experimental.context_parallel_rotate_method", "alltoall"]),
-        ("moe_ep2", 2, 4, ["--model.name", "llama3_moe", "--experimental.expert_parallel_degree", "2"]),
-    ],
-)
-def test_resume_same_layout_is_bit_exact(name, ngpu, local_batch, layout, tmp_path):
-    folder = str(tmp_path)
-    args = ["--training.batch_size", str(local_batch), "--checkpoint.interval", "3", *layout]
-    train(ngpu, folder, args)
-    full = losses(folder)
-    train(ngpu, folder, [*args, "--checkpoint.load_step", "3"])
-    resumed = losses(folder)
+# name -> (local batch, layout args) of the run that saves at step 3 and resumes from it (2 processes),
+# and (processes, local batch, layout args) of the run that resumes the same checkpoint resharded:
+# the TP2 checkpoint on one process; the 1F1B one (a stage per rank) under Interleaved1F1B (two
+# stages per rank: one optimizer over both parts, the whole-model names merged); the CP2 one, whose
+# ranks share one data-parallel rank, under FSDP2 (two data-parallel ranks); the MoE EP2 one
+# (experts split over the ranks) under FSDP2 without EP (expert_bias included).
+SAME_LAYOUT = {
+    "tp2": (8, ["--training.tensor_parallel_degree", "2"]),
+    "pp2_1f1b": (8, ["--experimental.pipeline_parallel_degree", "2", *pp_schedule("1F1B")]),
+    "cp2": (8, ["--experimental.context_parallel_degree", "2", "--experimental.context_parallel_rotate_method", "alltoall"]),
+    "moe_ep2": (4, ["--model.name", "llama3_moe", "--experimental.expert_parallel_degree", "2"]),
+}
+RESHARDED = {
+    "tp2": (1, 8, []),
+    "pp2_1f1b": (2, 8, ["--experimental.pipeline_parallel_degree", "2", *pp_schedule("Interleaved1F1B")]),
+    "cp2": (2, 4, []),
+    "moe_ep2": (2, 4, ["--model.name", "llama3_moe"]),
+}
+
+
+def _job(folder: str, local_batch: int, layout: list[str], *extra: str) -> list[str]:
+    return ["--job.config_file", "./train_configs/debug_model.toml", *COMMON, *CKPT, "--training.batch_size",
+            str(local_batch), "--checkpoint.interval", "3", *layout, *extra, "--job.dump_folder", folder]
+
+
+@pytest.fixture(scope="module")
+def resumes(tmp_path_factory) -> dict[str, dict]:
+    """Per layout: the uninterrupted losses, the same-layout resume's and the resharded resume's.
+
+    Three launches instead of twelve (tests/batch_runs.py): every layout's full run, then every
+    same-layout resume and 2-process resharded resume together, then the 1-process one.
+    """
+    base = tmp_path_factory.mktemp("resume")
+    folders = {name: str(base / name) for name in SAME_LAYOUT}
+    full = launch_jobs(2, [_job(folders[n], b, lay) for n, (b, lay) in SAME_LAYOUT.items()], str(base / "full.json"))
+    out = {}
+    for name, folder in folders.items():
+        check_job(f"{name} (uninterrupted)", folder, full)
+        out[name] = {"full": losses(folder)}
+        other = str(base / f"{name}_other")
+        shutil.copytree(os.path.join(folder, "checkpoint", "step-3"), os.path.join(other, "checkpoint", "step-3"))
+    jobs = [_job(folders[n], b, lay, "--checkpoint.load_step", "3") for n, (b, lay) in SAME_LAYOUT.items()]
+    jobs += [_job(str(base / f"{n}_other"), b, lay) for n, (ngpu, b, lay) in RESHARDED.items() if ngpu == 2]
+    resumed = launch_jobs(2, jobs, str(base / "resume.json"))
+    for name, folder in folders.items():
+        check_job(f"{name} (resumed)", folder, resumed)
+        out[name]["resumed"] = losses(folder)
+    for name, (ngpu, batch, layout) in RESHARDED.items():
+        other = str(base / f"{name}_other")
+        if ngpu == 1:
+            log = train(1, other, ["--training.batch_size", str(batch), *layout])
+        else:
+            log = check_job(f"{name} (resharded)", other, resumed)
+        out[name]["resharded"], out[name]["resharded_log"] = losses(other), log
+    return out
+
+
+@pytest.mark.parametrize("name", SAME_LAYOUT)
+def test_resume_same_layout_is_bit_exact(name, resumes):
+    full, resumed = resumes[name]["full"], resumes[name]["resumed"]
     assert [resumed[s] for s in range(4, STEPS + 1)] == [full[s] for s in range(4, STEPS + 1)]
-    # resharded: the TP2 checkpoint on one process; the 1F1B one (a stage per rank) under Interleaved1F1B
-    # (two stages per rank: one optimizer over both parts, the whole-model names merged)
-    # (and the CP2 one, whose ranks share one data-parallel rank, under FSDP2: two data-parallel ranks)
-    # (and the MoE EP2 one, experts split over the ranks, under FSDP2 without EP; expert_bias included)
-    ngpu_other, batch_other, layout_other = {
-        "tp2": (1, 8, []),
-        "pp2_1f1b": (2, 8, ["--experimental.pipeline_parallel_degree", "2", *pp_schedule("Interleaved1F1B")]),
-        "cp2": (2, 4, []),
-        "moe_ep2": (2, 4, ["--model.name", "llama3_moe"]),
-    }[name]
-    other = str(tmp_path / "other")
-    shutil.copytree(os.path.join(folder, "checkpoint", "step-3"), os.path.join(other, "checkpoint", "step-3"))
-    log = train(ngpu_other, other, ["--training.batch_size", str(batch_other), *layout_other])
-    assert "resumed from step 3" in log
-    assert_close(losses(other), full, range(4, STEPS + 1))
+    assert "resumed from step 3" in resumes[name]["resharded_log"]
+    assert_close(resumes[name]["resharded"], full, range(4, STEPS + 1))
 
 
 @pytest.mark.slow

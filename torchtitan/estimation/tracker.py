@@ -6,6 +6,7 @@ disable_fake_mode``, used by the accuracy tests), so the two are directly compar
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -223,7 +224,7 @@ def use_per_parameter_step(optimizer: torch.optim.Optimizer) -> int:
 
 
 def track_steps(trainer, *, foreach_temp: int = 0, steps: int = 2) -> StepMemory:
-    """Run ``trainer.train_step`` ``steps`` times under a tracker; the peak of the last step.
+    """Run ``trainer.train_step`` ``steps`` times under a tracker; the peak over the steps.
 
     ``foreach_temp``: bytes of foreach temporaries the tracked step does not allocate (see
     ``use_per_parameter_step``); the optimizer-step peak is then the memory live when the step
@@ -240,6 +241,12 @@ def track_steps(trainer, *, foreach_temp: int = 0, steps: int = 2) -> StepMemory
         if blocks:  # the third-to-last block on this part: the first few blocks' backward included
             hooks.append(blocks[max(0, len(blocks) - 3)].register_full_backward_hook(
                 lambda *_: after_last_block.append(tracker.get_tracker_snapshot("peak"))))
+    earlier: dict = {}
+    # As in Trainer.train: no garbage collection during steps. Collection at arbitrary moments
+    # frees reference cycles (pipeline works, autograd graphs) at run-dependent points, which made
+    # the peak of pipeline schedules differ from run to run by a few percent.
+    gc.collect()
+    gc.disable()
     try:
         with _one_tracked_forward_per_call(tracker, trainer.model_parts), tracker:
             for i in range(steps):
@@ -247,14 +254,16 @@ def track_steps(trainer, *, foreach_temp: int = 0, steps: int = 2) -> StepMemory
                 if isinstance(tracker, FSDPMemTracker):
                     tracker.track_inputs(tuple(t for b in batches for t in b))
                 if i == steps - 1:
-                    # The peak of the last step only (optimizer state exists by then): later
-                    # snapshots of "peak", the all-activations one included, then read this step.
+                    # The all-activations snapshot must read the last step only (see StepMemory):
+                    # restart the tracker's running peak, and keep the earlier steps' peak aside.
+                    earlier = tracker.get_tracker_snapshot("peak")
                     tracker._peak_mem, tracker._peak_mem_snap = {}, {}
                 trainer.train_step(batches)
                 if i == 0:
                     tracker.reset_mod_stats()
-        peak = tracker.get_tracker_snapshot("peak")
+        peak = max(tracker.get_tracker_snapshot("peak"), earlier, key=_total)
     finally:
+        gc.enable()
         for hook in hooks:
             hook.remove()
     result = StepMemory(Phase(_total(peak), _breakdown(peak)))
