@@ -13,11 +13,13 @@ import torch.distributed as dist
 from torchtitan.build import build_model_args
 from torchtitan.config_validation import validate_config
 from torchtitan.estimation.fake_trainer import (
-    EstimationTrainer, ddp_bucket_bytes, fake_mode_patches, moe_patches, pipeline_patches, resolve_vocab,
+    EstimationTrainer, ddp_bucket_bytes, fake_mode_patches, gloo_patches, moe_patches, p2p_works_hold_tensors,
+    pipeline_patches, resolve_vocab,
 )
 from torchtitan.estimation.tracker import DDP_BUCKETS, StepMemory, track_steps, use_per_parameter_step
 from torchtitan.parallelisms.fsdp import to_dtype
 from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.utils.device import get_device_info
 
 # Settings the fake run cannot reproduce faithfully: (key, value that is fine, why).
 _UNMODELED = (
@@ -100,7 +102,7 @@ def estimate_rank(config, world_size: int, rank: int, vocab: int, *, fake: bool 
                 return track_steps(trainer)
         # allow_non_fake_inputs: the meta model (see EstimationTrainer._build_meta_model) is plain meta tensors.
         with (FakeTensorMode(allow_non_fake_inputs=True), fake_mode_patches(), moe_patches(),
-              _pipeline_patches(config, world_size, vocab)):
+              _pipeline_patches(config, world_size, vocab), _backend_patches()):
             trainer = EstimationTrainer(config, world_size=world_size, rank=rank, vocab=vocab, n_layers=n_layers)
             memory = track_steps(trainer, foreach_temp=use_per_parameter_step(trainer.optimizer))
             if trainer.parallel_dims.dp_replicate_enabled and not trainer.parallel_dims.dp_shard_enabled:
@@ -111,6 +113,17 @@ def estimate_rank(config, world_size: int, rank: int, vocab: int, *, fake: bool 
     finally:
         if own_group:
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _backend_patches():
+    """What real communication holds that the fake group does not: P2P works keep their tensors;
+    gloo (the backend the trainer uses on CPU) reduce-scatters through a buffer of its own."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(p2p_works_hold_tensors())
+        if get_device_info().backend == "gloo":
+            stack.enter_context(gloo_patches())
+        yield
 
 
 def clear_dtensor_caches() -> None:

@@ -194,7 +194,7 @@ def pipeline_patches(hidden_shape: tuple[int, ...], hidden_dtype: torch.dtype) -
     neighbour would have sent is supplied in place: the hidden state every stage boundary carries,
     (micro-batch, local seqlen, dim) in the residual stream's dtype, and for backward the gradient
     of this stage's own output. The data P2P of the actual steps runs through the fake group as is
-    (receive buffers are allocated as in a real run).
+    (receive buffers are allocated as in a real run; see also ``p2p_works_hold_tensors``).
     """
     from torch.distributed.pipelining import schedules, stage
     from torch.distributed.pipelining._utils import (
@@ -217,6 +217,46 @@ def pipeline_patches(hidden_shape: tuple[int, ...], hidden_dtype: torch.dtype) -
         unittest.mock.patch.object(stage.PipelineStage, "_recv_meta", recv_meta),
         unittest.mock.patch.object(stage.PipelineStage, "_send_meta", lambda self, meta, dst_stage: None),
     ):
+        yield
+
+
+class _HoldingWork:
+    """A fake P2P work that keeps its tensor alive for as long as the work itself lives."""
+
+    def __init__(self, work, tensor: torch.Tensor):
+        self._work, self._tensor = work, tensor
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+@contextlib.contextmanager
+def p2p_works_hold_tensors() -> Iterator[None]:
+    """A real P2P work (gloo's send/recv work; NCCL's, which stashes its tensors for the caching
+    allocator) references its tensor until the work object is released. The multi-stage pipeline
+    schedules keep every send's work until the end of the step (``_PipelineScheduleRuntime``:
+    ``send_ops``, waited after the last action), so a stage's input gradients stay alive until
+    then although nothing else reads them (measured on gloo: 0.125 MiB per micro-batch on the
+    Interleaved1F1B debug row, 0.875 MiB at pp rank 1's peak); the ring attention's last K/V
+    block lives as long as its send's work. The fake group's works hold nothing; here they hold
+    their tensor.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    real_isend, real_irecv = c10d.isend, c10d.irecv
+
+    def isend(tensor, *args, **kwargs):
+        return _HoldingWork(real_isend(tensor, *args, **kwargs), tensor)
+
+    def irecv(tensor, *args, **kwargs):
+        return _HoldingWork(real_irecv(tensor, *args, **kwargs), tensor)
+
+    # batch_isend_irecv checks each op against the module's isend/irecv: patch both names.
+    with contextlib.ExitStack() as stack:
+        for module in (dist, c10d):
+            stack.enter_context(unittest.mock.patch.object(module, "isend", isend))
+            stack.enter_context(unittest.mock.patch.object(module, "irecv", irecv))
         yield
 
 
@@ -298,4 +338,28 @@ def moe_patches(*, shape_only_grouped_mm: bool = True) -> Iterator[None]:
         unittest.mock.patch.object(ExpertLoadTracker, "finish_step", lambda self, **kwargs: None),
         unittest.mock.patch.object(torch, "_grouped_mm", _grouped_mm if shape_only_grouped_mm else _REAL_GROUPED_MM),
     ):
+        yield
+
+
+@contextlib.contextmanager
+def gloo_patches() -> Iterator[None]:
+    """What gloo's collectives allocate that the fake process group does not (CPU runs only).
+
+    gloo's ``reduce_scatter_single`` (FSDP's gradient reduce-scatter, context parallel's dK/dV)
+    reduces into a buffer the size of the whole input and then copies this rank's chunk out, so
+    an input-sized temporary is live until the call returns (measured with a dispatch spy on a
+    real gloo group: ``split`` of a new input-sized storage, then ``copy_`` into the output). The
+    fake group allocates nothing; this allocates and drops the same buffer after its call, where
+    the tracker sees it on the real run. NCCL reduce-scatters in place: no such buffer on GPU.
+    """
+    import torch.distributed as dist
+
+    real = dist.reduce_scatter_single
+
+    def reduce_scatter_single(output, input, *args, **kwargs):
+        work = real(output, input, *args, **kwargs)
+        torch.empty_like(input).split(output.numel())
+        return work
+
+    with unittest.mock.patch.object(dist, "reduce_scatter_single", reduce_scatter_single):
         yield
