@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.config_manager import JobConfig
-from torchtitan.estimation.estimate import clear_dtensor_caches
 from torchtitan.logging import init_logger
 from torchtitan.train import run_job
 from torchtitan.utils.device import get_device_info, init_distributed
@@ -56,9 +55,6 @@ def _run_one(argv: list[str], world_size: int, rank: int) -> str | None:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
     logging.getLogger().addHandler(handler)
     torch.use_deterministic_algorithms(False)  # the job turns it on if it asks for it
-    # DTensor caches sharding decisions with the meshes they were made on; the previous job's
-    # meshes compare equal to this job's, so start each job with empty caches.
-    clear_dtensor_caches()
     try:
         run_job(JobConfig.parse_args(argv), world_size=world_size, rank=rank)
         return None

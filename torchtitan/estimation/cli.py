@@ -35,14 +35,15 @@ def _pop_option(argv: list[str], name: str, *, flag: bool = False) -> str | None
     return value
 
 
-def _positive_int(name: str, value: str) -> int:
+def _positive(name: str, value: str, kind: type = int):
+    """``value`` as a positive ``kind`` (int or float), else a ValueError naming the option."""
     try:
-        n = int(value)
+        x = kind(value)
     except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return n
+        x = 0
+    if not x > 0:
+        raise ValueError(f"{name} must be a positive {'integer' if kind is int else 'number'}, got {value!r}")
+    return x
 
 
 def _run(argv: list[str]) -> int:
@@ -54,7 +55,7 @@ def _run(argv: list[str]) -> int:
     gpu = _pop_option(argv, "--gpu")
     gpus_per_node = _pop_option(argv, "--gpus_per_node")
     top = _pop_option(argv, "--top")
-    world_size = _positive_int("--world_size", world if world is not None else os.environ.get("NGPU", "1"))
+    world_size = _positive("--world_size", world if world is not None else os.environ.get("NGPU", "1"))
     config = JobConfig.parse_args(argv)
     title = f"{config.model.name} {config.model.flavor}"
     if plan:
@@ -62,10 +63,10 @@ def _run(argv: list[str]) -> int:
             raise ValueError("--plan needs --memory_gib M (the memory of one device, GiB)")
         from torchtitan.estimation.plan import Hardware, format_plan, make_plan, plan_to_dict
 
-        hw = Hardware(gpu=gpu or "H100", gpus_per_node=_positive_int("--gpus_per_node", gpus_per_node or "8"))
+        hw = Hardware(gpu=gpu or "H100", gpus_per_node=_positive("--gpus_per_node", gpus_per_node or "8"))
         hw.peak_flops  # noqa: B018 - validates --gpu before the long run
-        top_k = _positive_int("--top", top or "10")
-        result = make_plan(config, world_size, _positive_float("--memory_gib", memory_gib), hw, top=top_k,
+        top_k = _positive("--top", top or "10")
+        result = make_plan(config, world_size, _positive("--memory_gib", memory_gib, float), hw, top=top_k,
                            log=(lambda line: None) if as_json else (lambda line: print(line, file=sys.stderr)))
         print(json.dumps(plan_to_dict(result), indent=2) if as_json else format_plan(result, title, top_k))
         return 0 if result.rows else 1
@@ -78,16 +79,6 @@ def _run(argv: list[str]) -> int:
     est = estimate_memory(config, world_size, full_depth=full_depth)
     print(to_json(est) if as_json else format_table(est, title))
     return 0
-
-
-def _positive_float(name: str, value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        x = 0.0
-    if not x > 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
-    return x
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,7 +89,6 @@ def estimate_rank(config, world_size: int, rank: int, vocab: int, *, fake: bool 
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    clear_dtensor_caches()
     own_group = fake and world_size > 1
     if own_group:
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -124,23 +123,6 @@ def _backend_patches():
         if get_device_info().backend == "gloo":
             stack.enter_context(gloo_patches())
         yield
-
-
-def clear_dtensor_caches() -> None:
-    """Forget DTensor's cached sharding propagation: its entries hold the meshes they were computed
-    on, and a mesh of the same shape from a previous (destroyed) process group compares equal,
-    so a cache hit would hand this run's DTensors a mesh whose groups no longer exist."""
-    from torch.distributed.tensor import DTensor
-
-    from torch.distributed.tensor import _collective_utils, _redistribute
-
-    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's own cache
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()
-    type(propagator)._propagate_tensor_meta_cached.cache_clear()
-    _redistribute._gen_transform_infos.cache_clear()
-    _redistribute.clear_redistribute_planner_cache()
-    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 def _pipeline_patches(config, world_size: int, vocab: int):

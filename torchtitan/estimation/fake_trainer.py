@@ -32,35 +32,20 @@ def _outside_fake_mode(fn):
 
 @contextlib.contextmanager
 def fake_mode_patches() -> Iterator[None]:
-    """Two fake-mode adaptations of the build path that change no shape, dtype or placement.
+    """Fake-mode adaptations of the build path and the step that change no shape, dtype or
+    placement (each explained where it is patched; docs/estimation.md has the table).
 
-    ``nn.init.trunc_normal_`` fills with ``normal_``: same tensor, no data-dependent loop.
-
-    torch 2.13's ``trunc_normal_`` resamples until no value is out of range (``pending.any()``),
-    which a fake tensor cannot answer. Fake tensors hold no values, so only the call's memory
-    matters, and both fill the given tensor in place.
+    ``nn.init.trunc_normal_`` fills with ``normal_``: torch 2.13's resamples until no value is out
+    of range (``pending.any()``), which a fake tensor cannot answer. Fake tensors hold no values,
+    so only the call's memory matters, and both fill the given tensor in place.
     """
 
     def trunc_normal_(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None):
         return tensor.normal_(mean, std)
 
-    def meta_deepcopy(module, memo=None):
-        # Pipeline stages are deepcopies of the plain-meta model; under fake mode the copy's tensors
-        # would turn fake half-way. A meta copy allocates nothing, so it may run outside fake mode.
-        with unset_fake_temporarily():
-            return copy.deepcopy(module, memo)
-
     from torch.distributed.device_mesh import DeviceMesh
 
     from torchtitan.parallelisms import pipeline_llama
-
-    mesh_init = DeviceMesh.__init__
-
-    def real_mesh_init(self, *args, **kwargs):
-        # A mesh's rank map and coordinates are small CPU bookkeeping tensors, read with nonzero();
-        # FSDP over TP builds sub-meshes inside fake mode. They hold no device memory.
-        with unset_fake_temporarily():
-            mesh_init(self, *args, **kwargs)
 
     # (the package's ``replicate`` attribute is the function, which shadows the module of that name)
     replicate_module = importlib.import_module("torch.distributed._composable.replicate")
@@ -83,8 +68,12 @@ def fake_mode_patches() -> Iterator[None]:
         # parallel's backward: one logits-sized temporary too many at the peak).
         unittest.mock.patch.object(_sharding_prop, "detect_fake_mode", lambda *args, **kwargs: None),
         unittest.mock.patch.object(torch.nn.init, "trunc_normal_", trunc_normal_),
-        unittest.mock.patch.object(pipeline_llama, "deepcopy", meta_deepcopy),
-        unittest.mock.patch.object(DeviceMesh, "__init__", real_mesh_init),
+        # Pipeline stages are deepcopies of the plain-meta model; under fake mode the copy's tensors
+        # would turn fake half-way. A meta copy allocates nothing, so it may run outside fake mode.
+        unittest.mock.patch.object(pipeline_llama, "deepcopy", _outside_fake_mode(copy.deepcopy)),
+        # A mesh's rank map and coordinates are small CPU bookkeeping tensors, read with nonzero();
+        # FSDP over TP builds sub-meshes inside fake mode. They hold no device memory.
+        unittest.mock.patch.object(DeviceMesh, "__init__", _outside_fake_mode(DeviceMesh.__init__)),
         # Ring attention plans each block's visible rows/columns from the global token positions
         # (nonzero on a few-KB CPU table); the blocks' q/k/v stay fake. The trackers still see the
         # plan's masks, as in a real run.
@@ -244,19 +233,15 @@ def p2p_works_hold_tensors() -> Iterator[None]:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    real_isend, real_irecv = c10d.isend, c10d.irecv
+    def holding(real):
+        return lambda tensor, *args, **kwargs: _HoldingWork(real(tensor, *args, **kwargs), tensor)
 
-    def isend(tensor, *args, **kwargs):
-        return _HoldingWork(real_isend(tensor, *args, **kwargs), tensor)
-
-    def irecv(tensor, *args, **kwargs):
-        return _HoldingWork(real_irecv(tensor, *args, **kwargs), tensor)
-
+    patched = {"isend": holding(c10d.isend), "irecv": holding(c10d.irecv)}
     # batch_isend_irecv checks each op against the module's isend/irecv: patch both names.
     with contextlib.ExitStack() as stack:
         for module in (dist, c10d):
-            stack.enter_context(unittest.mock.patch.object(module, "isend", isend))
-            stack.enter_context(unittest.mock.patch.object(module, "irecv", irecv))
+            for name, fn in patched.items():
+                stack.enter_context(unittest.mock.patch.object(module, name, fn))
         yield
 
 

@@ -67,23 +67,6 @@ class Layout:
     ac: str = "none"
     microbatches: int = 0  # 0: no PP
 
-    def overrides(self, local_batch: int) -> list[str]:
-        args = [
-            "--experimental.pipeline_parallel_degree", str(self.pp),
-            "--training.data_parallel_replicate_degree", str(self.dp_replicate),
-            "--training.data_parallel_shard_degree", str(self.dp_shard),
-            "--experimental.context_parallel_degree", str(self.cp),
-            "--training.tensor_parallel_degree", str(self.tp),
-            "--experimental.expert_parallel_degree", str(self.ep),
-            "--training.batch_size", str(local_batch),
-            "--activation_checkpoint.mode", "none" if self.ac == "none" else ("full" if self.ac == "full" else "selective"),
-            "--activation_checkpoint.selective_ac_option", "op",
-        ]
-        if self.pp > 1:
-            args += ["--experimental.pipeline_parallel_microbatches", str(self.microbatches),
-                     "--experimental.pipeline_parallel_split_points", ""]
-        return args
-
     def describe(self) -> str:
         mb = f" mb={self.microbatches}" if self.pp > 1 else ""
         ep = f" ep={self.ep}" if self.ep > 1 else ""

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+
 def _mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     """The process group spanning every axis of ``mesh`` (flattened once, cached on the mesh).
 

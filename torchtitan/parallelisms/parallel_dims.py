@@ -109,6 +109,7 @@ class ParallelDims:
         """
         from torch.distributed.device_mesh import init_device_mesh
 
+        clear_dtensor_caches()
         dims = [(d, n) for d, n in self._axes() if d > 1 or n == "dp_shard_mod_ep"]
         if self.world_size == 1:
             return None
@@ -192,3 +193,23 @@ class ParallelDims:
     @property
     def loss_parallel_enabled(self) -> bool:
         return self.tp > 1 and self.enable_loss_parallel
+
+
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions (``build_mesh`` does, for every new world).
+
+    Cache entries hold the meshes they were computed on, and a mesh of the same shape from a
+    previous (destroyed) process group compares equal, so in a process that runs more than one
+    world (the estimator's simulated ranks, the test matrix's jobs in one launch) a cache hit would
+    hand this world's DTensors a mesh whose groups no longer exist. Private torch 2.13 names.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
+
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's own cache
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    type(propagator)._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
