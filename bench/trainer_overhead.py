@@ -19,9 +19,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.manager import JobConfig
 from torchtitan.models import Transformer
-from torchtitan.parallelisms.init import init_model_weights
+from torchtitan.distributed.init import init_model_weights
 from torchtitan.train import Trainer
 
 

@@ -30,10 +30,10 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from torchtitan.config_manager import JobConfig
-from torchtitan.logging import init_logger
+from torchtitan.config.manager import JobConfig
+from torchtitan.observability.logging import init_logger
 from torchtitan.train import run_job
-from torchtitan.utils.device import get_device_info, init_distributed
+from torchtitan.distributed.device import get_device_info, init_distributed
 
 STATUS_FILE = "job_status.json"
 

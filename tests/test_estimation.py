@@ -27,7 +27,7 @@ from functools import cache
 import pytest
 
 from tests.integration_tests import MOE_ROWS, ROOT, ROWS, Row, job_argv
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.manager import JobConfig
 
 pytestmark = pytest.mark.integration
 

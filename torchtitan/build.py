@@ -10,14 +10,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models import ModelArgs, model_name_to_cls, model_name_to_flavors
-from torchtitan.parallelisms.init import init_model_weights
-from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.parallelize_llama import parallelize_llama
+from torchtitan.distributed.init import init_model_weights
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.parallelize import parallelize_llama
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from torchtitan.config_manager import JobConfig
+    from torchtitan.config.manager import JobConfig
 
 
 def build_model_args(config: JobConfig, vocab_size: int) -> ModelArgs:
@@ -80,7 +80,7 @@ def build_pipeline_parts(
     device: torch.device,
 ):
     """Split the meta model into this rank's pipeline stages, finish each, and build the schedule."""
-    from torchtitan.parallelisms.pipeline_llama import build_pipeline
+    from torchtitan.distributed.pipeline import build_pipeline
 
     exp, accum = config.experimental, config.training.gradient_accumulation_steps
 

@@ -29,24 +29,24 @@ from torchtitan.build import (
     num_non_embedding_params,
 )
 from torchtitan.checkpointing import CheckpointManager, create_seed_checkpoint, model_info, trim_metrics
-from torchtitan.chunked_loss import chunked_cross_entropy
-from torchtitan.config_manager import JobConfig, format_help, wants_help
-from torchtitan.console import format_layout, format_start_summary
+from torchtitan.components.loss import chunked_cross_entropy
+from torchtitan.config.manager import JobConfig, format_help, wants_help
+from torchtitan.observability.console import format_layout, format_start_summary
 from torchtitan.datasets import build_hf_data_loader, build_tokenizer, compute_stream_groups
-from torchtitan.expert_load import ExpertLoadTracker
-from torchtitan.logging import init_logger
+from torchtitan.components.load_balancing import ExpertLoadTracker
+from torchtitan.observability.logging import init_logger
 from torchtitan.models.moe import MoEArgs, num_active_params
-from torchtitan.optimizer import build_lr_scheduler, build_optimizer
-from torchtitan.parallelisms.context_parallel import compute_cp_positions, shard_sequence
-from torchtitan.parallelisms.fsdp import to_dtype
-from torchtitan.parallelisms.grad_norm import clip_grad_norm_, reduce_partial_grads_
-from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.pipeline_llama import pipeline_step
-from torchtitan.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
-from torchtitan.train_metrics import StepMetrics
-from torchtitan.run_records import write_run_records
-from torchtitan.validation import Validator
-from torchtitan.utils.device import get_device_info, init_distributed, set_pg_timeout
+from torchtitan.components.optimizer import build_lr_scheduler, build_optimizer
+from torchtitan.distributed.context_parallel import compute_cp_positions, shard_sequence
+from torchtitan.distributed.fsdp import to_dtype
+from torchtitan.distributed.grad_norm import clip_grad_norm_, reduce_partial_grads_
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.pipeline import pipeline_step
+from torchtitan.observability.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+from torchtitan.observability.step_metrics import StepMetrics
+from torchtitan.observability.run_records import write_run_records
+from torchtitan.components.validation import Validator
+from torchtitan.distributed.device import get_device_info, init_distributed, set_pg_timeout
 
 logger = logging.getLogger(__name__)
 

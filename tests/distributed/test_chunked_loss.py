@@ -10,10 +10,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from tests.distributed.harness import run_distributed
 from torchtitan.build import build_model
-from torchtitan.chunked_loss import chunked_cross_entropy
-from torchtitan.config_manager import JobConfig
+from torchtitan.components.loss import chunked_cross_entropy
+from torchtitan.config.manager import JobConfig
 from torchtitan.models import ModelArgs
-from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.distributed.parallel_dims import ParallelDims
 
 pytestmark = pytest.mark.distributed
 

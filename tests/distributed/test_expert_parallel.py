@@ -22,8 +22,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from tests.distributed.harness import run_distributed
 from torchtitan.models.moe import MoE, MoEArgs, MoETransformer
-from torchtitan.parallelisms.expert_parallel import ExpertParallel, apply_ep
-from torchtitan.parallelisms.init import init_model_weights
+from torchtitan.distributed.expert_parallel import ExpertParallel, apply_ep
+from torchtitan.distributed.init import init_model_weights
 
 pytestmark = pytest.mark.distributed
 

@@ -9,10 +9,10 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from tests.distributed.harness import run_distributed
 from torchtitan.build import build_model, cross_entropy_loss
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.manager import JobConfig
 from torchtitan.models import ModelArgs
-from torchtitan.parallelisms.grad_norm import clip_grad_norm_, reduce_partial_grads_
-from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.distributed.grad_norm import clip_grad_norm_, reduce_partial_grads_
+from torchtitan.distributed.parallel_dims import ParallelDims
 
 pytestmark = pytest.mark.distributed
 

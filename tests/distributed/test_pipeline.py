@@ -15,8 +15,8 @@ from tests.distributed.harness import run_distributed
 from torchtitan.build import cross_entropy_loss
 from torchtitan.models import ModelArgs
 from torchtitan.models.llama.model import Transformer
-from torchtitan.parallelisms.init import init_model_weights
-from torchtitan.parallelisms.pipeline_llama import build_pipeline, pipeline_step
+from torchtitan.distributed.init import init_model_weights
+from torchtitan.distributed.pipeline import build_pipeline, pipeline_step
 
 pytestmark = pytest.mark.distributed
 
@@ -88,7 +88,7 @@ def _write_csv(path: str) -> None:
 
 def _grad_norm(parts, group) -> float:
     """The trainer's clip: stages hold disjoint parameters, so the norm is also reduced over pp."""
-    from torchtitan.parallelisms.grad_norm import clip_grad_norm_
+    from torchtitan.distributed.grad_norm import clip_grad_norm_
 
     params = [p for part in parts for p in part.parameters()]
     return clip_grad_norm_(params, max_norm=1e9, extra_groups=[group]).item()

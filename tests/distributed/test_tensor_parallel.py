@@ -14,10 +14,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from tests.distributed.harness import run_distributed
 from torchtitan.build import build_model, cross_entropy_loss
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.manager import JobConfig
 from torchtitan.models import ModelArgs
-from torchtitan.parallelisms.grad_norm import clip_grad_norm_, reduce_partial_grads_
-from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.distributed.grad_norm import clip_grad_norm_, reduce_partial_grads_
+from torchtitan.distributed.parallel_dims import ParallelDims
 
 pytestmark = pytest.mark.distributed
 
@@ -123,7 +123,7 @@ def _block_comms(rank: int, world: int):
     from torch.distributed.tensor.parallel import parallelize_module
 
     from torchtitan.models.llama.model import TransformerBlock, compute_rope_cache
-    from torchtitan.parallelisms.tensor_parallel import block_plan
+    from torchtitan.distributed.tensor_parallel import block_plan
 
     torch.manual_seed(0)
     ref = TransformerBlock(0, ARGS)

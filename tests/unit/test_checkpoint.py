@@ -28,7 +28,7 @@ from torchtitan.checkpointing import (
 )
 from torchtitan.checkpointing.hf import export_to_hf, from_hf_state_dict, import_from_hf, to_hf_state_dict
 from torchtitan.checkpointing.state import ModelPartsView
-from torchtitan.config_schema import Checkpoint as CheckpointConfig
+from torchtitan.config.schema import Checkpoint as CheckpointConfig
 from torchtitan.models.llama import ModelArgs, Transformer
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16,
@@ -374,7 +374,7 @@ def test_hf_export_gives_our_logits(tmp_path):
     ],
 )
 def test_config_errors(args, world_size, match):
-    from torchtitan.config_manager import JobConfig
+    from torchtitan.config.manager import JobConfig
 
     if "async_with_pinned_mem" in args and torch.cuda.is_available():
         pytest.skip("the CPU-only message")
@@ -384,7 +384,7 @@ def test_config_errors(args, world_size, match):
 
 
 def test_checkpoint_knobs_without_checkpointing_warn():
-    from torchtitan.config_manager import JobConfig
+    from torchtitan.config.manager import JobConfig
 
     warnings = JobConfig.parse_args(["--checkpoint.keep_latest_k", "2"]).validate(1)
     assert any("no effect without checkpoint.enable_checkpoint" in w for w in warnings)

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from torchtitan.chunked_loss import chunked_cross_entropy
+from torchtitan.components.loss import chunked_cross_entropy
 from torchtitan.models.llama.model import ModelArgs, Transformer
 
 BS, SEQ, DIM, VOCAB = 2, 24, 16, 50
@@ -128,8 +128,8 @@ def test_chunked_loss_peak_memory_is_at_most_half():
 
 
 def test_config_rejects_negative_chunk_and_pipeline_parallel():
-    from torchtitan.config_manager import ConfigError, JobConfig
-    from torchtitan.config_validation import validate_config
+    from torchtitan.config.manager import ConfigError, JobConfig
+    from torchtitan.config.validation import validate_config
 
     with pytest.raises(ConfigError, match=r"training.loss_chunk_size must be >= 0 .*got -2"):
         validate_config(JobConfig.parse_args(["--training.loss_chunk_size", "-2"]), world_size=1)

@@ -6,7 +6,7 @@ import tomllib
 import pytest
 import torch
 
-from torchtitan.config_manager import ConfigError, JobConfig, format_help
+from torchtitan.config.manager import ConfigError, JobConfig, format_help
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LEGACY = os.path.join(ROOT, "tests", "assets", "torchtitan_2024")
@@ -131,7 +131,7 @@ def test_help_lists_every_key():
 def test_config_manager_cli_checks_and_exits_nonzero():
     env = dict(os.environ, PYTHONPATH=ROOT)
     bad = subprocess.run(
-        [sys.executable, "-m", "torchtitan.config_manager", "--world_size", "4", "--training.data_parallel_shard_degree", "3"],
+        [sys.executable, "-m", "torchtitan.config.manager", "--world_size", "4", "--training.data_parallel_shard_degree", "3"],
         cwd=ROOT, env=env, capture_output=True, text=True,
     )
     assert bad.returncode == 2
@@ -140,7 +140,7 @@ def test_config_manager_cli_checks_and_exits_nonzero():
         "set data_parallel_shard_degree = -1 to infer it"
     )
     ok = subprocess.run(
-        [sys.executable, "-m", "torchtitan.config_manager", "--world_size", "2", "--job.config_file", "train_configs/debug_model.toml"],
+        [sys.executable, "-m", "torchtitan.config.manager", "--world_size", "2", "--job.config_file", "train_configs/debug_model.toml"],
         cwd=ROOT, env=env, capture_output=True, text=True,
     )
     assert ok.returncode == 0, ok.stderr
@@ -274,7 +274,7 @@ def test_expert_parallel_validation(args, world, error, match):
     ids=["fsdp4-ep2", "fsdp2-tp2-ep2", "fsdp4-tp2-ep4", "ep2"],
 )
 def test_expert_parallel_layouts_and_axes(args, world, axes):
-    from torchtitan.parallelisms.parallel_dims import ParallelDims
+    from torchtitan.distributed.parallel_dims import ParallelDims
 
     config = JobConfig.parse_args([*MOE, *args])
     config.validate(world)

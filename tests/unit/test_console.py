@@ -4,9 +4,9 @@ import types
 
 import pytest
 
-from torchtitan.config_manager import ConfigError, JobConfig
-from torchtitan.console import COLOURS, PLAIN, build_palette, format_duration, format_step_line
-from torchtitan.metrics import build_metric_logger
+from torchtitan.config.manager import ConfigError, JobConfig
+from torchtitan.observability.console import COLOURS, PLAIN, build_palette, format_duration, format_step_line
+from torchtitan.observability.metrics import build_metric_logger
 
 RECORD = {"loss": 7.123456, "grad_norm": 0.5, "lr": 8e-4, "tps": 12345.6, "mfu": 41.25, "memory_gib": 1.5}
 

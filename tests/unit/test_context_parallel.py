@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from torchtitan.models.llama.model import CausalAttention
-from torchtitan.parallelisms.context_parallel import (
+from torchtitan.distributed.context_parallel import (
     RingAttention,
     compute_block_attention,
     compute_cp_positions,

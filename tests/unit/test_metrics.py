@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan import flops
-from torchtitan.metrics import (
+from torchtitan.observability import flops
+from torchtitan.observability.metrics import (
     DeviceMemStats,
     build_device_memory_monitor,
     build_metric_logger,
@@ -88,7 +88,7 @@ def test_unknown_gpu_warns_and_uses_h100(
 ) -> None:
     flops._warn_once.cache_clear()
     monkeypatch.setattr(flops, "_get_device_name", lambda device: "Mystery GPU 9000")
-    with caplog.at_level(logging.WARNING, logger="torchtitan.flops"):
+    with caplog.at_level(logging.WARNING, logger="torchtitan.observability.flops"):
         assert get_peak_flops(CUDA, torch.bfloat16) == pytest.approx(989e12)
     assert "Mystery GPU 9000" in caplog.text
 
@@ -141,7 +141,7 @@ def test_corrupt_cache_is_remeasured_and_rewritten(
     cache_home.parent.mkdir(parents=True)
     cache_home.write_text("{not json")
     calls = _count_measurements(monkeypatch, 7e10)
-    with caplog.at_level(logging.WARNING, logger="torchtitan.flops"):
+    with caplog.at_level(logging.WARNING, logger="torchtitan.observability.flops"):
         assert get_peak_flops(CPU, torch.float32) == 7e10
     assert "re-measuring" in caplog.text and calls == [torch.float32]
     assert list(json.loads(cache_home.read_text()).values()) == [7e10]
@@ -164,7 +164,7 @@ def test_unwritable_cache_warns(
     read_only.mkdir(mode=0o500)
     monkeypatch.setenv("XDG_CACHE_HOME", str(read_only))
     _count_measurements(monkeypatch, 2e10)
-    with caplog.at_level(logging.WARNING, logger="torchtitan.flops"):
+    with caplog.at_level(logging.WARNING, logger="torchtitan.observability.flops"):
         assert get_peak_flops(CPU, torch.float32) == 2e10
     assert "could not write" in caplog.text
 
@@ -176,7 +176,7 @@ def test_unwritable_cache_path_warns(
     (tmp_path / "torchtitan").write_text("in the way")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     _count_measurements(monkeypatch, 2e10)
-    with caplog.at_level(logging.WARNING, logger="torchtitan.flops"):
+    with caplog.at_level(logging.WARNING, logger="torchtitan.observability.flops"):
         assert get_peak_flops(CPU, torch.float32) == 2e10
     assert "could not write" in caplog.text
 

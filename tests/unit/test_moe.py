@@ -12,7 +12,7 @@ import torch
 from torchtitan.models import model_name_to_cls, model_name_to_flavors
 from torchtitan.models.moe import MoE, MoEArgs, MoETransformer, TokenChoiceRouter, num_active_params
 from torchtitan.models.moe.moe import compute_aux_loss
-from torchtitan.parallelisms.init import init_model_weights
+from torchtitan.distributed.init import init_model_weights
 
 TINY = MoEArgs(
     dim=32, n_layers=3, n_heads=4, vocab_size=64, multiple_of=16, max_seq_len=16,
@@ -200,7 +200,7 @@ def test_models_moe_is_pure():
 
 
 def test_moe_tp_plan_keeps_dense_ffn_entries_off_moe_blocks():
-    from torchtitan.parallelisms.tensor_parallel import TokenShardedReplicate, block_plan, moe_block_plan
+    from torchtitan.distributed.tensor_parallel import TokenShardedReplicate, block_plan, moe_block_plan
 
     plan = moe_block_plan(has_shared_expert=True)
     assert not any(k.startswith("feed_forward.w") for k in plan)
@@ -212,7 +212,7 @@ def test_moe_tp_plan_keeps_dense_ffn_entries_off_moe_blocks():
 
 
 def test_expert_load_metrics():
-    from torchtitan.expert_load import compute_load_metrics
+    from torchtitan.components.load_balancing import compute_load_metrics
 
     out = compute_load_metrics({"layers.1": [2.0, 2.0, 2.0, 2.0], "layers.2": [8.0, 0.0, 0.0, 0.0]})
     assert out["expert_imbalance"] == {"layers.1": 1.0, "layers.2": 4.0}

@@ -1,4 +1,4 @@
-"""AdamW with bf16 optimizer states (torchtitan.optim_lowp) against torch.optim.AdamW."""
+"""AdamW with bf16 optimizer states (torchtitan.components.optim_lowp) against torch.optim.AdamW."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan.config_manager import ConfigError, JobConfig
-from torchtitan.config_schema import Optimizer as OptimizerConfig
-from torchtitan.config_validation import validate_config
+from torchtitan.config.manager import ConfigError, JobConfig
+from torchtitan.config.schema import Optimizer as OptimizerConfig
+from torchtitan.config.validation import validate_config
 from torchtitan.models.llama.model import ModelArgs, Transformer
-from torchtitan.optim_lowp import LowPrecisionAdamW
-from torchtitan.optimizer import build_optimizer
+from torchtitan.components.optim_lowp import LowPrecisionAdamW
+from torchtitan.components.optimizer import build_optimizer
 
 TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=256, max_seq_len=64)
 

@@ -7,7 +7,7 @@ import torch
 
 from torchtitan.models import ModelArgs
 from torchtitan.models.llama.model import Transformer
-from torchtitan.parallelisms.pipeline_llama import (
+from torchtitan.distributed.pipeline import (
     MULTI_STAGE_SCHEDULES,
     SINGLE_STAGE_SCHEDULES,
     V_SCHEDULES,

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan import profiling
-from torchtitan.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+from torchtitan.observability import profiling
+from torchtitan.observability.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
 
 def _train_steps(prof: torch.profiler.profile, first_step: int, last_step: int) -> None:
@@ -59,7 +59,7 @@ def test_memory_snapshot_off_cuda_warns_and_yields_none(
     kwargs = dict(snapshot_dir=str(tmp_path), profile_freq=2, device=torch.device("cpu"))
     with maybe_enable_memory_snapshot(False, **kwargs) as snapshotter:
         assert snapshotter is None
-    with caplog.at_level(logging.WARNING, logger="torchtitan.profiling"):
+    with caplog.at_level(logging.WARNING, logger="torchtitan.observability.profiling"):
         with maybe_enable_memory_snapshot(True, **kwargs) as snapshotter:
             assert snapshotter is None
     assert "CUDA" in caplog.text

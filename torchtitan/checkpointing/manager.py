@@ -39,8 +39,8 @@ from torchtitan.checkpointing.state import (
 if TYPE_CHECKING:
     from torch import nn
 
-    from torchtitan.config_manager import JobConfig
-    from torchtitan.config_schema import Checkpoint as CheckpointConfig
+    from torchtitan.config.manager import JobConfig
+    from torchtitan.config.schema import Checkpoint as CheckpointConfig
 
 logger = logging.getLogger(__name__)
 
@@ -296,8 +296,8 @@ def create_seed_checkpoint(config: JobConfig) -> str:
     """Build and initialise the model in this one process, save it as ``step-0`` (weights only)."""
     from torchtitan.build import build_model, build_model_args
     from torchtitan.datasets import build_tokenizer
-    from torchtitan.parallelisms.parallel_dims import ParallelDims
-    from torchtitan.utils.device import get_device_info
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.distributed.device import get_device_info
 
     path = step_folder(os.path.join(config.job.dump_folder, config.checkpoint.folder), 0)
     if read_marker(path) is not None:

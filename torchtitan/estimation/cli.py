@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from torchtitan.config_manager import JobConfig, format_help, wants_help
+from torchtitan.config.manager import JobConfig, format_help, wants_help
 
 USAGE = """usage: estimation.py --job.config_file FILE [--world_size N] [--json] [--full_depth] [--section.key VALUE ...]
        estimation.py --plan --memory_gib M --job.config_file FILE [--world_size N] [--json]

@@ -11,15 +11,15 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.build import build_model_args
-from torchtitan.config_validation import validate_config
+from torchtitan.config.validation import validate_config
 from torchtitan.estimation.fake_trainer import (
     EstimationTrainer, ddp_bucket_bytes, fake_mode_patches, gloo_patches, moe_patches, p2p_works_hold_tensors,
     pipeline_patches, resolve_vocab,
 )
 from torchtitan.estimation.tracker import DDP_BUCKETS, StepMemory, track_steps, use_per_parameter_step
-from torchtitan.parallelisms.fsdp import to_dtype
-from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.utils.device import get_device_info
+from torchtitan.distributed.fsdp import to_dtype
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.device import get_device_info
 
 # Settings the fake run cannot reproduce faithfully: (key, value that is fine, why).
 _UNMODELED = (
@@ -185,7 +185,7 @@ def plan_depth(config, args, dims: ParallelDims, full_depth: bool) -> DepthReduc
 
 
 def _stage_layout(config, n_layers: int, dims: ParallelDims) -> list[tuple[int, int]]:
-    from torchtitan.parallelisms.pipeline_llama import resolve_stage_layout
+    from torchtitan.distributed.pipeline import resolve_stage_layout
 
     exp = config.experimental
     return resolve_stage_layout(n_layers, dims.pp, exp.pipeline_parallel_schedule, exp.pipeline_parallel_split_points,
@@ -196,7 +196,7 @@ def _role_units(config, args, dims: ParallelDims, pp_rank: int, reduction: Depth
     """The real depth of a role in units: its stages' mean layer count under PP."""
     if not dims.pp_enabled:
         return (args.n_layers - reduction.prefix) / reduction.unit
-    from torchtitan.parallelisms.pipeline_llama import stage_ids_for_rank
+    from torchtitan.distributed.pipeline import stage_ids_for_rank
 
     layout = _stage_layout(config, args.n_layers, dims)
     ids = stage_ids_for_rank(pp_rank, dims.pp, len(layout), config.experimental.pipeline_parallel_schedule)

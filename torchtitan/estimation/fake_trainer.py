@@ -45,12 +45,12 @@ def fake_mode_patches() -> Iterator[None]:
 
     from torch.distributed.device_mesh import DeviceMesh
 
-    from torchtitan.parallelisms import pipeline_llama
+    from torchtitan.distributed import pipeline as pipeline_llama
 
     # (the package's ``replicate`` attribute is the function, which shadows the module of that name)
     replicate_module = importlib.import_module("torch.distributed._composable.replicate")
 
-    from torchtitan.parallelisms import context_parallel
+    from torchtitan.distributed import context_parallel
 
     def ddp_without_reducer(module, *args, **kwargs):
         # DDP's C++ reducer reads parameter data (shape checks, bucket views), which fake tensors
@@ -298,10 +298,10 @@ def moe_patches(*, shape_only_grouped_mm: bool = True) -> Iterator[None]:
     """
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-    from torchtitan.expert_load import ExpertLoadTracker
+    from torchtitan.components.load_balancing import ExpertLoadTracker
     from torchtitan.models.moe import MoE
-    from torchtitan.parallelisms import expert_parallel
-    from torchtitan.parallelisms.expert_parallel import ExpertParallel
+    from torchtitan.distributed import expert_parallel
+    from torchtitan.distributed.expert_parallel import ExpertParallel
 
     def count_tokens(self, experts):
         return _balanced_counts(experts.numel(), self.num_experts)

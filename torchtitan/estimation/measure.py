@@ -16,7 +16,7 @@ import sys
 
 import torch.distributed as dist
 
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.manager import JobConfig
 from torchtitan.estimation.estimate import check_estimable, estimate_rank
 from torchtitan.estimation.fake_trainer import resolve_vocab
 

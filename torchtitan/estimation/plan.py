@@ -27,12 +27,12 @@ import time
 from dataclasses import dataclass, field
 
 from torchtitan.build import build_model_args
-from torchtitan.config_validation import validate_config
+from torchtitan.config.validation import validate_config
 from torchtitan.estimation.estimate import estimate_memory
 from torchtitan.estimation.fake_trainer import resolve_vocab
-from torchtitan.flops import _GPU_PEAKS
-from torchtitan.metrics import compute_num_flops_per_token
-from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.observability.flops import _GPU_PEAKS
+from torchtitan.observability.metrics import compute_num_flops_per_token
+from torchtitan.distributed.parallel_dims import ParallelDims
 
 GIB = 2**30
 MODEL_EFFICIENCY = 0.5  # achievable fraction of peak FLOP/s for large matmuls

@@ -206,7 +206,7 @@ class Transformer(nn.Module):
 
         positions (seqlen,) are the tokens' positions in their sequence (default 0..seqlen-1).
         return_hidden: return the normed hidden state (bs, seqlen, dim) and skip ``output``, for a
-        loss that applies the output projection itself (torchtitan.chunked_loss).
+        loss that applies the output projection itself (torchtitan.components.loss).
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
         rope = self.rope_cache if positions is None else self.rope_cache[positions]  # (seqlen, head_dim)

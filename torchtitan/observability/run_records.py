@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from torchtitan.config_manager import JobConfig
+    from torchtitan.config.manager import JobConfig
 
 
 def _git_commit() -> str | None:
@@ -28,7 +28,7 @@ def _git_commit() -> str | None:
 
 
 def run_info(config: JobConfig, world_size: int) -> dict:
-    from torchtitan.parallelisms.parallel_dims import ParallelDims
+    from torchtitan.distributed.parallel_dims import ParallelDims
 
     dims = ParallelDims.from_config(config, world_size)
     return {

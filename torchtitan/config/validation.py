@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from torchtitan.config_manager import ConfigError
+from torchtitan.config.manager import ConfigError
 
 if TYPE_CHECKING:
-    from torchtitan.config_manager import JobConfig
+    from torchtitan.config.manager import JobConfig
 
 # key -> (value that means "off", what to say). Non-default values raise NotImplementedError.
 _NOT_BUILT = {
@@ -153,7 +153,7 @@ def _check_context_parallel(config: JobConfig) -> None:
             f"choose a seq_len that is a multiple of {cp * tp}"
         )
     if exp.context_parallel_impl == "torch":
-        from torchtitan.parallelisms.torch_context_parallel import check_supported
+        from torchtitan.distributed.torch_context_parallel import check_supported
 
         check_supported()
     if config.training.compile:
@@ -169,7 +169,7 @@ def _check_pipeline(config: JobConfig, args) -> None:
     pp = exp.pipeline_parallel_degree
     if pp == 1:
         return
-    from torchtitan.parallelisms.pipeline_llama import resolve_stage_layout, validate_microbatches
+    from torchtitan.distributed.pipeline import resolve_stage_layout, validate_microbatches
 
     if exp.pipeline_parallel_schedule_csv and not os.path.isfile(exp.pipeline_parallel_schedule_csv):
         raise FileNotFoundError(
@@ -259,7 +259,7 @@ def _check_paths(config: JobConfig) -> None:
 
 
 def _warnings(config: JobConfig, world_size: int) -> list[str]:
-    from torchtitan.parallelisms.parallel_dims import ParallelDims
+    from torchtitan.distributed.parallel_dims import ParallelDims
 
     out = []
     if config.float8.enable_float8_linear:
@@ -331,7 +331,7 @@ def validate_config(config: JobConfig, world_size: int, *, check_paths: bool = T
 
     check_paths=False skips the tokenizer/dataset file checks (the memory estimator reads no files).
     """
-    from torchtitan.parallelisms.parallel_dims import ParallelDims
+    from torchtitan.distributed.parallel_dims import ParallelDims
 
     _check_ranges(config)
     _check_not_built(config)

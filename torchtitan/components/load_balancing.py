@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan.parallelisms.pipeline_llama import in_shape_inference
+from torchtitan.distributed.pipeline import in_shape_inference
 
 
 def _in_recompute() -> bool:

@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from torchtitan.console import build_palette, format_end_summary, format_step_line, format_validation_line
-from torchtitan.expert_load import compute_load_metrics
-from torchtitan.flops import get_peak_flops
-from torchtitan.metrics import build_device_memory_monitor, build_metric_logger, compute_mfu, compute_num_flops_per_token
-from torchtitan.parallelisms.fsdp import to_dtype
-from torchtitan.utils.device import synchronize
+from torchtitan.observability.console import build_palette, format_end_summary, format_step_line, format_validation_line
+from torchtitan.components.load_balancing import compute_load_metrics
+from torchtitan.observability.flops import get_peak_flops
+from torchtitan.observability.metrics import build_device_memory_monitor, build_metric_logger, compute_mfu, compute_num_flops_per_token
+from torchtitan.distributed.fsdp import to_dtype
+from torchtitan.distributed.device import synchronize
 
 if TYPE_CHECKING:
-    from torchtitan.config_manager import JobConfig
+    from torchtitan.config.manager import JobConfig
     from torchtitan.models import ModelArgs
 
 logger = logging.getLogger(__name__)

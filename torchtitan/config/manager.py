@@ -1,6 +1,6 @@
 """Load the job config: defaults < TOML file < ``--section.key value`` flags; strict about keys and types.
 
-Run as ``python -m torchtitan.config_manager [--world_size N] ARGS`` to check a config without
+Run as ``python -m torchtitan.config.manager [--world_size N] ARGS`` to check a config without
 training (the launcher does this before starting any process).
 """
 
@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from torchtitan.config_schema import JobConfigTree
+from torchtitan.config.schema import JobConfigTree
 
 try:
     import tomllib
@@ -190,7 +190,7 @@ class JobConfig(JobConfigTree):
 
     def validate(self, world_size: int) -> list[str]:
         """Check the whole config once, before any process group exists. Returns warnings to log."""
-        from torchtitan.config_validation import validate_config
+        from torchtitan.config.validation import validate_config
 
         return validate_config(self, world_size)
 

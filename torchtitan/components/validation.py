@@ -21,7 +21,7 @@ from torchtitan.build import cross_entropy_loss
 from torchtitan.datasets import build_hf_data_loader, compute_stream_groups
 
 if TYPE_CHECKING:
-    from torchtitan.config_manager import JobConfig
+    from torchtitan.config.manager import JobConfig
     from torchtitan.datasets import Tokenizer
 
 

@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from torchtitan.config_schema import ActivationCheckpoint
+from torchtitan.config.schema import ActivationCheckpoint
 
 # Ops whose outputs are expensive to recompute and cheap to keep: attention (every backend's
 # variant, the CPU one included) and reductions; matmuls are handled separately below.

@@ -14,7 +14,7 @@ from typing import IO, Any
 
 import torch
 
-from torchtitan.flops import get_peak_flops, measure_matmul_flops
+from torchtitan.observability.flops import get_peak_flops, measure_matmul_flops
 
 __all__ = [
     "DeviceMemStats",

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from torchtitan.config_manager import JobConfig
+    from torchtitan.config.manager import JobConfig
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class ParallelDims:
         )
 
     def __post_init__(self) -> None:
-        from torchtitan.config_manager import ConfigError
+        from torchtitan.config.manager import ConfigError
 
         for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
             if getattr(self, name) < 1:
@@ -73,7 +73,7 @@ class ParallelDims:
 
     def _check_ep(self) -> None:
         """EP = dp_shard_in_ep x tp: it must contain the TP group and take a divisor of dp_shard."""
-        from torchtitan.config_manager import ConfigError
+        from torchtitan.config.manager import ConfigError
 
         if self.ep == 1:
             return

@@ -108,7 +108,7 @@ def async_block_plan() -> dict[str, ParallelStyle]:
     them chunk by chunk while multiplying; one shared style per consumer group gathers the input
     once for wq/wk/wv (and once for w1/w3).
     """
-    from torchtitan.parallelisms.async_tp import AsyncColwiseParallel, AsyncRowwiseParallel
+    from torchtitan.distributed.async_tp import AsyncColwiseParallel, AsyncRowwiseParallel
 
     attention_in, ffn_in = AsyncColwiseParallel(), AsyncColwiseParallel()
     return {

@@ -8,18 +8,18 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from torchtitan.parallelisms.activation_checkpoint import apply_ac
-from torchtitan.parallelisms.context_parallel import apply_cp, compute_cp_positions
-from torchtitan.parallelisms.expert_parallel import apply_ep
-from torchtitan.parallelisms.fsdp import apply_ddp, apply_fsdp, to_dtype
-from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.tensor_parallel import apply_tp
-from torchtitan.parallelisms.torch_context_parallel import apply_torch_cp
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.context_parallel import apply_cp, compute_cp_positions
+from torchtitan.distributed.expert_parallel import apply_ep
+from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp, to_dtype
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.tensor_parallel import apply_tp
+from torchtitan.distributed.torch_context_parallel import apply_torch_cp
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from torchtitan.config_manager import JobConfig
+    from torchtitan.config.manager import JobConfig
 
 logger = logging.getLogger(__name__)
 
