@@ -16,11 +16,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-import torch  # noqa: E402
-
 from torchtitan.checkpointing.hf import export_to_hf  # noqa: E402
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from torchtitan.dtypes import DTYPES  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

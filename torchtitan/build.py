@@ -1,28 +1,48 @@
-"""The build path shared by the trainer and the memory estimator: model, data loader, loss."""
+"""The one build path, shared by the trainer and the memory estimator.
+
+``TrainerBuilders`` is the public seam: the parts of a trainer that touch the outside world (the
+mesh, tokenizer file, data, metrics files, checkpoints, validation data) or that a tool must
+build differently (the memory estimator builds under fake tensors) are built through it. The
+trainer takes a ``TrainerBuilders``; the estimator passes one with its own fakes instead of
+overriding private methods. Everything else (parallelisms, optimizer, the step) is built here,
+the same way for both.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+import logging
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models import ModelArgs, model_name_to_cls, model_name_to_flavors
+from torchtitan.checkpointing import model_info, read_marker, save_model_weights, step_folder
+from torchtitan.checkpointing.state import ModelState
+from torchtitan.components.step import PipelineLoss, StepFunction
+from torchtitan.datasets import build_hf_data_loader, build_tokenizer, compute_stream_groups
+from torchtitan.distributed.device import get_device_info
 from torchtitan.distributed.init import init_model_weights
+from torchtitan.distributed.mesh import WorldMesh
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.parallelize import parallelize_llama
+from torchtitan.distributed.pipeline import PipelineParts, build_pipeline
+from torchtitan.spec import get_model_spec
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from torchtitan.config.manager import JobConfig
+    from torchtitan.spec import ModelSpec
 
 
-def build_model_args(config: JobConfig, vocab_size: int) -> ModelArgs:
+def build_model_args(config: JobConfig, spec: ModelSpec, vocab_size: int) -> Any:
     """The flavor's args with the tokenizer's vocab, the training seq_len and the norm type (a new object)."""
-    flavor = model_name_to_flavors[config.model.name][config.model.flavor]
+    flavor = spec.flavors[config.model.flavor]
     tp = config.training.tensor_parallel_degree
     if vocab_size % tp:
         raise ValueError(
@@ -35,80 +55,148 @@ def build_model_args(config: JobConfig, vocab_size: int) -> ModelArgs:
     )
 
 
-def build_meta_model(config: JobConfig, model_args: ModelArgs) -> nn.Module:
+def build_meta_model(spec: ModelSpec, model_args: Any) -> nn.Module:
     """The whole model on the meta device: shapes only, no memory."""
     with torch.device("meta"):
-        return model_name_to_cls[config.model.name](model_args)
+        return spec.model_cls(model_args)
+
+
+def build_data_loader(config: JobConfig, tokenizer: Any, world: WorldMesh) -> Iterable:
+    """This data-parallel rank's slice of every global batch (see docs/data.md)."""
+    t = config.training
+    dp_rank, dp_degree = world.local_rank("dp"), world.dims.dp_degree
+    groups = compute_stream_groups(dp_rank, dp_degree, t.batch_size, t.gradient_accumulation_steps)
+    num_streams = dp_degree * t.batch_size * t.gradient_accumulation_steps
+    return build_hf_data_loader(t.dataset, t.dataset_path, tokenizer, t.seq_len, groups, num_streams)
+
+
+def _build_world_mesh(parallel_dims: ParallelDims, device_type: str) -> DeviceMesh | None:
+    return parallel_dims.build_mesh(device_type)
+
+
+def _build_tokenizer(config: JobConfig) -> Any:
+    return build_tokenizer(config.model.tokenizer_path)
+
+
+@dataclass(frozen=True)
+class TrainerBuilders:
+    """How a ``Trainer`` builds its swappable parts. Defaults: a real training run.
+
+    Signatures (``trainer`` is the Trainer being built, complete up to the part being built):
+        mesh(parallel_dims, device_type) -> DeviceMesh | None
+        tokenizer(config) -> an object with ``n_words``
+        model_args(config, spec, vocab_size) -> the family's args
+        meta_model(spec, model_args) -> nn.Module on the meta device (called once per pipeline stage too)
+        data_loader(config, tokenizer, world) -> iterable of (inputs, labels), stateful for checkpoints
+        metrics(trainer) -> StepMetrics-like (``add_data_time``, ``add_step``, ``log``, ``log_validation``,
+            ``end_summary``, ``close``)
+        checkpointer(trainer) -> CheckpointManager-like (``load``, ``maybe_save``, ``summary``, ``close``)
+        validator(trainer, tokenizer) -> Validator-like (``run``)
+    The trainer-level defaults (metrics, checkpointer, validator) are filled in by train.py.
+    """
+
+    mesh: Callable[..., Any] = _build_world_mesh
+    tokenizer: Callable[..., Any] = _build_tokenizer
+    model_args: Callable[..., Any] = build_model_args
+    meta_model: Callable[..., nn.Module] = build_meta_model
+    data_loader: Callable[..., Iterable] = build_data_loader
+    metrics: Callable[..., Any] | None = None
+    checkpointer: Callable[..., Any] | None = None
+    validator: Callable[..., Any] | None = None
 
 
 def finish_model_part(
-    part: nn.Module,
-    config: JobConfig,
-    parallel_dims: ParallelDims,
-    world_mesh: DeviceMesh | None,
-    device: torch.device,
+    part: nn.Module, spec: ModelSpec, config: JobConfig, world: WorldMesh, device: torch.device
 ) -> None:
     """Parallelize a meta model (or pipeline stage), materialise it on ``device``, init from the seed."""
-    parallelize_llama(part, world_mesh, parallel_dims, config)
+    spec.parallelize_fn(part, world.mesh, world.dims, config)
     # With FSDP CPU offload the sharded parameters live in CPU memory; FSDP copies them to the
     # device for each block's compute. Buffers (the RoPE table) stay on the device.
-    offload = config.training.enable_cpu_offload and parallel_dims.fsdp_enabled
+    offload = config.training.enable_cpu_offload and world.dims.fsdp_enabled
     part.to_empty(device=torch.device("cpu") if offload else device)
     seed = 0 if config.training.seed is None else config.training.seed
     init_model_weights(part, seed, buffer_device=device)
     part.train()
 
 
-def build_model(
-    config: JobConfig,
-    model_args: ModelArgs,
-    parallel_dims: ParallelDims,
-    world_mesh: DeviceMesh | None,
-    device: torch.device,
-) -> nn.Module:
-    """Build on the meta device, parallelize, materialise on ``device``, then init from the seed."""
-    model = build_meta_model(config, model_args)
-    finish_model_part(model, config, parallel_dims, world_mesh, device)
-    return model
-
-
-def build_pipeline_parts(
-    config: JobConfig,
+def build_model_parts(
     whole: nn.Module,
-    parallel_dims: ParallelDims,
-    world_mesh: DeviceMesh,
+    build_stage_model: Callable[[], nn.Module],
+    spec: ModelSpec,
+    config: JobConfig,
+    world: WorldMesh,
     device: torch.device,
-):
-    """Split the meta model into this rank's pipeline stages, finish each, and build the schedule."""
-    from torchtitan.distributed.pipeline import build_pipeline
-
-    exp, accum = config.experimental, config.training.gradient_accumulation_steps
-
-    def loss_fn(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # The schedule averages over its micro-batches; accumulation steps average on top.
-        return cross_entropy_loss(pred, labels) / accum
-
-    return build_pipeline(
-        whole,
-        pp_mesh=world_mesh["pp"],
+    loss_fn: PipelineLoss,
+) -> tuple[list[nn.Module], PipelineParts | None]:
+    """This rank's model parts: the whole model, or its pipeline stages (each from ``build_stage_model``)."""
+    dims = world.dims
+    if not dims.pp_enabled:
+        finish_model_part(whole, spec, config, world, device)
+        return [whole], None
+    if spec.pipeline_split_fn is None:
+        raise NotImplementedError(
+            f"experimental.pipeline_parallel_degree = {dims.pp} with model.name = {spec.name!r}: this model "
+            "family has no pipeline split; use pipeline_parallel_degree = 1"
+        )
+    exp = config.experimental
+    pipeline = build_pipeline(
+        build_stage_model,
+        n_layers=whole.args.n_layers,
+        split_fn=spec.pipeline_split_fn,
+        pp_mesh=world.get("pp"),
         device=device,
-        n_microbatches=exp.pipeline_parallel_microbatches or parallel_dims.pp,
+        n_microbatches=exp.pipeline_parallel_microbatches or dims.pp,
         local_batch_size=config.training.batch_size,
         schedule=exp.pipeline_parallel_schedule,
         split_points=exp.pipeline_parallel_split_points,
         csv_path=exp.pipeline_parallel_schedule_csv,
         loss_fn=loss_fn,
-        finish_stage=lambda part: finish_model_part(part, config, parallel_dims, world_mesh, device),
+        finish_stage=lambda part: finish_model_part(part, spec, config, world, device),
+    )
+    return pipeline.model_parts, pipeline
+
+
+def build_step_function(
+    whole: nn.Module,
+    build_stage_model: Callable[[], nn.Module],
+    spec: ModelSpec,
+    model_args: Any,
+    config: JobConfig,
+    world: WorldMesh,
+    device: torch.device,
+    *,
+    amp_dtype: torch.dtype | None,
+) -> StepFunction:
+    """This rank's finished model parts, the family's step hooks, and the one step function over them."""
+    pipeline_loss = PipelineLoss()
+    parts, pipeline = build_model_parts(whole, build_stage_model, spec, config, world, device, pipeline_loss)
+    hooks = None
+    if spec.build_step_hooks is not None:
+        hooks = spec.build_step_hooks(model_args, whole, parts, world, device)
+    return StepFunction(
+        parts, world=world, device=device, amp_dtype=amp_dtype, loss_chunk_size=config.training.loss_chunk_size,
+        pipeline=pipeline, pipeline_loss=pipeline_loss, hooks=hooks,
     )
 
 
-def num_non_embedding_params(model: nn.Module) -> int:
-    """Global (unsharded) parameter count without the embedding table: what the matmuls touch."""
-    total = sum(p.numel() for p in model.parameters())
-    embed = getattr(model, "tok_embeddings", None)
-    return total - (embed.weight.numel() if embed is not None else 0)
+def build_model(
+    config: JobConfig, model_args: Any, parallel_dims: ParallelDims, mesh: DeviceMesh | None, device: torch.device
+) -> nn.Module:
+    """A whole (non-pipelined) model of ``config.model.name``: meta build, parallelize, materialise, init."""
+    spec = get_model_spec(config.model.name)
+    model = build_meta_model(spec, model_args)
+    finish_model_part(model, spec, config, WorldMesh(parallel_dims, mesh), device)
+    return model
 
 
-def cross_entropy_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean token loss; logits are upcast to fp32 so a bf16 forward still gets an accurate loss."""
-    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+def create_seed_checkpoint(config: JobConfig) -> str:
+    """Build and initialise the model in this one process, save it as ``step-0`` (weights only)."""
+    path = step_folder(os.path.join(config.job.dump_folder, config.checkpoint.folder), 0)
+    if read_marker(path) is not None:
+        raise ValueError(f"checkpoint.create_seed_checkpoint: {path} already exists; delete it to make a new seed")
+    spec = get_model_spec(config.model.name)
+    args = build_model_args(config, spec, build_tokenizer(config.model.tokenizer_path).n_words)
+    model = build_model(config, args, ParallelDims.from_config(config, 1), None, get_device_info().device)
+    save_model_weights(ModelState(model).state_dict(), path, model_info(config, args))
+    logger.info("seed checkpoint written to %s", path)
+    return path

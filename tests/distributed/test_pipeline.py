@@ -12,11 +12,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from tests.distributed.harness import run_distributed
-from torchtitan.build import cross_entropy_loss
+from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.models import ModelArgs
 from torchtitan.models.llama.model import Transformer
 from torchtitan.distributed.init import init_model_weights
-from torchtitan.distributed.pipeline import build_pipeline, pipeline_step
+from torchtitan.distributed.pipeline import build_pipeline, pipeline_step, prune_to_stage
 
 pytestmark = pytest.mark.distributed
 
@@ -97,7 +97,8 @@ def _grad_norm(parts, group) -> float:
 def _run_case(mesh, schedule, split_points, csv_path, batches, ref) -> float:
     ref_losses, ref_grads, ref_norms = ref
     parts = build_pipeline(
-        _meta_model(ARGS), pp_mesh=mesh, device=torch.device("cpu"), n_microbatches=N_MB,
+        lambda: _meta_model(ARGS), n_layers=ARGS.n_layers, split_fn=prune_to_stage,
+        pp_mesh=mesh, device=torch.device("cpu"), n_microbatches=N_MB,
         local_batch_size=BATCH, schedule=schedule, split_points=split_points, csv_path=csv_path,
         loss_fn=cross_entropy_loss, finish_stage=_finish,
     )
@@ -141,7 +142,8 @@ def _check_incomplete_csv_is_rejected(mesh, path: str) -> None:
         f.write("0F0,2F0,2B0,0B0\n1F0,3F0,3B0,1B0\n")  # 1 microbatch of the 4 we ask for
     with pytest.raises(ValueError, match=r"pipeline_parallel_schedule_csv = '.*incomplete.*' is not a valid schedule"):
         build_pipeline(
-            _meta_model(ARGS), pp_mesh=mesh, device=torch.device("cpu"), n_microbatches=N_MB,
+            lambda: _meta_model(ARGS), n_layers=ARGS.n_layers, split_fn=prune_to_stage,
+            pp_mesh=mesh, device=torch.device("cpu"), n_microbatches=N_MB,
             local_batch_size=BATCH, schedule="loop", split_points=[], csv_path=path,
             loss_fn=cross_entropy_loss, finish_stage=_finish,
         )
@@ -186,7 +188,8 @@ MEM_BATCH, MEM_SEQ, MEM_MB = 16, 32, 8
 
 def _gpipe_peak(mesh, release: bool, x, y) -> tuple[int, torch.Tensor | None, dict[str, torch.Tensor]]:
     parts = build_pipeline(
-        _meta_model(MEM_ARGS), pp_mesh=mesh, device=torch.device("cpu"), n_microbatches=MEM_MB,
+        lambda: _meta_model(MEM_ARGS), n_layers=MEM_ARGS.n_layers, split_fn=prune_to_stage,
+        pp_mesh=mesh, device=torch.device("cpu"), n_microbatches=MEM_MB,
         local_batch_size=MEM_BATCH, schedule="GPipe", split_points=[], csv_path="",
         loss_fn=cross_entropy_loss, finish_stage=_finish, release_sent_outputs=release,
     )

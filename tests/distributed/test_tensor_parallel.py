@@ -13,7 +13,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import loss_parallel
 
 from tests.distributed.harness import run_distributed
-from torchtitan.build import build_model, cross_entropy_loss
+from torchtitan.build import build_model
+from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.config.manager import JobConfig
 from torchtitan.models import ModelArgs
 from torchtitan.distributed.grad_norm import clip_grad_norm_, reduce_partial_grads_

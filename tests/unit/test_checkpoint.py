@@ -26,7 +26,8 @@ from torchtitan.checkpointing import (
     trim_metrics,
     write_marker,
 )
-from torchtitan.checkpointing.hf import export_to_hf, from_hf_state_dict, import_from_hf, to_hf_state_dict
+from torchtitan.checkpointing.hf import export_to_hf, import_from_hf
+from torchtitan.models.llama.hf_adapter import from_hf_state_dict, to_hf_state_dict
 from torchtitan.checkpointing.state import ModelPartsView
 from torchtitan.config.schema import Checkpoint as CheckpointConfig
 from torchtitan.models.llama import ModelArgs, Transformer

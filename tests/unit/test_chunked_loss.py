@@ -128,7 +128,8 @@ def test_chunked_loss_peak_memory_is_at_most_half():
 
 
 def test_config_rejects_negative_chunk_and_pipeline_parallel():
-    from torchtitan.config.manager import ConfigError, JobConfig
+    from torchtitan.config.errors import ConfigError
+    from torchtitan.config.manager import JobConfig
     from torchtitan.config.validation import validate_config
 
     with pytest.raises(ConfigError, match=r"training.loss_chunk_size must be >= 0 .*got -2"):

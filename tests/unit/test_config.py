@@ -1,3 +1,5 @@
+import ast
+import importlib
 import os
 import subprocess
 import sys
@@ -6,7 +8,8 @@ import tomllib
 import pytest
 import torch
 
-from torchtitan.config.manager import ConfigError, JobConfig, format_help
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.manager import JobConfig, format_help
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LEGACY = os.path.join(ROOT, "tests", "assets", "torchtitan_2024")
@@ -128,10 +131,10 @@ def test_help_lists_every_key():
     assert "gradient-norm clipping threshold" in text
 
 
-def test_config_manager_cli_checks_and_exits_nonzero():
+def test_config_check_cli_checks_and_exits_nonzero():
     env = dict(os.environ, PYTHONPATH=ROOT)
     bad = subprocess.run(
-        [sys.executable, "-m", "torchtitan.config.manager", "--world_size", "4", "--training.data_parallel_shard_degree", "3"],
+        [sys.executable, "-m", "torchtitan.config", "--world_size", "4", "--training.data_parallel_shard_degree", "3"],
         cwd=ROOT, env=env, capture_output=True, text=True,
     )
     assert bad.returncode == 2
@@ -140,10 +143,65 @@ def test_config_manager_cli_checks_and_exits_nonzero():
         "set data_parallel_shard_degree = -1 to infer it"
     )
     ok = subprocess.run(
-        [sys.executable, "-m", "torchtitan.config.manager", "--world_size", "2", "--job.config_file", "train_configs/debug_model.toml"],
+        [sys.executable, "-m", "torchtitan.config", "--world_size", "2", "--job.config_file", "train_configs/debug_model.toml"],
         cwd=ROOT, env=env, capture_output=True, text=True,
     )
     assert ok.returncode == 0, ok.stderr
+
+
+@pytest.mark.parametrize(
+    "args, code, stderr",
+    [
+        (["--world_size=2", "--job.config_file", "train_configs/debug_model.toml"], 0, ""),
+        (["--world_size", "two"], 2, "error: --world_size needs a positive integer (the number of processes), got 'two'\n"),
+        (["--world_size"], 2, "error: --world_size needs a positive integer (the number of processes), got ''\n"),
+    ],
+)
+def test_config_check_world_size(args, code, stderr, capsys):
+    check = importlib.import_module("torchtitan.config.__main__")
+    assert check.main(args) == code
+    assert capsys.readouterr().err == stderr
+
+
+def test_config_error_is_a_leaf_reexported_by_the_manager():
+    from torchtitan.config import errors, manager
+
+    tree = ast.parse(open(errors.__file__).read())
+    assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert manager.ConfigError is errors.ConfigError and issubclass(errors.ConfigError, ValueError)
+
+
+@pytest.mark.parametrize(
+    "toml, cli, loss_parallel, color",
+    [
+        ("[training]\ndisable_loss_parallel = true\n[metrics]\ndisable_color_printing = true\n", [], False, False),
+        ("[training]\ndisable_loss_parallel = false\nenable_loss_parallel = true\n", [], True, True),
+        ("", ["--training.disable_loss_parallel", "--metrics.disable_color_printing", "false"], False, True),
+        ("[training]\ndisable_loss_parallel = true\n", ["--training.enable_loss_parallel", "true"], True, True),
+    ],
+    ids=["toml-alias", "toml-both-agree", "cli-alias", "cli-overrides-toml-alias"],
+)
+def test_deprecated_disable_spellings_map_onto_enable_keys(tmp_path, toml, cli, loss_parallel, color):
+    path = tmp_path / "c.toml"
+    path.write_text(toml)
+    c = JobConfig.parse_args(["--job.config_file", str(path), *cli])
+    assert (c.training.enable_loss_parallel, c.loss_parallel, c.metrics.enable_color_printing) == (
+        loss_parallel, loss_parallel, color
+    )
+    assert "disable_loss_parallel" not in c.to_dict()["training"]  # only the canonical key is dumped
+
+
+def test_deprecated_spelling_contradicting_the_canonical_key_is_an_error(tmp_path):
+    match = (r"training.enable_loss_parallel = true and training.disable_loss_parallel = true contradict each other "
+             r"\(training.disable_loss_parallel is the older spelling of training.enable_loss_parallel = false\); "
+             r"keep only training.enable_loss_parallel")
+    with pytest.raises(ConfigError, match=match):
+        JobConfig.parse_args(["--training.enable_loss_parallel", "--training.disable_loss_parallel"])
+    path = tmp_path / "c.toml"
+    path.write_text("[metrics]\ndisable_color_printing = true\nenable_color_printing = true\n")
+    with pytest.raises(ConfigError, match="metrics.disable_color_printing = true and metrics.enable_color_printing = true"):
+        JobConfig.parse_args(["--job.config_file", str(path)])
+    assert "--training.disable_loss_parallel (bool, deprecated)" in format_help()
 
 
 def test_train_help_exits_zero():

@@ -4,7 +4,8 @@ import types
 
 import pytest
 
-from torchtitan.config.manager import ConfigError, JobConfig
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.manager import JobConfig
 from torchtitan.observability.console import COLOURS, PLAIN, build_palette, format_duration, format_step_line
 from torchtitan.observability.metrics import build_metric_logger
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from torchtitan.observability import flops
+from torchtitan.observability.logging import warn_once
 from torchtitan.observability.metrics import (
     DeviceMemStats,
     build_device_memory_monitor,
@@ -86,7 +87,7 @@ def test_gpu_fp32_follows_tf32_setting(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_unknown_gpu_warns_and_uses_h100(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    flops._warn_once.cache_clear()
+    warn_once.cache_clear()
     monkeypatch.setattr(flops, "_get_device_name", lambda device: "Mystery GPU 9000")
     with caplog.at_level(logging.WARNING, logger="torchtitan.observability.flops"):
         assert get_peak_flops(CUDA, torch.bfloat16) == pytest.approx(989e12)

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from torchtitan.models import model_name_to_cls, model_name_to_flavors
+from torchtitan.spec import get_model_spec
 from torchtitan.models.moe import MoE, MoEArgs, MoETransformer, TokenChoiceRouter, num_active_params
 from torchtitan.models.moe.moe import compute_aux_loss
 from torchtitan.distributed.init import init_model_weights
@@ -51,8 +51,8 @@ def test_shapes_layers_and_expert_load():
 def test_interleave_and_registry():
     args = dataclasses.replace(TINY, n_layers=6, first_k_dense=2, moe_every=2)
     assert [i for i in range(6) if args.is_moe_layer(i)] == [2, 4]
-    assert model_name_to_cls["llama3_moe"] is MoETransformer
-    debug = model_name_to_flavors["llama3_moe"]["debugmodel"]
+    assert get_model_spec("llama3_moe").model_cls is MoETransformer
+    debug = get_model_spec("llama3_moe").flavors["debugmodel"]
     assert (debug.dim, debug.n_layers, debug.num_experts, debug.top_k, debug.load_balance) == (256, 8, 8, 2, "bias")
 
 
@@ -221,5 +221,5 @@ def test_expert_load_metrics():
 
 
 def test_debugmodel_aux_loss_flavor():
-    args = model_name_to_flavors["llama3_moe"]["debugmodel_aux_loss"]
+    args = get_model_spec("llama3_moe").flavors["debugmodel_aux_loss"]
     assert (args.load_balance, args.score_func, args.num_experts) == ("aux_loss", "softmax", 8)

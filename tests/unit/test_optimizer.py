@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan.config.manager import ConfigError, JobConfig
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.manager import JobConfig
 from torchtitan.config.schema import Optimizer as OptimizerConfig
 from torchtitan.config.validation import validate_config
 from torchtitan.models.llama.model import ModelArgs, Transformer
@@ -112,10 +113,10 @@ def one_thread():
 
 def test_debug_model_optimizer_state_halves(one_thread):
     """The debug model's (7,999,744 parameters) AdamW state after one step: fp32 vs bf16 moments."""
-    from torchtitan.models import model_name_to_flavors
+    from torchtitan.spec import get_model_spec
     from torchtitan.models.llama import Transformer
 
-    args = dataclasses.replace(model_name_to_flavors["llama3"]["debugmodel"], vocab_size=2304)
+    args = dataclasses.replace(get_model_spec("llama3").flavors["debugmodel"], vocab_size=2304)
     sizes = {}
     for dtype in ("float32", "bfloat16"):
         torch.manual_seed(0)

@@ -7,12 +7,12 @@ import torch
 
 from torchtitan.models import ModelArgs
 from torchtitan.models.llama.model import Transformer
-from torchtitan.distributed.pipeline import (
+from torchtitan.distributed.pipeline import prune_to_stage
+from torchtitan.distributed.pipeline_layout import (
     MULTI_STAGE_SCHEDULES,
     SINGLE_STAGE_SCHEDULES,
     V_SCHEDULES,
     resolve_stage_layout,
-    split_stage_model,
     stage_ids_for_rank,
     validate_microbatches,
 )
@@ -146,18 +146,18 @@ def _tiny_meta() -> Transformer:
         return Transformer(ModelArgs(dim=16, n_layers=8, n_heads=2, vocab_size=32, multiple_of=16, max_seq_len=8))
 
 
-def test_split_stage_model_keeps_layer_keys_and_ends():
-    whole = _tiny_meta()
-    first = split_stage_model(whole, 0, 4, is_first=True, is_last=False)
-    middle = split_stage_model(whole, 4, 6, is_first=False, is_last=False)
-    last = split_stage_model(whole, 6, 8, is_first=False, is_last=True)
+def test_prune_to_stage_keeps_layer_keys_and_ends():
+    whole, first, middle, last = _tiny_meta(), _tiny_meta(), _tiny_meta(), _tiny_meta()
+    prune_to_stage(first, 0, 4, True, False)
+    prune_to_stage(middle, 4, 6, False, False)
+    prune_to_stage(last, 6, 8, False, True)
     assert list(first.layers.keys()) == ["0", "1", "2", "3"]
     assert list(middle.layers.keys()) == ["4", "5"]
     assert list(last.layers.keys()) == ["6", "7"]
     assert first.tok_embeddings is not None and first.norm is None and first.output is None
     assert middle.tok_embeddings is None and middle.norm is None and middle.output is None
     assert last.tok_embeddings is None and last.norm is not None and last.output is not None
-    assert len(whole.layers) == 8 and whole.tok_embeddings is not None  # the whole model is untouched
+    assert len(whole.layers) == 8 and whole.tok_embeddings is not None  # each stage is its own build
     assert all(p.is_meta for p in middle.parameters())
     # names match the whole model's, so checkpoints and init seeds line up
     whole_names = {n for n, _ in whole.named_parameters()}

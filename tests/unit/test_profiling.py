@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan.observability import profiling
+from torchtitan.observability.logging import warn_once
 from torchtitan.observability.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
 
@@ -55,7 +55,7 @@ def test_profile_freq_too_small(tmp_path: Path) -> None:
 def test_memory_snapshot_off_cuda_warns_and_yields_none(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    profiling._warn_once.cache_clear()
+    warn_once.cache_clear()
     kwargs = dict(snapshot_dir=str(tmp_path), profile_freq=2, device=torch.device("cpu"))
     with maybe_enable_memory_snapshot(False, **kwargs) as snapshotter:
         assert snapshotter is None

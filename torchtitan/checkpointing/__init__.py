@@ -20,7 +20,6 @@ from torchtitan.checkpointing.folders import (
 )
 from torchtitan.checkpointing.manager import (
     CheckpointManager,
-    create_seed_checkpoint,
     load_model_weights,
     model_info,
     save_model_weights,
@@ -35,7 +34,6 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointManager",
     "SaveSchedule",
-    "create_seed_checkpoint",
     "find_resume_checkpoint",
     "list_checkpoints",
     "load_model_weights",

@@ -35,6 +35,7 @@ from torchtitan.checkpointing.folders import (
 from torchtitan.checkpointing.state import (
     DataLoaderState, ModelState, OptimizerState, SavedKeysOnly, TrainState, build_model_view, check_model_keys,
 )
+from torchtitan.dtypes import to_dtype
 
 if TYPE_CHECKING:
     from torch import nn
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Test hook only (tests/test_checkpoint_runs.py): "STEP:SECONDS" sleeps on rank 0 after step STEP's data
 # is written and before its marker, so a test can kill the job mid-save. Not a configuration channel.
 _TEST_DELAY_ENV = "TORCHTITAN_TEST_CHECKPOINT_MARKER_DELAY"
@@ -183,7 +183,7 @@ class CheckpointManager:
 
     def _save_state(self, step: int, kind: str) -> dict[str, Any]:
         if kind == EXPORT:
-            return {"model": ModelState(self.view, _DTYPES[self.config.export_dtype])}
+            return {"model": ModelState(self.view, to_dtype(self.config.export_dtype))}
         self.train_state.step = step
         return {
             "model": ModelState(self.view),
@@ -290,23 +290,6 @@ def _maybe_test_delay(step: int) -> None:
 def model_info(config: JobConfig, model_args: Any) -> dict[str, Any]:
     """What a marker records about the model (read by the conversion scripts)."""
     return {"name": config.model.name, "flavor": config.model.flavor, "args": dataclasses.asdict(model_args)}
-
-
-def create_seed_checkpoint(config: JobConfig) -> str:
-    """Build and initialise the model in this one process, save it as ``step-0`` (weights only)."""
-    from torchtitan.build import build_model, build_model_args
-    from torchtitan.datasets import build_tokenizer
-    from torchtitan.distributed.parallel_dims import ParallelDims
-    from torchtitan.distributed.device import get_device_info
-
-    path = step_folder(os.path.join(config.job.dump_folder, config.checkpoint.folder), 0)
-    if read_marker(path) is not None:
-        raise ValueError(f"checkpoint.create_seed_checkpoint: {path} already exists; delete it to make a new seed")
-    args = build_model_args(config, build_tokenizer(config.model.tokenizer_path).n_words)
-    model = build_model(config, args, ParallelDims.from_config(config, 1), None, get_device_info().device)
-    save_model_weights(ModelState(model).state_dict(), path, model_info(config, args))
-    logger.info("seed checkpoint written to %s", path)
-    return path
 
 
 def save_model_weights(state_dict: dict[str, torch.Tensor], path: str, info: dict[str, Any]) -> None:

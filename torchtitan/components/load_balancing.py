@@ -16,12 +16,16 @@ expert-load metrics (log steps). The counts, and so the bias, do not depend on t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from torchtitan.distributed.pipeline import in_shape_inference
+
+if TYPE_CHECKING:
+    from torchtitan.distributed.mesh import WorldMesh
 
 
 def _in_recompute() -> bool:
@@ -80,6 +84,47 @@ class ExpertLoadTracker:
 
     def _zeros(self) -> torch.Tensor:
         return torch.zeros(len(self.layer_names), self.num_experts, device=self.device)
+
+
+class LoadBalancer:
+    """The MoE family's step hooks (``models.spec.StepHooks``): aux loss, expert-bias update, load metrics."""
+
+    def __init__(self, args, tracker: ExpertLoadTracker, tp: int):
+        self.args, self.tracker, self.tp = args, tracker, tp
+
+    def aux_loss(self, model_part: nn.Module, scale: float) -> torch.Tensor | None:
+        """The switch-style balance loss (load_balance = "aux_loss"), at the micro-batch's scale.
+
+        The aux loss is a per-rank regulariser on the rank's own tokens: FSDP averages it over the
+        data-parallel ranks; TP ranks (each routing its own sequence shard) get 1/tp so the sum of
+        their router grads is their mean.
+        """
+        if self.args.load_balance != "aux_loss":
+            return None
+        return model_part.aux_loss() * (scale / self.tp)
+
+    def after_optimizer_step(self, *, keep_metrics: bool) -> None:
+        if self.args.balanced_routing:
+            return  # assumed counts (memory estimation) are not the router's: they must not move the bias
+        # global token counts: the expert bias update and the load metrics
+        self.tracker.finish_step(update_bias=self.args.load_balance == "bias", keep=keep_metrics)
+
+    def metrics(self) -> tuple[dict[str, Any], dict[str, float]] | None:
+        """(record fields, TensorBoard scalars) of the last kept step's expert load, or None."""
+        if self.tracker.last is None:
+            return None
+        moe = compute_load_metrics(self.tracker.last)
+        return moe, {f"moe/{name}/imbalance": v for name, v in moe["expert_imbalance"].items()}
+
+
+def build_load_balancer(
+    args, whole: nn.Module, model_parts: list[nn.Module], world: WorldMesh, device: torch.device
+) -> LoadBalancer | None:
+    """The MoE spec's ``build_step_hooks``; None for a model without MoE layers."""
+    layers = list(whole.moe_layers())
+    if not layers:
+        return None
+    return LoadBalancer(args, ExpertLoadTracker(layers, args.num_experts, model_parts, device), world.dims.tp)
 
 
 def compute_load_metrics(load: dict[str, list[float]]) -> dict[str, object]:

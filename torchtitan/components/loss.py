@@ -1,4 +1,4 @@
-"""Cross-entropy over the output projection, a chunk of sequence positions at a time.
+"""The losses: plain cross-entropy, and cross-entropy over the output projection a chunk of sequence positions at a time.
 
 The full logits (bs, seqlen, vocab) in fp32 are usually the largest activation of a small-dim,
 large-vocab model: 4 bytes x tokens x vocab, and the loss's backward holds about three such
@@ -97,3 +97,8 @@ def _vocab_sharded(hidden: torch.Tensor, weight: DTensor, ignore_index: int):
         return F.cross_entropy(logits, target, reduction="sum", ignore_index=ignore_index)
 
     return hidden, chunk_loss
+
+
+def cross_entropy_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token loss; logits are upcast to fp32 so a bf16 forward still gets an accurate loss."""
+    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))

@@ -26,12 +26,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from torchtitan.distributed.dtensor import local_shard
+from torchtitan.dtypes import to_dtype
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (an alias: in-place updates land in the DTensor), else ``t``."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+_STATE_DTYPES = ("float32", "bfloat16")
 
 
 class LowPrecisionAdamW(torch.optim.Optimizer):
@@ -57,7 +55,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     ):
         if state_dtype not in _STATE_DTYPES:
             raise ValueError(f"state_dtype = {state_dtype!r}: allowed are {list(_STATE_DTYPES)}")
-        self.state_dtype = _STATE_DTYPES[state_dtype]
+        self.state_dtype = to_dtype(state_dtype)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         decoupled_weight_decay=decoupled_weight_decay)
         super().__init__(params, defaults)
@@ -91,14 +89,14 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         if isinstance(p, DTensor) and grad.placements != p.placements:
             # e.g. a Partial gradient nobody reduced yet: the local elementwise update needs p's layout.
             grad = grad.redistribute(p.device_mesh, p.placements)
-        param, grad = _local(p), _local(grad)
+        param, grad = local_shard(p), local_shard(grad)
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
         state["step"] += 1
         step = state["step"].item()
         # fp32 working copies (copies even in fp32 mode, so the code path is the same in both).
-        exp_avg = _local(state["exp_avg"]).float()
-        exp_avg_sq = _local(state["exp_avg_sq"]).float()
+        exp_avg = local_shard(state["exp_avg"]).float()
+        exp_avg_sq = local_shard(state["exp_avg_sq"]).float()
         grad32 = grad.float()
         param32 = param.float() if param.dtype != torch.float32 else param
         if wd != 0:
@@ -115,8 +113,8 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         param32.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
         if param32 is not param:
             param.copy_(param32)
-        _local(state["exp_avg"]).copy_(exp_avg)  # rounds to nearest in bf16 mode
-        _local(state["exp_avg_sq"]).copy_(exp_avg_sq)
+        local_shard(state["exp_avg"]).copy_(exp_avg)  # rounds to nearest in bf16 mode
+        local_shard(state["exp_avg_sq"]).copy_(exp_avg_sq)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load casts every state tensor to the parameter's dtype; cast the moments back."""
@@ -128,4 +126,5 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
 
     def state_bytes(self) -> int:
         """Bytes of this rank's optimizer state (local shards)."""
-        return sum(_local(t).nbytes for s in self.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+        tensors = (t for s in self.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+        return sum(local_shard(t).nbytes for t in tensors)

@@ -1,7 +1,7 @@
 """Load the job config: defaults < TOML file < ``--section.key value`` flags; strict about keys and types.
 
-Run as ``python -m torchtitan.config.manager [--world_size N] ARGS`` to check a config without
-training (the launcher does this before starting any process).
+``python -m torchtitan.config [--world_size N] ARGS`` checks a config without training (see
+``__main__.py``; the launchers run it before starting any process).
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import types
 import typing
 from typing import Any, Literal
 
-from torchtitan.config.schema import JobConfigTree
+from torchtitan.config.errors import ConfigError  # also importable from here, as before
+from torchtitan.config.schema import NEGATED_ALIASES, JobConfigTree
+from torchtitan.config.validation import validate_config
 
 try:
     import tomllib
@@ -22,10 +24,6 @@ except ModuleNotFoundError:  # Python < 3.11
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
-
-
-class ConfigError(ValueError):
-    """A user-facing config problem; the message says what, where, what is allowed and how to fix it."""
 
 
 def _sections() -> dict[str, type]:
@@ -132,6 +130,45 @@ def _split_cli(argv: list[str]) -> list[tuple[str, str | None]]:
     return pairs
 
 
+def _toml_pairs(data: dict[str, Any]) -> list[tuple[str, Any]]:
+    """A parsed TOML file -> [(section.key, value)], in file order."""
+    pairs = []
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise _unknown_key_error(section) if section not in _sections() else ConfigError(
+                f"config section '[{section}]' must be a table of keys, got {values!r}"
+            )
+        pairs += [(f"{section}.{key}", value) for key, value in values.items()]
+    return pairs
+
+
+def _resolve_aliases(pairs: list[tuple[str, Any]], *, from_cli: bool) -> list[tuple[str, Any]]:
+    """Map each deprecated ``disable_x`` key onto its canonical ``enable_x = not value``.
+
+    ``pairs`` come from one source (the TOML file or the command line); a later source still
+    overrides an earlier one. Raises ConfigError when one source gives both spellings of a key
+    with opposite meanings.
+    """
+    canonical_keys = set(NEGATED_ALIASES.values())
+    seen: dict[str, tuple[str, bool, bool]] = {}  # canonical key -> (spelling, value as written, effective value)
+    out = []
+    for key, value in pairs:
+        canonical = NEGATED_ALIASES.get(key, key)
+        if canonical in canonical_keys:
+            written = True if value is None and from_cli else coerce(key, value, bool, from_cli=from_cli)
+            value = written if key == canonical else not written
+            spelling, earlier_written, earlier = seen.get(canonical, (key, written, value))
+            if spelling != key and earlier != value:
+                alias = key if key != canonical else spelling
+                raise ConfigError(
+                    f"{spelling} = {_toml_value(earlier_written)} and {key} = {_toml_value(written)} contradict each "
+                    f"other ({alias} is the older spelling of {canonical} = false); keep only {canonical}"
+                )
+            seen[canonical] = (key, written, value)
+        out.append((canonical, value))
+    return out
+
+
 def load_toml(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
@@ -152,21 +189,14 @@ class JobConfig(JobConfigTree):
         config = cls()
         config_file = next((v for k, v in cli if k == "job.config_file"), None)
         if config_file is not None:
-            config._apply_toml(load_toml(config_file))
-        for key, value in cli:
+            for key, value in _resolve_aliases(_toml_pairs(load_toml(config_file)), from_cli=False):
+                config.set(key, value, from_cli=False)
+        for key, value in _resolve_aliases(cli, from_cli=True):
             config.set(key, value, from_cli=True)
         return config
 
-    def _apply_toml(self, data: dict[str, Any]) -> None:
-        for section, values in data.items():
-            if not isinstance(values, dict):
-                raise _unknown_key_error(section) if section not in _sections() else ConfigError(
-                    f"config section '[{section}]' must be a table of keys, got {values!r}"
-                )
-            for key, value in values.items():
-                self.set(f"{section}.{key}", value, from_cli=False)
-
     def set(self, dotted_key: str, value: Any, *, from_cli: bool) -> None:
+        """Set one canonical key; ``from_cli`` values are strings to parse, others are checked as they are."""
         section, _, key = dotted_key.partition(".")
         sections = _sections()
         if section not in sections or key not in _field_types(sections[section]):
@@ -186,12 +216,11 @@ class JobConfig(JobConfigTree):
 
     @property
     def loss_parallel(self) -> bool:
-        return self.training.enable_loss_parallel and not self.training.disable_loss_parallel
+        """Whether loss parallel is asked for (it takes effect only with TP; see ParallelDims)."""
+        return self.training.enable_loss_parallel
 
     def validate(self, world_size: int) -> list[str]:
         """Check the whole config once, before any process group exists. Returns warnings to log."""
-        from torchtitan.config.validation import validate_config
-
         return validate_config(self, world_size)
 
 
@@ -218,6 +247,7 @@ def dump_toml(data: dict[str, dict[str, Any]]) -> str:
 
 def format_help() -> str:
     defaults = JobConfigTree()
+    alias_of = {canonical: alias for alias, canonical in NEGATED_ALIASES.items()}
     out = [
         "usage: python -m torchtitan.train [--job.config_file FILE] [--section.key VALUE ...]",
         "",
@@ -230,6 +260,10 @@ def format_help() -> str:
             tp = _type_name(_field_types(cls)[f.name])
             out.append(f"  --{section}.{f.name} ({tp}, default {default!r})")
             out.append(f"      {f.metadata.get('help', '')}")
+            if f"{section}.{f.name}" in alias_of:
+                out.append(f"  --{alias_of[f'{section}.{f.name}']} (bool, deprecated)")
+                out.append(f"      older spelling of {section}.{f.name} = false, mapped onto it when parsed "
+                           "(giving both with opposite meanings is an error)")
     return "\n".join(out)
 
 
@@ -237,24 +271,5 @@ def wants_help(argv: list[str]) -> bool:
     return any(a in ("-h", "--help") for a in argv)
 
 
-def _main(argv: list[str]) -> int:
-    if wants_help(argv):
-        print(format_help())
-        return 0
-    world_size = 1
-    if "--world_size" in argv:
-        i = argv.index("--world_size")
-        world_size = int(argv[i + 1])
-        argv = argv[:i] + argv[i + 2 :]
-    try:
-        config = JobConfig.parse_args(argv)
-        for warning in config.validate(world_size):
-            print(f"warning: {warning}", file=sys.stderr)
-    except (ValueError, NotImplementedError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
+if __name__ == "__main__":  # the check moved; fail rather than exit 0 without checking anything
+    sys.exit("the config check is now: python -m torchtitan.config [--world_size N] ARGS")

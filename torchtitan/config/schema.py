@@ -40,7 +40,6 @@ class Metrics:
     log_freq: int = _f(10, "log metrics every N steps (each log syncs the device once)")
     enable_tensorboard: bool = _f(False, "also write TensorBoard scalars")
     enable_color_printing: bool = _f(True, "colour the step log lines on a terminal")
-    disable_color_printing: bool = _f(False, "turn colour off (kept for older configs)")
     save_tb_folder: str = _f("tb", "TensorBoard folder, relative to job.dump_folder")
     rank_0_only: bool = _f(True, "only the logging rank writes metrics (the only mode supported)")
     enable_wandb: bool = _f(False, "also log to Weights & Biases (needs `pip install wandb`; WANDB_* env vars apply)")
@@ -99,7 +98,6 @@ class Training:
     fsdp_prefetch_depth: int = _f(1, "blocks FSDP all-gathers ahead of the one computing (forward and backward)")
     tensor_parallel_degree: int = _f(1, "tensor-parallel degree")
     enable_loss_parallel: bool = _f(True, "with TP, keep logits vocab-sharded and compute the loss in parallel")
-    disable_loss_parallel: bool = _f(False, "older spelling of enable_loss_parallel = false")
     loss_chunk_size: int = _f(
         0,
         "sequence positions per chunk of the output projection + cross-entropy (each chunk's logits are "
@@ -142,7 +140,9 @@ class Experimental:
         "experimental ring attention: CUDA flash/efficient/cuDNN kernels, and on CPU through our handlers "
         "for its CPU kernel; private torch names, pinned to torch 2.13)",
     )
-    pipeline_parallel_degree: int = _f(1, "pipeline-parallel degree (not built yet)")
+    pipeline_parallel_degree: int = _f(
+        1, "pipeline-parallel degree: ranks the layers are split over as stages (the outermost mesh axis); 1 = off"
+    )
     pipeline_parallel_split_points: list[str] = _f([], "layer names where stages start, e.g. layers.4,layers.8")
     pipeline_parallel_schedule: str = _f("1F1B", "pipeline schedule name")
     pipeline_parallel_schedule_csv: str = _f("", "CSV file describing a custom pipeline schedule")
@@ -204,8 +204,16 @@ class Comm:
 
 @dataclass
 class MemoryEstimation:
-    enabled: bool = _f(False, "estimate memory before training (not built yet)")
-    disable_fake_mode: bool = _f(False, "estimate with real tensors instead of FakeTensorMode")
+    enabled: bool = _f(False, "estimate memory before training (not built yet; use estimation.py)")
+
+
+# Older spellings that still load: alias -> the canonical key it negates (``disable_x = true`` means
+# ``enable_x = false``). The parser maps them onto the canonical key, so the tree has no such field.
+# Both are spellings torchtitan's own config used (late 2024 / early 2025).
+NEGATED_ALIASES: dict[str, str] = {
+    "metrics.disable_color_printing": "metrics.enable_color_printing",
+    "training.disable_loss_parallel": "training.enable_loss_parallel",
+}
 
 
 @dataclass

@@ -6,13 +6,20 @@ not built yet raises NotImplementedError naming the key rather than being silent
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import TYPE_CHECKING
 
-from torchtitan.config.manager import ConfigError
+import torch
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.models.llama.model import NORM_TYPES
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.pipeline_layout import resolve_stage_layout, validate_microbatches
+from torchtitan.spec import get_model_spec
 
 if TYPE_CHECKING:
-    from torchtitan.config.manager import JobConfig
+    from torchtitan.config.manager import JobConfig  # manager imports this module; the type is all we need
 
 # key -> (value that means "off", what to say). Non-default values raise NotImplementedError.
 _NOT_BUILT = {
@@ -70,22 +77,23 @@ def _check_ranges(config: JobConfig) -> None:
 
 
 def _check_model(config: JobConfig) -> None:
-    from torchtitan.models import model_name_to_flavors, norm_types
-
-    flavors = model_name_to_flavors.get(config.model.name)
-    if flavors is None:
-        raise ConfigError(f"model.name = {config.model.name!r}: allowed are {sorted(model_name_to_flavors)}")
+    try:
+        spec = get_model_spec(config.model.name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    flavors = spec.flavors
     args = flavors.get(config.model.flavor)
     if args is None:
         raise ConfigError(
             f"model.flavor = {config.model.flavor!r} is not a {config.model.name} flavor; allowed are {list(flavors)}"
         )
-    if config.model.norm_type not in norm_types:
-        raise ConfigError(f"model.norm_type = {config.model.norm_type!r}: allowed are {list(norm_types)}")
+    if config.model.norm_type not in NORM_TYPES:
+        raise ConfigError(f"model.norm_type = {config.model.norm_type!r}: allowed are {list(NORM_TYPES)}")
     _check_tp_divisibility(config, args)
     _check_context_parallel(config)
     _check_pipeline(config, args)
-    _check_moe(config, args)
+    if spec.validate_fn is not None:
+        spec.validate_fn(config, args)  # the family's own checks (FFN width under TP, experts)
     if config.training.seq_len > args.max_seq_len:
         raise ConfigError(
             f"training.seq_len = {config.training.seq_len} does not fit model {config.model.flavor}, whose "
@@ -94,9 +102,7 @@ def _check_model(config: JobConfig) -> None:
 
 
 def _check_tp_divisibility(config: JobConfig, args) -> None:
-    """TP shards heads, kv heads and the FFN width; sequence parallel shards the sequence."""
-    from torchtitan.models.llama.model import ffn_hidden_dim
-
+    """TP shards heads and kv heads (the family checks its FFN width); sequence parallel shards the sequence."""
     tp = config.training.tensor_parallel_degree
     if tp == 1:
         if config.experimental.enable_async_tensor_parallel:
@@ -107,7 +113,6 @@ def _check_tp_divisibility(config: JobConfig, args) -> None:
     sizes = {
         "n_heads": args.n_heads,
         "n_kv_heads": args.n_kv_heads or args.n_heads,
-        "ffn hidden size": ffn_hidden_dim(args),
         "training.seq_len (sequence parallel)": config.training.seq_len,
     }
     for name, size in sizes.items():
@@ -153,6 +158,7 @@ def _check_context_parallel(config: JobConfig) -> None:
             f"choose a seq_len that is a multiple of {cp * tp}"
         )
     if exp.context_parallel_impl == "torch":
+        # Imported only when asked for: that module rests on private torch names (pinned to one torch).
         from torchtitan.distributed.torch_context_parallel import check_supported
 
         check_supported()
@@ -169,8 +175,6 @@ def _check_pipeline(config: JobConfig, args) -> None:
     pp = exp.pipeline_parallel_degree
     if pp == 1:
         return
-    from torchtitan.distributed.pipeline import resolve_stage_layout, validate_microbatches
-
     if exp.pipeline_parallel_schedule_csv and not os.path.isfile(exp.pipeline_parallel_schedule_csv):
         raise FileNotFoundError(
             f"experimental.pipeline_parallel_schedule_csv = '{exp.pipeline_parallel_schedule_csv}' does not exist"
@@ -181,45 +185,6 @@ def _check_pipeline(config: JobConfig, args) -> None:
     )
     n_microbatches = exp.pipeline_parallel_microbatches or pp
     validate_microbatches(exp.pipeline_parallel_schedule, n_microbatches, config.training.batch_size, len(stages), pp)
-
-
-def _check_moe(config: JobConfig, args) -> None:
-    """Expert parallel and the MoE model (the EP/TP/dp_shard divisibility is checked by ParallelDims)."""
-    from torchtitan.models.moe import MoEArgs
-
-    exp, t = config.experimental, config.training
-    ep, tp = exp.expert_parallel_degree, t.tensor_parallel_degree
-    model = f"model.name = {config.model.name!r} (flavor {config.model.flavor!r})"
-    if not isinstance(args, MoEArgs):
-        if ep > 1:
-            raise ConfigError(f"experimental.expert_parallel_degree = {ep} but {model} has no experts; "
-                              "use model.name = 'llama3_moe' or set expert_parallel_degree = 1")
-        return
-    if ep < 1:
-        raise ConfigError(f"experimental.expert_parallel_degree must be >= 1, got {ep}")
-    if not 1 <= args.top_k <= args.num_experts:
-        raise ConfigError(f"{model}: top_k = {args.top_k} must be between 1 and num_experts = {args.num_experts}")
-    if args.num_experts % ep:
-        raise ConfigError(f"{model} has num_experts = {args.num_experts}, not divisible by "
-                          f"experimental.expert_parallel_degree = {ep}; choose an EP degree that divides it")
-    unsupported = [
-        (tp > 1 and ep == 1, f"training.tensor_parallel_degree = {tp} with experimental.expert_parallel_degree = 1: "
-         "the routed experts are not tensor-parallel; set expert_parallel_degree to a multiple of tp (EP contains "
-         "the TP ranks)"),
-        (exp.context_parallel_degree > 1 and ep > 1, f"experimental.expert_parallel_degree = {ep} with "
-         f"experimental.context_parallel_degree = {exp.context_parallel_degree}: expert parallel does not include "
-         "CP ranks yet; set one of them to 1"),
-        (t.compile, f"training.compile = true with {model}: the routed experts' fp32 grouped matmul and the EP "
-         "all-to-all (data-dependent splits) do not compile under fullgraph; turn training.compile off"),
-        (exp.enable_async_tensor_parallel, f"experimental.enable_async_tensor_parallel with {model}: the async TP "
-         "plan has no MoE block; turn async TP off"),
-        (args.load_balance == "aux_loss" and exp.pipeline_parallel_degree > 1, f"{model} balances with an aux "
-         f"loss, and under experimental.pipeline_parallel_degree = {exp.pipeline_parallel_degree} the middle "
-         "stages cannot add to the loss; use a flavor with load_balance = 'bias' or pipeline_parallel_degree = 1"),
-    ]
-    for bad, message in unsupported:
-        if bad:
-            raise NotImplementedError(message)
 
 
 def _check_memory_options(config: JobConfig) -> None:
@@ -259,14 +224,11 @@ def _check_paths(config: JobConfig) -> None:
 
 
 def _warnings(config: JobConfig, world_size: int) -> list[str]:
-    from torchtitan.distributed.parallel_dims import ParallelDims
-
     out = []
     if config.float8.enable_float8_linear:
         out.append("float8.enable_float8_linear has no effect without a GPU that supports float8 (ignored)")
-    if config.training.enable_loss_parallel is False or config.training.disable_loss_parallel:
-        if config.training.tensor_parallel_degree == 1:
-            out.append("loss parallel settings have no effect without tensor parallel")
+    if not config.training.enable_loss_parallel and config.training.tensor_parallel_degree == 1:
+        out.append("training.enable_loss_parallel = false has no effect without tensor parallel")
     t = config.training
     fsdp_knobs = t.enable_cpu_offload or t.fsdp_reshard_after_forward != "default" or t.fsdp_prefetch_depth != 1
     if fsdp_knobs and not ParallelDims.from_config(config, world_size).fsdp_enabled:
@@ -286,8 +248,6 @@ def _warnings(config: JobConfig, world_size: int) -> list[str]:
 
 
 def _check_validation_and_logging(config: JobConfig) -> None:
-    import importlib.util
-
     v = config.validation
     if v.batch_size is not None and v.batch_size < 1:
         raise ConfigError(f"validation.batch_size must be >= 1 (or unset), got {v.batch_size}")
@@ -314,8 +274,6 @@ def _check_checkpoint(config: JobConfig, world_size: int) -> None:
             f"exits), got world_size {world_size}; run scripts/create_seed_checkpoint.sh"
         )
     if ck.async_mode == "async_with_pinned_mem":
-        import torch
-
         if not torch.cuda.is_available():  # device-choice: pinned host memory only speeds device-to-host copies
             raise ConfigError(
                 "checkpoint.async_mode = 'async_with_pinned_mem' stages into pinned memory for fast GPU-to-host "
@@ -331,8 +289,6 @@ def validate_config(config: JobConfig, world_size: int, *, check_paths: bool = T
 
     check_paths=False skips the tokenizer/dataset file checks (the memory estimator reads no files).
     """
-    from torchtitan.distributed.parallel_dims import ParallelDims
-
     _check_ranges(config)
     _check_not_built(config)
     _check_memory_options(config)

@@ -25,6 +25,8 @@ runs through a collective), so a rank saves only its local q, k, v, out and lse.
 
 from __future__ import annotations
 
+import bisect
+
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,8 +39,8 @@ ROTATE_METHODS = ("allgather", "alltoall")
 _KV_TAG, _GRAD_TAG = 0, 1  # distinct p2p tags: K/V hops and dK/dV hops are in flight together
 
 
-def compute_cp_positions(seq_len: int, cp_degree: int, cp_rank: int, load_balance: bool) -> torch.Tensor:
-    """Global positions (seq_len // cp_degree,) int64 of the tokens that rank ``cp_rank`` holds.
+def cp_position_list(seq_len: int, cp_degree: int, cp_rank: int, load_balance: bool) -> list[int]:
+    """Global positions of the tokens that rank ``cp_rank`` holds, ascending (seq_len // cp_degree of them).
 
     Raises:
         ValueError: seq_len does not split into the chunks the layout needs.
@@ -51,12 +53,16 @@ def compute_cp_positions(seq_len: int, cp_degree: int, cp_rank: int, load_balanc
             f"(context_parallel_degree = {cp_degree}, load_balance = {load_balance}); "
             f"set training.seq_len to a multiple of {num_chunks}")
     chunk = seq_len // num_chunks
+    head = list(range(cp_rank * chunk, (cp_rank + 1) * chunk))
     if not load_balance:
-        return torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, dtype=torch.int64)
-    head = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, dtype=torch.int64)
+        return head
     mirror = num_chunks - 1 - cp_rank  # the tail chunk balances the head's causal work
-    tail = torch.arange(mirror * chunk, (mirror + 1) * chunk, dtype=torch.int64)
-    return torch.cat([head, tail])
+    return head + list(range(mirror * chunk, (mirror + 1) * chunk))
+
+
+def compute_cp_positions(seq_len: int, cp_degree: int, cp_rank: int, load_balance: bool) -> torch.Tensor:
+    """``cp_position_list`` as an int64 tensor (seq_len // cp_degree,)."""
+    return torch.tensor(cp_position_list(seq_len, cp_degree, cp_rank, load_balance), dtype=torch.int64)
 
 
 def shard_sequence(tensors: list[torch.Tensor], seq_dim: int, positions: torch.Tensor) -> list[torch.Tensor]:
@@ -81,16 +87,26 @@ class _BlockPlan:
     mask: torch.Tensor | None  # (n_rows, n_cols) bool, True = visible
 
 
-def _plan_block(q_pos: torch.Tensor, k_pos: torch.Tensor) -> _BlockPlan | None:
-    """None when no query sees any key (the block is skipped). Positions are CPU tensors."""
-    visible = q_pos[:, None] >= k_pos[None, :]  # (sq, sk)
-    rows, cols = visible.any(1).nonzero().flatten(), visible.any(0).nonzero().flatten()
-    if rows.numel() == 0:
+def _plan_block(q_pos: list[int] | torch.Tensor, k_pos: list[int] | torch.Tensor) -> _BlockPlan | None:
+    """None when no query sees any key (the block is skipped). Positions ascending (ints or a CPU tensor).
+
+    The visible region's bounds come from the positions alone (host arithmetic, no tensor values
+    read), so planning also works on fake tensors; only a partly visible block builds a mask.
+    """
+    q_pos, k_pos = _as_list(q_pos), _as_list(k_pos)
+    first_row = bisect.bisect_left(q_pos, k_pos[0])  # rows whose query sees the first key
+    if first_row == len(q_pos):
         return None
-    rows = slice(int(rows[0]), int(rows[-1]) + 1)
-    cols = slice(int(cols[0]), int(cols[-1]) + 1)
-    visible = visible[rows, cols]
-    return _BlockPlan(rows, cols, None if bool(visible.all()) else visible)
+    rows = slice(first_row, len(q_pos))
+    cols = slice(0, bisect.bisect_right(k_pos, q_pos[-1]))  # keys seen by the last query
+    if q_pos[first_row] >= k_pos[cols.stop - 1]:
+        return _BlockPlan(rows, cols, None)
+    visible = torch.tensor(q_pos)[:, None] >= torch.tensor(k_pos)[None, :]  # (sq, sk)
+    return _BlockPlan(rows, cols, visible[rows, cols])
+
+
+def _as_list(positions: list[int] | torch.Tensor) -> list[int]:
+    return positions.tolist() if isinstance(positions, torch.Tensor) else list(positions)
 
 
 def _expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -320,7 +336,7 @@ class RingAttention(nn.Module):
         return f"cp={self.cp_group.size()}, rotate_method={self.rotate_method}, load_balance={self.load_balance}"
 
     def block_plans(self, local_seqlen: int) -> list[list[_BlockPlan | None]]:
-        """plans[i][j] for every pair of ranks' blocks, from the global positions (CPU, computed once)."""
+        """plans[i][j] for every pair of ranks' blocks, from the global positions (host ints, computed once)."""
         if local_seqlen not in self._plans:
             cp = self.cp_group.size()
             seq_len = local_seqlen * cp
@@ -330,7 +346,7 @@ class RingAttention(nn.Module):
                     f"with load_balance = {self.load_balance}: with load balancing each rank holds two equal "
                     "chunks, so the local seqlen must be even; shard inputs with "
                     "compute_cp_positions(training.seq_len, ...) and shard_sequence")
-            positions = [compute_cp_positions(seq_len, cp, r, self.load_balance) for r in range(cp)]
+            positions = [cp_position_list(seq_len, cp, r, self.load_balance) for r in range(cp)]
             self._plans[local_seqlen] = [[_plan_block(positions[i], positions[j]) for j in range(cp)]
                                          for i in range(cp)]
         return self._plans[local_seqlen]

@@ -43,5 +43,9 @@ def set_pg_timeout(timeout_s: int) -> None:
 
 
 def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device``, e.g. before reading a timer.
+
+    CPU ops are synchronous; accelerators queue work and return at once.
+    """
     if device.type != "cpu":
         torch.accelerator.synchronize(device)

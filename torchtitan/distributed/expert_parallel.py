@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from torchtitan.models.moe.moe import GroupedExperts
+from torchtitan.models.moe.moe import GroupedExperts, balanced_split
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -89,6 +89,8 @@ class ExpertParallel(ParallelStyle):
         )
 
     def _dispatch(self, module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> tuple:
+        if module.balanced_routing:
+            return self._dispatch_balanced(inputs, device_mesh)
         x, counts = inputs  # (T, dim) sorted by global expert; (E,)
         ep, group = device_mesh.size(), device_mesh.get_group()
         local_experts = counts.numel() // ep
@@ -106,6 +108,20 @@ class ExpertParallel(ParallelStyle):
         source, expert = segment // local_experts, segment % local_experts  # (T_recv,) each
         self._permutation = torch.argsort(expert * ep + source, stable=True)  # (T_recv,)
         return recv[self._permutation], counts_recv.sum(dim=0)  # (T_recv, dim), (E_local,)
+
+    def _dispatch_balanced(self, inputs: tuple, device_mesh: DeviceMesh) -> tuple:
+        """``_dispatch`` under assumed balanced routing (``MoEArgs.balanced_routing``, the memory estimate):
+        equal splits to and from every EP peer, known on the host, so no count exchange is needed and
+        no tensor value is read (fake tensors). The same tensors and collectives as the real dispatch."""
+        x, counts = inputs  # (T*k, dim) sorted by expert; (E,)
+        ep, group = device_mesh.size(), device_mesh.get_group()
+        local_experts = counts.numel() // ep
+        self._input_splits = self._output_splits = balanced_split(x.shape[0], ep)
+        recv = funcol.all_to_all_single_autograd(x, self._output_splits, self._input_splits, group)
+        recv = _ScaleGrad.apply(recv, ep / self.tp)
+        self._permutation = torch.arange(recv.shape[0], device=x.device)  # the real one is an argsort
+        local_counts = torch.tensor(balanced_split(recv.shape[0], local_experts), dtype=torch.int64)
+        return recv[self._permutation], local_counts.to(x.device)
 
     def _combine(self, module: nn.Module, out: torch.Tensor, device_mesh: DeviceMesh) -> torch.Tensor:
         ep, group = device_mesh.size(), device_mesh.get_group()

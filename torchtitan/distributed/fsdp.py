@@ -12,12 +12,6 @@ from torch.distributed.tensor import Shard
 
 from torchtitan.models.moe import GroupedExperts
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def to_dtype(name: str) -> torch.dtype:
-    return _DTYPES[name]
-
 
 def apply_fsdp(
     model: nn.Module,

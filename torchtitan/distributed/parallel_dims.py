@@ -49,7 +49,7 @@ class ParallelDims:
         )
 
     def __post_init__(self) -> None:
-        from torchtitan.config.manager import ConfigError
+        from torchtitan.config.errors import ConfigError
 
         for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
             if getattr(self, name) < 1:
@@ -58,7 +58,7 @@ class ParallelDims:
         if self.dp_shard == -1:
             if self.world_size % others:
                 raise ConfigError(
-                    f"{self._degrees('-1')}: the other degrees multiply to {others}, which does not divide "
+                    f"{self._formula('-1')}: the other degrees multiply to {others}, which does not divide "
                     f"world_size({self.world_size}); change them or the number of processes"
                 )
             object.__setattr__(self, "dp_shard", self.world_size // others)
@@ -66,14 +66,14 @@ class ParallelDims:
             raise ConfigError(f"training.data_parallel_shard_degree must be -1 or >= 1, got {self.dp_shard}")
         if others * self.dp_shard != self.world_size:
             raise ConfigError(
-                f"{self._degrees(str(self.dp_shard))} = {others * self.dp_shard} != world_size({self.world_size}); "
+                f"{self._formula(str(self.dp_shard))} = {others * self.dp_shard} != world_size({self.world_size}); "
                 "set data_parallel_shard_degree = -1 to infer it"
             )
         self._check_ep()
 
     def _check_ep(self) -> None:
         """EP = dp_shard_in_ep x tp: it must contain the TP group and take a divisor of dp_shard."""
-        from torchtitan.config.manager import ConfigError
+        from torchtitan.config.errors import ConfigError
 
         if self.ep == 1:
             return
@@ -91,7 +91,7 @@ class ParallelDims:
                 f"data-parallel axis; choose an EP degree (tp x k) whose k divides {self.dp_shard}"
             )
 
-    def _degrees(self, dp_shard: str) -> str:
+    def _formula(self, dp_shard: str) -> str:
         return (
             f"dp_replicate({self.dp_replicate}) * dp_shard({dp_shard}) * cp({self.cp}) * tp({self.tp}) * "
             f"pp({self.pp})"
@@ -139,6 +139,11 @@ class ParallelDims:
             flat["dp_shard"] = shard
             flat["ep"] = ("dp_shard_in_ep", "tp")
         return flat
+
+    def degrees(self) -> dict[str, int]:
+        """Axis -> degree in mesh order (pp, dp_replicate, dp_shard, cp, tp), then ep; for logs and records."""
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
+                "tp": self.tp, "ep": self.ep}
 
     def size(self, axis: str) -> int:
         """The number of ranks of a real or flattened axis."""

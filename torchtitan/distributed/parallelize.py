@@ -1,4 +1,4 @@
-"""The one composition of parallelisms for the llama family."""
+"""The one composition of parallelisms (llama-style models: ``layers`` of blocks, embedding, norm, output)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from torch import nn
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.context_parallel import apply_cp, compute_cp_positions
 from torchtitan.distributed.expert_parallel import apply_ep
-from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp, to_dtype
+from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
+from torchtitan.dtypes import to_dtype
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import apply_tp
 from torchtitan.distributed.torch_context_parallel import apply_torch_cp
@@ -92,7 +93,7 @@ def _experts_fsdp_mesh(world_mesh: DeviceMesh, parallel_dims: ParallelDims) -> D
     return world_mesh[dims]
 
 
-def parallelize_llama(
+def parallelize(
     model: nn.Module, world_mesh: DeviceMesh | None, parallel_dims: ParallelDims, config: JobConfig
 ) -> None:
     """Apply, in place and in this order: TP, EP, CP, activation checkpointing, compile, then FSDP/HSDP or DDP.
@@ -109,52 +110,62 @@ def parallelize_llama(
     their own FSDP unit over dp_shard_mod_ep, giving (dp_shard_mod_ep, ep) parameters.
     """
     if parallel_dims.tp_enabled:
-        tp_mesh = world_mesh["tp"]
-        async_tp = resolve_async_tp(config, tp_mesh.device_type)
-        apply_tp(model, tp_mesh, loss_parallel=parallel_dims.loss_parallel_enabled, ring_async=async_tp == "ring")
-        if async_tp == "compiler":
-            enable_compiler_async_tp(tp_mesh)
-        logger.info("applied tensor parallel over %d ranks (async: %s)", parallel_dims.tp, async_tp or "off")
+        _apply_tp(model, world_mesh["tp"], parallel_dims, config)
     if parallel_dims.ep_enabled:
         apply_ep(model, world_mesh[parallel_dims.axis_name("ep")], tp=parallel_dims.tp)
         logger.info("applied expert parallel over %d ranks (%d of them TP ranks)", parallel_dims.ep, parallel_dims.tp)
     if parallel_dims.cp_enabled:
-        exp = config.experimental
-        cp_mesh = world_mesh["cp"]
-        apply = apply_torch_cp if exp.context_parallel_impl == "torch" else apply_cp
-        apply(model, cp_mesh, rotate_method=exp.context_parallel_rotate_method,
-              load_balance=exp.context_parallel_load_balance)
-        positions = compute_cp_positions(
-            config.training.seq_len, parallel_dims.cp, cp_mesh.get_local_rank(), exp.context_parallel_load_balance
-        )
-        pass_positions(model, positions)
-        logger.info(
-            "applied context parallel over %d ranks (%s ring attention, %s, load balance %s)",
-            parallel_dims.cp, exp.context_parallel_impl, exp.context_parallel_rotate_method,
-            exp.context_parallel_load_balance,
-        )
+        _apply_cp(model, world_mesh["cp"], parallel_dims, config)
     apply_ac(model, config.activation_checkpoint)
     if config.training.compile:
         apply_compile(model, tp_enabled=parallel_dims.tp_enabled)
     if parallel_dims.fsdp_enabled:
-        shard_axis = parallel_dims.axis_name("dp_shard_cp")
-        dims = ("dp_replicate", shard_axis) if parallel_dims.dp_replicate_enabled else (shard_axis,)
-        apply_fsdp(
-            model,
-            world_mesh[dims],
-            param_dtype=to_dtype(config.training.mixed_precision_param),
-            reduce_dtype=to_dtype(config.training.mixed_precision_reduce),
-            reshard_after_forward=config.training.fsdp_reshard_after_forward,
-            prefetch_depth=config.training.fsdp_prefetch_depth,
-            cpu_offload=config.training.enable_cpu_offload,
-            # pinned host memory speeds up host<->device copies; there are none on a CPU device
-            pin_memory=world_mesh.device_type != "cpu",
-            experts_mesh=_experts_fsdp_mesh(world_mesh, parallel_dims),
-        )
-        if config.training.enable_cpu_offload and world_mesh.device_type == "cpu":
-            logger.warning(
-                "training.enable_cpu_offload on a CPU device: parameters already live in CPU memory, "
-                "so offloading saves nothing here (it applies on accelerators)"
-            )
+        _apply_fsdp(model, world_mesh, parallel_dims, config)
     elif parallel_dims.dp_replicate_enabled:
         apply_ddp(model, world_mesh["dp_replicate"])
+
+
+def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, parallel_dims: ParallelDims, config: JobConfig) -> None:
+    async_tp = resolve_async_tp(config, tp_mesh.device_type)
+    apply_tp(model, tp_mesh, loss_parallel=parallel_dims.loss_parallel_enabled, ring_async=async_tp == "ring")
+    if async_tp == "compiler":
+        enable_compiler_async_tp(tp_mesh)
+    logger.info("applied tensor parallel over %d ranks (async: %s)", parallel_dims.tp, async_tp or "off")
+
+
+def _apply_cp(model: nn.Module, cp_mesh: DeviceMesh, parallel_dims: ParallelDims, config: JobConfig) -> None:
+    exp = config.experimental
+    apply = apply_torch_cp if exp.context_parallel_impl == "torch" else apply_cp
+    apply(model, cp_mesh, rotate_method=exp.context_parallel_rotate_method,
+          load_balance=exp.context_parallel_load_balance)
+    positions = compute_cp_positions(
+        config.training.seq_len, parallel_dims.cp, cp_mesh.get_local_rank(), exp.context_parallel_load_balance
+    )
+    pass_positions(model, positions)
+    logger.info(
+        "applied context parallel over %d ranks (%s ring attention, %s, load balance %s)",
+        parallel_dims.cp, exp.context_parallel_impl, exp.context_parallel_rotate_method,
+        exp.context_parallel_load_balance,
+    )
+
+
+def _apply_fsdp(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: ParallelDims, config: JobConfig) -> None:
+    shard_axis = parallel_dims.axis_name("dp_shard_cp")
+    dims = ("dp_replicate", shard_axis) if parallel_dims.dp_replicate_enabled else (shard_axis,)
+    apply_fsdp(
+        model,
+        world_mesh[dims],
+        param_dtype=to_dtype(config.training.mixed_precision_param),
+        reduce_dtype=to_dtype(config.training.mixed_precision_reduce),
+        reshard_after_forward=config.training.fsdp_reshard_after_forward,
+        prefetch_depth=config.training.fsdp_prefetch_depth,
+        cpu_offload=config.training.enable_cpu_offload,
+        # pinned host memory speeds up host<->device copies; there are none on a CPU device
+        pin_memory=world_mesh.device_type != "cpu",
+        experts_mesh=_experts_fsdp_mesh(world_mesh, parallel_dims),
+    )
+    if config.training.enable_cpu_offload and world_mesh.device_type == "cpu":
+        logger.warning(
+            "training.enable_cpu_offload on a CPU device: parameters already live in CPU memory, "
+            "so offloading saves nothing here (it applies on accelerators)"
+        )

@@ -25,6 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from torchtitan.distributed.dtensor import local_shard
+
 PINNED_TORCH = "2.13."
 _SEQ_DIM = 2  # (bs, heads, seqlen, head_dim)
 _aten = torch.ops.aten
@@ -57,9 +59,6 @@ def _wrap(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     return DTensor(local, spec, requires_grad=False)
 
 
-def _local(t):
-    return t._local_tensor if isinstance(t, DTensor) else t
-
 
 def _cpu_forward_handler(op_call, args, kwargs):
     """The CPU flash kernel's ring: (out, logsumexp), both Shard(2). Mirrors torch's CUDA handlers."""
@@ -70,7 +69,7 @@ def _cpu_forward_handler(op_call, args, kwargs):
         raise NotImplementedError("context_parallel_impl = 'torch' on CPU: no attn_mask or dropout")
     mesh = query.device_mesh
     out, lse = _cp_attention()._templated_ring_attention(
-        mesh.get_group(), _SEQ_DIM, _CPU_FORWARD, _local(query), _local(key), _local(value),
+        mesh.get_group(), _SEQ_DIM, _CPU_FORWARD, local_shard(query), local_shard(key), local_shard(value),
         is_causal=is_causal, dropout_p=0.0, scale=kwargs.get("scale"),
     )
     return _wrap(out, mesh), _wrap(lse, mesh)
@@ -81,8 +80,9 @@ def _cpu_backward_handler(op_call, args, kwargs):
     grad_out, query, key, value, out, logsumexp, dropout_p, is_causal = args[:8]
     mesh = query.device_mesh
     grads = _cp_attention()._templated_ring_attention_backward(
-        mesh.get_group(), _SEQ_DIM, _CPU_BACKWARD, grad_out=_local(grad_out), grad_out_name="grad_out",
-        query=_local(query), key=_local(key), value=_local(value), out=_local(out), logsumexp=_local(logsumexp),
+        mesh.get_group(), _SEQ_DIM, _CPU_BACKWARD, grad_out=local_shard(grad_out), grad_out_name="grad_out",
+        query=local_shard(query), key=local_shard(key), value=local_shard(value), out=local_shard(out),
+        logsumexp=local_shard(logsumexp),
         is_causal=is_causal, dropout_p=dropout_p, scale=kwargs.get("scale"),
     )
     return tuple(_wrap(g, mesh) for g in grads[:3])

@@ -11,13 +11,16 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.build import build_model_args
+from torchtitan.distributed.pipeline_layout import resolve_stage_layout, stage_ids_for_rank
+from torchtitan.spec import get_model_spec
+from torchtitan.train import Trainer
 from torchtitan.config.validation import validate_config
 from torchtitan.estimation.fake_trainer import (
-    EstimationTrainer, ddp_bucket_bytes, fake_mode_patches, gloo_patches, moe_patches, p2p_works_hold_tensors,
-    pipeline_patches, resolve_vocab,
+    ddp_bucket_bytes, estimation_builders, fake_mode_patches, gloo_patches, grouped_mm_patches,
+    p2p_works_hold_tensors, pipeline_patches, resolve_vocab,
 )
 from torchtitan.estimation.tracker import DDP_BUCKETS, StepMemory, track_steps, use_per_parameter_step
-from torchtitan.distributed.fsdp import to_dtype
+from torchtitan.dtypes import to_dtype
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.device import get_device_info
 
@@ -64,11 +67,6 @@ def check_estimable(config, world_size: int) -> None:
             raise NotImplementedError(f"estimation.py: {key} = {value!r} is not modeled: {why}; set {key} = {fine!r}")
 
 
-def layout_of(dims: ParallelDims) -> dict[str, int]:
-    return {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp,
-            "pp": dims.pp, "ep": getattr(dims, "ep", 1)}
-
-
 def role_ranks(dims: ParallelDims) -> list[tuple[str, int, int]]:
     """(role, representative global rank, pp rank) per role. pp is the outermost mesh axis, so pp
     rank k owns ranks k*W/pp ...; within a stage every rank holds the same shapes (FSDP's first
@@ -95,14 +93,14 @@ def estimate_rank(config, world_size: int, rank: int, vocab: int, *, fake: bool 
 
         dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
-        if not fake:  # the accuracy tests' real run: same routing assumption for MoE, real tensors
-            with moe_patches(shape_only_grouped_mm=False):
-                trainer = EstimationTrainer(config, world_size=world_size, rank=rank, vocab=vocab, n_layers=n_layers)
-                return track_steps(trainer)
-        # allow_non_fake_inputs: the meta model (see EstimationTrainer._build_meta_model) is plain meta tensors.
-        with (FakeTensorMode(allow_non_fake_inputs=True), fake_mode_patches(), moe_patches(),
+        builders = estimation_builders(vocab, n_layers=n_layers)
+        if not fake:  # the accuracy tests' real run: same builders (and routing assumption), real tensors
+            trainer = Trainer(config, world_size=world_size, rank=rank, builders=builders)
+            return track_steps(trainer)
+        # allow_non_fake_inputs: the meta model (see estimation_builders) is plain meta tensors.
+        with (FakeTensorMode(allow_non_fake_inputs=True), fake_mode_patches(), grouped_mm_patches(),
               _pipeline_patches(config, world_size, vocab), _backend_patches()):
-            trainer = EstimationTrainer(config, world_size=world_size, rank=rank, vocab=vocab, n_layers=n_layers)
+            trainer = Trainer(config, world_size=world_size, rank=rank, builders=builders)
             memory = track_steps(trainer, foreach_temp=use_per_parameter_step(trainer.optimizer))
             if trainer.parallel_dims.dp_replicate_enabled and not trainer.parallel_dims.dp_shard_enabled:
                 buckets = ddp_bucket_bytes(trainer.model_parts)
@@ -134,7 +132,8 @@ def _pipeline_patches(config, world_size: int, vocab: int):
     microbatches = config.experimental.pipeline_parallel_microbatches or dims.pp
     # The residual stream: sequence-sharded over CP, and over TP by sequence parallel; FSDP computes
     # in its param dtype, otherwise the stream stays fp32 (autocast leaves the residual adds fp32).
-    shape = (t.batch_size // microbatches, t.seq_len // (dims.cp * dims.tp), build_model_args(config, vocab).dim)
+    dim = build_model_args(config, get_model_spec(config.model.name), vocab).dim
+    shape = (t.batch_size // microbatches, t.seq_len // (dims.cp * dims.tp), dim)
     dtype = to_dtype(t.mixed_precision_param) if dims.fsdp_enabled else torch.float32
     return pipeline_patches(shape, dtype)
 
@@ -185,8 +184,6 @@ def plan_depth(config, args, dims: ParallelDims, full_depth: bool) -> DepthReduc
 
 
 def _stage_layout(config, n_layers: int, dims: ParallelDims) -> list[tuple[int, int]]:
-    from torchtitan.distributed.pipeline import resolve_stage_layout
-
     exp = config.experimental
     return resolve_stage_layout(n_layers, dims.pp, exp.pipeline_parallel_schedule, exp.pipeline_parallel_split_points,
                                 exp.pipeline_parallel_schedule_csv)
@@ -196,8 +193,6 @@ def _role_units(config, args, dims: ParallelDims, pp_rank: int, reduction: Depth
     """The real depth of a role in units: its stages' mean layer count under PP."""
     if not dims.pp_enabled:
         return (args.n_layers - reduction.prefix) / reduction.unit
-    from torchtitan.distributed.pipeline import stage_ids_for_rank
-
     layout = _stage_layout(config, args.n_layers, dims)
     ids = stage_ids_for_rank(pp_rank, dims.pp, len(layout), config.experimental.pipeline_parallel_schedule)
     return sum(layout[i][1] - layout[i][0] for i in ids) / len(ids) / reduction.unit
@@ -234,11 +229,11 @@ def estimate_memory(config, world_size: int, *, full_depth: bool = False, pp_ran
         raise RuntimeError("estimate_memory creates its own fake process group; call it without one")
     dims = ParallelDims.from_config(config, world_size)
     vocab, source = resolve_vocab(config)
-    args = build_model_args(config, vocab)
+    args = build_model_args(config, get_model_spec(config.model.name), vocab)
     reduction = plan_depth(config, args, dims, full_depth)
     roles = role_ranks(dims)
     if pp_ranks == "ends":  # the planner: first and last pipeline rank only
         roles = [r for r in roles if r[2] in (0, dims.pp - 1)]
     roles = [RoleEstimate(role, rank, estimate_role(config, world_size, rank, pp_rank, vocab, args, dims, reduction))
              for role, rank, pp_rank in roles]
-    return Estimate(world_size, layout_of(dims), source, roles, time.perf_counter() - start, warnings)
+    return Estimate(world_size, dims.degrees(), source, roles, time.perf_counter() - start, warnings)

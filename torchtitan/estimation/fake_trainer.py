@@ -1,14 +1,14 @@
-"""The trainer itself, with its build hooks pointed at fake inputs: no tokenizer file, data, metrics or output.
+"""The trainer's builders pointed at fake inputs (no tokenizer file, data, metrics or output), and
+the fake-mode adaptations of torch internals.
 
 Everything that decides memory (model build, parallelisms, optimizer, lr scheduler, the training
 step with its accumulation, loss parallel, chunked loss and pipeline schedule) is the unchanged
-``Trainer`` code; only the hooks below differ.
+``Trainer`` code, assembled through its public ``TrainerBuilders`` seam.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import importlib
 import os
@@ -18,8 +18,9 @@ from collections.abc import Iterator
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from torchtitan.models import model_name_to_flavors
-from torchtitan.train import Trainer
+from torchtitan.build import TrainerBuilders
+from torchtitan.datasets import build_tokenizer
+from torchtitan.spec import get_model_spec
 
 
 def _outside_fake_mode(fn):
@@ -45,12 +46,8 @@ def fake_mode_patches() -> Iterator[None]:
 
     from torch.distributed.device_mesh import DeviceMesh
 
-    from torchtitan.distributed import pipeline as pipeline_llama
-
     # (the package's ``replicate`` attribute is the function, which shadows the module of that name)
     replicate_module = importlib.import_module("torch.distributed._composable.replicate")
-
-    from torchtitan.distributed import context_parallel
 
     def ddp_without_reducer(module, *args, **kwargs):
         # DDP's C++ reducer reads parameter data (shape checks, bucket views), which fake tensors
@@ -68,17 +65,9 @@ def fake_mode_patches() -> Iterator[None]:
         # parallel's backward: one logits-sized temporary too many at the peak).
         unittest.mock.patch.object(_sharding_prop, "detect_fake_mode", lambda *args, **kwargs: None),
         unittest.mock.patch.object(torch.nn.init, "trunc_normal_", trunc_normal_),
-        # Pipeline stages are deepcopies of the plain-meta model; under fake mode the copy's tensors
-        # would turn fake half-way. A meta copy allocates nothing, so it may run outside fake mode.
-        unittest.mock.patch.object(pipeline_llama, "deepcopy", _outside_fake_mode(copy.deepcopy)),
         # A mesh's rank map and coordinates are small CPU bookkeeping tensors, read with nonzero();
         # FSDP over TP builds sub-meshes inside fake mode. They hold no device memory.
         unittest.mock.patch.object(DeviceMesh, "__init__", _outside_fake_mode(DeviceMesh.__init__)),
-        # Ring attention plans each block's visible rows/columns from the global token positions
-        # (nonzero on a few-KB CPU table); the blocks' q/k/v stay fake. The trackers still see the
-        # plan's masks, as in a real run.
-        unittest.mock.patch.object(context_parallel.RingAttention, "block_plans",
-                                   _outside_fake_mode(context_parallel.RingAttention.block_plans)),
     ):
         yield
 
@@ -94,10 +83,8 @@ def resolve_vocab(config) -> tuple[int, str]:
     """(vocabulary size, where it came from): the tokenizer file if present, else the flavor's."""
     path = config.model.tokenizer_path
     if os.path.isfile(path):
-        from torchtitan.datasets import build_tokenizer
-
         return build_tokenizer(path).n_words, f"tokenizer {path}"
-    n = model_name_to_flavors[config.model.name][config.model.flavor].vocab_size
+    n = get_model_spec(config.model.name).flavors[config.model.flavor].vocab_size
     return n, f"flavor {config.model.flavor} vocabulary (tokenizer file {path} not found)"
 
 
@@ -128,49 +115,44 @@ class _NoMetrics:
         pass
 
 
-class EstimationTrainer(Trainer):
-    """``Trainer`` with fake inputs; the process group must already exist (fake or real)."""
+def _no_validation(trainer, tokenizer):
+    raise NotImplementedError(
+        "validation.enabled = true: the estimator models the training step, not validation; "
+        "set validation.enabled = false to estimate"
+    )
 
-    def __init__(self, config, *, world_size: int, rank: int, vocab: int, n_layers: int | None = None):
-        """``n_layers``: build the flavor with this many layers (the depth extrapolation's runs)."""
-        self._vocab, self._n_layers = vocab, n_layers
-        super().__init__(config, world_size=world_size, rank=rank)
 
-    def _build_mesh(self):
+def estimation_builders(vocab: int, *, n_layers: int | None = None) -> TrainerBuilders:
+    """The trainer's builders for an estimate: no tokenizer file, data, metrics, checkpoint or output.
+
+    ``n_layers``: build the flavor with this many layers (the depth extrapolation's runs).
+    The family builds its args for fake tensors (``ModelSpec.fake_tensor_args``: MoE routing assumed
+    balanced, since real routing is data-dependent); the accuracy tests' real runs use the same
+    builders, so both sides route alike.
+    """
+    defaults = TrainerBuilders()
+
+    def model_args(config, spec, vocab_size):
+        args = defaults.model_args(config, spec, vocab_size)
+        if n_layers is not None:
+            args = dataclasses.replace(args, n_layers=n_layers)
+        return spec.fake_tensor_args(args) if spec.fake_tensor_args is not None else args
+
+    return TrainerBuilders(
         # DeviceMesh reads rank coordinates with .item(), which fake tensors cannot answer.
-        with unset_fake_temporarily():
-            return super()._build_mesh()
-
-    def _build_meta_model(self):
-        if self._n_layers is not None:
-            self.model_args = dataclasses.replace(self.model_args, n_layers=self._n_layers)
-        # Plain meta tensors, not fake ones: pipeline stages deepcopy the meta model, and a deepcopied
-        # fake tensor gets a fake mode of its own that cannot mix with ours.
-        with unset_fake_temporarily():
-            return super()._build_meta_model()
-
-    def _build_tokenizer(self):
-        return FlavorVocabTokenizer(self._vocab)
-
-    def _build_data_loader(self, tokenizer):
-        t = self.config.training
-        return _RandomTokens(t.batch_size, t.seq_len, tokenizer.n_words)
-
-    def _build_metrics(self, num_flop_params: int):
-        return _NoMetrics()
-
-    def _build_checkpointer(self):
-        return _NoCheckpoint()
-
-    def _build_validator(self, tokenizer):
-        raise NotImplementedError(
-            "validation.enabled = true: the estimator models the training step, not validation; "
-            "set validation.enabled = false to estimate"
-        )
-
-    def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One optimizer step's micro-batches, sharded for context parallel by the trainer's own code."""
-        return self._next_batches(iter(self.data_loader))
+        mesh=_outside_fake_mode(defaults.mesh),
+        tokenizer=lambda config: FlavorVocabTokenizer(vocab),
+        model_args=model_args,
+        # Plain meta tensors, as in a real run (to_empty then materialises them, here as fake tensors);
+        # a meta model built under fake mode would hold fake-meta tensors that cannot be materialised.
+        meta_model=_outside_fake_mode(defaults.meta_model),
+        data_loader=lambda config, tokenizer, world: _RandomTokens(
+            config.training.batch_size, config.training.seq_len, tokenizer.n_words
+        ),
+        metrics=lambda trainer: _NoMetrics(),
+        checkpointer=lambda trainer: _NoCheckpoint(),
+        validator=_no_validation,
+    )
 
 
 @contextlib.contextmanager
@@ -251,13 +233,6 @@ def ddp_bucket_bytes(model_parts) -> int:
     return sum(p.numel() * p.element_size() for part in model_parts for p in part.parameters() if p.requires_grad)
 
 
-def _balanced_counts(num_slots: int, num_experts: int) -> torch.Tensor:
-    """(E,) int64, as even as integers allow: the routing the estimate assumes (a real tensor)."""
-    base, extra = divmod(num_slots, num_experts)
-    with unset_fake_temporarily():
-        return torch.tensor([base + 1] * extra + [base] * (num_experts - extra), dtype=torch.int64)
-
-
 class _ShapeOnlyGroupedMM(torch.autograd.Function):
     """``torch._grouped_mm``'s allocations for fp32 inputs, whose fake (meta) kernel accepts only bf16.
 
@@ -286,43 +261,9 @@ _REAL_GROUPED_MM = torch._grouped_mm
 
 
 @contextlib.contextmanager
-def moe_patches(*, shape_only_grouped_mm: bool = True) -> Iterator[None]:
-    """MoE on fake tensors: routing is data-dependent, so the estimate assumes balanced routing.
-
-    Every expert gets T * top_k / E routing slots (``MoE.count_tokens``), and under expert parallel
-    every rank sends and receives the same number of tokens to and from each EP peer (the dispatch
-    below). Real routing is uneven; the estimate's activation terms of the routed experts are
-    those of perfect balance (docs/estimation.md). The step's expert-load reduction (a few bytes,
-    and ``.tolist()`` for the metrics) is skipped. The accuracy tests apply the same routing to
-    the real runs they compare with (``shape_only_grouped_mm=False``: real grouped matmuls).
-    """
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
-
-    from torchtitan.components.load_balancing import ExpertLoadTracker
-    from torchtitan.models.moe import MoE
-    from torchtitan.distributed import expert_parallel
-    from torchtitan.distributed.expert_parallel import ExpertParallel
-
-    def count_tokens(self, experts):
-        return _balanced_counts(experts.numel(), self.num_experts)
-
-    def balanced_dispatch(self, module, inputs, device_mesh):
-        # The memory of ExpertParallel._dispatch under balanced routing: equal splits both ways.
-        x, counts = inputs  # (T*k, dim) sorted by expert
-        ep, group = device_mesh.size(), device_mesh.get_group()
-        local_experts = counts.numel() // ep
-        self._input_splits = self._output_splits = _balanced_counts(x.shape[0], ep).tolist()
-        recv = all_to_all_single_autograd(x, self._output_splits, self._input_splits, group)
-        recv = expert_parallel._ScaleGrad.apply(recv, ep / self.tp)
-        self._permutation = torch.arange(recv.shape[0], device=x.device)  # the real one is an argsort
-        return recv[self._permutation], _balanced_counts(recv.shape[0], local_experts)
-
-    with (
-        unittest.mock.patch.object(MoE, "count_tokens", count_tokens),
-        unittest.mock.patch.object(ExpertParallel, "_dispatch", balanced_dispatch),
-        unittest.mock.patch.object(ExpertLoadTracker, "finish_step", lambda self, **kwargs: None),
-        unittest.mock.patch.object(torch, "_grouped_mm", _grouped_mm if shape_only_grouped_mm else _REAL_GROUPED_MM),
-    ):
+def grouped_mm_patches() -> Iterator[None]:
+    """``torch._grouped_mm`` (the MoE experts) on fake fp32 inputs, whose meta kernel takes only bf16."""
+    with unittest.mock.patch.object(torch, "_grouped_mm", _grouped_mm):
         yield
 
 

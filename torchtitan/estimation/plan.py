@@ -27,10 +27,11 @@ import time
 from dataclasses import dataclass, field
 
 from torchtitan.build import build_model_args
+from torchtitan.spec import get_model_spec
 from torchtitan.config.validation import validate_config
 from torchtitan.estimation.estimate import estimate_memory
 from torchtitan.estimation.fake_trainer import resolve_vocab
-from torchtitan.observability.flops import _GPU_PEAKS
+from torchtitan.observability.flops import GPU_PEAK_FLOPS
 from torchtitan.observability.metrics import compute_num_flops_per_token
 from torchtitan.distributed.parallel_dims import ParallelDims
 
@@ -50,7 +51,7 @@ class Hardware:
 
     @property
     def peak_flops(self) -> float:
-        peaks = dict(_GPU_PEAKS)
+        peaks = dict(GPU_PEAK_FLOPS)
         if self.gpu not in peaks:
             raise ValueError(f"--gpu {self.gpu!r}: known are {', '.join(peaks)}")
         return peaks[self.gpu].bf16 * 1e12
@@ -224,7 +225,7 @@ def make_plan(config, world_size: int, memory_gib: float, hw: Hardware, *, top: 
     start = time.perf_counter()
     budget = memory_gib * GIB
     vocab, _ = resolve_vocab(config)
-    args = build_model_args(config, vocab)
+    args = build_model_args(config, get_model_spec(config.model.name), vocab)
     global_batch = _global_batch(config, world_size)
     rejected: dict[str, int] = {}
 

@@ -250,7 +250,7 @@ def track_steps(trainer, *, foreach_temp: int = 0, steps: int = 2) -> StepMemory
     try:
         with _one_tracked_forward_per_call(tracker, trainer.model_parts), tracker:
             for i in range(steps):
-                batches = trainer.batches()
+                batches = trainer.next_batches(iter(trainer.data_loader))
                 if isinstance(tracker, FSDPMemTracker):
                     tracker.track_inputs(tuple(t for b in batches for t in b))
                 if i == steps - 1:

@@ -6,7 +6,6 @@ SIMD width, turbo and the thread count all matter), so we time a GEMM once and c
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -19,13 +18,16 @@ from pathlib import Path
 
 import torch
 
+from torchtitan.distributed.device import synchronize
+from torchtitan.observability.logging import warn_once
+
 logger = logging.getLogger(__name__)
 
 _TERA = 1e12
 
 
 @dataclass(frozen=True)
-class _GpuPeak:
+class GpuPeak:
     """Dense datasheet peaks in TFLOP/s; `tf32` is None where the GPU has no TF32-like mode."""
 
     bf16: float
@@ -35,35 +37,30 @@ class _GpuPeak:
 
 # First match wins, so a name that is a substring of another comes after it
 # ("H200" before "H20", "L40S" before "L40" before "L4", "H100 NVL"/"PCIe" before "H100").
-_GPU_PEAKS: tuple[tuple[str, _GpuPeak], ...] = (
-    ("GB200", _GpuPeak(bf16=2500.0, tf32=1250.0, fp32=90.0)),
-    ("B200", _GpuPeak(bf16=2250.0, tf32=1125.0, fp32=75.0)),
-    ("H100 NVL", _GpuPeak(bf16=835.0, tf32=417.5, fp32=60.0)),
-    ("H100 PCIe", _GpuPeak(bf16=756.0, tf32=378.0, fp32=51.0)),
-    ("H100", _GpuPeak(bf16=989.0, tf32=494.5, fp32=67.0)),  # SXM; its name has no form factor
-    ("GH200", _GpuPeak(bf16=989.0, tf32=494.5, fp32=67.0)),
-    ("H200", _GpuPeak(bf16=989.0, tf32=494.5, fp32=67.0)),
-    ("H800", _GpuPeak(bf16=989.0, tf32=494.5, fp32=67.0)),
-    ("H20", _GpuPeak(bf16=148.0, tf32=74.0, fp32=44.0)),
-    ("A100", _GpuPeak(bf16=312.0, tf32=156.0, fp32=19.5)),
-    ("A800", _GpuPeak(bf16=312.0, tf32=156.0, fp32=19.5)),
-    ("A10G", _GpuPeak(bf16=70.0, tf32=35.0, fp32=31.2)),
-    ("L40S", _GpuPeak(bf16=362.05, tf32=183.0, fp32=91.6)),
-    ("L40", _GpuPeak(bf16=181.05, tf32=90.5, fp32=90.5)),
-    ("L4", _GpuPeak(bf16=121.0, tf32=60.0, fp32=30.3)),
-    ("MI355X", _GpuPeak(bf16=2500.0, tf32=None, fp32=157.3)),
-    ("MI325X", _GpuPeak(bf16=1307.4, tf32=653.7, fp32=163.4)),
-    ("MI300X", _GpuPeak(bf16=1307.4, tf32=653.7, fp32=163.4)),
-    ("MI250X", _GpuPeak(bf16=383.0, tf32=None, fp32=95.7)),
+GPU_PEAK_FLOPS: tuple[tuple[str, GpuPeak], ...] = (
+    ("GB200", GpuPeak(bf16=2500.0, tf32=1250.0, fp32=90.0)),
+    ("B200", GpuPeak(bf16=2250.0, tf32=1125.0, fp32=75.0)),
+    ("H100 NVL", GpuPeak(bf16=835.0, tf32=417.5, fp32=60.0)),
+    ("H100 PCIe", GpuPeak(bf16=756.0, tf32=378.0, fp32=51.0)),
+    ("H100", GpuPeak(bf16=989.0, tf32=494.5, fp32=67.0)),  # SXM; its name has no form factor
+    ("GH200", GpuPeak(bf16=989.0, tf32=494.5, fp32=67.0)),
+    ("H200", GpuPeak(bf16=989.0, tf32=494.5, fp32=67.0)),
+    ("H800", GpuPeak(bf16=989.0, tf32=494.5, fp32=67.0)),
+    ("H20", GpuPeak(bf16=148.0, tf32=74.0, fp32=44.0)),
+    ("A100", GpuPeak(bf16=312.0, tf32=156.0, fp32=19.5)),
+    ("A800", GpuPeak(bf16=312.0, tf32=156.0, fp32=19.5)),
+    ("A10G", GpuPeak(bf16=70.0, tf32=35.0, fp32=31.2)),
+    ("L40S", GpuPeak(bf16=362.05, tf32=183.0, fp32=91.6)),
+    ("L40", GpuPeak(bf16=181.05, tf32=90.5, fp32=90.5)),
+    ("L4", GpuPeak(bf16=121.0, tf32=60.0, fp32=30.3)),
+    ("MI355X", GpuPeak(bf16=2500.0, tf32=None, fp32=157.3)),
+    ("MI325X", GpuPeak(bf16=1307.4, tf32=653.7, fp32=163.4)),
+    ("MI300X", GpuPeak(bf16=1307.4, tf32=653.7, fp32=163.4)),
+    ("MI250X", GpuPeak(bf16=383.0, tf32=None, fp32=95.7)),
 )
 _FALLBACK_GPU = "H100"
 
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_once(message: str) -> None:
-    logger.warning(message)
 
 
 def get_peak_flops(device: torch.device, dtype: torch.dtype, override: float = 0.0) -> float:
@@ -83,7 +80,7 @@ def get_peak_flops(device: torch.device, dtype: torch.dtype, override: float = 0
         return _lookup_gpu_peak(_get_device_name(device), dtype)
     if device.type == "cpu":
         return _cached_cpu_peak(dtype)
-    _warn_once(f"no peak FLOPS table for device type '{device.type}'; measuring a GEMM instead")
+    warn_once(logger, f"no peak FLOPS table for device type '{device.type}'; measuring a GEMM instead")
     return measure_matmul_flops(device, dtype)
 
 
@@ -92,13 +89,14 @@ def _get_device_name(device: torch.device) -> str:
 
 
 def _lookup_gpu_peak(device_name: str, dtype: torch.dtype) -> float:
-    peak = next((p for key, p in _GPU_PEAKS if key in device_name), None)
+    peak = next((p for key, p in GPU_PEAK_FLOPS if key in device_name), None)
     if peak is None:
-        _warn_once(
+        warn_once(
+            logger,
             f"unknown GPU '{device_name}': using the {_FALLBACK_GPU} SXM peak FLOPS, so MFU is "
             "only a rough guide; set the peak FLOPS override for an exact number"
         )
-        peak = dict(_GPU_PEAKS)[_FALLBACK_GPU]
+        peak = dict(GPU_PEAK_FLOPS)[_FALLBACK_GPU]
     if dtype in _HALF_DTYPES:
         return peak.bf16 * _TERA
     if dtype == torch.float32:
@@ -130,13 +128,13 @@ def measure_matmul_flops(
     out = torch.empty(size, size, device=device, dtype=dtype)
     for _ in range(num_warmup):
         torch.mm(a, b, out=out)
-    _synchronize(device)
+    synchronize(device)
     rep_times: list[float] = []
     deadline = time.perf_counter() + budget_s
     while not rep_times or time.perf_counter() < deadline:
         start = time.perf_counter()
         torch.mm(a, b, out=out)
-        _synchronize(device)
+        synchronize(device)
         rep_times.append(time.perf_counter() - start)
     flops = 2 * size**3 / min(rep_times)
     logger.debug(
@@ -145,12 +143,6 @@ def measure_matmul_flops(
         len(rep_times),
     )
     return flops
-
-
-def _synchronize(device: torch.device) -> None:
-    # CPU matmuls are synchronous; accelerators queue work and must be waited on before timing.
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
 
 
 def _cache_path() -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 
@@ -17,3 +18,13 @@ def init_logger() -> None:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
     handler._torchtitan = True
     root.addHandler(handler)
+
+
+@functools.lru_cache(maxsize=None)
+def warn_once(logger: logging.Logger, message: str) -> None:
+    """``logger.warning(message)`` the first time this process sees the pair, then nothing.
+
+    Keyed on the logger too, so the record keeps its module's logger name. Tests call
+    ``warn_once.cache_clear()`` to see a warning again.
+    """
+    logger.warning(message)

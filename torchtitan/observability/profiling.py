@@ -7,7 +7,6 @@ on whatever they yield (when it is not None).
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import pickle
@@ -17,6 +16,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
+from torchtitan.observability.logging import warn_once
+
 logger = logging.getLogger(__name__)
 
 # One warmup step lets the profiler's own start-up cost fall outside the recorded step.
@@ -24,11 +25,6 @@ _WARMUP_STEPS = 1
 _ACTIVE_STEPS = 1
 # Memory history entries kept; enough for several steps of a large model at ~100 B each.
 _MAX_MEMORY_EVENTS = 100_000
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_once(message: str) -> None:
-    logger.warning(message)
 
 
 def _profiler_activities() -> list[ProfilerActivity]:
@@ -167,7 +163,7 @@ def maybe_enable_memory_snapshot(
         yield None
         return
     if device.type != "cuda":
-        _warn_once(f"memory snapshots need a CUDA device, not '{device.type}'; skipping them")
+        warn_once(logger, f"memory snapshots need a CUDA device, not '{device.type}'; skipping them")
         yield None
         return
     _check_profile_freq(profile_freq, 1)

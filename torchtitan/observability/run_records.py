@@ -39,8 +39,7 @@ def run_info(config: JobConfig, world_size: int) -> dict:
         "cuda_available": torch.cuda.is_available(),
         "git_commit": _git_commit(),
         "world_size": world_size,
-        "layout": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
-                   "cp": dims.cp, "tp": dims.tp},
+        "layout": dims.degrees(),
     }
 
 

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from torchtitan.observability.console import build_palette, format_end_summary, format_step_line, format_validation_line
-from torchtitan.components.load_balancing import compute_load_metrics
 from torchtitan.observability.flops import get_peak_flops
 from torchtitan.observability.metrics import build_device_memory_monitor, build_metric_logger, compute_mfu, compute_num_flops_per_token
-from torchtitan.distributed.fsdp import to_dtype
+from torchtitan.dtypes import to_dtype
 from torchtitan.distributed.device import synchronize
 
 if TYPE_CHECKING:
@@ -34,16 +33,14 @@ class StepMetrics:
         *,
         device: torch.device,
         enabled: bool,
-        loss_group: dist.ProcessGroup | None,
-        pp_group: dist.ProcessGroup | None,
+        reduce_loss: Callable[[torch.Tensor], tuple[float, float]],
         num_params: int,
         model_args: ModelArgs,
         append: bool = False,
     ):
         self.device = device
         self.enabled = enabled
-        self.loss_group = loss_group
-        self.pp_group = pp_group
+        self.reduce_loss = reduce_loss  # per-rank loss -> (global mean, max): the step function's
         self.flops_per_token = compute_num_flops_per_token(
             num_params, model_args.n_layers, model_args.n_heads, model_args.head_dim, config.training.seq_len
         )
@@ -60,7 +57,7 @@ class StepMetrics:
             wandb_config=config.to_dict(),
         )
         self.total_steps = config.training.steps
-        self.palette = build_palette(config.metrics.enable_color_printing and not config.metrics.disable_color_printing)
+        self.palette = build_palette(config.metrics.enable_color_printing)
         self.run_start = time.perf_counter()
         self.tps_history: list[float] = []
         self.best: tuple[float, int] | None = None
@@ -80,31 +77,15 @@ class StepMetrics:
         self.window_tokens += tokens
         self.window_steps += 1
 
-    def _global_loss(self, loss: torch.Tensor) -> tuple[float, float]:
-        """(mean, max) of the per-rank mean losses over the data-parallel ranks.
-
-        Under pipeline parallel only the last stage's rank has a loss (the others hold 0): a sum over
-        the pipeline group brings it to every rank, so the usual logging rank can report it.
-        """
-        if self.pp_group is not None:
-            loss = loss.detach().clone()
-            dist.all_reduce(loss, group=self.pp_group)
-        if self.loss_group is None:
-            return loss.item(), loss.item()
-        both = torch.stack([loss.detach().float(), loss.detach().float()])
-        dist.all_reduce(both[:1], op=dist.ReduceOp.SUM, group=self.loss_group)
-        dist.all_reduce(both[1:], op=dist.ReduceOp.MAX, group=self.loss_group)
-        return both[0].item() / dist.get_world_size(self.loss_group), both[1].item()
-
     def log(
         self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, *, lr: float,
-        expert_load: dict[str, list[float]] | None = None,
+        extra: tuple[dict[str, Any], dict[str, float]] | None = None,
     ) -> dict[str, float]:
-        """One record: console line, metrics.jsonl, TensorBoard. ``expert_load``: MoE layer name ->
-        the step's global tokens per expert (see expert_load.py); adds per-layer load and imbalance."""
+        """One record: console line, metrics.jsonl, TensorBoard. ``extra``: the model family's own
+        (record fields, TensorBoard scalars) for this step, from its step hooks."""
         synchronize(self.device)
         elapsed = time.perf_counter() - self.window_start
-        loss_avg, loss_max = self._global_loss(loss)
+        loss_avg, loss_max = self.reduce_loss(loss)
         tps = self.window_tokens / elapsed
         mem = self.memory.get_peak_stats()
         record = {
@@ -119,10 +100,9 @@ class StepMetrics:
             "data_time_s": self.window_data_time / self.window_steps,
         }
         tb_extra = {}
-        if expert_load is not None:
-            moe = compute_load_metrics(expert_load)
-            record.update(moe)
-            tb_extra = {f"moe/{name}/imbalance": v for name, v in moe["expert_imbalance"].items()}
+        if extra is not None:
+            record.update(extra[0])
+            tb_extra = extra[1]
         self.tps_history.append(tps)
         if self.best is None or loss_avg < self.best[0]:
             self.best = (loss_avg, step)

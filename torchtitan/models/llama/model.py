@@ -39,6 +39,9 @@ class ModelArgs:
         return self.dim // self.n_heads
 
 
+NORM_TYPES = ("rmsnorm", "layernorm", "np_layernorm")
+
+
 def build_norm(norm_type: str, dim: int, eps: float) -> nn.Module:
     if norm_type == "rmsnorm":
         return nn.RMSNorm(dim, eps=eps)
@@ -46,7 +49,7 @@ def build_norm(norm_type: str, dim: int, eps: float) -> nn.Module:
         return nn.LayerNorm(dim, eps=eps, bias=False)
     if norm_type == "np_layernorm":
         return nn.LayerNorm(dim, eps=eps, elementwise_affine=False, bias=False)
-    raise ValueError(f"model.norm_type = {norm_type!r}: allowed are rmsnorm, layernorm, np_layernorm")
+    raise ValueError(f"model.norm_type = {norm_type!r}: allowed are {', '.join(NORM_TYPES)}")
 
 
 def compute_rope_cache(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
@@ -135,10 +138,17 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: ModelArgs):
+    """Pre-norm attention then feed-forward, each added to the residual stream.
+
+    Args:
+        feed_forward: the block's feed-forward (e.g. an MoE layer); default llama's FeedForward.
+            Any module mapping (bs, seqlen, dim) -> (bs, seqlen, dim) with ``init_weights(init_std)``.
+    """
+
+    def __init__(self, layer_id: int, args: ModelArgs, feed_forward: nn.Module | None = None):
         super().__init__()
         self.attention = Attention(args)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = feed_forward if feed_forward is not None else FeedForward(args)
         self.attention_norm = build_norm(args.norm_type, args.dim, args.norm_eps)
         self.ffn_norm = build_norm(args.norm_type, args.dim, args.norm_eps)
         depth = layer_id + 1 if args.depth_init else args.n_layers
@@ -156,13 +166,20 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """Embedding, ``n_layers`` blocks, norm and output.
+
+    Args:
+        build_block: (layer_id, args) -> that layer's block; default llama's ``TransformerBlock``.
+            A family with other blocks (e.g. MoE feed-forwards) passes its own and reuses the rest.
+    """
+
+    def __init__(self, args: ModelArgs, build_block: Callable[[int, ModelArgs], nn.Module] = TransformerBlock):
         super().__init__()
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         # Not persistent: recomputed by init_weights, never checkpointed.
         self.register_buffer("rope_cache", self._rope_cache(), persistent=False)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): build_block(i, args) for i in range(args.n_layers)})
         self.norm: nn.Module | None = build_norm(args.norm_type, args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
 

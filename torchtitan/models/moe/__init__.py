@@ -12,7 +12,8 @@ trainer adds to each micro-batch's loss (not under pipeline parallel).
 
 import dataclasses
 
-from torchtitan.models.moe.model import MoEArgs, MoETransformer, num_active_params
+from torchtitan.models.moe.args import MoEArgs
+from torchtitan.models.moe.model import MoETransformer, num_active_params
 from torchtitan.models.moe.moe import GroupedExperts, MoE, TokenChoiceRouter
 
 __all__ = [

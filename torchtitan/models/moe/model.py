@@ -9,97 +9,25 @@ FeedForward (dense layers) or an ``MoE`` (see moe.py). Load balancing is exposed
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from torchtitan.models.llama.model import Attention, FeedForward, ModelArgs, Transformer, build_norm, ffn_hidden_dim
+from torchtitan.models.llama.model import Transformer, TransformerBlock
+from torchtitan.models.moe.args import MoEArgs
 from torchtitan.models.moe.moe import MoE
 
-_SCORE_FUNCS = ("softmax", "sigmoid")
-_LOAD_BALANCE = ("aux_loss", "bias", "none")
 
-
-@dataclass(frozen=True)
-class MoEArgs(ModelArgs):
-    """Llama's ModelArgs plus the MoE fields; ``dataclasses.replace`` keeps working on it."""
-
-    num_experts: int = 8
-    top_k: int = 2
-    moe_hidden_dim: int = 256  # SwiGLU hidden size of each routed (and the shared) expert
-    score_func: str = "softmax"  # "softmax" over experts, or an independent "sigmoid" per expert
-    route_norm: bool = False  # rescale each token's top-k weights to sum to 1
-    num_shared_experts: int = 0  # 0 or 1: an always-on expert of width moe_hidden_dim
-    load_balance: str = "aux_loss"  # "aux_loss", "bias" (aux-loss-free, DeepSeek-V3) or "none"
-    aux_loss_coeff: float = 0.01  # weight of the balance loss returned by aux_loss()
-    bias_update_rate: float = 1e-3  # step of the sign update in update_expert_bias()
-    first_k_dense: int = 1  # layers 0..first_k_dense-1 keep llama's dense FFN
-    moe_every: int = 1  # after those, every moe_every-th layer is MoE (1: all, 2: interleaved)
-    use_grouped_mm: bool = True  # torch._grouped_mm; False: a per-expert loop (same numbers)
-
-    def __post_init__(self) -> None:
-        checks = (
-            (self.num_experts >= 1, "num_experts", self.num_experts, "use at least 1 expert"),
-            (1 <= self.top_k <= self.num_experts, "top_k", self.top_k,
-             f"each token picks top_k of num_experts = {self.num_experts}; set 1 <= top_k <= num_experts"),
-            (self.moe_hidden_dim >= 1, "moe_hidden_dim", self.moe_hidden_dim, "use a positive width"),
-            (self.score_func in _SCORE_FUNCS, "score_func", self.score_func, f"allowed are {_SCORE_FUNCS}"),
-            (self.load_balance in _LOAD_BALANCE, "load_balance", self.load_balance, f"allowed are {_LOAD_BALANCE}"),
-            (self.num_shared_experts in (0, 1), "num_shared_experts", self.num_shared_experts, "allowed are 0 and 1"),
-            (self.first_k_dense >= 0, "first_k_dense", self.first_k_dense, "use 0 or more"),
-            (self.moe_every >= 1, "moe_every", self.moe_every, "use 1 (every layer) or more"),
-        )
-        for ok, key, value, fix in checks:
-            if not ok:
-                raise ValueError(f"MoEArgs.{key} = {value!r} is invalid: {fix}")
-
-    def is_moe_layer(self, layer_id: int) -> bool:
-        return layer_id >= self.first_k_dense and (layer_id - self.first_k_dense) % self.moe_every == 0
-
-    def shared_expert_args(self) -> ModelArgs:
-        """Args for which llama's FFN sizing rule (``ffn_hidden_dim``) gives exactly moe_hidden_dim."""
-        base = int(2 * (4 * self.dim) / 3)
-        # int(multiplier * base) lands on moe_hidden_dim or one below it; rounding up to a multiple
-        # of moe_hidden_dim then gives moe_hidden_dim exactly.
-        args = dataclasses.replace(self, ffn_dim_multiplier=self.moe_hidden_dim / base, multiple_of=self.moe_hidden_dim)
-        assert ffn_hidden_dim(args) == self.moe_hidden_dim, (ffn_hidden_dim(args), self.moe_hidden_dim)
-        return args
-
-
-class MoETransformerBlock(nn.Module):
+def build_moe_block(layer_id: int, args: MoEArgs) -> TransformerBlock:
     """Llama's block with ``feed_forward`` an MoE on MoE layers (llama's FeedForward elsewhere)."""
-
-    def __init__(self, layer_id: int, args: MoEArgs):
-        super().__init__()
-        self.attention = Attention(args)
-        self.feed_forward: nn.Module = MoE(args) if args.is_moe_layer(layer_id) else FeedForward(args)
-        self.attention_norm = build_norm(args.norm_type, args.dim, args.norm_eps)
-        self.ffn_norm = build_norm(args.norm_type, args.dim, args.norm_eps)
-        depth = layer_id + 1 if args.depth_init else args.n_layers
-        self.init_std = 0.02 / (2 * depth) ** 0.5
-
-    def init_weights(self) -> None:
-        for norm in (self.attention_norm, self.ffn_norm):
-            norm.reset_parameters()
-        self.attention.init_weights(self.init_std)
-        self.feed_forward.init_weights(self.init_std)
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)  # (bs, seqlen, dim)
-        return h + self.feed_forward(self.ffn_norm(h))
+    return TransformerBlock(layer_id, args, feed_forward=MoE(args) if args.is_moe_layer(layer_id) else None)
 
 
 class MoETransformer(Transformer):
     """Llama's Transformer (embedding, RoPE, norm, output, init units, forward) with MoE blocks."""
 
     def __init__(self, args: MoEArgs):
-        # Llama's constructor with n_layers=0 builds everything but the blocks, which are ours.
-        super().__init__(dataclasses.replace(args, n_layers=0))
-        self.args = args
-        self.layers = nn.ModuleDict({str(i): MoETransformerBlock(i, args) for i in range(args.n_layers)})
+        super().__init__(args, build_block=build_moe_block)
 
     def moe_layers(self) -> dict[str, MoE]:
         """Layer name ("1", "2", ...) -> its MoE, for the layers this module (or stage) owns.

@@ -1,6 +1,6 @@
 """The mixture-of-experts layer: a token-choice top-k router, grouped SwiGLU experts, a shared expert.
 
-Pure torch, like the rest of ``models/``. Expert parallel (parallelisms/expert_parallel.py) wraps
+Pure torch, like the rest of ``models/``. Expert parallel (distributed/expert_parallel.py) wraps
 ``MoE.experts`` so that ``GroupedExperts.forward`` receives the tokens this rank's experts were sent,
 already sorted by local expert; the layer itself never communicates.
 
@@ -16,16 +16,12 @@ Load balancing (``MoEArgs.load_balance``):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.llama.model import FeedForward
-
-if TYPE_CHECKING:
-    from torchtitan.models.moe.model import MoEArgs
+from torchtitan.models.moe.args import MoEArgs
 
 
 class TokenChoiceRouter(nn.Module):
@@ -60,17 +56,22 @@ class TokenChoiceRouter(nn.Module):
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
     # Under expert parallel the weights are DTensors sharded over experts (Shard(0)) and this rank
-    # computes with its own experts only. Duck-typed so models/ imports nothing distributed.
+    # computes with its own experts only. Duck-typed so models/ imports nothing distributed, and
+    # to_local() (not distributed.dtensor.local_shard) because it is differentiable: the gradient
+    # reaches the sharded parameter.
     return weight.to_local() if hasattr(weight, "to_local") else weight
 
 
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU FFNs with stacked weights, run over tokens grouped by expert."""
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
+    def __init__(
+        self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True, balanced_routing: bool = False
+    ):
         super().__init__()
         self.num_experts = num_experts
         self.use_grouped_mm = use_grouped_mm
+        self.balanced_routing = balanced_routing  # read by expert parallel's dispatch (MoEArgs.balanced_routing)
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
@@ -132,7 +133,9 @@ class MoE(nn.Module):
         self.load_balance, self.aux_loss_coeff = args.load_balance, args.aux_loss_coeff
         self.bias_update_rate = args.bias_update_rate
         self.router = TokenChoiceRouter(args.dim, args.num_experts, args.top_k, args.score_func, args.route_norm)
-        self.experts = GroupedExperts(args.dim, args.moe_hidden_dim, args.num_experts, args.use_grouped_mm)
+        self.experts = GroupedExperts(
+            args.dim, args.moe_hidden_dim, args.num_experts, args.use_grouped_mm, args.balanced_routing
+        )
         self.shared_expert: FeedForward | None = (
             FeedForward(args.shared_expert_args()) if args.num_shared_experts else None
         )
@@ -177,7 +180,9 @@ class MoE(nn.Module):
         return out.view(bs, seqlen, dim)
 
     def count_tokens(self, experts: torch.Tensor) -> torch.Tensor:
-        """(T, top_k) chosen experts -> (E,) int64 routing slots per expert."""
+        """(T, top_k) chosen experts -> (E,) int64 routing slots per expert (balanced: see MoEArgs)."""
+        if self.experts.balanced_routing:
+            return torch.tensor(balanced_split(experts.numel(), self.num_experts), device=experts.device)
         return torch.bincount(experts.flatten(), minlength=self.num_experts)
 
     @torch.no_grad()
@@ -191,3 +196,9 @@ class MoE(nn.Module):
             return
         load = tokens_per_expert.to(self.expert_bias)
         self.expert_bias.add_(self.bias_update_rate * torch.sign(load.mean() - load))
+
+
+def balanced_split(total: int, parts: int) -> list[int]:
+    """``total`` split into ``parts`` integers as even as possible (the larger ones first)."""
+    base, extra = divmod(total, parts)
+    return [base + 1] * extra + [base] * (parts - extra)

@@ -1,0 +1,473 @@
+"""Structure checks on the torchtitan source, read with ``ast``/``tokenize`` (nothing is imported).
+
+- no import circles (function-local imports count, ``if TYPE_CHECKING:`` imports do not);
+- files <= 400 lines, functions <= 60 lines, unless marked ``# declarative table``;
+- the trainer, metrics, validation and checkpointing code reach MoE / pipeline specifics only
+  through the model spec (they never name them);
+- ``models/`` holds pure modules: torch, the stdlib and ``torchtitan.models`` only.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import io
+import itertools
+import re
+import sys
+import tokenize
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE_ROOT = REPO / "torchtitan"
+
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 60
+DECLARATIVE_TABLE = re.compile(r"#\s*declarative table", re.IGNORECASE)
+
+# Files that must reach family (MoE) and layout (pipeline) specifics only through the model spec.
+SPEC_ONLY_FILES = (
+    "torchtitan/train.py",
+    "torchtitan/observability/step_metrics.py",
+    "torchtitan/observability/metrics.py",
+    "torchtitan/components/validation.py",
+)
+SPEC_ONLY_FOLDERS = ("torchtitan/checkpointing",)
+FAMILY_SPECIFIC = tuple(
+    re.compile(p, re.IGNORECASE)
+    for p in (r"\bmoe", r"MoEArgs", r"expert", r"pipeline", r"\bstage", r"has_last_stage", r"pp_group",
+              r"isinstance\([^)]*Args\)")
+)
+
+
+# --------------------------------------------------------------------------- reading the source
+
+
+def _source(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+@functools.cache
+def _parse(text: str, filename: str) -> ast.Module:
+    return ast.parse(text, filename=filename)
+
+
+def _tree(path: Path) -> ast.Module:
+    return _parse(_source(path), str(path))  # keyed on the text: files change under a running session
+
+
+def _rel(path: Path) -> str:
+    """The path as the failure messages show it: relative to the repository root."""
+    try:
+        return path.relative_to(REPO).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def _python_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _module_name(path: Path, root: Path) -> str:
+    """``<root>/a/b.py`` -> ``<pkg>.a.b``; ``<root>/a/__init__.py`` -> ``<pkg>.a``."""
+    parts = [root.name, *path.relative_to(root).with_suffix("").parts]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+# --------------------------------------------------------------------------- collecting imports
+
+
+@dataclass(frozen=True)
+class Import:
+    """One imported name as written: ``import module`` (name None) or ``from module import name``."""
+
+    line: int
+    module: str  # absolute, relative imports already resolved
+    name: str | None
+    type_only: bool  # inside an ``if TYPE_CHECKING:`` block
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+class _ImportCollector(ast.NodeVisitor):
+    """Every import at any nesting level, with the ``if TYPE_CHECKING:`` ones marked type-only."""
+
+    def __init__(self, package: str):
+        self.package = package  # the package a relative import is resolved against
+        self.imports: list[Import] = []
+        self._type_only = 0
+
+    def visit_If(self, node: ast.If) -> None:
+        if not _is_type_checking(node.test):
+            self.generic_visit(node)
+            return
+        self.visit(node.test)
+        self._type_only += 1
+        for stmt in node.body:
+            self.visit(stmt)
+        self._type_only -= 1
+        for stmt in node.orelse:  # the ``else:`` of ``if TYPE_CHECKING:`` runs for real
+            self.visit(stmt)
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            self._add(node.lineno, alias.name, None)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        module = self._absolute(node.module, node.level)
+        for alias in node.names:
+            self._add(node.lineno, module, None if alias.name == "*" else alias.name)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        # importlib.import_module("x.y") / __import__("x.y") with a literal name import x.y as well.
+        func = node.func
+        called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        first = node.args[0] if node.args else None
+        literal = first.value if isinstance(first, ast.Constant) else None
+        if called in ("import_module", "__import__") and isinstance(literal, str) and not literal.startswith("."):
+            self._add(node.lineno, literal, None)
+        self.generic_visit(node)
+
+    def _absolute(self, module: str | None, level: int) -> str:
+        if level == 0:
+            return module or ""
+        parts = self.package.split(".")
+        base = parts[: len(parts) - (level - 1)]
+        return ".".join([*base, module] if module else base)
+
+    def _add(self, line: int, module: str, name: str | None) -> None:
+        self.imports.append(Import(line, module, name, type_only=self._type_only > 0))
+
+
+def _imports(path: Path, root: Path) -> list[Import]:
+    module = _module_name(path, root)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    collector = _ImportCollector(package)
+    collector.visit(_tree(path))
+    return collector.imports
+
+
+# --------------------------------------------------------------------------- the import graph
+
+
+@dataclass(frozen=True)
+class Edge:
+    """Why ``src`` imports ``dst``: the import statement's line, and what it names."""
+
+    line: int
+    imported: str
+    via_package_init: bool  # dst is a package whose __init__ runs on the way to ``imported``
+
+
+def _target(imp: Import, modules: set[str]) -> str | None:
+    """The package module an import loads (the submodule for ``from pkg import submodule``)."""
+    if imp.name is not None and f"{imp.module}.{imp.name}" in modules:
+        return f"{imp.module}.{imp.name}"
+    parts = imp.module.split(".")
+    while parts and ".".join(parts) not in modules:  # ``import pkg.mod.attr``: the longest module
+        parts.pop()
+    return ".".join(parts) or None
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def build_import_graph(root: Path) -> tuple[dict[str, dict[str, Edge]], dict[str, Path]]:
+    """``graph[src][dst] = Edge`` over the modules of the package at ``root`` (runtime imports only).
+
+    Importing ``pkg.a.b.c`` runs the ``pkg.a`` and ``pkg.a.b`` inits first, so the edge to it comes
+    with edges to those inits, except to packages the importer is itself inside (their init has
+    already started when the importer runs; Python does not import them again). An explicit import
+    of an own parent package (``from pkg.a import X`` in ``pkg.a.m``) does count.
+    """
+    paths = {_module_name(p, root): p for p in _python_files(root)}
+    modules = set(paths)
+    graph: dict[str, dict[str, Edge]] = {m: {} for m in modules}
+    for src, path in paths.items():
+        for imp in _imports(path, root):
+            target = None if imp.type_only else _target(imp, modules)
+            if target is None:
+                continue
+            parts = target.split(".")
+            parents = [".".join(parts[:i]) for i in range(1, len(parts))]
+            for dst in [target, *(p for p in parents if p in modules and not _inside(src, p))]:
+                if dst != src and dst not in graph[src]:
+                    graph[src][dst] = Edge(imp.line, target, via_package_init=dst != target)
+    return graph, paths
+
+
+def strongly_connected_components(graph: dict[str, dict[str, Edge]]) -> list[list[str]]:
+    """Tarjan's algorithm, iterative; components in a stable (sorted) order."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                components.append(sorted(component))
+    return sorted(components)
+
+
+def elementary_cycles(graph: dict[str, dict[str, Edge]], component: list[str], limit: int = 100) -> list[list[str]]:
+    """Every simple cycle inside one component (each once: it starts at its smallest module)."""
+    members = set(component)
+    cycles: list[list[str]] = []
+    for start in component:
+        path, on_path = [start], {start}
+        work = [iter(sorted(d for d in graph[start] if d in members and d >= start))]
+        while work and len(cycles) < limit:
+            nxt = next(work[-1], None)
+            if nxt is None:
+                work.pop()
+                on_path.discard(path.pop())
+            elif nxt == start:
+                cycles.append([*path, start])
+            elif nxt not in on_path:
+                path.append(nxt)
+                on_path.add(nxt)
+                work.append(iter(sorted(d for d in graph[nxt] if d in members and d >= start)))
+    return cycles
+
+
+def _describe_cycle(cycle: list[str], graph: dict[str, dict[str, Edge]], paths: dict[str, Path]) -> str:
+    lines = [" -> ".join(cycle)]
+    for src, dst in itertools.pairwise(cycle):
+        edge = graph[src][dst]
+        how = f"imports {edge.imported}"
+        if edge.via_package_init:
+            how += f", which runs package {dst}'s __init__ first"
+        lines.append(f"    {_rel(paths[src])}:{edge.line}: {src} {how}")
+    return "\n".join(lines)
+
+
+def find_cycles(root: Path) -> list[str]:
+    graph, paths = build_import_graph(root)
+    found = []
+    for component in strongly_connected_components(graph):
+        if len(component) > 1:
+            found += [_describe_cycle(c, graph, paths) for c in elementary_cycles(graph, component)]
+    return found
+
+
+# --------------------------------------------------------------------------- 1. import circles
+
+
+def test_import_graph_checker_on_a_synthetic_package(tmp_path):
+    """The checker itself: relative, function-local, type-only and package-init edges."""
+    pkg = tmp_path / "pkg"
+    files = {
+        "__init__.py": "",
+        "a/__init__.py": "from pkg.a import x\n",  # an init importing its own submodule: fine
+        "a/x.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b import y\n",
+        "a/z.py": "def f():\n    from ..b import y\n",  # function-local, relative
+        "b/__init__.py": "",
+        "b/y.py": "from pkg.a.x import thing\n",  # runs pkg.a's __init__ first
+    }
+    for name, text in files.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    graph, _ = build_import_graph(pkg)
+    assert set(graph["pkg.a"]) == {"pkg.a.x"}
+    assert graph["pkg.a.x"] == {}  # type-only
+    assert set(graph["pkg.a.z"]) == {"pkg.b", "pkg.b.y"}
+    assert set(graph["pkg.b.y"]) == {"pkg.a", "pkg.a.x"}
+    assert find_cycles(pkg) == []
+    (pkg / "a/x.py").write_text("import pkg.a.z\n")  # z -> b.y -> a (init) -> x -> z
+    assert [c.splitlines()[0] for c in find_cycles(pkg)] == [
+        "pkg.a -> pkg.a.x -> pkg.a.z -> pkg.b.y -> pkg.a",
+        "pkg.a.x -> pkg.a.z -> pkg.b.y -> pkg.a.x",
+    ]
+
+
+def test_no_import_cycles():
+    graph, _ = build_import_graph(PACKAGE_ROOT)
+    assert sum(map(len, graph.values())) > 50, "import graph suspiciously small; is the checker broken?"
+    cycles = find_cycles(PACKAGE_ROOT)
+    assert not cycles, f"{len(cycles)} import circle(s); break each at one of its listed imports:\n" + "\n".join(
+        cycles
+    )
+
+
+# --------------------------------------------------------------------------- 2. file and function lengths
+
+
+def _function_is_exempt(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """``# declarative table`` just above the def (or its decorators) or on the def / body's first line.
+
+    A file-level marker exempts only the file's length, not the functions in it.
+    """
+    first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+    candidates = {first - 1, node.lineno - 1, *range(node.lineno, node.body[0].lineno + 1)}
+    return any(1 <= n <= len(lines) and DECLARATIVE_TABLE.search(lines[n - 1]) for n in candidates)
+
+
+def length_violations(root: Path) -> list[str]:
+    found = []
+    for path in _python_files(root):
+        lines = _source(path).splitlines()
+        file_exempt = any(DECLARATIVE_TABLE.search(line) for line in lines[:5])
+        if len(lines) > MAX_FILE_LINES and not file_exempt:
+            found.append(f"{_rel(path)}: file has {len(lines)} lines (max {MAX_FILE_LINES})")
+        for node in ast.walk(_tree(path)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_FUNCTION_LINES and not _function_is_exempt(lines, node):
+                found.append(f"{_rel(path)}:{node.lineno}: {node.name}() has {length} lines (max {MAX_FUNCTION_LINES})")
+    return sorted(found)
+
+
+def test_file_and_function_lengths():
+    found = length_violations(PACKAGE_ROOT)
+    assert not found, (
+        f"{len(found)} over-long file(s)/function(s); split them, or mark a declarative table with a "
+        "'# declarative table' comment:\n" + "\n".join(found)
+    )
+
+
+# --------------------------------------------------------------------------- 3. family specifics via the spec
+
+
+def code_only(text: str) -> str:
+    """``text`` with every comment and string literal (docstrings included) blanked out to spaces."""
+    starts = [0]
+    for line in text.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    chars = list(text)
+    fstring_depth, fstring_start = 0, None
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        name = tokenize.tok_name[tok.type]
+        if name == "FSTRING_START":  # Python >= 3.12 splits f-strings; drop them whole, like 3.11
+            fstring_depth += 1
+            fstring_start = fstring_start or tok.start
+            continue
+        if name == "FSTRING_END":
+            fstring_depth -= 1
+            if fstring_depth:
+                continue
+            span = (fstring_start, tok.end)
+            fstring_start = None
+        elif fstring_depth or tok.type not in (tokenize.COMMENT, tokenize.STRING):
+            continue
+        else:
+            span = (tok.start, tok.end)
+        (r0, c0), (r1, c1) = span
+        for i in range(starts[r0 - 1] + c0, starts[r1 - 1] + c1):
+            if chars[i] != "\n":
+                chars[i] = " "
+    return "".join(chars)
+
+
+def _spec_only_paths() -> list[Path]:
+    paths = [REPO / f for f in SPEC_ONLY_FILES]
+    for folder in SPEC_ONLY_FOLDERS:
+        paths += _python_files(REPO / folder)
+    return paths
+
+
+def _word_at(code: str, match: re.Match) -> str:
+    """The whole identifier a match sits in (``moe`` -> ``moe_args``), or the match if it spans more."""
+    start, end = match.span()
+    if not re.fullmatch(r"\w+", match.group()):
+        return " ".join(match.group().split())
+    while start > 0 and (code[start - 1].isalnum() or code[start - 1] == "_"):
+        start -= 1
+    while end < len(code) and (code[end].isalnum() or code[end] == "_"):
+        end += 1
+    return code[start:end]
+
+
+def family_specific_mentions(paths: list[Path]) -> list[str]:
+    found = []
+    for path in paths:
+        code = code_only(_source(path))
+        hits: dict[int, set[str]] = {}
+        for pattern in FAMILY_SPECIFIC:
+            for match in pattern.finditer(code):
+                line = code.count("\n", 0, match.start()) + 1
+                hits.setdefault(line, set()).add(_word_at(code, match))
+        found += [f"{_rel(path)}:{line}: {', '.join(sorted(words))}" for line, words in sorted(hits.items())]
+    return found
+
+
+def test_trainer_reaches_family_specifics_through_the_spec():
+    paths = _spec_only_paths()
+    missing = [_rel(p) for p in paths if not p.is_file()]
+    assert not missing, f"files this test guards are gone; update SPEC_ONLY_FILES: {missing}"
+    found = family_specific_mentions(paths)
+    assert not found, (
+        f"{len(found)} line(s) of trainer/metrics/validation/checkpointing code name MoE or pipeline "
+        "specifics; move them behind the model spec / forward-backward function:\n" + "\n".join(found)
+    )
+
+
+# --------------------------------------------------------------------------- 4. models are pure modules
+
+
+def _allowed_in_models(module: str) -> bool:
+    top = module.split(".")[0]
+    if top == "torch":
+        return not _inside(module, "torch.distributed")
+    if top == "torchtitan":
+        return _inside(module, "torchtitan.models")
+    return top == "__future__" or top in sys.stdlib_module_names
+
+
+def impure_model_imports(models_root: Path) -> list[str]:
+    found = []
+    for path in _python_files(models_root):
+        if path.name in ("spec.py", "__init__.py"):
+            continue
+        for imp in _imports(path, models_root.parent):  # type-only imports count: still a dependency
+            # ``from torch import distributed`` is torch.distributed; ``from torchtitan import models`` is fine.
+            full = f"{imp.module}.{imp.name}" if imp.name else imp.module
+            if not _allowed_in_models(full):
+                found.append(f"{_rel(path)}:{imp.line}: imports {full}")
+    return found
+
+
+def test_models_are_pure_modules():
+    models_root = PACKAGE_ROOT / "models"
+    assert _python_files(models_root), "no model files found"
+    found = impure_model_imports(models_root)
+    assert not found, (
+        "models/ may import only torch (not torch.distributed), the stdlib and torchtitan.models; "
+        "move the rest to the family's spec.py or to distributed/:\n" + "\n".join(found)
+    )

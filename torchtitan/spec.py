@@ -1,0 +1,180 @@
+"""Model families: what is specific to each, in one record (``ModelSpec``), and the registry.
+
+The trainer, metrics, validation, checkpointing, the conversion scripts and the memory estimator
+reach a family only through its spec (``get_model_spec(config.model.name)``), so nothing outside
+``models/<family>/`` and this registry asks ``isinstance(args, SomeArgs)``. A new family is its
+folder under ``models/`` (pure nn.Modules, flavors, an optional Hugging Face adapter) plus one
+entry in ``_SPECS`` below; families that keep llama's module layout (``tok_embeddings``,
+``layers``, ``norm``, ``output``; the TP plan's names) use the default parallelize and pipeline
+split. ``models/`` stays pure torch: the wiring to distributed code lives here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from torch import nn
+
+from torchtitan.components.load_balancing import build_load_balancer
+from torchtitan.config.errors import ConfigError
+from torchtitan.distributed.parallelize import parallelize
+from torchtitan.distributed.pipeline import prune_to_stage
+from torchtitan.models.llama import Transformer, hf_adapter, llama3_configs
+from torchtitan.models.llama.model import ffn_hidden_dim
+from torchtitan.models.moe import MoETransformer, moe_configs, num_active_params
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from torchtitan.config.manager import JobConfig
+    from torchtitan.distributed.mesh import WorldMesh
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+
+class StepHooks(Protocol):
+    """A family's per-step work beside forward/backward (MoE load balancing, for one)."""
+
+    def aux_loss(self, model_part: nn.Module, scale: float) -> torch.Tensor | None:
+        """A loss term, already multiplied by the micro-batch's ``scale``, to back-propagate with its loss; or None."""
+
+    def after_optimizer_step(self, *, keep_metrics: bool) -> None:
+        """Called on every rank after each optimizer step (may communicate)."""
+
+    def metrics(self) -> tuple[dict[str, Any], dict[str, float]] | None:
+        """(record fields, TensorBoard scalars) of the last log step, or None."""
+
+
+def count_non_embedding_params(args: Any, model: nn.Module) -> int:
+    """Global (unsharded) parameter count without the embedding table: what the matmuls touch."""
+    total = sum(p.numel() for p in model.parameters())
+    embed = getattr(model, "tok_embeddings", None)
+    return total - (embed.weight.numel() if embed is not None else 0)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model family.
+
+    Fields:
+        name: ``model.name`` in the config.
+        model_cls: built as ``model_cls(args)`` on the meta device.
+        flavors: ``model.flavor`` -> frozen args dataclass (with ``n_layers``, ``dim``, ``n_heads``,
+            ``head_dim``, ``vocab_size``, ``max_seq_len``, ``norm_type``).
+        parallelize_fn: ``(model, world_mesh, parallel_dims, config) -> None``: every parallelism,
+            in place, in the family's documented order (default: ``distributed.parallelize``).
+        pipeline_split_fn: ``(meta_model, first_layer, end_layer, is_first, is_last) -> None``:
+            prune a fresh meta model to one pipeline stage in place (default: llama-style
+            ``prune_to_stage``); None: no pipeline parallel.
+        count_flop_params: ``(args, meta_model) -> int``: the parameters one token is multiplied
+            by (the N of MFU's 6N; default: every parameter but the embedding table).
+        build_step_hooks: ``(args, meta_model, model_parts, device) -> StepHooks | None``.
+        fake_tensor_args: ``args -> args`` to build under fake tensors (the memory estimator):
+            data-dependent choices replaced by a fixed assumption; None: the args as they are.
+        state_dict_adapter: the Hugging Face conversion of the family (``to_hf_state_dict``,
+            ``from_hf_state_dict``, ``hf_config``, ``model_args_from_hf``), or None.
+        validate_fn: ``(config, args) -> None``: the family's own pre-launch checks (raise
+            ConfigError / NotImplementedError naming the key), beside the generic ones.
+    """
+
+    name: str
+    model_cls: type[nn.Module]
+    flavors: Mapping[str, Any]
+    parallelize_fn: Callable[[nn.Module, DeviceMesh | None, ParallelDims, JobConfig], None] = parallelize
+    count_flop_params: Callable[[Any, nn.Module], int] = count_non_embedding_params
+    pipeline_split_fn: Callable[[nn.Module, int, int, bool, bool], None] | None = prune_to_stage
+    build_step_hooks: Callable[[Any, nn.Module, list[nn.Module], WorldMesh, torch.device], StepHooks | None] | None = (
+        None
+    )
+    fake_tensor_args: Callable[[Any], Any] | None = None
+    state_dict_adapter: Any = None
+    validate_fn: Callable[[JobConfig, Any], None] | None = None
+
+
+def _moe_flop_params(args: Any, model: nn.Module) -> int:
+    return num_active_params(args)  # top_k of the routed experts
+
+
+def _balanced_routing(args: Any) -> Any:
+    # Routing is data-dependent; under fake tensors every expert gets an equal share of the tokens.
+    return dataclasses.replace(args, balanced_routing=True)
+
+
+def _check_dense_config(config: JobConfig, args: Any) -> None:
+    """llama's FFN width under TP; no expert parallel for a model without experts."""
+    tp, ep = config.training.tensor_parallel_degree, config.experimental.expert_parallel_degree
+    if ffn_hidden_dim(args) % tp:
+        raise ConfigError(
+            f"model {config.model.flavor}: ffn hidden size = {ffn_hidden_dim(args)} is not divisible by "
+            f"training.tensor_parallel_degree = {tp}; choose a TP degree that divides it"
+        )
+    if ep > 1 and not hasattr(args, "num_experts"):
+        raise ConfigError(
+            f"experimental.expert_parallel_degree = {ep} but model.name = {config.model.name!r} (flavor "
+            f"{config.model.flavor!r}) has no experts; use model.name = 'llama3_moe' or set expert_parallel_degree = 1"
+        )
+
+
+def _check_moe_config(config: JobConfig, args: Any) -> None:
+    """Expert parallel and the MoE model (the EP/TP/dp_shard divisibility is checked by ParallelDims)."""
+    _check_dense_config(config, args)
+    exp, t = config.experimental, config.training
+    ep, tp = exp.expert_parallel_degree, t.tensor_parallel_degree
+    model = f"model.name = {config.model.name!r} (flavor {config.model.flavor!r})"
+    if ep < 1:
+        raise ConfigError(f"experimental.expert_parallel_degree must be >= 1, got {ep}")
+    if not 1 <= args.top_k <= args.num_experts:
+        raise ConfigError(f"{model}: top_k = {args.top_k} must be between 1 and num_experts = {args.num_experts}")
+    if args.num_experts % ep:
+        raise ConfigError(f"{model} has num_experts = {args.num_experts}, not divisible by "
+                          f"experimental.expert_parallel_degree = {ep}; choose an EP degree that divides it")
+    unsupported = [
+        (tp > 1 and ep == 1, f"training.tensor_parallel_degree = {tp} with experimental.expert_parallel_degree = 1: "
+         "the routed experts are not tensor-parallel; set expert_parallel_degree to a multiple of tp (EP contains "
+         "the TP ranks)"),
+        (exp.context_parallel_degree > 1 and ep > 1, f"experimental.expert_parallel_degree = {ep} with "
+         f"experimental.context_parallel_degree = {exp.context_parallel_degree}: expert parallel does not include "
+         "CP ranks yet; set one of them to 1"),
+        (t.compile, f"training.compile = true with {model}: the routed experts' fp32 grouped matmul and the EP "
+         "all-to-all (data-dependent splits) do not compile under fullgraph; turn training.compile off"),
+        (exp.enable_async_tensor_parallel, f"experimental.enable_async_tensor_parallel with {model}: the async TP "
+         "plan has no MoE block; turn async TP off"),
+        (args.load_balance == "aux_loss" and exp.pipeline_parallel_degree > 1, f"{model} balances with an aux "
+         f"loss, and under experimental.pipeline_parallel_degree = {exp.pipeline_parallel_degree} the middle "
+         "stages cannot add to the loss; use a flavor with load_balance = 'bias' or pipeline_parallel_degree = 1"),
+    ]
+    for bad, message in unsupported:
+        if bad:
+            raise NotImplementedError(message)
+
+
+# One entry per family.
+_SPECS: dict[str, ModelSpec] = {
+    "llama3": ModelSpec(
+        "llama3", Transformer, llama3_configs, state_dict_adapter=hf_adapter, validate_fn=_check_dense_config
+    ),
+    "llama3_moe": ModelSpec(
+        "llama3_moe", MoETransformer, moe_configs, count_flop_params=_moe_flop_params,
+        build_step_hooks=build_load_balancer, fake_tensor_args=_balanced_routing, validate_fn=_check_moe_config,
+    ),
+}
+
+
+def register_model_spec(spec: ModelSpec) -> None:
+    """Add a family (e.g. one defined outside the package); a name is registered once."""
+    if spec.name in _SPECS and _SPECS[spec.name] is not spec:
+        raise ValueError(f"a model family named {spec.name!r} is already registered")
+    _SPECS[spec.name] = spec
+
+
+def model_names() -> list[str]:
+    return list(_SPECS)
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    if name not in _SPECS:
+        raise ValueError(f"model.name = {name!r} is unknown; registered families: {model_names()}")
+    return _SPECS[name]
