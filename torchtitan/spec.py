@@ -12,16 +12,14 @@ split. ``models/`` stays pure torch: the wiring to distributed code lives here.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
 
-from torchtitan.components.load_balancing import build_load_balancer
 from torchtitan.config.errors import ConfigError
-from torchtitan.distributed.parallelize import parallelize
-from torchtitan.distributed.pipeline import prune_to_stage
 from torchtitan.models.llama import Transformer, hf_adapter, llama3_configs
 from torchtitan.models.llama.model import ffn_hidden_dim
 from torchtitan.models.moe import MoETransformer, moe_configs, num_active_params
@@ -33,6 +31,32 @@ if TYPE_CHECKING:
     from torchtitan.config.manager import JobConfig
     from torchtitan.distributed.mesh import WorldMesh
     from torchtitan.distributed.parallel_dims import ParallelDims
+
+
+class Deferred:
+    """A function named by ``"module:attribute"``, imported on its first call.
+
+    The registry is read by the pre-launch config check (``python -m torchtitan.config``, before
+    every launch), which needs the flavors, not the distributed stack a family's wiring imports
+    (``torch.distributed.pipelining`` alone pulls in dynamo: seconds per launch).
+    """
+
+    def __init__(self, target: str):
+        self.target = target
+        self._fn: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._fn is None:
+            module, _, name = self.target.partition(":")
+            self._fn = getattr(importlib.import_module(module), name)
+        return self._fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Deferred({self.target!r})"
+
+
+PARALLELIZE = Deferred("torchtitan.distributed.parallelize:parallelize")
+PRUNE_TO_STAGE = Deferred("torchtitan.distributed.pipeline:prune_to_stage")
 
 
 class StepHooks(Protocol):
@@ -78,20 +102,23 @@ class ModelSpec:
             ``from_hf_state_dict``, ``hf_config``, ``model_args_from_hf``), or None.
         validate_fn: ``(config, args) -> None``: the family's own pre-launch checks (raise
             ConfigError / NotImplementedError naming the key), beside the generic ones.
+        layer_pattern: ``args -> (prefix, period)``: after ``prefix`` leading layers, the layers
+            repeat with this period (the estimator extrapolates memory over whole periods).
     """
 
     name: str
     model_cls: type[nn.Module]
     flavors: Mapping[str, Any]
-    parallelize_fn: Callable[[nn.Module, DeviceMesh | None, ParallelDims, JobConfig], None] = parallelize
+    parallelize_fn: Callable[[nn.Module, DeviceMesh | None, ParallelDims, JobConfig], None] = PARALLELIZE
     count_flop_params: Callable[[Any, nn.Module], int] = count_non_embedding_params
-    pipeline_split_fn: Callable[[nn.Module, int, int, bool, bool], None] | None = prune_to_stage
+    pipeline_split_fn: Callable[[nn.Module, int, int, bool, bool], None] | None = PRUNE_TO_STAGE
     build_step_hooks: Callable[[Any, nn.Module, list[nn.Module], WorldMesh, torch.device], StepHooks | None] | None = (
         None
     )
     fake_tensor_args: Callable[[Any], Any] | None = None
     state_dict_adapter: Any = None
     validate_fn: Callable[[JobConfig, Any], None] | None = None
+    layer_pattern: Callable[[Any], tuple[int, int]] = lambda args: (0, 1)
 
 
 def _moe_flop_params(args: Any, model: nn.Module) -> int:
@@ -158,7 +185,8 @@ _SPECS: dict[str, ModelSpec] = {
     ),
     "llama3_moe": ModelSpec(
         "llama3_moe", MoETransformer, moe_configs, count_flop_params=_moe_flop_params,
-        build_step_hooks=build_load_balancer, fake_tensor_args=_balanced_routing, validate_fn=_check_moe_config,
+        build_step_hooks=Deferred("torchtitan.components.load_balancing:build_load_balancer"), fake_tensor_args=_balanced_routing, validate_fn=_check_moe_config,
+        layer_pattern=lambda args: (args.first_k_dense, args.moe_every),
     ),
 }
 

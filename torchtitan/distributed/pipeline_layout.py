@@ -20,7 +20,10 @@ import csv
 import os
 import re
 
-from torch.distributed.pipelining.schedules import _Action
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _Action
 
 SINGLE_STAGE_SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B")
 MULTI_STAGE_SCHEDULES: tuple[str, ...] = (
@@ -151,6 +154,10 @@ def stage_ids_for_rank(pp_rank: int, pp: int, num_stages: int, schedule: str) ->
 
 def _read_csv_actions(csv_path: str) -> list[list[_Action]]:
     """The CSV's compute actions, one list per row (rank); ValueError naming the file on any problem."""
+    # Imported here: torch.distributed.pipelining pulls in dynamo (over a second), and this module
+    # is part of the pre-launch config check, which reads a CSV only for CSV schedules.
+    from torch.distributed.pipelining.schedules import _Action
+
     if not os.path.isfile(csv_path):
         raise ValueError(f"{_K_CSV} = {csv_path!r}: no such file")
     rows: list[list[_Action]] = []

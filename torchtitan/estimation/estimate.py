@@ -166,13 +166,12 @@ class DepthReduction:
 
 
 def plan_depth(config, args, dims: ParallelDims, full_depth: bool) -> DepthReduction | None:
-    """The reduction to use, or None to run the real depth (small models, MoE under PP)."""
+    """The reduction to use, or None to run the real depth (small models; a layer prefix under PP)."""
     if full_depth:
         return None
-    moe = getattr(args, "num_experts", 0) > 0
-    if moe and dims.pp_enabled:
-        return None  # stages would mix dense and MoE layers unevenly
-    prefix, unit = (args.first_k_dense, args.moe_every) if moe else (0, 1)
+    prefix, unit = get_model_spec(config.model.name).layer_pattern(args)  # MoE: (first dense layers, moe_every)
+    if (prefix or unit > 1) and dims.pp_enabled:
+        return None  # stages would mix the prefix and the periods unevenly
     if dims.pp_enabled:
         layout = _stage_layout(config, args.n_layers, dims)
         reduction, fewest = DepthReduction(prefix, unit, len(layout)), min(e - f for f, e in layout) / unit

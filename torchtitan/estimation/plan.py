@@ -23,10 +23,11 @@ dp_shard, dp_replicate, pp outermost) fit in one node of ``gpus_per_node``, else
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from dataclasses import dataclass, field
 
-from torchtitan.build import build_model_args
+from torchtitan.build import build_meta_model, build_model_args
 from torchtitan.spec import get_model_spec
 from torchtitan.config.validation import validate_config
 from torchtitan.estimation.estimate import estimate_memory
@@ -151,33 +152,28 @@ def _with_overrides(config, layout: Layout, local_batch: int):
 
 def lower_bound_bytes(args, layout: Layout, config) -> int:
     """Parameters + gradients + AdamW state per rank, sharded over everything that shards them."""
-    params = sum(_param_counts(args))
+    params = sum(_param_counts(config, args))
     shards = layout.tp * layout.pp * layout.dp_shard * layout.cp
     state = 2 if config.optimizer.state_dtype == "float32" else 1  # bytes per moment element / 2
     return int(params / shards * (4 + 4 + 4 * state))
 
 
-def _param_counts(args) -> tuple[int, int]:
-    """(embedding + output, the rest) parameter counts from the args, without building the model."""
-    from torchtitan.models.llama.model import ffn_hidden_dim
+def _param_counts(config, args) -> tuple[int, int]:
+    """(embedding + output, the rest) parameter counts of the family's model on the meta device."""
+    return _meta_param_counts(config.model.name, args)
 
-    kv = (args.n_kv_heads or args.n_heads) * args.head_dim
-    ffn = ffn_hidden_dim(args)
-    block = args.dim * (args.n_heads * args.head_dim) * 2 + args.dim * kv * 2 + 3 * args.dim * ffn + 2 * args.dim
-    if getattr(args, "num_experts", 0):
-        moe_layers = sum(args.is_moe_layer(i) for i in range(args.n_layers))
-        experts = args.num_experts * 3 * args.dim * args.moe_hidden_dim + args.dim * args.num_experts
-        shared = 3 * args.dim * args.moe_hidden_dim * args.num_shared_experts
-        blocks = args.n_layers * block + moe_layers * (experts + shared - 3 * args.dim * ffn)
-    else:
-        blocks = args.n_layers * block
-    return 2 * args.vocab_size * args.dim, blocks + args.dim
+
+@functools.cache
+def _meta_param_counts(model_name: str, args) -> tuple[int, int]:
+    model = build_meta_model(get_model_spec(model_name), args)
+    ends = sum(p.numel() for name, p in model.named_parameters() if name.split(".")[0] in ("tok_embeddings", "output"))
+    return ends, sum(p.numel() for p in model.parameters()) - ends
 
 
 def throughput(args, layout: Layout, config, global_batch: int, world_size: int, hw: Hardware) -> PlanRow:
     """Step time and tokens/s per GPU of a layout under the model in the module docstring (peak filled later)."""
     seq, bytes_param = config.training.seq_len, 2 if config.training.mixed_precision_param == "bfloat16" else 4
-    embed, rest = _param_counts(args)
+    embed, rest = _param_counts(config, args)
     flops_per_token = compute_num_flops_per_token(rest + embed // 2, args.n_layers, args.n_heads, args.head_dim, seq)
     tokens = global_batch * seq
     compute = tokens * flops_per_token * _AC_COMPUTE[layout.ac] / (world_size * hw.peak_flops * MODEL_EFFICIENCY)
