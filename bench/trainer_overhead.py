@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan.config.manager import JobConfig
-from torchtitan.models import Transformer
 from torchtitan.distributed.init import init_model_weights
+from torchtitan.models import Transformer
 from torchtitan.train import Trainer
 
 

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.config.manager import JobConfig
+from torchtitan.distributed.device import get_device_info, init_distributed
 from torchtitan.observability.logging import init_logger
 from torchtitan.train import run_job
-from torchtitan.distributed.device import get_device_info, init_distributed
 
 STATUS_FILE = "job_status.json"
 

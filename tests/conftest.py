@@ -7,7 +7,14 @@ import subprocess
 import pytest
 
 from tests.integration_tests import (
-    GLOBAL_BATCH, MOE, VALIDATION, MatrixLaunches, Row, losses_of, read_metrics, run_train,
+    GLOBAL_BATCH,
+    MOE,
+    VALIDATION,
+    MatrixLaunches,
+    Row,
+    losses_of,
+    read_metrics,
+    run_train,
 )
 
 

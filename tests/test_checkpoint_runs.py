@@ -27,7 +27,15 @@ import time
 import pytest
 
 from tests.integration_tests import (
-    COMMON, ROOT, RTOL, STEPS, check_job, launch_jobs, pp_schedule, read_metrics, run_train,
+    COMMON,
+    ROOT,
+    RTOL,
+    STEPS,
+    check_job,
+    launch_jobs,
+    pp_schedule,
+    read_metrics,
+    run_train,
 )
 
 pytestmark = pytest.mark.integration

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.integration_tests import RTOL, ROOT, STEPS, VAL_FREQ, VALIDATION, read_metrics, run_train
+from tests.integration_tests import ROOT, RTOL, STEPS, VAL_FREQ, VALIDATION, read_metrics, run_train
 
 pytestmark = pytest.mark.integration
 

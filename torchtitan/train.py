@@ -26,14 +26,14 @@ from torchtitan.config.manager import JobConfig, format_help, wants_help
 from torchtitan.distributed.context_parallel import compute_cp_positions, shard_sequence
 from torchtitan.distributed.device import get_device_info, init_distributed, set_pg_timeout
 from torchtitan.distributed.mesh import WorldMesh
-from torchtitan.dtypes import to_dtype
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.spec import get_model_spec
+from torchtitan.dtypes import to_dtype
 from torchtitan.observability.console import format_layout, format_start_summary
 from torchtitan.observability.logging import init_logger
 from torchtitan.observability.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.observability.run_records import write_run_records
 from torchtitan.observability.step_metrics import StepMetrics
+from torchtitan.spec import get_model_spec
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from tests.distributed.harness import run_distributed
 from torchtitan.build import build_model
 from torchtitan.components.loss import chunked_cross_entropy
 from torchtitan.config.manager import JobConfig
-from torchtitan.models import ModelArgs
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models import ModelArgs
 
 pytestmark = pytest.mark.distributed
 

@@ -22,9 +22,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import torchtitan.distributed.context_parallel as cp_module
 from tests.distributed.harness import run_distributed
-from torchtitan.models.llama.model import CausalAttention, ModelArgs, Transformer
 from torchtitan.distributed.context_parallel import RingAttention, apply_cp, compute_cp_positions, shard_sequence
 from torchtitan.distributed.torch_context_parallel import TorchRingAttention, enable_torch_cp_dispatcher
+from torchtitan.models.llama.model import CausalAttention, ModelArgs, Transformer
 
 pytestmark = pytest.mark.distributed
 
@@ -191,9 +191,9 @@ def test_ring_attention_matches_causal_attention(world: int, variant: dict) -> N
     for rank, result in enumerate(_results(world)):
         case = result[_name(variant)]
         assert case["out_dtype"] == f"torch.{variant['dtype']}"
-        torch.testing.assert_close(case["out"], case["expected_out"], **tol, msg=lambda m: f"rank {rank} out: {m}")
+        torch.testing.assert_close(case["out"], case["expected_out"], **tol, msg=lambda m, r=rank: f"rank {r} out: {m}")
         for name, got, want in zip("qkv", case["grads"], case["expected_grads"]):
-            torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name: f"rank {rank} d{n}: {m}")
+            torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name, r=rank: f"rank {r} d{n}: {m}")
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)

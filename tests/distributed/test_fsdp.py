@@ -11,9 +11,9 @@ from tests.distributed.harness import run_distributed
 from torchtitan.build import build_model
 from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.config.manager import JobConfig
-from torchtitan.models import ModelArgs
 from torchtitan.distributed.grad_norm import clip_grad_norm_, reduce_partial_grads_
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models import ModelArgs
 
 pytestmark = pytest.mark.distributed
 

@@ -49,7 +49,6 @@ def _losses(folder: str) -> list[float]:
 
 
 def _ranks(rank: int, world_size: int, base: str) -> dict[str, int]:
-    import tests.tiny_family  # noqa: F401  (the spawned process registers the family itself)
     from torchtitan.estimation.estimate import estimate_rank
     from torchtitan.estimation.fake_trainer import resolve_vocab
 

@@ -16,9 +16,9 @@ from tests.distributed.harness import run_distributed
 from torchtitan.build import build_model
 from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.config.manager import JobConfig
-from torchtitan.models import ModelArgs
 from torchtitan.distributed.grad_norm import clip_grad_norm_, reduce_partial_grads_
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models import ModelArgs
 
 pytestmark = pytest.mark.distributed
 
@@ -123,8 +123,8 @@ def _block_comms(rank: int, world: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from torchtitan.models.llama.model import TransformerBlock, compute_rope_cache
     from torchtitan.distributed.tensor_parallel import block_plan
+    from torchtitan.models.llama.model import TransformerBlock, compute_rope_cache
 
     torch.manual_seed(0)
     ref = TransformerBlock(0, ARGS)

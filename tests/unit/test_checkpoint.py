@@ -27,10 +27,10 @@ from torchtitan.checkpointing import (
     write_marker,
 )
 from torchtitan.checkpointing.hf import export_to_hf, import_from_hf
-from torchtitan.models.llama.hf_adapter import from_hf_state_dict, to_hf_state_dict
 from torchtitan.checkpointing.state import ModelPartsView
 from torchtitan.config.schema import Checkpoint as CheckpointConfig
 from torchtitan.models.llama import ModelArgs, Transformer
+from torchtitan.models.llama.hf_adapter import from_hf_state_dict, to_hf_state_dict
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16,
                  rope_theta=500000)

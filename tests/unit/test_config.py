@@ -3,9 +3,9 @@ import importlib
 import os
 import subprocess
 import sys
-import tomllib
 
 import pytest
+import tomllib
 import torch
 
 from torchtitan.config.errors import ConfigError

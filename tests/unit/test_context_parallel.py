@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtitan.models.llama.model import CausalAttention
 from torchtitan.distributed.context_parallel import (
     RingAttention,
     compute_block_attention,
@@ -13,6 +12,7 @@ from torchtitan.distributed.context_parallel import (
     merge_attention_,
     shard_sequence,
 )
+from torchtitan.models.llama.model import CausalAttention
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # fp32: only the order of the softmax reductions differs
 

@@ -5,10 +5,10 @@ import re
 import pytest
 import torch
 
+from torchtitan.distributed.init import init_model_weights
 from torchtitan.models import ModelArgs, Transformer
 from torchtitan.models.llama import llama3_configs
 from torchtitan.models.llama.model import ffn_hidden_dim
-from torchtitan.distributed.init import init_model_weights
 
 TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=32, max_seq_len=32)
 

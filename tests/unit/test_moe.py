@@ -9,10 +9,10 @@ import re
 import pytest
 import torch
 
-from torchtitan.spec import get_model_spec
+from torchtitan.distributed.init import init_model_weights
 from torchtitan.models.moe import MoE, MoEArgs, MoETransformer, TokenChoiceRouter, num_active_params
 from torchtitan.models.moe.moe import compute_aux_loss
-from torchtitan.distributed.init import init_model_weights
+from torchtitan.spec import get_model_spec
 
 TINY = MoEArgs(
     dim=32, n_layers=3, n_heads=4, vocab_size=64, multiple_of=16, max_seq_len=16,

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import copy
+import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from torchtitan.components.optim_lowp import LowPrecisionAdamW
+from torchtitan.components.optimizer import build_optimizer
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import JobConfig
 from torchtitan.config.schema import Optimizer as OptimizerConfig
 from torchtitan.config.validation import validate_config
 from torchtitan.models.llama.model import ModelArgs, Transformer
-from torchtitan.components.optim_lowp import LowPrecisionAdamW
-from torchtitan.components.optimizer import build_optimizer
 
 TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=256, max_seq_len=64)
 
@@ -113,8 +112,8 @@ def one_thread():
 
 def test_debug_model_optimizer_state_halves(one_thread):
     """The debug model's (7,999,744 parameters) AdamW state after one step: fp32 vs bf16 moments."""
-    from torchtitan.spec import get_model_spec
     from torchtitan.models.llama import Transformer
+    from torchtitan.spec import get_model_spec
 
     args = dataclasses.replace(get_model_spec("llama3").flavors["debugmodel"], vocab_size=2304)
     sizes = {}

@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtitan.models import ModelArgs
-from torchtitan.models.llama.model import Transformer
 from torchtitan.distributed.pipeline import prune_to_stage
 from torchtitan.distributed.pipeline_layout import (
     MULTI_STAGE_SCHEDULES,
@@ -16,6 +14,8 @@ from torchtitan.distributed.pipeline_layout import (
     stage_ids_for_rank,
     validate_microbatches,
 )
+from torchtitan.models import ModelArgs
+from torchtitan.models.llama.model import Transformer
 
 
 def _csv(tmp_path, rows: list[str]) -> str:

@@ -19,8 +19,8 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,11 +29,27 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from torchtitan.checkpointing.folders import (
-    EXPORT, FULL, SEED, CheckpointInfo, SaveSchedule, find_resume_checkpoint, list_files, purge_stale, read_marker,
-    step_folder, verify_files, write_marker,
+    EXPORT,
+    FULL,
+    SEED,
+    CheckpointInfo,
+    SaveSchedule,
+    find_resume_checkpoint,
+    list_files,
+    purge_stale,
+    read_marker,
+    step_folder,
+    verify_files,
+    write_marker,
 )
 from torchtitan.checkpointing.state import (
-    DataLoaderState, ModelState, OptimizerState, SavedKeysOnly, TrainState, build_model_view, check_model_keys,
+    DataLoaderState,
+    ModelState,
+    OptimizerState,
+    SavedKeysOnly,
+    TrainState,
+    build_model_view,
+    check_model_keys,
 )
 from torchtitan.dtypes import to_dtype
 

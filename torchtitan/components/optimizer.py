@@ -6,9 +6,9 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from torchtitan.components.optim_lowp import LowPrecisionAdamW
 from torchtitan.config.schema import Optimizer as OptimizerConfig
 from torchtitan.config.schema import Training
-from torchtitan.components.optim_lowp import LowPrecisionAdamW
 
 
 def build_optimizer(model_parts: list[nn.Module], config: OptimizerConfig) -> torch.optim.Optimizer:

@@ -174,7 +174,9 @@ def load_toml(path: str) -> dict[str, Any]:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except FileNotFoundError:
-        raise FileNotFoundError(f"config file not found: '{path}' (set --job.config_file to an existing TOML)")
+        raise FileNotFoundError(
+            f"config file not found: '{path}' (set --job.config_file to an existing TOML)"
+        ) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file '{path}' is not valid TOML: {e}") from None
 

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.models.llama.model import NORM_TYPES
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_layout import resolve_stage_layout, validate_microbatches
+from torchtitan.models.llama.model import NORM_TYPES
 from torchtitan.spec import get_model_spec
 
 if TYPE_CHECKING:

@@ -26,7 +26,6 @@ runs through a collective), so a rank saves only its local q, k, v, out and lse.
 from __future__ import annotations
 
 import bisect
-
 from dataclasses import dataclass
 from typing import Literal
 

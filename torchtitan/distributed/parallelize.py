@@ -12,10 +12,10 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.context_parallel import apply_cp, compute_cp_positions
 from torchtitan.distributed.expert_parallel import apply_ep
 from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
-from torchtitan.dtypes import to_dtype
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import apply_tp
 from torchtitan.distributed.torch_context_parallel import apply_torch_cp
+from torchtitan.dtypes import to_dtype
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

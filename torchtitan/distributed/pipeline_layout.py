@@ -19,7 +19,6 @@ from __future__ import annotations
 import csv
 import os
 import re
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:

@@ -11,18 +11,24 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.build import build_model_args
-from torchtitan.distributed.pipeline_layout import resolve_stage_layout, stage_ids_for_rank
-from torchtitan.spec import get_model_spec
-from torchtitan.train import Trainer
 from torchtitan.config.validation import validate_config
+from torchtitan.distributed.device import get_device_info
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.pipeline_layout import resolve_stage_layout, stage_ids_for_rank
+from torchtitan.dtypes import to_dtype
 from torchtitan.estimation.fake_trainer import (
-    ddp_bucket_bytes, estimation_builders, fake_mode_patches, gloo_patches, grouped_mm_patches,
-    p2p_works_hold_tensors, pipeline_patches, resolve_vocab,
+    ddp_bucket_bytes,
+    estimation_builders,
+    fake_mode_patches,
+    gloo_patches,
+    grouped_mm_patches,
+    p2p_works_hold_tensors,
+    pipeline_patches,
+    resolve_vocab,
 )
 from torchtitan.estimation.tracker import DDP_BUCKETS, StepMemory, track_steps, use_per_parameter_step
-from torchtitan.dtypes import to_dtype
-from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.device import get_device_info
+from torchtitan.spec import get_model_spec
+from torchtitan.train import Trainer
 
 # Settings the fake run cannot reproduce faithfully: (key, value that is fine, why).
 _UNMODELED = (

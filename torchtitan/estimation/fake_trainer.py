@@ -169,7 +169,11 @@ def pipeline_patches(hidden_shape: tuple[int, ...], hidden_dtype: torch.dtype) -
     """
     from torch.distributed.pipelining import schedules, stage
     from torch.distributed.pipelining._utils import (
-        InferenceMode, _derive_grad_metas, _StageBackwardMeta, _StageForwardMeta, extract_tensor_meta,
+        InferenceMode,
+        _derive_grad_metas,
+        _StageBackwardMeta,
+        _StageForwardMeta,
+        extract_tensor_meta,
     )
 
     hidden = extract_tensor_meta(torch.empty(hidden_shape, dtype=hidden_dtype, device="meta", requires_grad=True))

@@ -28,13 +28,13 @@ import time
 from dataclasses import dataclass, field
 
 from torchtitan.build import build_meta_model, build_model_args
-from torchtitan.spec import get_model_spec
 from torchtitan.config.validation import validate_config
+from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.estimation.estimate import estimate_memory
 from torchtitan.estimation.fake_trainer import resolve_vocab
 from torchtitan.observability.flops import GPU_PEAK_FLOPS
 from torchtitan.observability.metrics import compute_num_flops_per_token
-from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.spec import get_model_spec
 
 GIB = 2**30
 MODEL_EFFICIENCY = 0.5  # achievable fraction of peak FLOP/s for large matmuls

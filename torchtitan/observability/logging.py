@@ -20,7 +20,7 @@ def init_logger() -> None:
     root.addHandler(handler)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def warn_once(logger: logging.Logger, message: str) -> None:
     """``logger.warning(message)`` the first time this process sees the pair, then nothing.
 

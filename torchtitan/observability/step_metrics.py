@@ -13,11 +13,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchtitan.distributed.device import synchronize
+from torchtitan.dtypes import to_dtype
 from torchtitan.observability.console import build_palette, format_end_summary, format_step_line, format_validation_line
 from torchtitan.observability.flops import get_peak_flops
-from torchtitan.observability.metrics import build_device_memory_monitor, build_metric_logger, compute_mfu, compute_num_flops_per_token
-from torchtitan.dtypes import to_dtype
-from torchtitan.distributed.device import synchronize
+from torchtitan.observability.metrics import (
+    build_device_memory_monitor,
+    build_metric_logger,
+    compute_mfu,
+    compute_num_flops_per_token,
+)
 
 if TYPE_CHECKING:
     from torchtitan.config.manager import JobConfig

@@ -10,8 +10,6 @@ our row 2i, HF row i + head_dim/2 takes our row 2i+1. Importing inverts it. v/o 
 
 from __future__ import annotations
 
-HF_ARCHITECTURE = "LlamaForCausalLM"
-
 from typing import Any
 
 import torch
