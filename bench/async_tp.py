@@ -92,8 +92,13 @@ def timed_steps(stack: nn.Module, x: torch.Tensor, n: int) -> list[float]:
 
 def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=args.world_size, timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=args.world_size,
+        timeout=timedelta(seconds=600),
+    )
     try:
         mesh = init_device_mesh("cpu", (args.world_size,), mesh_dim_names=("tp",))
         stacks = {"sync": build_stack(args, mesh, sync_plan), "async": build_stack(args, mesh, async_plan)}

@@ -28,13 +28,20 @@ from torchtitan.train import Trainer
 def build_trainer(args: argparse.Namespace) -> Trainer:
     config = JobConfig.parse_args(
         [
-            "--job.config_file", "train_configs/debug_model.toml",
-            "--job.dump_folder", "/tmp/torchtitan_bench_overhead",
-            "--training.seq_len", str(args.seq_len),
-            "--training.batch_size", str(args.batch_size),
-            "--training.steps", "1000000",
-            "--metrics.log_freq", str(args.steps),  # one log (one sync) per timed block, like a real run
-            "--training.gc_freq", "1000",
+            "--job.config_file",
+            "train_configs/debug_model.toml",
+            "--job.dump_folder",
+            "/tmp/torchtitan_bench_overhead",
+            "--training.seq_len",
+            str(args.seq_len),
+            "--training.batch_size",
+            str(args.batch_size),
+            "--training.steps",
+            "1000000",
+            "--metrics.log_freq",
+            str(args.steps),  # one log (one sync) per timed block, like a real run
+            "--training.gc_freq",
+            "1000",
         ]
     )
     config.validate(world_size=1)
@@ -51,8 +58,12 @@ class MinimalLoop:
         init_model_weights(self.model, 0, torch.device("cpu"))
         opt = trainer.config.optimizer
         self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
-            weight_decay=opt.weight_decay, foreach=True,
+            self.model.parameters(),
+            lr=opt.lr,
+            betas=(opt.beta1, opt.beta2),
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+            foreach=True,
         )
         self.max_norm = trainer.config.training.max_norm
         self.batches = batches
@@ -99,16 +110,21 @@ def main() -> int:
             results[name].append(timed_block(fn, args.steps, tokens))
     trainer.close()
     median = {name: statistics.median(v) for name, v in results.items()}
-    print(json.dumps({
-        "benchmark": "trainer_overhead",
-        "tokens_per_step": tokens,
-        "threads": torch.get_num_threads(),
-        "trainer_tps": median["trainer"],
-        "minimal_tps": median["minimal"],
-        "ratio": median["trainer"] / median["minimal"],
-        "trainer_tps_all": results["trainer"],
-        "minimal_tps_all": results["minimal"],
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "trainer_overhead",
+                "tokens_per_step": tokens,
+                "threads": torch.get_num_threads(),
+                "trainer_tps": median["trainer"],
+                "minimal_tps": median["minimal"],
+                "ratio": median["trainer"] / median["minimal"],
+                "trainer_tps_all": results["trainer"],
+                "minimal_tps_all": results["minimal"],
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

@@ -35,10 +35,30 @@ MIN_DOC_CHARS = 200
 # content depends on third-party packages (distutils is shimmed by setuptools). Matched on the
 # first dotted component and on any component for the test-ish names.
 SKIP_TOP_LEVEL = {
-    "__main__", "__hello__", "__phello__", "antigravity", "this", "idlelib", "tkinter",
-    "turtle", "turtledemo", "test", "lib2to3", "distutils", "ensurepip", "pydoc_data",
-    "encodings", "msilib", "winreg", "winsound", "msvcrt", "_winapi", "readline", "site",
-    "sitecustomize", "usercustomize",
+    "__main__",
+    "__hello__",
+    "__phello__",
+    "antigravity",
+    "this",
+    "idlelib",
+    "tkinter",
+    "turtle",
+    "turtledemo",
+    "test",
+    "lib2to3",
+    "distutils",
+    "ensurepip",
+    "pydoc_data",
+    "encodings",
+    "msilib",
+    "winreg",
+    "winsound",
+    "msvcrt",
+    "_winapi",
+    "readline",
+    "site",
+    "sitecustomize",
+    "usercustomize",
 }
 SKIP_ANY_COMPONENT = {"test", "tests", "idle_test", "__main__"}
 
@@ -188,7 +208,12 @@ def main(argv: list[str] | None = None) -> None:
     size = write_jsonl(selected, Path(args.output))
     logger.info(
         "wrote %d documents (%d reference topics, %d of %d docstrings), %d bytes, to %s",
-        len(selected), len(reference), len(selected) - len(reference), len(docstrings), size, args.output,
+        len(selected),
+        len(reference),
+        len(selected) - len(reference),
+        len(docstrings),
+        size,
+        args.output,
     )
 
 

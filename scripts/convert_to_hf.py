@@ -31,8 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.output}: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
-          f"{config['torch_dtype']}")
+    print(
+        f"wrote {args.output}: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
+        f"{config['torch_dtype']}"
+    )
     return 0
 
 

@@ -31,8 +31,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: checkpoint folder {args.checkpoint!r} does not exist", file=sys.stderr)
         return 2
     if read_marker(args.checkpoint) is None:
-        print(f"error: {args.checkpoint} is incomplete (no {MARKER} marker: its save did not finish); "
-              "convert a complete step-N folder", file=sys.stderr)
+        print(
+            f"error: {args.checkpoint} is incomplete (no {MARKER} marker: its save did not finish); "
+            "convert a complete step-N folder",
+            file=sys.stderr,
+        )
         return 2
     if args.model_only:
         try:

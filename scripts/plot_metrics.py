@@ -147,8 +147,15 @@ def _draw_train_panels(axes: list[Any], runs: list[Run]) -> None:
             # Later runs drawn thinner, so identical curves still show every run.
             line = _draw(ax, run.get(key), label=run.label, linewidth=max(3.5 - 1.0 * i, 1.0))
             if key == "loss" and run.get("validation_loss"):
-                _draw(ax, run.get("validation_loss"), color=line.get_color(), linestyle="--",
-                      marker="o", markersize=4, label=f"{run.label} (validation)")
+                _draw(
+                    ax,
+                    run.get("validation_loss"),
+                    color=line.get_color(),
+                    linestyle="--",
+                    marker="o",
+                    markersize=4,
+                    label=f"{run.label} (validation)",
+                )
 
 
 def _draw_diff_panel(ax: Any, runs: list[Run]) -> None:
@@ -169,8 +176,7 @@ def plot_runs(runs: list[Run], out: Path, *, diff: bool = False, title: str | No
         raise PlotError("--diff needs at least two run folders")
     plt = _import_pyplot()
     num_panels = 1 if diff else len(TRAIN_PANELS)
-    fig, axes = plt.subplots(num_panels, 1, figsize=(8, 2.8 * num_panels + 0.6),
-                             sharex=True, squeeze=False)
+    fig, axes = plt.subplots(num_panels, 1, figsize=(8, 2.8 * num_panels + 0.6), sharex=True, squeeze=False)
     axes = list(axes[:, 0])
     if diff:
         _draw_diff_panel(axes[0], runs)
@@ -195,13 +201,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Plot loss, tokens/s and memory of training runs from their metrics.jsonl."
     )
-    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR",
-                        help="a run's job.dump_folder (holds metrics.jsonl)")
+    parser.add_argument(
+        "run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="a run's job.dump_folder (holds metrics.jsonl)"
+    )
     parser.add_argument("-o", "--output", type=Path, required=True, help="PNG file to write")
-    parser.add_argument("--diff", action="store_true",
-                        help="plot each run's per-step loss minus the first run's (parity check)")
-    parser.add_argument("--labels", help="comma-separated legend names, one per run "
-                        "(default: the folder names)")
+    parser.add_argument(
+        "--diff", action="store_true", help="plot each run's per-step loss minus the first run's (parity check)"
+    )
+    parser.add_argument("--labels", help="comma-separated legend names, one per run (default: the folder names)")
     parser.add_argument("--title", help="figure title")
     return parser.parse_args(argv)
 

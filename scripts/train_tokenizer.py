@@ -199,7 +199,13 @@ def main(argv: list[str] | None = None) -> None:
     logger.info(
         "trained %d ranks on %d documents (%d unique pieces) in %.1fs; wrote %s; "
         "tiktoken round trip ok, all ranks reachable: %s, %.2f bytes/token",
-        len(vocab), len(texts), len(word_counts), elapsed, args.output, not unreachable, bytes_per_token,
+        len(vocab),
+        len(texts),
+        len(word_counts),
+        elapsed,
+        args.output,
+        not unreachable,
+        bytes_per_token,
     )
 
 

@@ -28,16 +28,24 @@ GLOBAL_BATCH = 8
 RTOL = 1e-5
 VALIDATION = ["--validation.enabled", "--validation.freq", str(VAL_FREQ), "--validation.steps", "2"]
 COMMON = [
-    "--training.steps", str(STEPS),
-    "--training.seq_len", "64",
-    "--training.warmup_steps", "2",
+    "--training.steps",
+    str(STEPS),
+    "--training.seq_len",
+    "64",
+    "--training.warmup_steps",
+    "2",
     # a higher peak lr than the debug config's, so the loss visibly falls within the few steps
-    "--optimizer.lr", "3e-3",
-    "--training.mixed_precision_param", "float32",
-    "--training.seed", "42",
+    "--optimizer.lr",
+    "3e-3",
+    "--training.mixed_precision_param",
+    "float32",
+    "--training.seed",
+    "42",
     "--training.deterministic",
-    "--metrics.log_freq", "1",
-    "--activation_checkpoint.mode", "none",
+    "--metrics.log_freq",
+    "1",
+    "--activation_checkpoint.mode",
+    "none",
 ]
 
 
@@ -54,22 +62,28 @@ class Row:
     def args(self) -> list[str]:
         return [
             *self.overrides,
-            "--training.tensor_parallel_degree", str(self.tp),
-            "--experimental.pipeline_parallel_degree", str(self.pp),
-            "--experimental.context_parallel_degree", str(self.cp),
+            "--training.tensor_parallel_degree",
+            str(self.tp),
+            "--experimental.pipeline_parallel_degree",
+            str(self.pp),
+            "--experimental.context_parallel_degree",
+            str(self.cp),
         ]
 
 
 def pp_schedule(name: str, microbatches: int = 4) -> list[str]:
     return [
-        "--experimental.pipeline_parallel_schedule", name,
-        "--experimental.pipeline_parallel_microbatches", str(microbatches),
+        "--experimental.pipeline_parallel_schedule",
+        name,
+        "--experimental.pipeline_parallel_microbatches",
+        str(microbatches),
     ]
 
 
 PP_CSV = [
     *pp_schedule("loop"),
-    "--experimental.pipeline_parallel_schedule_csv", "./tests/assets/pp2_breadth_first_4stages_4mb.csv",
+    "--experimental.pipeline_parallel_schedule_csv",
+    "./tests/assets/pp2_breadth_first_4stages_4mb.csv",
 ]
 
 
@@ -86,8 +100,18 @@ ROWS = [
     Row("ddp2", 2, 4, ["--training.data_parallel_replicate_degree", "2", "--training.data_parallel_shard_degree", "1"]),
     Row("fsdp2_grad_accum2", 2, 2, ["--training.gradient_accumulation_steps", "2"]),
     Row("fsdp2_ac_full", 2, 4, ["--activation_checkpoint.mode", "full"]),
-    Row("fsdp2_ac_every_2nd", 2, 4, ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"]),
-    Row("fsdp2_ac_op", 2, 4, ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]),
+    Row(
+        "fsdp2_ac_every_2nd",
+        2,
+        4,
+        ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
+    ),
+    Row(
+        "fsdp2_ac_op",
+        2,
+        4,
+        ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+    ),
     Row("fsdp2_compile", 2, 4, ["--training.compile"]),
     Row("fsdp2_reshard_never", 2, 4, ["--training.fsdp_reshard_after_forward", "never"]),
     Row("fsdp2_prefetch2", 2, 4, ["--training.fsdp_prefetch_depth", "2"]),
@@ -153,8 +177,16 @@ GRAD_NORM_RTOL = 3e-4
 
 def job_argv(row: Row, dump_folder: str) -> list[str]:
     """A matrix row's trainer arguments: what run_llama_train.sh would pass for it."""
-    return ["--job.config_file", "./train_configs/debug_model.toml", *COMMON,
-            "--training.batch_size", str(row.local_batch), *row.args(), "--job.dump_folder", dump_folder]
+    return [
+        "--job.config_file",
+        "./train_configs/debug_model.toml",
+        *COMMON,
+        "--training.batch_size",
+        str(row.local_batch),
+        *row.args(),
+        "--job.dump_folder",
+        dump_folder,
+    ]
 
 
 class MatrixLaunches:
@@ -175,8 +207,9 @@ class MatrixLaunches:
     def _launch(self, ngpu: int) -> None:
         # compile rows last: inductor state stays in the process after them
         rows = sorted((r for r in self.rows if r.ngpu == ngpu), key=lambda r: "--training.compile" in r.overrides)
-        self.launched[ngpu] = launch_jobs(ngpu, [job_argv(r, self.folder(r)) for r in rows],
-                                          os.path.join(self.base, f"jobs_{ngpu}.json"))
+        self.launched[ngpu] = launch_jobs(
+            ngpu, [job_argv(r, self.folder(r)) for r in rows], os.path.join(self.base, f"jobs_{ngpu}.json")
+        )
 
     def losses(self, row: Row) -> dict[str, list[float]]:
         if row.ngpu not in self.launched:
@@ -189,9 +222,24 @@ def launch_jobs(ngpu: int, jobs: list[list[str]], spec_path: str) -> subprocess.
     """Run trainer jobs (argument lists, each with its --job.dump_folder) in one torchrun launch."""
     with open(spec_path, "w") as f:
         json.dump([{"argv": argv} for argv in jobs], f)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ngpu}", "--rdzv_backend", "c10d",
-           "--rdzv_endpoint=localhost:0", "--local-ranks-filter", "0", "--role", "rank", "--tee", "3",
-           "-m", "tests.batch_runs", spec_path]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={ngpu}",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint=localhost:0",
+        "--local-ranks-filter",
+        "0",
+        "--role",
+        "rank",
+        "--tee",
+        "3",
+        "-m",
+        "tests.batch_runs",
+        spec_path,
+    ]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300 + 120 * len(jobs))
 
 
@@ -199,8 +247,10 @@ def check_job(name: str, folder: str, launch: subprocess.CompletedProcess) -> st
     """Fail unless the job whose dump folder is ``folder`` ran and succeeded; returns its rank-0 log."""
     status_path = os.path.join(folder, "job_status.json")
     if not os.path.isfile(status_path):
-        pytest.fail(f"{name} was not run: its launch exited with {launch.returncode} before it\n"
-                    f"{launch.stdout[-2000:]}{launch.stderr[-3000:]}")
+        pytest.fail(
+            f"{name} was not run: its launch exited with {launch.returncode} before it\n"
+            f"{launch.stdout[-2000:]}{launch.stderr[-3000:]}"
+        )
     with open(status_path) as f:
         status = json.load(f)
     assert status["ok"], f"{name} failed:\n{status['error']}\n{_log_tails(folder)}"

@@ -31,16 +31,44 @@ def _error_lines(stderr: str) -> list[str]:
         ([], "./missing.toml", "error: config file not found: './missing.toml'"),
         ([], "BAD_TOML", "is not valid TOML"),
         (["--training.tensor_paralel_degree", "2"], None, "did you mean 'training.tensor_parallel_degree'?"),
-        (["--training.data_parallel_shard_degree", "3"], None, "dp_replicate(1) * dp_shard(3) * cp(1) * tp(1) * pp(1) = 3 != world_size(2)"),
-        (["--training.seq_len", "4096"], None, "training.seq_len = 4096 does not fit model debugmodel, whose max_seq_len is 2048"),
-        (["--model.tokenizer_path", "./nope.tiktoken"], None, "model.tokenizer_path = './nope.tiktoken' does not exist"),
-        (["--training.dataset_path", "./no/such/data.jsonl"], None, "training.dataset_path = './no/such/data.jsonl' does not exist"),
+        (
+            ["--training.data_parallel_shard_degree", "3"],
+            None,
+            "dp_replicate(1) * dp_shard(3) * cp(1) * tp(1) * pp(1) = 3 != world_size(2)",
+        ),
+        (
+            ["--training.seq_len", "4096"],
+            None,
+            "training.seq_len = 4096 does not fit model debugmodel, whose max_seq_len is 2048",
+        ),
+        (
+            ["--model.tokenizer_path", "./nope.tiktoken"],
+            None,
+            "model.tokenizer_path = './nope.tiktoken' does not exist",
+        ),
+        (
+            ["--training.dataset_path", "./no/such/data.jsonl"],
+            None,
+            "training.dataset_path = './no/such/data.jsonl' does not exist",
+        ),
         (["--experimental.enable_compiled_autograd"], None, "compiled autograd is not available yet"),
-        (["--experimental.context_parallel_degree", "2", "--training.seq_len", "90"], None,
-         "training.seq_len = 90 is not divisible by 2 x context_parallel_degree (load balancing) = 4"),
+        (
+            ["--experimental.context_parallel_degree", "2", "--training.seq_len", "90"],
+            None,
+            "training.seq_len = 90 is not divisible by 2 x context_parallel_degree (load balancing) = 4",
+        ),
     ],
-    ids=["missing-config", "bad-toml", "unknown-key", "degrees", "seq-len", "tokenizer", "dataset-path", "not-built",
-         "cp-seq-len"],
+    ids=[
+        "missing-config",
+        "bad-toml",
+        "unknown-key",
+        "degrees",
+        "seq-len",
+        "tokenizer",
+        "dataset-path",
+        "not-built",
+        "cp-seq-len",
+    ],
 )
 def test_launcher_rejects_bad_input_in_one_line(args, config, expected, tmp_path):
     if config == "BAD_TOML":

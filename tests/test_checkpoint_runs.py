@@ -70,12 +70,28 @@ def seeded_fsdp2(tmp_path_factory) -> tuple[str, dict[int, float], str]:
     env = dict(os.environ, CONFIG_FILE="./train_configs/debug_model.toml")
     seed = subprocess.run(
         ["bash", "./scripts/create_seed_checkpoint.sh", *COMMON, "--training.seed", "7", "--job.dump_folder", folder],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert seed.returncode == 0, seed.stderr[-3000:]
     assert complete_steps(folder) == [0]
-    log = train(2, folder, ["--training.batch_size", "4", "--checkpoint.interval", "2",
-                            "--checkpoint.keep_latest_k", "2", "--checkpoint.async_mode", "async"])
+    log = train(
+        2,
+        folder,
+        [
+            "--training.batch_size",
+            "4",
+            "--checkpoint.interval",
+            "2",
+            "--checkpoint.keep_latest_k",
+            "2",
+            "--checkpoint.async_mode",
+            "async",
+        ],
+    )
     return folder, losses(folder), log
 
 
@@ -96,10 +112,22 @@ def test_killed_save_resumes_from_previous_complete(seeded_fsdp2, tmp_path):
     _, seeded, _ = seeded_fsdp2
     folder = str(tmp_path)
     args = [*CKPT, "--training.batch_size", "4", "--training.seed", "7", "--checkpoint.interval", "2"]
-    env = dict(os.environ, NGPU="2", LOG_RANK="0", CONFIG_FILE="./train_configs/debug_model.toml", PREFLIGHT="0",
-               TORCHTITAN_TEST_CHECKPOINT_MARKER_DELAY="4:120")
-    proc = subprocess.Popen(["bash", "./run_llama_train.sh", *COMMON, *args, "--job.dump_folder", folder], cwd=ROOT,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    env = dict(
+        os.environ,
+        NGPU="2",
+        LOG_RANK="0",
+        CONFIG_FILE="./train_configs/debug_model.toml",
+        PREFLIGHT="0",
+        TORCHTITAN_TEST_CHECKPOINT_MARKER_DELAY="4:120",
+    )
+    proc = subprocess.Popen(
+        ["bash", "./run_llama_train.sh", *COMMON, *args, "--job.dump_folder", folder],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     step4 = os.path.join(folder, "checkpoint", "step-4")
     deadline = time.monotonic() + 300
     while not os.path.isfile(os.path.join(step4, ".metadata")) and proc.poll() is None and time.monotonic() < deadline:
@@ -123,7 +151,10 @@ def test_killed_save_resumes_from_previous_complete(seeded_fsdp2, tmp_path):
 SAME_LAYOUT = {
     "tp2": (8, ["--training.tensor_parallel_degree", "2"]),
     "pp2_1f1b": (8, ["--experimental.pipeline_parallel_degree", "2", *pp_schedule("1F1B")]),
-    "cp2": (8, ["--experimental.context_parallel_degree", "2", "--experimental.context_parallel_rotate_method", "alltoall"]),
+    "cp2": (
+        8,
+        ["--experimental.context_parallel_degree", "2", "--experimental.context_parallel_rotate_method", "alltoall"],
+    ),
     "moe_ep2": (4, ["--model.name", "llama3_moe", "--experimental.expert_parallel_degree", "2"]),
 }
 RESHARDED = {
@@ -135,8 +166,20 @@ RESHARDED = {
 
 
 def _job(folder: str, local_batch: int, layout: list[str], *extra: str) -> list[str]:
-    return ["--job.config_file", "./train_configs/debug_model.toml", *COMMON, *CKPT, "--training.batch_size",
-            str(local_batch), "--checkpoint.interval", "3", *layout, *extra, "--job.dump_folder", folder]
+    return [
+        "--job.config_file",
+        "./train_configs/debug_model.toml",
+        *COMMON,
+        *CKPT,
+        "--training.batch_size",
+        str(local_batch),
+        "--checkpoint.interval",
+        "3",
+        *layout,
+        *extra,
+        "--job.dump_folder",
+        folder,
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -40,15 +40,30 @@ NOT_PRACTICAL = {
 ALL_ROWS = [r for r in ROWS + MOE_ROWS if r.name not in NOT_PRACTICAL]
 # CI measures one row per feature (~4 minutes); every practical row takes ~15 minutes:
 # TORCHTITAN_ESTIMATION_ALL_ROWS=1 python -m pytest -s tests/test_estimation.py
-CI_ROWS = {"fsdp2", "ddp2", "fsdp2_grad_accum2", "fsdp2_ac_full", "tp2", "fsdp2_tp2", "cp2_alltoall", "pp2_1f1b",
-           "pp2_interleaved1f1b", "pp2_zbv_zero_bubble", "moe_fsdp2_ep2"}
-TRACKER_ROWS = ALL_ROWS if os.environ.get("TORCHTITAN_ESTIMATION_ALL_ROWS") else [r for r in ALL_ROWS if r.name in CI_ROWS]
+CI_ROWS = {
+    "fsdp2",
+    "ddp2",
+    "fsdp2_grad_accum2",
+    "fsdp2_ac_full",
+    "tp2",
+    "fsdp2_tp2",
+    "cp2_alltoall",
+    "pp2_1f1b",
+    "pp2_interleaved1f1b",
+    "pp2_zbv_zero_bubble",
+    "moe_fsdp2_ep2",
+}
+TRACKER_ROWS = (
+    ALL_ROWS if os.environ.get("TORCHTITAN_ESTIMATION_ALL_ROWS") else [r for r in ALL_ROWS if r.name in CI_ROWS]
+)
 # (b) on matrix rows at seq_len 1024: one per family in CI, more with TORCHTITAN_ESTIMATION_ALL_ROWS=1.
 CI_RSS_ROWS = {"fsdp2", "tp2", "pp2_1f1b"}
 ALL_RSS_ROWS = CI_RSS_ROWS | {"ddp2", "hsdp_2x2", "fsdp2_ac_full", "fsdp2_tp2", "cp2_alltoall", "moe_ep2"}
-RSS_ROWS = [dataclasses.replace(r, name=f"{r.name}_seq1024", overrides=[*r.overrides, "--training.seq_len", "1024"])
-            for r in ROWS + MOE_ROWS
-            if r.name in (ALL_RSS_ROWS if os.environ.get("TORCHTITAN_ESTIMATION_ALL_ROWS") else CI_RSS_ROWS)]
+RSS_ROWS = [
+    dataclasses.replace(r, name=f"{r.name}_seq1024", overrides=[*r.overrides, "--training.seq_len", "1024"])
+    for r in ROWS + MOE_ROWS
+    if r.name in (ALL_RSS_ROWS if os.environ.get("TORCHTITAN_ESTIMATION_ALL_ROWS") else CI_RSS_ROWS)
+]
 
 
 def _argv(row: Row) -> list[str]:
@@ -73,8 +88,19 @@ def measured(tmp_path_factory) -> dict[str, list[dict]]:
         cases, result = folder / "cases.json", folder / "measured.json"
         cases.write_text(json.dumps({r.name: _argv(r) for r in rows}))
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ngpu}", "--rdzv_backend", "c10d",
-               "--rdzv_endpoint=localhost:0", "-m", "torchtitan.estimation.measure", str(result), str(cases)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={ngpu}",
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint=localhost:0",
+            "-m",
+            "torchtitan.estimation.measure",
+            str(result),
+            str(cases),
+        ]
         run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
         per_rank = json.loads(result.read_text())
@@ -99,8 +125,10 @@ def test_estimate_matches_the_tracker_on_the_real_step(row: Row, measured):
     for role in _estimate(row).roles:
         real = measured[row.name][role.rank]["tracker_peak"]
         err = (role.memory.peak - real) / real
-        print(f"\n{row.name:<28}{role.role:<12}estimate {role.memory.peak / MIB:9.2f} MiB  real tracker "
-              f"{real / MIB:9.2f} MiB  {err:+.2%}")
+        print(
+            f"\n{row.name:<28}{role.role:<12}estimate {role.memory.peak / MIB:9.2f} MiB  real tracker "
+            f"{real / MIB:9.2f} MiB  {err:+.2%}"
+        )
         assert abs(err) <= TRACKER_RTOL, (role.role, role.memory.breakdown, measured[row.name][role.rank]["breakdown"])
 
 
@@ -110,9 +138,11 @@ def test_estimate_matches_real_peak_rss(row: Row, measured):
         real = measured[row.name][role.rank]
         tracker_err = (role.memory.peak - real["tracker_peak"]) / real["tracker_peak"]
         rss_err = (role.memory.peak - real["rss_peak"]) / real["rss_peak"]
-        print(f"\n{row.name:<20}{role.role:<12}estimate {role.memory.peak / MIB:9.2f} MiB  tracker "
-              f"{real['tracker_peak'] / MIB:9.2f} ({tracker_err:+.2%})  RSS growth {real['rss_peak'] / MIB:9.2f} "
-              f"({rss_err:+.2%})")
+        print(
+            f"\n{row.name:<20}{role.role:<12}estimate {role.memory.peak / MIB:9.2f} MiB  tracker "
+            f"{real['tracker_peak'] / MIB:9.2f} ({tracker_err:+.2%})  RSS growth {real['rss_peak'] / MIB:9.2f} "
+            f"({rss_err:+.2%})"
+        )
         assert abs(tracker_err) <= TRACKER_RTOL and abs(rss_err) <= RSS_RTOL
 
 
@@ -157,8 +187,16 @@ def test_depth_extrapolation_equals_the_full_depth_run():
     32 layers vs. all 32 layers, every row of the breakdown."""
     from torchtitan.estimation.estimate import estimate_memory
 
-    config = JobConfig.parse_args(["--job.config_file", "train_configs/llama3_8b.toml",
-                                   "--training.tensor_parallel_degree", "4", "--training.seq_len", "2048"])
+    config = JobConfig.parse_args(
+        [
+            "--job.config_file",
+            "train_configs/llama3_8b.toml",
+            "--training.tensor_parallel_degree",
+            "4",
+            "--training.seq_len",
+            "2048",
+        ]
+    )
     fast, full = estimate_memory(config, 64), estimate_memory(config, 64, full_depth=True)
     assert fast.roles[0].memory.notes[-1].startswith("extrapolated") and fast.seconds < full.seconds
     assert fast.peak == pytest.approx(full.peak, rel=1e-4)
@@ -167,14 +205,30 @@ def test_depth_extrapolation_equals_the_full_depth_run():
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "estimation.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900, env=dict(os.environ, **(env or {})))
+    return subprocess.run(
+        [sys.executable, "estimation.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ, **(env or {})),
+    )
 
 
 def test_plan_8b_on_64_ranks_with_80_gib(tmp_path):
     # --top 3: the estimator stops once the 3 best layouts (by the throughput model) are shown to fit
-    result = _cli("--job.config_file", "train_configs/llama3_8b.toml", "--plan", "--world_size", "64",
-                  "--memory_gib", "80", "--top", "3", "--json")
+    result = _cli(
+        "--job.config_file",
+        "train_configs/llama3_8b.toml",
+        "--plan",
+        "--world_size",
+        "64",
+        "--memory_gib",
+        "80",
+        "--top",
+        "3",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads(result.stdout)
     assert len(plan["fits"]) == 3 and plan["estimated"] >= 3 and plan["considered"] > 50
@@ -208,8 +262,16 @@ def test_plan_8b_on_64_ranks_with_80_gib(tmp_path):
         (["--plan", "--world_size", "8", "--memory_gib", "x"], "--memory_gib must be a positive number, got 'x'"),
         (["--plan", "--world_size", "8", "--memory_gib", "80", "--gpu", "Z80"], "--gpu 'Z80': known are"),
     ],
-    ids=["world-size", "degrees", "compile", "offload", "plan-memory", "memory-without-plan", "memory-not-a-number",
-         "unknown-gpu"],
+    ids=[
+        "world-size",
+        "degrees",
+        "compile",
+        "offload",
+        "plan-memory",
+        "memory-without-plan",
+        "memory-not-a-number",
+        "unknown-gpu",
+    ],
 )
 def test_bad_input_is_one_line_exit_2(args, expected):
     result = _cli("--job.config_file", "train_configs/debug_model.toml", *args)

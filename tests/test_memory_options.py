@@ -18,9 +18,25 @@ from tests.integration_tests import read_metrics, run_train
 pytestmark = pytest.mark.integration
 
 STEPS = 50
-ARGS = ["--training.steps", str(STEPS), "--training.seq_len", "64", "--training.batch_size", "8",
-        "--training.warmup_steps", "5", "--training.seed", "42", "--training.deterministic",
-        "--metrics.log_freq", "1", "--optimizer.lr", "3e-3", "--training.mixed_precision_param", "float32"]
+ARGS = [
+    "--training.steps",
+    str(STEPS),
+    "--training.seq_len",
+    "64",
+    "--training.batch_size",
+    "8",
+    "--training.warmup_steps",
+    "5",
+    "--training.seed",
+    "42",
+    "--training.deterministic",
+    "--metrics.log_freq",
+    "1",
+    "--optimizer.lr",
+    "3e-3",
+    "--training.mixed_precision_param",
+    "float32",
+]
 
 
 def _losses(tmp_path, state_dtype: str) -> list[float]:
@@ -35,7 +51,9 @@ def _losses(tmp_path, state_dtype: str) -> list[float]:
 def test_bf16_states_track_fp32_states_over_50_steps(tmp_path):
     fp32, bf16 = _losses(tmp_path, "float32"), _losses(tmp_path, "bfloat16")
     gaps = [abs(a - b) / a for a, b in zip(fp32, bf16)]
-    print(f"\n50 steps: fp32 states {fp32[0]:.3f} -> {fp32[-1]:.3f}, bf16 states -> {bf16[-1]:.3f}; relative gap "
-          f"max {max(gaps):.2e} (step {gaps.index(max(gaps)) + 1}), mean {sum(gaps) / len(gaps):.2e}, final {gaps[-1]:.2e}")
+    print(
+        f"\n50 steps: fp32 states {fp32[0]:.3f} -> {fp32[-1]:.3f}, bf16 states -> {bf16[-1]:.3f}; relative gap "
+        f"max {max(gaps):.2e} (step {gaps.index(max(gaps)) + 1}), mean {sum(gaps) / len(gaps):.2e}, final {gaps[-1]:.2e}"
+    )
     assert fp32[0] - fp32[-1] > 2.0 and bf16[0] - bf16[-1] > 2.0, (fp32, bf16)
     assert max(gaps) < 3e-2 and sum(gaps) / len(gaps) < 5e-3 and gaps[-1] < 3e-3, gaps

@@ -39,9 +39,19 @@ def test_rerun_from_dump_folder_reproduces_losses(reference_run, tmp_path):
     assert info["world_size"] == 1 and info["torch"].startswith("2.13")
     rerun = str(tmp_path / "rerun")
     result = subprocess.run(
-        [sys.executable, "-m", "torchtitan.train", "--job.config_file", os.path.join(folder, "config.toml"),
-         "--job.dump_folder", rerun],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "torchtitan.train",
+            "--job.config_file",
+            os.path.join(folder, "config.toml"),
+            "--job.dump_folder",
+            rerun,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     original, again = read_metrics(folder), read_metrics(rerun)

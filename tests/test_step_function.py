@@ -17,11 +17,25 @@ def test_validation_runs_under_the_training_autocast(tmp_path, monkeypatch):
     forward's loss on that batch (exactly: the same path), and differs from an fp32 forward, so a
     validation that dropped the autocast would fail here."""
     monkeypatch.chdir(ROOT)
-    config = JobConfig.parse_args([
-        "--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path),
-        "--training.mixed_precision_param", "bfloat16", "--training.seq_len", "32", "--training.batch_size", "2",
-        "--validation.enabled", "--validation.steps", "1", "--training.seed", "5",
-    ])
+    config = JobConfig.parse_args(
+        [
+            "--job.config_file",
+            "train_configs/debug_model.toml",
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.mixed_precision_param",
+            "bfloat16",
+            "--training.seq_len",
+            "32",
+            "--training.batch_size",
+            "2",
+            "--validation.enabled",
+            "--validation.steps",
+            "1",
+            "--training.seed",
+            "5",
+        ]
+    )
     trainer = Trainer(config, world_size=1, rank=0)
     try:
         assert trainer.step_fn.amp_dtype == torch.bfloat16  # no FSDP: autocast carries the compute dtype

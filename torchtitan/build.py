@@ -174,8 +174,14 @@ def build_step_function(
     if spec.build_step_hooks is not None:
         hooks = spec.build_step_hooks(model_args, whole, parts, world, device)
     return StepFunction(
-        parts, world=world, device=device, amp_dtype=amp_dtype, loss_chunk_size=config.training.loss_chunk_size,
-        pipeline=pipeline, pipeline_loss=pipeline_loss, hooks=hooks,
+        parts,
+        world=world,
+        device=device,
+        amp_dtype=amp_dtype,
+        loss_chunk_size=config.training.loss_chunk_size,
+        pipeline=pipeline,
+        pipeline_loss=pipeline_loss,
+        hooks=hooks,
     )
 
 

@@ -156,22 +156,39 @@ def _check_moe_config(config: JobConfig, args: Any) -> None:
     if not 1 <= args.top_k <= args.num_experts:
         raise ConfigError(f"{model}: top_k = {args.top_k} must be between 1 and num_experts = {args.num_experts}")
     if args.num_experts % ep:
-        raise ConfigError(f"{model} has num_experts = {args.num_experts}, not divisible by "
-                          f"experimental.expert_parallel_degree = {ep}; choose an EP degree that divides it")
+        raise ConfigError(
+            f"{model} has num_experts = {args.num_experts}, not divisible by "
+            f"experimental.expert_parallel_degree = {ep}; choose an EP degree that divides it"
+        )
     unsupported = [
-        (tp > 1 and ep == 1, f"training.tensor_parallel_degree = {tp} with experimental.expert_parallel_degree = 1: "
-         "the routed experts are not tensor-parallel; set expert_parallel_degree to a multiple of tp (EP contains "
-         "the TP ranks)"),
-        (exp.context_parallel_degree > 1 and ep > 1, f"experimental.expert_parallel_degree = {ep} with "
-         f"experimental.context_parallel_degree = {exp.context_parallel_degree}: expert parallel does not include "
-         "CP ranks yet; set one of them to 1"),
-        (t.compile, f"training.compile = true with {model}: the routed experts' fp32 grouped matmul and the EP "
-         "all-to-all (data-dependent splits) do not compile under fullgraph; turn training.compile off"),
-        (exp.enable_async_tensor_parallel, f"experimental.enable_async_tensor_parallel with {model}: the async TP "
-         "plan has no MoE block; turn async TP off"),
-        (args.load_balance == "aux_loss" and exp.pipeline_parallel_degree > 1, f"{model} balances with an aux "
-         f"loss, and under experimental.pipeline_parallel_degree = {exp.pipeline_parallel_degree} the middle "
-         "stages cannot add to the loss; use a flavor with load_balance = 'bias' or pipeline_parallel_degree = 1"),
+        (
+            tp > 1 and ep == 1,
+            f"training.tensor_parallel_degree = {tp} with experimental.expert_parallel_degree = 1: "
+            "the routed experts are not tensor-parallel; set expert_parallel_degree to a multiple of tp (EP contains "
+            "the TP ranks)",
+        ),
+        (
+            exp.context_parallel_degree > 1 and ep > 1,
+            f"experimental.expert_parallel_degree = {ep} with "
+            f"experimental.context_parallel_degree = {exp.context_parallel_degree}: expert parallel does not include "
+            "CP ranks yet; set one of them to 1",
+        ),
+        (
+            t.compile,
+            f"training.compile = true with {model}: the routed experts' fp32 grouped matmul and the EP "
+            "all-to-all (data-dependent splits) do not compile under fullgraph; turn training.compile off",
+        ),
+        (
+            exp.enable_async_tensor_parallel,
+            f"experimental.enable_async_tensor_parallel with {model}: the async TP "
+            "plan has no MoE block; turn async TP off",
+        ),
+        (
+            args.load_balance == "aux_loss" and exp.pipeline_parallel_degree > 1,
+            f"{model} balances with an aux "
+            f"loss, and under experimental.pipeline_parallel_degree = {exp.pipeline_parallel_degree} the middle "
+            "stages cannot add to the loss; use a flavor with load_balance = 'bias' or pipeline_parallel_degree = 1",
+        ),
     ]
     for bad, message in unsupported:
         if bad:
@@ -184,8 +201,13 @@ _SPECS: dict[str, ModelSpec] = {
         "llama3", Transformer, llama3_configs, state_dict_adapter=hf_adapter, validate_fn=_check_dense_config
     ),
     "llama3_moe": ModelSpec(
-        "llama3_moe", MoETransformer, moe_configs, count_flop_params=_moe_flop_params,
-        build_step_hooks=Deferred("torchtitan.components.load_balancing:build_load_balancer"), fake_tensor_args=_balanced_routing, validate_fn=_check_moe_config,
+        "llama3_moe",
+        MoETransformer,
+        moe_configs,
+        count_flop_params=_moe_flop_params,
+        build_step_hooks=Deferred("torchtitan.components.load_balancing:build_load_balancer"),
+        fake_tensor_args=_balanced_routing,
+        validate_fn=_check_moe_config,
         layer_pattern=lambda args: (args.first_k_dense, args.moe_every),
     ),
 }

@@ -85,18 +85,28 @@ class Trainer:
         """Parallelize and materialise the model parts, then the one step function over them."""
         meta_model = self.builders.meta_model
         return build_step_function(
-            whole, lambda: meta_model(self.spec, self.model_args), self.spec, self.model_args, self.config,
-            self.world, self.device, amp_dtype=self._autocast_dtype(),
+            whole,
+            lambda: meta_model(self.spec, self.model_args),
+            self.spec,
+            self.model_args,
+            self.config,
+            self.world,
+            self.device,
+            amp_dtype=self._autocast_dtype(),
         )
 
     def _start_summary(self, num_params: int) -> str:
         cfg, dims = self.config, self.parallel_dims
         return format_start_summary(
-            model=f"{cfg.model.name} {cfg.model.flavor}", params=num_params, flop_params=self.num_flop_params,
+            model=f"{cfg.model.name} {cfg.model.flavor}",
+            params=num_params,
+            flop_params=self.num_flop_params,
             layout=format_layout(dims.degrees()),
             world_size=dims.world_size,
             global_batch=dims.dp_degree * cfg.training.batch_size * cfg.training.gradient_accumulation_steps,
-            seq_len=cfg.training.seq_len, steps=cfg.training.steps, device=str(self.device),
+            seq_len=cfg.training.seq_len,
+            steps=cfg.training.steps,
+            device=str(self.device),
             dump_folder=cfg.job.dump_folder,
         )
 
@@ -134,7 +144,9 @@ class Trainer:
         if not dims.cp_enabled:
             return None
         cp_rank = self.world.local_rank("cp")
-        positions = compute_cp_positions(self.config.training.seq_len, dims.cp, cp_rank, exp.context_parallel_load_balance)
+        positions = compute_cp_positions(
+            self.config.training.seq_len, dims.cp, cp_rank, exp.context_parallel_load_balance
+        )
         return positions.to(self.device)
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,12 +180,19 @@ class Trainer:
         snap_dir = os.path.join(cfg.job.dump_folder, cfg.profiling.save_memory_snapshot_folder)
         with (
             maybe_enable_profiling(
-                cfg.profiling.enable_profiling, trace_dir=trace_dir, profile_freq=cfg.profiling.profile_freq,
-                global_step=self.step, rank=self.rank,
+                cfg.profiling.enable_profiling,
+                trace_dir=trace_dir,
+                profile_freq=cfg.profiling.profile_freq,
+                global_step=self.step,
+                rank=self.rank,
             ) as profiler,
             maybe_enable_memory_snapshot(
-                cfg.profiling.enable_memory_snapshot, snapshot_dir=snap_dir, profile_freq=cfg.profiling.profile_freq,
-                device=self.device, global_step=self.step, rank=self.rank,
+                cfg.profiling.enable_memory_snapshot,
+                snapshot_dir=snap_dir,
+                profile_freq=cfg.profiling.profile_freq,
+                device=self.device,
+                global_step=self.step,
+                rank=self.rank,
             ) as snapshotter,
         ):
             while self.step < cfg.training.steps:
@@ -222,24 +241,39 @@ class Trainer:
 
 def _build_metrics(trainer: Trainer) -> StepMetrics:
     return StepMetrics(
-        trainer.config, append=trainer.step > 0, device=trainer.device, enabled=trainer.rank == 0,
-        reduce_loss=trainer.step_fn.reduce_loss, num_params=trainer.num_flop_params, model_args=trainer.model_args,
+        trainer.config,
+        append=trainer.step > 0,
+        device=trainer.device,
+        enabled=trainer.rank == 0,
+        reduce_loss=trainer.step_fn.reduce_loss,
+        num_params=trainer.num_flop_params,
+        model_args=trainer.model_args,
     )
 
 
 def _build_checkpointer(trainer: Trainer) -> CheckpointManager:
     cfg = trainer.config
     return CheckpointManager(
-        cfg.checkpoint, dump_folder=cfg.job.dump_folder, model_parts=trainer.model_parts,
-        optimizer=trainer.optimizer, lr_scheduler=trainer.lr_scheduler, data_loader=trainer.data_loader,
-        dp_rank=trainer.world.local_rank("dp"), rank=trainer.rank, device=trainer.device,
+        cfg.checkpoint,
+        dump_folder=cfg.job.dump_folder,
+        model_parts=trainer.model_parts,
+        optimizer=trainer.optimizer,
+        lr_scheduler=trainer.lr_scheduler,
+        data_loader=trainer.data_loader,
+        dp_rank=trainer.world.local_rank("dp"),
+        rank=trainer.rank,
+        device=trainer.device,
         model_info=model_info(cfg, trainer.model_args),
     )
 
 
 def _build_validator(trainer: Trainer, tokenizer) -> Validator:
     return Validator(
-        trainer.config, tokenizer, world=trainer.world, step_fn=trainer.step_fn, shard_batch=trainer.shard_batch,
+        trainer.config,
+        tokenizer,
+        world=trainer.world,
+        step_fn=trainer.step_fn,
+        shard_batch=trainer.shard_batch,
     )
 
 

@@ -36,7 +36,11 @@ class _Attention(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.wq, self.wk, self.wv = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
+        self.wq, self.wk, self.wv = (
+            nn.Linear(DIM, DIM),
+            nn.Linear(DIM, DIM, bias=False),
+            nn.Linear(DIM, DIM, bias=False),
+        )
         self.wo = nn.Linear(DIM, DIM)
 
     def forward(self, x: torch.Tensor, rope: object = None) -> torch.Tensor:
@@ -49,8 +53,11 @@ class _Attention(nn.Module):
 class _FeedForward(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.w1, self.w2, self.w3 = (nn.Linear(DIM, HIDDEN, bias=False), nn.Linear(HIDDEN, DIM, bias=False),
-                                     nn.Linear(DIM, HIDDEN, bias=False))
+        self.w1, self.w2, self.w3 = (
+            nn.Linear(DIM, HIDDEN, bias=False),
+            nn.Linear(HIDDEN, DIM, bias=False),
+            nn.Linear(DIM, HIDDEN, bias=False),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -166,8 +173,12 @@ def test_forward_backward_match_sync_tp_and_unsharded(world: int) -> None:
     per_rank = _results(world)
     _assert_matches(per_rank, "sync", per_rank[0]["reference"])
     _assert_matches(per_rank, "async", per_rank[0]["reference"])
-    _assert_matches(per_rank, "async", {k: per_rank[0]["sync"][k] for k in ("grads",)} | {
-        "out": _gathered(per_rank, "sync", "out"), "x_grad": _gathered(per_rank, "sync", "x_grad")})
+    _assert_matches(
+        per_rank,
+        "async",
+        {k: per_rank[0]["sync"][k] for k in ("grads",)}
+        | {"out": _gathered(per_rank, "sync", "out"), "x_grad": _gathered(per_rank, "sync", "x_grad")},
+    )
     sync_grads, async_grads = per_rank[0]["sync"]["grads"], per_rank[0]["async"]["grads"]
     placements = {k: v for k, v in async_grads.items() if k.endswith(":placements")}
     assert placements == {k: sync_grads[k] for k in placements}  # grads land on DTensors as sync TP's

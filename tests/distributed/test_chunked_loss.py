@@ -58,8 +58,9 @@ def _compare(name, loss, model, ref_loss, ref_grads):
 
 
 def _tensor_parallel(world: int, tokens, labels, lp: bool) -> None:
-    model, ref = _build(["--training.tensor_parallel_degree", str(world),
-                         "--training.enable_loss_parallel", str(lp).lower()], world)
+    model, ref = _build(
+        ["--training.tensor_parallel_degree", str(world), "--training.enable_loss_parallel", str(lp).lower()], world
+    )
     assert isinstance(model.output.weight, DTensor)
     ctx = loss_parallel() if lp else torch.enable_grad()
     with ctx:

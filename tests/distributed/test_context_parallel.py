@@ -33,13 +33,19 @@ TOL = dict(rtol=1e-5, atol=1e-5)  # fp32: only the order of the softmax reductio
 BF16_TOL = dict(rtol=3e-2, atol=3e-2)  # bf16 inputs and outputs, fp32 accumulation inside
 MODEL_SEQ = 512
 WORLD_SIZES = (2, 4)
-VARIANTS = [dict(n_kv_heads=n_kv, rotate_method=rotate, load_balance=lb, dtype="float32")
-            for n_kv, rotate, lb in itertools.product((2, 4), ("allgather", "alltoall"), (True, False))]
-VARIANTS += [dict(n_kv_heads=2, rotate_method=rotate, load_balance=True, dtype="bfloat16")
-             for rotate in ("allgather", "alltoall")]
+VARIANTS = [
+    dict(n_kv_heads=n_kv, rotate_method=rotate, load_balance=lb, dtype="float32")
+    for n_kv, rotate, lb in itertools.product((2, 4), ("allgather", "alltoall"), (True, False))
+]
+VARIANTS += [
+    dict(n_kv_heads=2, rotate_method=rotate, load_balance=True, dtype="bfloat16")
+    for rotate in ("allgather", "alltoall")
+]
 # torch's own ring attention (context_parallel_impl = "torch"; our CPU kernel handlers)
-VARIANTS += [dict(n_kv_heads=2, rotate_method=rotate, load_balance=lb, dtype="float32", impl="torch")
-             for rotate, lb in itertools.product(("allgather", "alltoall"), (True, False))]
+VARIANTS += [
+    dict(n_kv_heads=2, rotate_method=rotate, load_balance=lb, dtype="float32", impl="torch")
+    for rotate, lb in itertools.product(("allgather", "alltoall"), (True, False))
+]
 
 
 def _name(variant: dict) -> str:
@@ -48,8 +54,16 @@ def _name(variant: dict) -> str:
     return impl + "{rotate_method}-kv{n_kv_heads}-{dtype}-{balance}".format(**variant, balance=balance)
 
 
-def _attention_case(rank: int, world: int, mesh, n_kv_heads: int, rotate_method: str, load_balance: bool,
-                    dtype: str, impl: str = "portable") -> dict:
+def _attention_case(
+    rank: int,
+    world: int,
+    mesh,
+    n_kv_heads: int,
+    rotate_method: str,
+    load_balance: bool,
+    dtype: str,
+    impl: str = "portable",
+) -> dict:
     """Ring attention on this rank's shard vs CausalAttention on the whole sequence (same seed everywhere)."""
     torch.manual_seed(0)
     q, dout = torch.randn(BS, N_HEADS, SEQ, HEAD_DIM), torch.randn(BS, N_HEADS, SEQ, HEAD_DIM)
@@ -65,21 +79,28 @@ def _attention_case(rank: int, world: int, mesh, n_kv_heads: int, rotate_method:
     out = ring(*local)
     out.backward(shard_sequence([dout], 2, positions)[0].to(out.dtype))
     expected_out = shard_sequence([CausalAttention()(q, k, v)], 2, positions)[0]
-    return {"out": out.detach(), "grads": [t.grad for t in local], "out_dtype": str(out.dtype),
-            "expected_out": expected_out, "expected_grads": shard_sequence([t.grad for t in full], 2, positions)}
+    return {
+        "out": out.detach(),
+        "grads": [t.grad for t in local],
+        "out_dtype": str(out.dtype),
+        "expected_out": expected_out,
+        "expected_grads": shard_sequence([t.grad for t in full], 2, positions),
+    }
 
 
 @contextmanager
 def _record_ring_events():
     """Log the order of ring hops and block computations (the overlap schedule)."""
     events: list[str] = []
-    originals = {name: getattr(cp_module, name) for name in ("_ring_shift", "_accumulate_block",
-                                                             "_accumulate_block_grad")}
+    originals = {
+        name: getattr(cp_module, name) for name in ("_ring_shift", "_accumulate_block", "_accumulate_block_grad")
+    }
 
     def logged(name, fn):
         def wrapper(*args, **kwargs):
             events.append(name if name != "_ring_shift" else f"shift:{args[2]}")  # tag: 0 K/V, 1 dK/dV
             return fn(*args, **kwargs)
+
         return wrapper
 
     for name, fn in originals.items():
@@ -125,8 +146,7 @@ def _loss(model, inputs, labels, positions=None) -> torch.Tensor:
 def _model_case(rank: int, world: int, mesh) -> dict:
     """Tiny llama: the unsharded model (cp = 1) vs the same weights with ring attention on cp ranks."""
     torch.manual_seed(0)
-    model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
-                                  max_seq_len=MODEL_SEQ))
+    model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=MODEL_SEQ))
     model.init_weights()
     tokens = torch.randint(0, 256, (BS, MODEL_SEQ + 1))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
@@ -144,9 +164,14 @@ def _model_case(rank: int, world: int, mesh) -> dict:
     for name, p in cp_model.named_parameters():
         dist.all_reduce(p.grad)
         grads[name] = p.grad / world
-    return {"loss": global_loss / world, "ref_loss": ref_loss.detach(), "cp_bytes": cp_bytes,
-            "ref_bytes": ref_bytes, "grads": grads,
-            "ref_grads": {name: p.grad for name, p in model.named_parameters()}}
+    return {
+        "loss": global_loss / world,
+        "ref_loss": ref_loss.detach(),
+        "cp_bytes": cp_bytes,
+        "ref_bytes": ref_bytes,
+        "grads": grads,
+        "ref_grads": {name: p.grad for name, p in model.named_parameters()},
+    }
 
 
 def _odd_seqlen_error(group) -> str:
@@ -214,16 +239,19 @@ def test_cp_llama_loss_and_grads_match_single_process(world: int) -> None:
         torch.testing.assert_close(model["loss"], model["ref_loss"], rtol=1e-5, atol=0)
         for name, want in model["ref_grads"].items():
             # fp32; the CP grads are summed over ranks in a different order, hence atol 1e-6
-            torch.testing.assert_close(model["grads"][name], want, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, n=name: f"grad {n}: {m}")
+            torch.testing.assert_close(
+                model["grads"][name], want, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"grad {n}: {m}"
+            )
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_activation_memory_per_rank_shrinks_with_cp(world: int) -> None:
     for rank, result in enumerate(_results(world)):
         ref_bytes, cp_bytes = result["model"]["ref_bytes"], result["model"]["cp_bytes"]
-        print(f"seq {MODEL_SEQ}: cp=1 saves {ref_bytes} B; cp={world} rank {rank} saves {cp_bytes} B "
-              f"({cp_bytes * world / ref_bytes:.3f} x cp1/cp)")
+        print(
+            f"seq {MODEL_SEQ}: cp=1 saves {ref_bytes} B; cp={world} rank {rank} saves {cp_bytes} B "
+            f"({cp_bytes * world / ref_bytes:.3f} x cp1/cp)"
+        )
         assert cp_bytes <= 1.15 * ref_bytes / world
 
 

@@ -28,8 +28,14 @@ from torchtitan.models.moe import MoE, MoEArgs, MoETransformer
 pytestmark = pytest.mark.distributed
 
 ARGS = MoEArgs(
-    dim=32, n_heads=4, num_experts=8, top_k=2, moe_hidden_dim=16, num_shared_experts=1,
-    score_func="softmax", load_balance="bias",
+    dim=32,
+    n_heads=4,
+    num_experts=8,
+    top_k=2,
+    moe_hidden_dim=16,
+    num_shared_experts=1,
+    score_func="softmax",
+    load_balance="bias",
 )
 BATCH, SEQ = 8, 5  # global batch: BATCH sequences, split evenly over the EP ranks
 TOL = dict(rtol=1e-5, atol=1e-6)

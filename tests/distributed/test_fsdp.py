@@ -26,11 +26,16 @@ def _config(dp_replicate: int, dp_shard: int, ac_mode: str = "none", extra: tupl
     return JobConfig.parse_args(
         [
             *extra,
-            "--training.data_parallel_replicate_degree", str(dp_replicate),
-            "--training.data_parallel_shard_degree", str(dp_shard),
-            "--training.mixed_precision_param", "float32",
-            "--training.seed", "7",
-            "--activation_checkpoint.mode", ac_mode,
+            "--training.data_parallel_replicate_degree",
+            str(dp_replicate),
+            "--training.data_parallel_shard_degree",
+            str(dp_shard),
+            "--training.mixed_precision_param",
+            "float32",
+            "--training.seed",
+            "7",
+            "--activation_checkpoint.mode",
+            ac_mode,
         ]
     )
 
@@ -62,8 +67,10 @@ def _train(model, batches, dp_rank: int, dp_degree: int):
 def _batches():
     g = torch.Generator().manual_seed(0)
     return [
-        (torch.randint(0, ARGS.vocab_size, (GLOBAL_BATCH, SEQ), generator=g),
-         torch.randint(0, ARGS.vocab_size, (GLOBAL_BATCH, SEQ), generator=g))
+        (
+            torch.randint(0, ARGS.vocab_size, (GLOBAL_BATCH, SEQ), generator=g),
+            torch.randint(0, ARGS.vocab_size, (GLOBAL_BATCH, SEQ), generator=g),
+        )
         for _ in range(STEPS)
     ]
 
@@ -111,8 +118,13 @@ def test_data_parallel_matches_single_process(world, dp_replicate, dp_shard, ac_
 
 
 def test_fsdp_prefetch_reshard_and_offload_controls_keep_parity():
-    extra = ("--training.fsdp_prefetch_depth", "2", "--training.fsdp_reshard_after_forward", "never",
-             "--training.enable_cpu_offload")
+    extra = (
+        "--training.fsdp_prefetch_depth",
+        "2",
+        "--training.fsdp_reshard_after_forward",
+        "never",
+        "--training.enable_cpu_offload",
+    )
     for comms, forward_prefetch in run_distributed(_check_against_reference, 2, 1, 2, "none", extra):
         assert comms == [1] * STEPS
         assert forward_prefetch == 2  # block 0 of the 3-block model gathers blocks 1 and 2 ahead

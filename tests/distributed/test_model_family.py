@@ -25,11 +25,29 @@ pytestmark = pytest.mark.distributed
 
 STEPS = 4
 BASE = [
-    "--job.config_file", "train_configs/debug_model.toml",
-    "--model.name", "tiny_parallel", "--model.flavor", "tiny",
-    "--training.steps", str(STEPS), "--training.seq_len", "64", "--training.warmup_steps", "2",
-    "--optimizer.lr", "3e-3", "--training.mixed_precision_param", "float32", "--training.seed", "3",
-    "--training.deterministic", "--metrics.log_freq", "1", "--activation_checkpoint.mode", "none",
+    "--job.config_file",
+    "train_configs/debug_model.toml",
+    "--model.name",
+    "tiny_parallel",
+    "--model.flavor",
+    "tiny",
+    "--training.steps",
+    str(STEPS),
+    "--training.seq_len",
+    "64",
+    "--training.warmup_steps",
+    "2",
+    "--optimizer.lr",
+    "3e-3",
+    "--training.mixed_precision_param",
+    "float32",
+    "--training.seed",
+    "3",
+    "--training.deterministic",
+    "--metrics.log_freq",
+    "1",
+    "--activation_checkpoint.mode",
+    "none",
 ]
 LAYOUTS = {  # name -> (local batch per dp rank, overrides); global batch 4 everywhere
     "fsdp2": (2, ["--training.data_parallel_shard_degree", "2"]),
@@ -54,8 +72,9 @@ def _ranks(rank: int, world_size: int, base: str) -> dict[str, int]:
 
     os.chdir(ROOT)
     for name, (batch, overrides) in LAYOUTS.items():
-        run_job(JobConfig.parse_args(_argv(os.path.join(base, name), batch, overrides)), world_size=world_size,
-                rank=rank)
+        run_job(
+            JobConfig.parse_args(_argv(os.path.join(base, name), batch, overrides)), world_size=world_size, rank=rank
+        )
     config = JobConfig.parse_args(_argv(os.path.join(base, "measure"), *LAYOUTS["fsdp2"]))
     vocab, _ = resolve_vocab(config)
     return {"tracker_peak": estimate_rank(config, world_size, rank, vocab, fake=False).peak}

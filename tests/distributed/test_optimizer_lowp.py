@@ -45,12 +45,21 @@ def _train(model, opt, rows: slice, dp: int) -> list[float]:
 
 
 def _check(rank: int, world: int) -> list[float]:
-    config = JobConfig.parse_args(["--training.mixed_precision_param", "float32", "--training.seed", "5",
-                                   "--training.data_parallel_shard_degree", str(world)])
+    config = JobConfig.parse_args(
+        [
+            "--training.mixed_precision_param",
+            "float32",
+            "--training.seed",
+            "5",
+            "--training.data_parallel_shard_degree",
+            str(world),
+        ]
+    )
     dims = ParallelDims.from_config(config, world)
     model = build_model(config, ARGS, dims, dims.build_mesh("cpu"), torch.device("cpu"))
-    ref = build_model(config, ARGS, ParallelDims(1, 1, 1, 1, 1, world_size=1, enable_loss_parallel=True), None,
-                      torch.device("cpu"))
+    ref = build_model(
+        config, ARGS, ParallelDims(1, 1, 1, 1, 1, world_size=1, enable_loss_parallel=True), None, torch.device("cpu")
+    )
     opt_config = OptimizerConfig(lr=3e-3, state_dtype="bfloat16")
     opt, ref_opt = build_optimizer([model], opt_config), build_optimizer([ref], opt_config)
     assert isinstance(opt, LowPrecisionAdamW)
@@ -65,8 +74,13 @@ def _check(rank: int, world: int) -> list[float]:
         assert isinstance(state["exp_avg"], DTensor) and state["exp_avg"].placements == (Shard(0),)
         assert state["exp_avg"].dtype == torch.bfloat16
         assert state["exp_avg"]._local_tensor.nbytes == p._local_tensor.nbytes // 2
-        torch.testing.assert_close(state["exp_avg"].full_tensor().float(), ref_state[n]["exp_avg"].float(),
-                                   rtol=STEPS * 2**-7, atol=1e-7, msg=n)  # <= one bf16 ulp per step
+        torch.testing.assert_close(
+            state["exp_avg"].full_tensor().float(),
+            ref_state[n]["exp_avg"].float(),
+            rtol=STEPS * 2**-7,
+            atol=1e-7,
+            msg=n,
+        )  # <= one bf16 ulp per step
     # DCP's optimizer state dict round trip (what checkpointing saves and loads) keeps bf16 DTensors.
     osd = get_optimizer_state_dict(model, opt)
     some = next(iter(osd["state"].values()))

@@ -50,8 +50,10 @@ def _finish(part: nn.Module) -> None:
 def _batches(args: ModelArgs, batch: int, seq: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     return [
-        (torch.randint(0, args.vocab_size, (batch, seq), generator=g),
-         torch.randint(0, args.vocab_size, (batch, seq), generator=g))
+        (
+            torch.randint(0, args.vocab_size, (batch, seq), generator=g),
+            torch.randint(0, args.vocab_size, (batch, seq), generator=g),
+        )
         for _ in range(steps)
     ]
 
@@ -97,10 +99,18 @@ def _grad_norm(parts, group) -> float:
 def _run_case(mesh, schedule, split_points, csv_path, batches, ref) -> float:
     ref_losses, ref_grads, ref_norms = ref
     parts = build_pipeline(
-        lambda: _meta_model(ARGS), n_layers=ARGS.n_layers, split_fn=prune_to_stage,
-        pp_mesh=mesh, device=torch.device("cpu"), n_microbatches=N_MB,
-        local_batch_size=BATCH, schedule=schedule, split_points=split_points, csv_path=csv_path,
-        loss_fn=cross_entropy_loss, finish_stage=_finish,
+        lambda: _meta_model(ARGS),
+        n_layers=ARGS.n_layers,
+        split_fn=prune_to_stage,
+        pp_mesh=mesh,
+        device=torch.device("cpu"),
+        n_microbatches=N_MB,
+        local_batch_size=BATCH,
+        schedule=schedule,
+        split_points=split_points,
+        csv_path=csv_path,
+        loss_fn=cross_entropy_loss,
+        finish_stage=_finish,
     )
     params = [p for part in parts.model_parts for p in part.parameters()]
     opt = torch.optim.SGD(params, lr=0.1)
@@ -142,10 +152,18 @@ def _check_incomplete_csv_is_rejected(mesh, path: str) -> None:
         f.write("0F0,2F0,2B0,0B0\n1F0,3F0,3B0,1B0\n")  # 1 microbatch of the 4 we ask for
     with pytest.raises(ValueError, match=r"pipeline_parallel_schedule_csv = '.*incomplete.*' is not a valid schedule"):
         build_pipeline(
-            lambda: _meta_model(ARGS), n_layers=ARGS.n_layers, split_fn=prune_to_stage,
-            pp_mesh=mesh, device=torch.device("cpu"), n_microbatches=N_MB,
-            local_batch_size=BATCH, schedule="loop", split_points=[], csv_path=path,
-            loss_fn=cross_entropy_loss, finish_stage=_finish,
+            lambda: _meta_model(ARGS),
+            n_layers=ARGS.n_layers,
+            split_fn=prune_to_stage,
+            pp_mesh=mesh,
+            device=torch.device("cpu"),
+            n_microbatches=N_MB,
+            local_batch_size=BATCH,
+            schedule="loop",
+            split_points=[],
+            csv_path=path,
+            loss_fn=cross_entropy_loss,
+            finish_stage=_finish,
         )
 
 
@@ -188,10 +206,19 @@ MEM_BATCH, MEM_SEQ, MEM_MB = 16, 32, 8
 
 def _gpipe_peak(mesh, release: bool, x, y) -> tuple[int, torch.Tensor | None, dict[str, torch.Tensor]]:
     parts = build_pipeline(
-        lambda: _meta_model(MEM_ARGS), n_layers=MEM_ARGS.n_layers, split_fn=prune_to_stage,
-        pp_mesh=mesh, device=torch.device("cpu"), n_microbatches=MEM_MB,
-        local_batch_size=MEM_BATCH, schedule="GPipe", split_points=[], csv_path="",
-        loss_fn=cross_entropy_loss, finish_stage=_finish, release_sent_outputs=release,
+        lambda: _meta_model(MEM_ARGS),
+        n_layers=MEM_ARGS.n_layers,
+        split_fn=prune_to_stage,
+        pp_mesh=mesh,
+        device=torch.device("cpu"),
+        n_microbatches=MEM_MB,
+        local_batch_size=MEM_BATCH,
+        schedule="GPipe",
+        split_points=[],
+        csv_path="",
+        loss_fn=cross_entropy_loss,
+        finish_stage=_finish,
+        release_sent_outputs=release,
     )
     pipeline_step(parts, x, y)  # the first step also infers shapes; measure the second
     for part in parts.model_parts:

@@ -30,13 +30,18 @@ TOL = dict(rtol=1e-5, atol=1e-6)  # fp32; TP only changes the order of the reduc
 def _config(tp: int, dp_shard: int, loss_parallel_on: bool, async_tp: bool) -> JobConfig:
     return JobConfig.parse_args(
         [
-            "--training.tensor_parallel_degree", str(tp),
-            "--training.data_parallel_shard_degree", str(dp_shard),
+            "--training.tensor_parallel_degree",
+            str(tp),
+            "--training.data_parallel_shard_degree",
+            str(dp_shard),
             f"--training.enable_loss_parallel={str(loss_parallel_on).lower()}",
             f"--experimental.enable_async_tensor_parallel={str(async_tp).lower()}",
-            "--training.mixed_precision_param", "float32",
-            "--training.seed", "3",
-            "--activation_checkpoint.mode", "none",
+            "--training.mixed_precision_param",
+            "float32",
+            "--training.seed",
+            "3",
+            "--activation_checkpoint.mode",
+            "none",
         ]
     )
 
@@ -44,7 +49,9 @@ def _config(tp: int, dp_shard: int, loss_parallel_on: bool, async_tp: bool) -> J
 def _batches():
     g = torch.Generator().manual_seed(1)
     shape = (GLOBAL_BATCH, SEQ)
-    return [(torch.randint(0, 128, shape, generator=g), torch.randint(0, 128, shape, generator=g)) for _ in range(STEPS)]
+    return [
+        (torch.randint(0, 128, shape, generator=g), torch.randint(0, 128, shape, generator=g)) for _ in range(STEPS)
+    ]
 
 
 def _full(t):

@@ -32,8 +32,9 @@ from torchtitan.config.schema import Checkpoint as CheckpointConfig
 from torchtitan.models.llama import ModelArgs, Transformer
 from torchtitan.models.llama.hf_adapter import from_hf_state_dict, to_hf_state_dict
 
-ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16,
-                 rope_theta=500000)
+ARGS = ModelArgs(
+    dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16, rope_theta=500000
+)
 
 
 def make(root, step: int, kind: str | None = FULL) -> str:
@@ -150,9 +151,19 @@ def _manager(tmp_path, model: torch.nn.Module, clock=None, **config) -> Checkpoi
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
     cfg = CheckpointConfig(enable_checkpoint=True, folder="ckpt", **{"interval": 2, **config})
-    return CheckpointManager(cfg, dump_folder=str(tmp_path), model_parts=[model], optimizer=opt, lr_scheduler=sched,
-                             data_loader=_Loader(), dp_rank=0, rank=0, device=torch.device("cpu"),
-                             model_info={"args": dataclasses.asdict(ARGS)}, **({"clock": clock} if clock else {}))
+    return CheckpointManager(
+        cfg,
+        dump_folder=str(tmp_path),
+        model_parts=[model],
+        optimizer=opt,
+        lr_scheduler=sched,
+        data_loader=_Loader(),
+        dp_rank=0,
+        rank=0,
+        device=torch.device("cpu"),
+        model_info={"args": dataclasses.asdict(ARGS)},
+        **({"clock": clock} if clock else {}),
+    )
 
 
 def _model(seed: int, args: ModelArgs = ARGS) -> Transformer:

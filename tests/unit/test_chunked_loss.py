@@ -48,8 +48,11 @@ def test_matches_full_cross_entropy(reduction, ignore, chunk_size):
     def chunked(hidden, output, labels):
         return chunked_cross_entropy(hidden, output, labels, chunk_size=chunk_size, reduction=reduction)
 
-    for got, want, name in zip(_loss_and_grads(chunked, ignore), _loss_and_grads(reference, ignore),
-                               ("loss", "hidden.grad", "output.weight.grad")):
+    for got, want, name in zip(
+        _loss_and_grads(chunked, ignore),
+        _loss_and_grads(reference, ignore),
+        ("loss", "hidden.grad", "output.weight.grad"),
+    ):
         torch.testing.assert_close(got, want, **TOL, msg=name)
 
 
@@ -120,8 +123,10 @@ def _peak_bytes(chunk_size: int) -> int:
 
 def test_chunked_loss_peak_memory_is_at_most_half():
     plain, chunked = _peak_bytes(0), _peak_bytes(64)
-    print(f"loss fwd+bwd peak, vocab 8192, bs 2, seq 512, dim 64: plain {plain / 2**20:.1f} MiB, "
-          f"chunk 64 {chunked / 2**20:.1f} MiB ({chunked / plain:.2f}x)")
+    print(
+        f"loss fwd+bwd peak, vocab 8192, bs 2, seq 512, dim 64: plain {plain / 2**20:.1f} MiB, "
+        f"chunk 64 {chunked / 2**20:.1f} MiB ({chunked / plain:.2f}x)"
+    )
     # The full fp32 logits are 32 MiB and backward holds about three of them; a 64-position chunk
     # is 4 MiB, plus the weight's gradient (2 MiB) and hidden's gradient per chunk (0.25 MiB).
     assert chunked <= 0.5 * plain

@@ -60,9 +60,12 @@ def test_bare_bool_flag_and_explicit_false():
 def test_cli_types():
     c = JobConfig.parse_args(
         [
-            "--optimizer.lr", "1e-3",
-            "--training.seed", "none",
-            "--experimental.pipeline_parallel_split_points", "layers.2, layers.4",
+            "--optimizer.lr",
+            "1e-3",
+            "--training.seed",
+            "none",
+            "--experimental.pipeline_parallel_split_points",
+            "layers.2, layers.4",
             "--training.dataset_path=/x/y",
         ]
     )
@@ -72,7 +75,10 @@ def test_cli_types():
 
 
 def test_unknown_key_has_did_you_mean(tmp_path):
-    with pytest.raises(ConfigError, match=r"unknown config key 'training.tensor_paralel_degree' \(did you mean 'training.tensor_parallel_degree'\?\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown config key 'training.tensor_paralel_degree' \(did you mean 'training.tensor_parallel_degree'\?\)",
+    ):
         JobConfig.parse_args(["--training.tensor_paralel_degree", "2"])
     toml = tmp_path / "c.toml"
     toml.write_text("[trainig]\nsteps = 1\n")
@@ -135,7 +141,10 @@ def test_config_check_cli_checks_and_exits_nonzero():
     env = dict(os.environ, PYTHONPATH=ROOT)
     bad = subprocess.run(
         [sys.executable, "-m", "torchtitan.config", "--world_size", "4", "--training.data_parallel_shard_degree", "3"],
-        cwd=ROOT, env=env, capture_output=True, text=True,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert bad.returncode == 2
     assert bad.stderr.strip() == (
@@ -143,8 +152,19 @@ def test_config_check_cli_checks_and_exits_nonzero():
         "set data_parallel_shard_degree = -1 to infer it"
     )
     ok = subprocess.run(
-        [sys.executable, "-m", "torchtitan.config", "--world_size", "2", "--job.config_file", "train_configs/debug_model.toml"],
-        cwd=ROOT, env=env, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "torchtitan.config",
+            "--world_size",
+            "2",
+            "--job.config_file",
+            "train_configs/debug_model.toml",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert ok.returncode == 0, ok.stderr
 
@@ -153,7 +173,11 @@ def test_config_check_cli_checks_and_exits_nonzero():
     "args, code, stderr",
     [
         (["--world_size=2", "--job.config_file", "train_configs/debug_model.toml"], 0, ""),
-        (["--world_size", "two"], 2, "error: --world_size needs a positive integer (the number of processes), got 'two'\n"),
+        (
+            ["--world_size", "two"],
+            2,
+            "error: --world_size needs a positive integer (the number of processes), got 'two'\n",
+        ),
         (["--world_size"], 2, "error: --world_size needs a positive integer (the number of processes), got ''\n"),
     ],
 )
@@ -186,43 +210,92 @@ def test_deprecated_disable_spellings_map_onto_enable_keys(tmp_path, toml, cli, 
     path.write_text(toml)
     c = JobConfig.parse_args(["--job.config_file", str(path), *cli])
     assert (c.training.enable_loss_parallel, c.loss_parallel, c.metrics.enable_color_printing) == (
-        loss_parallel, loss_parallel, color
+        loss_parallel,
+        loss_parallel,
+        color,
     )
     assert "disable_loss_parallel" not in c.to_dict()["training"]  # only the canonical key is dumped
 
 
 def test_deprecated_spelling_contradicting_the_canonical_key_is_an_error(tmp_path):
-    match = (r"training.enable_loss_parallel = true and training.disable_loss_parallel = true contradict each other "
-             r"\(training.disable_loss_parallel is the older spelling of training.enable_loss_parallel = false\); "
-             r"keep only training.enable_loss_parallel")
+    match = (
+        r"training.enable_loss_parallel = true and training.disable_loss_parallel = true contradict each other "
+        r"\(training.disable_loss_parallel is the older spelling of training.enable_loss_parallel = false\); "
+        r"keep only training.enable_loss_parallel"
+    )
     with pytest.raises(ConfigError, match=match):
         JobConfig.parse_args(["--training.enable_loss_parallel", "--training.disable_loss_parallel"])
     path = tmp_path / "c.toml"
     path.write_text("[metrics]\ndisable_color_printing = true\nenable_color_printing = true\n")
-    with pytest.raises(ConfigError, match="metrics.disable_color_printing = true and metrics.enable_color_printing = true"):
+    with pytest.raises(
+        ConfigError, match="metrics.disable_color_printing = true and metrics.enable_color_printing = true"
+    ):
         JobConfig.parse_args(["--job.config_file", str(path)])
     assert "--training.disable_loss_parallel (bool, deprecated)" in format_help()
 
 
 def test_train_help_exits_zero():
     env = dict(os.environ, PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-m", "torchtitan.train", "--help"], cwd=ROOT, env=env,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "torchtitan.train", "--help"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
     assert out.returncode == 0 and "--training.data_parallel_shard_degree" in out.stdout
 
 
 @pytest.mark.parametrize(
     "args, world, error, match",
     [
-        (["--training.tensor_parallel_degree", "3"], 3, ConfigError, r"n_heads = 16 is not divisible by training.tensor_parallel_degree = 3"),
-        (["--training.tensor_parallel_degree", "2", "--training.seq_len", "129"], 2, ConfigError, r"training.seq_len \(sequence parallel\) = 129 is not divisible"),
+        (
+            ["--training.tensor_parallel_degree", "3"],
+            3,
+            ConfigError,
+            r"n_heads = 16 is not divisible by training.tensor_parallel_degree = 3",
+        ),
+        (
+            ["--training.tensor_parallel_degree", "2", "--training.seq_len", "129"],
+            2,
+            ConfigError,
+            r"training.seq_len \(sequence parallel\) = 129 is not divisible",
+        ),
         (["--experimental.enable_async_tensor_parallel"], 2, ConfigError, "needs training.tensor_parallel_degree > 1"),
-        (["--training.tensor_parallel_degree", "2", "--experimental.enable_async_tensor_parallel",
-          "--experimental.async_tensor_parallel_impl", "compiler"], 2, ConfigError, "needs training.compile = true"),
-        (["--training.tensor_parallel_degree", "2", "--training.data_parallel_replicate_degree", "2",
-          "--training.data_parallel_shard_degree", "1"], 4, NotImplementedError, "DDP .* with tensor parallel is not supported"),
-        (["--training.tensor_parallel_degree", "2", "--experimental.enable_async_tensor_parallel",
-          "--experimental.async_tensor_parallel_impl", "ring", "--training.compile"], 2, NotImplementedError, "cannot trace"),
+        (
+            [
+                "--training.tensor_parallel_degree",
+                "2",
+                "--experimental.enable_async_tensor_parallel",
+                "--experimental.async_tensor_parallel_impl",
+                "compiler",
+            ],
+            2,
+            ConfigError,
+            "needs training.compile = true",
+        ),
+        (
+            [
+                "--training.tensor_parallel_degree",
+                "2",
+                "--training.data_parallel_replicate_degree",
+                "2",
+                "--training.data_parallel_shard_degree",
+                "1",
+            ],
+            4,
+            NotImplementedError,
+            "DDP .* with tensor parallel is not supported",
+        ),
+        (
+            [
+                "--training.tensor_parallel_degree",
+                "2",
+                "--experimental.enable_async_tensor_parallel",
+                "--experimental.async_tensor_parallel_impl",
+                "ring",
+                "--training.compile",
+            ],
+            2,
+            NotImplementedError,
+            "cannot trace",
+        ),
     ],
     ids=["heads", "seq-len", "async-without-tp", "compiler-without-compile", "ddp-tp", "ring-with-compile"],
 )
@@ -233,7 +306,9 @@ def test_tp_validation(args, world, error, match):
 
 
 def test_tp_valid_layout_passes():
-    config = JobConfig.parse_args(["--job.config_file", "train_configs/debug_model.toml", "--training.tensor_parallel_degree", "4"])
+    config = JobConfig.parse_args(
+        ["--job.config_file", "train_configs/debug_model.toml", "--training.tensor_parallel_degree", "4"]
+    )
     config.validate(8)
 
 
@@ -258,25 +333,58 @@ def test_pipeline_validation(args, error, match):
 @pytest.mark.parametrize(
     "cp, args, world, error, match",
     [
-        (4, ["--training.seq_len", "100"], 4, ConfigError, r"seq_len = 100 is not divisible by 2 x context_parallel_degree"),
-        (8, ["--training.seq_len", "36", "--experimental.context_parallel_load_balance", "false"], 8, ConfigError,
-         r"seq_len = 36 is not divisible by context_parallel_degree = 8"),
-        (2, ["--training.seq_len", "36", "--training.tensor_parallel_degree", "4"], 8, ConfigError,
-         r"seq_len / context_parallel_degree = 18 is not divisible by training.tensor_parallel_degree = 4"),
+        (
+            4,
+            ["--training.seq_len", "100"],
+            4,
+            ConfigError,
+            r"seq_len = 100 is not divisible by 2 x context_parallel_degree",
+        ),
+        (
+            8,
+            ["--training.seq_len", "36", "--experimental.context_parallel_load_balance", "false"],
+            8,
+            ConfigError,
+            r"seq_len = 36 is not divisible by context_parallel_degree = 8",
+        ),
+        (
+            2,
+            ["--training.seq_len", "36", "--training.tensor_parallel_degree", "4"],
+            8,
+            ConfigError,
+            r"seq_len / context_parallel_degree = 18 is not divisible by training.tensor_parallel_degree = 4",
+        ),
         (2, ["--training.compile"], 2, NotImplementedError, "context_parallel_degree > 1 with training.compile"),
     ],
     ids=["seq-len-load-balanced", "seq-len-plain", "seq-len-with-sp", "compile"],
 )
 def test_context_parallel_validation(cp, args, world, error, match):
-    config = JobConfig.parse_args(["--job.config_file", "train_configs/debug_model.toml",
-                                   "--experimental.context_parallel_degree", str(cp), *args])
+    config = JobConfig.parse_args(
+        [
+            "--job.config_file",
+            "train_configs/debug_model.toml",
+            "--experimental.context_parallel_degree",
+            str(cp),
+            *args,
+        ]
+    )
     with pytest.raises(error, match=match):
         config.validate(world)
 
 
 def test_context_parallel_valid_layout_passes():
-    config = JobConfig.parse_args(["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "64",
-                                   "--experimental.context_parallel_degree", "2", "--training.tensor_parallel_degree", "2"])
+    config = JobConfig.parse_args(
+        [
+            "--job.config_file",
+            "train_configs/debug_model.toml",
+            "--training.seq_len",
+            "64",
+            "--experimental.context_parallel_degree",
+            "2",
+            "--training.tensor_parallel_degree",
+            "2",
+        ]
+    )
     config.validate(8)
 
 
@@ -286,26 +394,67 @@ MOE = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_le
 @pytest.mark.parametrize(
     "args, world, error, match",
     [
-        (["--model.name", "llama3", "--experimental.expert_parallel_degree", "2"], 2, ConfigError,
-         r"expert_parallel_degree = 2 but model.name = 'llama3' \(flavor 'debugmodel'\) has no experts"),
-        (["--experimental.expert_parallel_degree", "3"], 3, ConfigError,
-         r"num_experts = 8, not divisible by experimental.expert_parallel_degree = 3"),
-        (["--experimental.expert_parallel_degree", "2", "--training.tensor_parallel_degree", "4"], 8, ConfigError,
-         r"expert_parallel_degree = 2 is not a multiple of training.tensor_parallel_degree = 4"),
-        (["--experimental.expert_parallel_degree", "4"], 2, ConfigError,
-         r"expert_parallel_degree = 4 = 4 does not divide data_parallel_shard_degree = 2"),
-        (["--experimental.expert_parallel_degree", "4", "--training.tensor_parallel_degree", "2"], 2, ConfigError,
-         r"/ tensor_parallel_degree 2 = 2 does not divide data_parallel_shard_degree = 1"),
-        (["--training.tensor_parallel_degree", "2"], 2, NotImplementedError,
-         r"tensor_parallel_degree = 2 with experimental.expert_parallel_degree = 1: the routed experts"),
-        (["--experimental.expert_parallel_degree", "2", "--experimental.context_parallel_degree", "2"], 4,
-         NotImplementedError, r"expert_parallel_degree = 2 with experimental.context_parallel_degree = 2"),
+        (
+            ["--model.name", "llama3", "--experimental.expert_parallel_degree", "2"],
+            2,
+            ConfigError,
+            r"expert_parallel_degree = 2 but model.name = 'llama3' \(flavor 'debugmodel'\) has no experts",
+        ),
+        (
+            ["--experimental.expert_parallel_degree", "3"],
+            3,
+            ConfigError,
+            r"num_experts = 8, not divisible by experimental.expert_parallel_degree = 3",
+        ),
+        (
+            ["--experimental.expert_parallel_degree", "2", "--training.tensor_parallel_degree", "4"],
+            8,
+            ConfigError,
+            r"expert_parallel_degree = 2 is not a multiple of training.tensor_parallel_degree = 4",
+        ),
+        (
+            ["--experimental.expert_parallel_degree", "4"],
+            2,
+            ConfigError,
+            r"expert_parallel_degree = 4 = 4 does not divide data_parallel_shard_degree = 2",
+        ),
+        (
+            ["--experimental.expert_parallel_degree", "4", "--training.tensor_parallel_degree", "2"],
+            2,
+            ConfigError,
+            r"/ tensor_parallel_degree 2 = 2 does not divide data_parallel_shard_degree = 1",
+        ),
+        (
+            ["--training.tensor_parallel_degree", "2"],
+            2,
+            NotImplementedError,
+            r"tensor_parallel_degree = 2 with experimental.expert_parallel_degree = 1: the routed experts",
+        ),
+        (
+            ["--experimental.expert_parallel_degree", "2", "--experimental.context_parallel_degree", "2"],
+            4,
+            NotImplementedError,
+            r"expert_parallel_degree = 2 with experimental.context_parallel_degree = 2",
+        ),
         (["--training.compile"], 1, NotImplementedError, r"training.compile = true with model.name = 'llama3_moe'"),
-        (["--model.flavor", "debugmodel_aux_loss", "--experimental.pipeline_parallel_degree", "2"], 2,
-         NotImplementedError, r"balances with an aux loss, and under experimental.pipeline_parallel_degree = 2"),
+        (
+            ["--model.flavor", "debugmodel_aux_loss", "--experimental.pipeline_parallel_degree", "2"],
+            2,
+            NotImplementedError,
+            r"balances with an aux loss, and under experimental.pipeline_parallel_degree = 2",
+        ),
     ],
-    ids=["ep-without-experts", "experts-not-divisible", "ep-not-multiple-of-tp", "ep-not-dividing-dp-shard",
-         "ep-over-tp-not-dividing-dp-shard", "moe-tp-without-ep", "ep-with-cp", "moe-compile", "aux-loss-with-pp"],
+    ids=[
+        "ep-without-experts",
+        "experts-not-divisible",
+        "ep-not-multiple-of-tp",
+        "ep-not-dividing-dp-shard",
+        "ep-over-tp-not-dividing-dp-shard",
+        "moe-tp-without-ep",
+        "ep-with-cp",
+        "moe-compile",
+        "aux-loss-with-pp",
+    ],
 )
 def test_expert_parallel_validation(args, world, error, match):
     config = JobConfig.parse_args([*MOE, *args])
@@ -317,17 +466,35 @@ def test_expert_parallel_validation(args, world, error, match):
     "args, world, axes",
     [
         # dp_shard 4 = dp_shard_mod_ep 2 x dp_shard_in_ep 2; ep = dp_shard_in_ep
-        (["--experimental.expert_parallel_degree", "2"], 4,
-         {"dp": "dp", "dp_shard_cp": "dp_shard_cp", "ep": "dp_shard_in_ep", "dp_shard_mod_ep": "dp_shard_mod_ep"}),
+        (
+            ["--experimental.expert_parallel_degree", "2"],
+            4,
+            {"dp": "dp", "dp_shard_cp": "dp_shard_cp", "ep": "dp_shard_in_ep", "dp_shard_mod_ep": "dp_shard_mod_ep"},
+        ),
         # dp_shard 2 x tp 2 with ep 2: the EP group is the TP group; experts shard over dp_shard_mod_ep 2
-        (["--experimental.expert_parallel_degree", "2", "--training.tensor_parallel_degree", "2"], 4,
-         {"dp": "dp_shard_mod_ep", "ep": "tp", "dp_shard_mod_ep": "dp_shard_mod_ep"}),
+        (
+            ["--experimental.expert_parallel_degree", "2", "--training.tensor_parallel_degree", "2"],
+            4,
+            {"dp": "dp_shard_mod_ep", "ep": "tp", "dp_shard_mod_ep": "dp_shard_mod_ep"},
+        ),
         # dp_shard 4 x tp 2 with ep 4 = dp_shard_in_ep 2 x tp 2
-        (["--experimental.expert_parallel_degree", "4", "--training.tensor_parallel_degree", "2"], 8,
-         {"dp": "dp", "dp_shard_cp": "dp_shard_cp", "dp_cp": "dp_cp", "ep": "ep", "dp_shard_mod_ep": "dp_shard_mod_ep"}),
+        (
+            ["--experimental.expert_parallel_degree", "4", "--training.tensor_parallel_degree", "2"],
+            8,
+            {
+                "dp": "dp",
+                "dp_shard_cp": "dp_shard_cp",
+                "dp_cp": "dp_cp",
+                "ep": "ep",
+                "dp_shard_mod_ep": "dp_shard_mod_ep",
+            },
+        ),
         # ep = dp_shard: the experts' FSDP axis has one rank (None: no group to address)
-        (["--experimental.expert_parallel_degree", "2"], 2, {"dp": "dp_shard_in_ep", "ep": "dp_shard_in_ep",
-                                                             "dp_shard_mod_ep": None}),
+        (
+            ["--experimental.expert_parallel_degree", "2"],
+            2,
+            {"dp": "dp_shard_in_ep", "ep": "dp_shard_in_ep", "dp_shard_mod_ep": None},
+        ),
     ],
     ids=["fsdp4-ep2", "fsdp2-tp2-ep2", "fsdp4-tp2-ep4", "ep2"],
 )
@@ -343,8 +510,16 @@ def test_expert_parallel_layouts_and_axes(args, world, axes):
 
 
 def test_torch_context_parallel_is_pinned_to_its_torch_version(monkeypatch):
-    args = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_len", "64",
-            "--experimental.context_parallel_degree", "2", "--experimental.context_parallel_impl", "torch"]
+    args = [
+        "--job.config_file",
+        "train_configs/debug_model.toml",
+        "--training.seq_len",
+        "64",
+        "--experimental.context_parallel_degree",
+        "2",
+        "--experimental.context_parallel_impl",
+        "torch",
+    ]
     JobConfig.parse_args(args).validate(2)
     monkeypatch.setattr(torch, "__version__", "2.14.0")
     with pytest.raises(NotImplementedError, match=r"private names of torch 2.13.x .* this is torch 2.14.0"):

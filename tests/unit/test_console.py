@@ -32,11 +32,14 @@ def test_step_line_plain_and_coloured():
     assert "\x1b[" in coloured
     # the same text once the escape codes are removed: colour never changes the alignment
     import re
+
     assert re.sub(r"\x1b\[[0-9;]*m", "", coloured) == format_step_line(3, 100, RECORD, eta_s=0)
 
 
 def test_duration():
-    assert format_duration(0) == "0:00:00" and format_duration(59.6) == "0:01:00" and format_duration(90061) == "25:01:01"
+    assert (
+        format_duration(0) == "0:00:00" and format_duration(59.6) == "0:01:00" and format_duration(90061) == "25:01:01"
+    )
 
 
 def test_wandb_logging_goes_through_wandb(tmp_path, monkeypatch):
@@ -52,8 +55,14 @@ def test_wandb_logging_goes_through_wandb(tmp_path, monkeypatch):
     fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw["project"], kw["dir"])) or Run())
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.setenv("WANDB_PROJECT", "p")
-    logger = build_metric_logger(str(tmp_path), enabled=True, enable_tensorboard=False, save_tb_folder="tb",
-                                 enable_wandb=True, wandb_config={"a": 1})
+    logger = build_metric_logger(
+        str(tmp_path),
+        enabled=True,
+        enable_tensorboard=False,
+        save_tb_folder="tb",
+        enable_wandb=True,
+        wandb_config={"a": 1},
+    )
     logger.log(5, {"loss": 1.0})
     logger.close()
     assert calls == [("init", "p", str(tmp_path)), (5, {"loss": 1.0}), "finish"]
@@ -71,4 +80,6 @@ def test_wandb_missing_is_a_clear_config_error(monkeypatch):
 
 def test_validation_keys_checked():
     with pytest.raises(ConfigError, match="validation.freq must be >= 1"):
-        JobConfig.parse_args(["--job.config_file", "train_configs/debug_model.toml", "--validation.freq", "0"]).validate(1)
+        JobConfig.parse_args(
+            ["--job.config_file", "train_configs/debug_model.toml", "--validation.freq", "0"]
+        ).validate(1)

@@ -37,10 +37,13 @@ def test_load_balanced_causal_work_is_even() -> None:
     assert len(set(work)) == 1  # visible keys per rank, summed over its queries
 
 
-@pytest.mark.parametrize(("seq_len", "cp", "load_balance", "need"), [
-    (12, 4, True, "2 × context_parallel_degree = 8"),
-    (10, 4, False, "context_parallel_degree = 4"),
-])
+@pytest.mark.parametrize(
+    ("seq_len", "cp", "load_balance", "need"),
+    [
+        (12, 4, True, "2 × context_parallel_degree = 8"),
+        (10, 4, False, "context_parallel_degree = 4"),
+    ],
+)
 def test_indivisible_seq_len_is_rejected(seq_len: int, cp: int, load_balance: bool, need: str) -> None:
     with pytest.raises(ValueError, match="training.seq_len") as info:
         compute_cp_positions(seq_len, cp, 0, load_balance)
@@ -65,12 +68,16 @@ def test_blocks_merged_with_online_softmax_equal_causal_attention(n_kv_heads: in
     expected = CausalAttention()(q, k, v)  # (bs, n_heads, seq, head_dim)
     positions = [compute_cp_positions(seq, cp, r, load_balance) for r in range(cp)]
     for q_pos in positions:  # each rank's queries against every rank's block, in ring order
-        out, lse = compute_block_attention(q[:, :, q_pos], k[:, :, q_pos], v[:, :, q_pos], q_pos, q_pos,
-                                           head_dim**-0.5)
+        out, lse = compute_block_attention(q[:, :, q_pos], k[:, :, q_pos], v[:, :, q_pos], q_pos, q_pos, head_dim**-0.5)
         for k_pos in positions:
             if k_pos is not q_pos:
-                merge_attention_(out, lse, *compute_block_attention(
-                    q[:, :, q_pos], k[:, :, k_pos], v[:, :, k_pos], q_pos, k_pos, head_dim**-0.5))
+                merge_attention_(
+                    out,
+                    lse,
+                    *compute_block_attention(
+                        q[:, :, q_pos], k[:, :, k_pos], v[:, :, k_pos], q_pos, k_pos, head_dim**-0.5
+                    ),
+                )
         torch.testing.assert_close(out, expected[:, :, q_pos], **TOL)
 
 

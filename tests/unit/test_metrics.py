@@ -69,9 +69,7 @@ def test_override_wins_without_measuring(monkeypatch: pytest.MonkeyPatch) -> Non
         ("AMD Instinct MI300X", torch.bfloat16, 1307.4),
     ],
 )
-def test_gpu_table_lookup(
-    monkeypatch: pytest.MonkeyPatch, name: str, dtype: torch.dtype, tflops: float
-) -> None:
+def test_gpu_table_lookup(monkeypatch: pytest.MonkeyPatch, name: str, dtype: torch.dtype, tflops: float) -> None:
     monkeypatch.setattr(flops, "_get_device_name", lambda device: name)
     assert get_peak_flops(CUDA, dtype) == pytest.approx(tflops * 1e12)
 
@@ -84,9 +82,7 @@ def test_gpu_fp32_follows_tf32_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert get_peak_flops(CUDA, torch.float32) == pytest.approx(19.5e12)
 
 
-def test_unknown_gpu_warns_and_uses_h100(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_unknown_gpu_warns_and_uses_h100(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     warn_once.cache_clear()
     monkeypatch.setattr(flops, "_get_device_name", lambda device: "Mystery GPU 9000")
     with caplog.at_level(logging.WARNING, logger="torchtitan.observability.flops"):
@@ -121,9 +117,7 @@ def _count_measurements(monkeypatch: pytest.MonkeyPatch, value: float) -> list[t
     return calls
 
 
-def test_cpu_peak_is_measured_once_then_cached(
-    cache_home: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_cpu_peak_is_measured_once_then_cached(cache_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _count_measurements(monkeypatch, 4.5e11)
     assert get_peak_flops(CPU, torch.float32) == 4.5e11
     assert get_peak_flops(CPU, torch.float32) == 4.5e11
@@ -155,9 +149,7 @@ def test_non_object_cache_is_ignored(cache_home: Path, monkeypatch: pytest.Monke
     assert get_peak_flops(CPU, torch.float32) == 3e10
 
 
-@pytest.mark.skipif(
-    sys.platform == "win32" or os.geteuid() == 0, reason="root ignores directory permissions"
-)
+@pytest.mark.skipif(sys.platform == "win32" or os.geteuid() == 0, reason="root ignores directory permissions")
 def test_unwritable_cache_warns(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -242,9 +234,7 @@ def test_jsonl_truncates_unless_append(tmp_path: Path) -> None:
 
 def test_disabled_logger_writes_nothing(tmp_path: Path) -> None:
     dump = tmp_path / "dump"
-    metric_logger = build_metric_logger(
-        str(dump), enabled=False, enable_tensorboard=True, save_tb_folder="tb"
-    )
+    metric_logger = build_metric_logger(str(dump), enabled=False, enable_tensorboard=True, save_tb_folder="tb")
     metric_logger.log(1, {"loss": 1.0})
     metric_logger.close()
     assert not dump.exists()
@@ -260,13 +250,9 @@ def test_tensorboard_event_file_appears(tmp_path: Path) -> None:
     assert len(events) == 1 and events[0].stat().st_size > 0
 
 
-def test_missing_tensorboard_names_pip_install(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_missing_tensorboard_names_pip_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A None entry in sys.modules makes the import raise ImportError.
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(ImportError, match="pip install tensorboard"):
-        build_metric_logger(
-            str(tmp_path), enabled=True, enable_tensorboard=True, save_tb_folder="tb"
-        )
+        build_metric_logger(str(tmp_path), enabled=True, enable_tensorboard=True, save_tb_folder="tb")
     assert not (tmp_path / "metrics.jsonl").exists()

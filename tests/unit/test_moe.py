@@ -15,8 +15,17 @@ from torchtitan.models.moe.moe import compute_aux_loss
 from torchtitan.spec import get_model_spec
 
 TINY = MoEArgs(
-    dim=32, n_layers=3, n_heads=4, vocab_size=64, multiple_of=16, max_seq_len=16,
-    num_experts=4, top_k=2, moe_hidden_dim=16, num_shared_experts=1, first_k_dense=1,
+    dim=32,
+    n_layers=3,
+    n_heads=4,
+    vocab_size=64,
+    multiple_of=16,
+    max_seq_len=16,
+    num_experts=4,
+    top_k=2,
+    moe_hidden_dim=16,
+    num_shared_experts=1,
+    first_k_dense=1,
 )
 
 
@@ -194,8 +203,12 @@ def test_bad_args_raise_value_error(field, value, words):
 def test_models_moe_is_pure():
     root = pathlib.Path(__file__).resolve().parents[2] / "torchtitan" / "models" / "moe"
     banned = re.compile(r"torch\.distributed|os\.environ|\.cuda\(")
-    hits = [f"{p.name}:{i}" for p in root.glob("*.py") for i, line in enumerate(p.read_text().splitlines(), 1)
-            if banned.search(line)]
+    hits = [
+        f"{p.name}:{i}"
+        for p in root.glob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if banned.search(line)
+    ]
     assert list(root.glob("*.py")) and hits == []
 
 

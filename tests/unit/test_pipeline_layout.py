@@ -134,8 +134,15 @@ def test_microbatch_errors(schedule, n_mb, batch, num_stages, pp, match):
 
 @pytest.mark.parametrize(
     "schedule, n_mb, num_stages, pp",
-    [("GPipe", 1, 2, 2), ("1F1B", 4, 4, 4), ("Interleaved1F1B", 3, 8, 4), ("InterleavedZeroBubble", 8, 8, 4),
-     ("ZBVZeroBubble", 2, 4, 2), ("DualPipeV", 4, 4, 2), ("LoopedBFS", 1, 4, 2)],
+    [
+        ("GPipe", 1, 2, 2),
+        ("1F1B", 4, 4, 4),
+        ("Interleaved1F1B", 3, 8, 4),
+        ("InterleavedZeroBubble", 8, 8, 4),
+        ("ZBVZeroBubble", 2, 4, 2),
+        ("DualPipeV", 4, 4, 2),
+        ("LoopedBFS", 1, 4, 2),
+    ],
 )
 def test_valid_microbatches(schedule, n_mb, num_stages, pp):
     validate_microbatches(schedule, n_mb, 24, num_stages, pp)

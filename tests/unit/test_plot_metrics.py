@@ -30,9 +30,18 @@ plot_metrics = _load_script()
 
 
 def _train_record(step: int, loss: float) -> dict[str, float]:
-    return {"step": step, "loss": loss, "loss_max": loss + 0.01, "grad_norm": 0.5, "lr": 1e-3,
-            "tps": 1000.0 + step, "mfu": 10.0, "memory_gib": 1.0 + 0.01 * step,
-            "step_time_s": 0.1, "data_time_s": 0.01}
+    return {
+        "step": step,
+        "loss": loss,
+        "loss_max": loss + 0.01,
+        "grad_norm": 0.5,
+        "lr": 1e-3,
+        "tps": 1000.0 + step,
+        "mfu": 10.0,
+        "memory_gib": 1.0 + 0.01 * step,
+        "step_time_s": 0.1,
+        "data_time_s": 0.01,
+    }
 
 
 def _write_run(path: Path, losses: list[float], *, validation: bool = False) -> Path:
@@ -41,8 +50,11 @@ def _write_run(path: Path, losses: list[float], *, validation: bool = False) -> 
     for step, loss in enumerate(losses, start=1):
         lines.append(json.dumps(_train_record(step, loss)))
         if validation and step % 2 == 0:
-            lines.append(json.dumps({"step": step, "validation_loss": loss + 0.1,
-                                     "validation_perplexity": 2.0, "some_future_key": "x"}))
+            lines.append(
+                json.dumps(
+                    {"step": step, "validation_loss": loss + 0.1, "validation_perplexity": 2.0, "some_future_key": "x"}
+                )
+            )
     (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return path
 
@@ -55,8 +67,9 @@ def _png_size(path: Path) -> tuple[int, int]:
 
 
 def _run_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], check=False,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *map(str, args)], check=False, capture_output=True, text=True, timeout=120
+    )
 
 
 def _assert_one_line_error(proc: subprocess.CompletedProcess[str], *fragments: str) -> None:
@@ -109,7 +122,9 @@ def test_png_written(two_runs: tuple[Path, Path], tmp_path: Path, diff: bool) ->
 
 
 def test_missing_matplotlib_is_one_line(
-    two_runs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    two_runs: tuple[Path, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
@@ -148,10 +163,23 @@ def test_missing_metrics_file(tmp_path: Path) -> None:
 
 
 def _start_training(dump_folder: Path, log: IO[str]) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "torchtitan.train",
-           "--job.config_file", "train_configs/debug_model.toml",
-           "--training.steps", "3", "--training.seq_len", "64", "--training.batch_size", "2",
-           "--metrics.log_freq", "1", "--job.dump_folder", str(dump_folder)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchtitan.train",
+        "--job.config_file",
+        "train_configs/debug_model.toml",
+        "--training.steps",
+        "3",
+        "--training.seq_len",
+        "64",
+        "--training.batch_size",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--job.dump_folder",
+        str(dump_folder),
+    ]
     # One thread each: the two runs go side by side (start-up dominates), on the same thread count.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)

@@ -32,9 +32,7 @@ def test_trace_written_every_profile_freq_steps(tmp_path: Path) -> None:
 
 
 def test_resumed_run_traces_the_same_steps(tmp_path: Path) -> None:
-    with maybe_enable_profiling(
-        True, trace_dir=str(tmp_path), profile_freq=3, global_step=4, rank=2
-    ) as prof:
+    with maybe_enable_profiling(True, trace_dir=str(tmp_path), profile_freq=3, global_step=4, rank=2) as prof:
         _train_steps(prof, 5, 6)
     assert _traced_steps(tmp_path) == [6]
     assert (tmp_path / "iteration_6" / "rank2_trace.json").is_file()
@@ -52,9 +50,7 @@ def test_profile_freq_too_small(tmp_path: Path) -> None:
             pass
 
 
-def test_memory_snapshot_off_cuda_warns_and_yields_none(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_memory_snapshot_off_cuda_warns_and_yields_none(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     warn_once.cache_clear()
     kwargs = dict(snapshot_dir=str(tmp_path), profile_freq=2, device=torch.device("cpu"))
     with maybe_enable_memory_snapshot(False, **kwargs) as snapshotter:
@@ -70,9 +66,7 @@ def test_memory_snapshot_off_cuda_warns_and_yields_none(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_memory_snapshot_dumps_on_cuda(tmp_path: Path) -> None:
     device = torch.device("cuda", torch.cuda.current_device())
-    with maybe_enable_memory_snapshot(
-        True, snapshot_dir=str(tmp_path), profile_freq=2, device=device
-    ) as snapshotter:
+    with maybe_enable_memory_snapshot(True, snapshot_dir=str(tmp_path), profile_freq=2, device=device) as snapshotter:
         for _ in range(4):
             torch.ones(1024, device=device)
             snapshotter.step()

@@ -36,8 +36,16 @@ SPEC_ONLY_FILES = (
 SPEC_ONLY_FOLDERS = ("torchtitan/checkpointing",)
 FAMILY_SPECIFIC = tuple(
     re.compile(p, re.IGNORECASE)
-    for p in (r"\bmoe", r"MoEArgs", r"expert", r"pipeline", r"\bstage", r"has_last_stage", r"pp_group",
-              r"isinstance\([^)]*Args\)")
+    for p in (
+        r"\bmoe",
+        r"MoEArgs",
+        r"expert",
+        r"pipeline",
+        r"\bstage",
+        r"has_last_stage",
+        r"pp_group",
+        r"isinstance\([^)]*Args\)",
+    )
 )
 
 
@@ -320,9 +328,7 @@ def test_no_import_cycles():
     graph, _ = build_import_graph(PACKAGE_ROOT)
     assert sum(map(len, graph.values())) > 50, "import graph suspiciously small; is the checker broken?"
     cycles = find_cycles(PACKAGE_ROOT)
-    assert not cycles, f"{len(cycles)} import circle(s); break each at one of its listed imports:\n" + "\n".join(
-        cycles
-    )
+    assert not cycles, f"{len(cycles)} import circle(s); break each at one of its listed imports:\n" + "\n".join(cycles)
 
 
 # --------------------------------------------------------------------------- 2. file and function lengths

@@ -154,7 +154,9 @@ def find_resume_checkpoint(root: str, load_step: int) -> CheckpointInfo | None:
     for c in found:
         if newest is None or c.step > newest.step:
             if not c.complete:
-                logger.warning("ignoring incomplete checkpoint %s (no %s marker: its save did not finish)", c.path, MARKER)
+                logger.warning(
+                    "ignoring incomplete checkpoint %s (no %s marker: its save did not finish)", c.path, MARKER
+                )
             elif c.kind == EXPORT:
                 logger.info("not resuming from %s: a weights-only export, not a training state", c.path)
     if newest is not None:

@@ -131,8 +131,11 @@ class CheckpointManager:
             what = "resumed from step" if info.kind == FULL else "loaded seed weights (model only) from step"
             logger.info("%s %d (%s) in %.2f s", what, info.step, info.path, seconds)
         if info.kind == FULL and f"train_state.rng_cpu.rank_{self.rank}" not in metadata.state_dict_metadata:
-            logger.warning("rank %d: the checkpoint has no RNG state for this rank (saved on another world "
-                           "size); keeping the seeded RNG", self.rank)
+            logger.warning(
+                "rank %d: the checkpoint has no RNG state for this rank (saved on another world "
+                "size); keeping the seeded RNG",
+                self.rank,
+            )
         return step
 
     def _load_targets(self, info: CheckpointInfo, metadata: Any) -> dict[str, Any]:
@@ -184,12 +187,14 @@ class CheckpointManager:
         start = time.perf_counter()
         if self.async_save and not final:
             with _one_process_quiet():
-                future = dcp.async_save(state, checkpoint_id=path, process_group=self.pg,
-                                        no_dist=not dist.is_initialized())
+                future = dcp.async_save(
+                    state, checkpoint_id=path, process_group=self.pg, no_dist=not dist.is_initialized()
+                )
             self._pending = (future, step, kind, start)
             if self.rank == 0:
-                logger.info("checkpoint step-%d: staged in %.2f s, writing in the background", step,
-                            time.perf_counter() - start)
+                logger.info(
+                    "checkpoint step-%d: staged in %.2f s, writing in the background", step, time.perf_counter() - start
+                )
                 future.add_done_callback(lambda f: f.exception() is None and self._mark_complete(step, kind, start))
         else:
             with _one_process_quiet():
@@ -223,8 +228,15 @@ class CheckpointManager:
             _maybe_test_delay(step)
             extra = {"dtype": self.config.export_dtype} if kind == EXPORT else {}
             path = step_folder(self.root, step)
-            write_marker(path, step, kind, model=self.model_info, files=list_files(path),
-                         world_size=dist.get_world_size() if dist.is_initialized() else 1, **extra)
+            write_marker(
+                path,
+                step,
+                kind,
+                model=self.model_info,
+                files=list_files(path),
+                world_size=dist.get_world_size() if dist.is_initialized() else 1,
+                **extra,
+            )
             self._finished.add(step)
             self.last_saved = (step, time.perf_counter() - start)
             logger.info("checkpoint step-%d complete (%s) in %.2f s", step, kind, self.last_saved[1])
@@ -329,7 +341,7 @@ def load_model_weights(path: str) -> tuple[dict[str, torch.Tensor], dict[str, An
     verify_files(CheckpointInfo(marker.get("step", -1), path, marker))
     metadata = _read_metadata(path)
     weights = {
-        key[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
+        key[len("model.") :]: torch.empty(md.size, dtype=md.properties.dtype)
         for key, md in metadata.state_dict_metadata.items()
         if key.startswith("model.")
     }

@@ -166,7 +166,7 @@ def check_model_keys(model_sd: dict[str, Any], metadata: Any, path: str, all_ran
     Raises:
         ValueError: naming the missing/unexpected keys or the first shape mismatches.
     """
-    saved = {k[len("model."):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    saved = {k[len("model.") :]: md for k, md in metadata.state_dict_metadata.items() if k.startswith("model.")}
     missing = sorted(set(model_sd) - set(saved))
     problems = []
     if missing:

@@ -56,8 +56,9 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         if state_dtype not in _STATE_DTYPES:
             raise ValueError(f"state_dtype = {state_dtype!r}: allowed are {list(_STATE_DTYPES)}")
         self.state_dtype = to_dtype(state_dtype)
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        decoupled_weight_decay=decoupled_weight_decay)
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay
+        )
         super().__init__(params, defaults)
 
     def _init_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -135,8 +135,10 @@ def _toml_pairs(data: dict[str, Any]) -> list[tuple[str, Any]]:
     pairs = []
     for section, values in data.items():
         if not isinstance(values, dict):
-            raise _unknown_key_error(section) if section not in _sections() else ConfigError(
-                f"config section '[{section}]' must be a table of keys, got {values!r}"
+            raise (
+                _unknown_key_error(section)
+                if section not in _sections()
+                else ConfigError(f"config section '[{section}]' must be a table of keys, got {values!r}")
             )
         pairs += [(f"{section}.{key}", value) for key, value in values.items()]
     return pairs
@@ -264,8 +266,10 @@ def format_help() -> str:
             out.append(f"      {f.metadata.get('help', '')}")
             if f"{section}.{f.name}" in alias_of:
                 out.append(f"  --{alias_of[f'{section}.{f.name}']} (bool, deprecated)")
-                out.append(f"      older spelling of {section}.{f.name} = false, mapped onto it when parsed "
-                           "(giving both with opposite meanings is an error)")
+                out.append(
+                    f"      older spelling of {section}.{f.name} = false, mapped onto it when parsed "
+                    "(giving both with opposite meanings is an error)"
+                )
     return "\n".join(out)
 
 

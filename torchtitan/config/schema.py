@@ -120,7 +120,9 @@ class Validation:
     steps: int = _f(2, "batches per validation (the same batches every time, so values compare over time)")
     dataset: str = _f("pydocs_val", "validation dataset name (pydocs_val = held out of pydocs)")
     dataset_path: str | None = _f(None, "local file/folder (or hub id) to read the validation data from")
-    batch_size: int | None = _f(None, "samples per data-parallel rank per batch; None = batch_size x gradient_accumulation_steps")
+    batch_size: int | None = _f(
+        None, "samples per data-parallel rank per batch; None = batch_size x gradient_accumulation_steps"
+    )
 
 
 @dataclass
@@ -174,7 +176,10 @@ class Checkpoint:
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = _f(
         "disabled", "write checkpoints in a background thread (the final save is synchronous)"
     )
-    keep_latest_k: int = _f(0, "keep only the newest K complete full checkpoints (the step-0 seed and weights-only exports are kept); 0 = all")
+    keep_latest_k: int = _f(
+        0,
+        "keep only the newest K complete full checkpoints (the step-0 seed and weights-only exports are kept); 0 = all",
+    )
     load_step: int = _f(-1, "step to resume from; -1 = the newest complete checkpoint")
 
 

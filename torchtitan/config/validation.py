@@ -127,7 +127,10 @@ def _check_tp_divisibility(config: JobConfig, args) -> None:
                 "experimental.async_tensor_parallel_impl = 'ring' with training.compile = true: the ring is "
                 "eager point-to-point code that full-graph compile cannot trace; turn one of them off"
             )
-    if config.experimental.enable_async_tensor_parallel and config.experimental.async_tensor_parallel_impl == "compiler":
+    if (
+        config.experimental.enable_async_tensor_parallel
+        and config.experimental.async_tensor_parallel_impl == "compiler"
+    ):
         if not config.training.compile:
             raise ConfigError(
                 "experimental.async_tensor_parallel_impl = 'compiler' needs training.compile = true "
@@ -144,7 +147,11 @@ def _check_context_parallel(config: JobConfig) -> None:
     if cp == 1:
         return
     chunks = 2 * cp if exp.context_parallel_load_balance else cp
-    how = "2 x context_parallel_degree (load balancing)" if exp.context_parallel_load_balance else "context_parallel_degree"
+    how = (
+        "2 x context_parallel_degree (load balancing)"
+        if exp.context_parallel_load_balance
+        else "context_parallel_degree"
+    )
     if config.training.seq_len % chunks:
         raise ConfigError(
             f"training.seq_len = {config.training.seq_len} is not divisible by {how} = {chunks}; "
@@ -180,7 +187,10 @@ def _check_pipeline(config: JobConfig, args) -> None:
             f"experimental.pipeline_parallel_schedule_csv = '{exp.pipeline_parallel_schedule_csv}' does not exist"
         )
     stages = resolve_stage_layout(
-        args.n_layers, pp, exp.pipeline_parallel_schedule, exp.pipeline_parallel_split_points,
+        args.n_layers,
+        pp,
+        exp.pipeline_parallel_schedule,
+        exp.pipeline_parallel_split_points,
         exp.pipeline_parallel_schedule_csv,
     )
     n_microbatches = exp.pipeline_parallel_microbatches or pp
@@ -198,9 +208,7 @@ def _check_memory_options(config: JobConfig) -> None:
         )
     chunk = config.training.loss_chunk_size
     if chunk < 0:
-        raise ConfigError(
-            f"training.loss_chunk_size must be >= 0 (0 = one chunk, the full logits), got {chunk}"
-        )
+        raise ConfigError(f"training.loss_chunk_size must be >= 0 (0 = one chunk, the full logits), got {chunk}")
     if chunk > 0 and config.experimental.pipeline_parallel_degree > 1:
         raise NotImplementedError(
             f"training.loss_chunk_size = {chunk} with experimental.pipeline_parallel_degree = "
@@ -232,14 +240,20 @@ def _warnings(config: JobConfig, world_size: int) -> list[str]:
     t = config.training
     fsdp_knobs = t.enable_cpu_offload or t.fsdp_reshard_after_forward != "default" or t.fsdp_prefetch_depth != 1
     if fsdp_knobs and not ParallelDims.from_config(config, world_size).fsdp_enabled:
-        out.append("training.enable_cpu_offload / fsdp_reshard_after_forward / fsdp_prefetch_depth have no effect "
-                   "without FSDP (data_parallel_shard_degree > 1)")
+        out.append(
+            "training.enable_cpu_offload / fsdp_reshard_after_forward / fsdp_prefetch_depth have no effect "
+            "without FSDP (data_parallel_shard_degree > 1)"
+        )
     ck = config.checkpoint
-    if not ck.enable_checkpoint and not ck.create_seed_checkpoint and (
-        ck.async_mode != "disabled" or ck.keep_latest_k or ck.load_step != -1 or ck.model_weights_only
+    if (
+        not ck.enable_checkpoint
+        and not ck.create_seed_checkpoint
+        and (ck.async_mode != "disabled" or ck.keep_latest_k or ck.load_step != -1 or ck.model_weights_only)
     ):
-        out.append("checkpoint.async_mode / keep_latest_k / load_step / model_weights_only have no effect "
-                   "without checkpoint.enable_checkpoint = true")
+        out.append(
+            "checkpoint.async_mode / keep_latest_k / load_step / model_weights_only have no effect "
+            "without checkpoint.enable_checkpoint = true"
+        )
     if ck.export_dtype != "float32" and not ck.model_weights_only:
         out.append("checkpoint.export_dtype has no effect without checkpoint.model_weights_only = true")
     if config.metrics.rank_0_only is False:
@@ -266,8 +280,9 @@ def _check_checkpoint(config: JobConfig, world_size: int) -> None:
     if ck.keep_latest_k < 0:
         raise ConfigError(f"checkpoint.keep_latest_k must be >= 0 (0 keeps every checkpoint), got {ck.keep_latest_k}")
     if ck.load_step < -1:
-        raise ConfigError(f"checkpoint.load_step must be -1 (the newest complete checkpoint) or a step >= 0, "
-                          f"got {ck.load_step}")
+        raise ConfigError(
+            f"checkpoint.load_step must be -1 (the newest complete checkpoint) or a step >= 0, got {ck.load_step}"
+        )
     if ck.create_seed_checkpoint and world_size != 1:
         raise ConfigError(
             f"checkpoint.create_seed_checkpoint = true needs one process (it initialises the whole model and "
@@ -279,9 +294,7 @@ def _check_checkpoint(config: JobConfig, world_size: int) -> None:
                 "checkpoint.async_mode = 'async_with_pinned_mem' stages into pinned memory for fast GPU-to-host "
                 "copies, and this machine has no GPU; use 'async' (the state is already in host memory)"
             )
-        raise NotImplementedError(
-            "checkpoint.async_mode = 'async_with_pinned_mem' is not built yet; use 'async'"
-        )
+        raise NotImplementedError("checkpoint.async_mode = 'async_with_pinned_mem' is not built yet; use 'async'")
 
 
 def validate_config(config: JobConfig, world_size: int, *, check_paths: bool = True) -> list[str]:

@@ -42,17 +42,17 @@ def compute_stream_groups(
     (b = local_batch_size, a = grad_accum_steps): concatenating all groups of all ranks in rank
     order gives streams 0..S-1, the same global batch a 1-rank, 1-micro-batch run sees.
     """
-    for name, value in (("dp_degree", dp_degree), ("local_batch_size", local_batch_size),
-                        ("grad_accum_steps", grad_accum_steps)):
+    for name, value in (
+        ("dp_degree", dp_degree),
+        ("local_batch_size", local_batch_size),
+        ("grad_accum_steps", grad_accum_steps),
+    ):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     if not 0 <= dp_rank < dp_degree:
         raise ValueError(f"dp_rank must be in [0, {dp_degree}) for dp_degree={dp_degree}, got {dp_rank}")
     first = dp_rank * local_batch_size * grad_accum_steps
-    return [
-        [first + i * local_batch_size + j for j in range(local_batch_size)]
-        for i in range(grad_accum_steps)
-    ]
+    return [[first + i * local_batch_size + j for j in range(local_batch_size)] for i in range(grad_accum_steps)]
 
 
 @dataclass
@@ -65,8 +65,10 @@ class _StreamState:
 def _validate_groups(stream_groups: list[list[int]], num_streams: int) -> None:
     flat = [s for group in stream_groups for s in group]
     if not stream_groups or any(not group for group in stream_groups):
-        raise ValueError(f"stream_groups must be non-empty lists of stream ids, got {stream_groups}; "
-                         f"build them with compute_stream_groups")
+        raise ValueError(
+            f"stream_groups must be non-empty lists of stream ids, got {stream_groups}; "
+            f"build them with compute_stream_groups"
+        )
     if len(set(flat)) != len(flat) or not all(0 <= s < num_streams for s in flat):
         raise ValueError(f"stream_groups must hold distinct ids in [0, {num_streams}), got {stream_groups}")
 
@@ -82,9 +84,11 @@ def merge_data_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     merged = {"num_streams": states[0]["num_streams"], "seq_len": states[0]["seq_len"], "streams": {}}
     for state in states:
         if (state["num_streams"], state["seq_len"]) != (merged["num_streams"], merged["seq_len"]):
-            raise ValueError(f"cannot merge data states with different (num_streams, seq_len): "
-                             f"{(state['num_streams'], state['seq_len'])} vs "
-                             f"{(merged['num_streams'], merged['seq_len'])}")
+            raise ValueError(
+                f"cannot merge data states with different (num_streams, seq_len): "
+                f"{(state['num_streams'], state['seq_len'])} vs "
+                f"{(merged['num_streams'], merged['seq_len'])}"
+            )
         for sid, stream in state["streams"].items():
             if merged["streams"].setdefault(sid, stream) != stream:
                 raise ValueError(f"data states disagree on stream {sid}; they come from different runs/steps")
@@ -119,8 +123,7 @@ class HuggingFaceDataset(IterableDataset, Stateful):
         self._num_streams = num_streams
         self._groups = [list(g) for g in stream_groups]
         self._source = (
-            MapSource(data, text_field) if isinstance(data, Dataset)
-            else StreamingSource(data, text_field, num_streams)
+            MapSource(data, text_field) if isinstance(data, Dataset) else StreamingSource(data, text_field, num_streams)
         )
         self._streams = {s: _StreamState() for group in self._groups for s in group}
         self._epoch_logged = 0
@@ -183,8 +186,10 @@ class HuggingFaceDataset(IterableDataset, Stateful):
         return ahead.index(False)
 
     def state_dict(self) -> dict[str, Any]:
-        streams = {str(s): {"docs": st.docs, "windows": st.windows, "buffer": list(st.buffer)}
-                   for s, st in self._streams.items()}
+        streams = {
+            str(s): {"docs": st.docs, "windows": st.windows, "buffer": list(st.buffer)}
+            for s, st in self._streams.items()
+        }
         return {"num_streams": self._num_streams, "seq_len": self._seq_len, "streams": streams}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -204,7 +209,8 @@ class HuggingFaceDataset(IterableDataset, Stateful):
         for s in self._streams:
             saved_stream = state_dict["streams"][str(s)]
             self._streams[s] = _StreamState(
-                docs=int(saved_stream["docs"]), windows=int(saved_stream["windows"]),
+                docs=int(saved_stream["docs"]),
+                windows=int(saved_stream["windows"]),
                 buffer=[int(t) for t in saved_stream["buffer"]],
             )
         self._first_group()  # reject inconsistent states now rather than at the next batch

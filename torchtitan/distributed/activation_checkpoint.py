@@ -59,4 +59,3 @@ def apply_ac(model: nn.Module, config: ActivationCheckpoint) -> None:
     for i, (name, block) in enumerate(list(model.layers.items())):
         if i % every == 0:
             model.layers[name] = _wrap(block, op_selective=op_selective)
-

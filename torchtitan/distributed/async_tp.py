@@ -98,10 +98,12 @@ class _Ring:
 
     def shift(self, send: Tensor, recv: Tensor, step: int) -> tuple[list, Tensor]:
         """Start sending ``send`` to the next rank and receiving ``recv`` from the previous one."""
-        works = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, send, self.next, self.group),
-            dist.P2POp(dist.irecv, recv, self.prev, self.group),
-        ])
+        works = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, send, self.next, self.group),
+                dist.P2POp(dist.irecv, recv, self.prev, self.group),
+            ]
+        )
         _record("comm_issued", step)
         return works, send  # the caller keeps ``send`` alive until the wait
 

@@ -50,7 +50,8 @@ def cp_position_list(seq_len: int, cp_degree: int, cp_rank: int, load_balance: b
         raise ValueError(
             f"training.seq_len = {seq_len} must be divisible by {need} = {num_chunks} "
             f"(context_parallel_degree = {cp_degree}, load_balance = {load_balance}); "
-            f"set training.seq_len to a multiple of {num_chunks}")
+            f"set training.seq_len to a multiple of {num_chunks}"
+        )
     chunk = seq_len // num_chunks
     head = list(range(cp_rank * chunk, (cp_rank + 1) * chunk))
     if not load_balance:
@@ -72,6 +73,7 @@ def shard_sequence(tensors: list[torch.Tensor], seq_dim: int, positions: torch.T
 # ---------------------------------------------------------------------------------------------
 # Block math (single process): one K/V block against the local queries, and the online merge.
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class _BlockPlan:
@@ -134,8 +136,7 @@ def _attend(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.matmul(p, _expand_kv(v, n_heads).float()), lse
 
 
-def merge_attention_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
-                     block_lse: torch.Tensor) -> None:
+def merge_attention_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Online softmax: fold a block's (out, lse) into the running (out, lse), in place.
 
     out/block_out (bs, h, sq, d) fp32; lse/block_lse (bs, h, sq) fp32. A row with lse = -inf on
@@ -164,8 +165,9 @@ def _new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def compute_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                            k_pos: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_block_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's fp32 (out (bs, h, sq, d), lse (bs, h, sq)) under the causal mask of global positions.
 
     Rows that see no key get out = 0 and lse = -inf, which merge_attention_ treats as empty.
@@ -194,7 +196,8 @@ def _accumulate_block_grad(dq, dkv, q, k, v, dout, lse, delta, plan: _BlockPlan 
         return
     r, c = plan.rows, plan.cols
     block_dq, block_dk, block_dv = _block_backward(
-        q[:, :, r], k[:, :, c], v[:, :, c], dout[:, :, r], lse[:, :, r], delta[:, :, r], plan.mask, scale)
+        q[:, :, r], k[:, :, c], v[:, :, c], dout[:, :, r], lse[:, :, r], delta[:, :, r], plan.mask, scale
+    )
     dq[:, :, r] += block_dq
     dkv[0][:, :, c] += block_dk
     dkv[1][:, :, c] += block_dv
@@ -204,12 +207,15 @@ def _accumulate_block_grad(dq, dkv, q, k, v, dout, lse, delta, plan: _BlockPlan 
 # Communication: the two ways a rank gets the other ranks' K/V blocks.
 # ---------------------------------------------------------------------------------------------
 
+
 def _ring_shift(tensor: torch.Tensor, group: dist.ProcessGroup, tag: int) -> tuple[torch.Tensor, list]:
     """Post: send ``tensor`` to the next rank, receive the previous rank's into a new buffer."""
     rank, size = group.rank(), group.size()
     recv = torch.empty_like(tensor)
-    ops = [dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (rank + 1) % size), group, tag),
-           dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (rank - 1) % size), group, tag)]
+    ops = [
+        dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (rank + 1) % size), group, tag),
+        dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (rank - 1) % size), group, tag),
+    ]
     return recv, dist.batch_isend_irecv(ops)
 
 
@@ -320,12 +326,15 @@ class RingAttention(nn.Module):
     their compact kv heads; grouped-query heads are expanded after communication.
     """
 
-    def __init__(self, cp_group: dist.ProcessGroup, *, rotate_method: Literal["allgather", "alltoall"],
-                 load_balance: bool):
+    def __init__(
+        self, cp_group: dist.ProcessGroup, *, rotate_method: Literal["allgather", "alltoall"], load_balance: bool
+    ):
         super().__init__()
         if rotate_method not in ROTATE_METHODS:
-            raise ValueError(f"experimental.context_parallel_rotate_method = {rotate_method!r}: "
-                             f"allowed are {', '.join(ROTATE_METHODS)}")
+            raise ValueError(
+                f"experimental.context_parallel_rotate_method = {rotate_method!r}: "
+                f"allowed are {', '.join(ROTATE_METHODS)}"
+            )
         self.cp_group, self.rotate_method, self.load_balance = cp_group, rotate_method, load_balance
         # local seqlen -> plans[i][j]: what rank i's queries see of rank j's block (from CPU positions,
         # once per shape: no per-step nonzero or host sync)
@@ -344,17 +353,21 @@ class RingAttention(nn.Module):
                     f"ring attention got a local seqlen of {local_seqlen} on context_parallel_degree = {cp} "
                     f"with load_balance = {self.load_balance}: with load balancing each rank holds two equal "
                     "chunks, so the local seqlen must be even; shard inputs with "
-                    "compute_cp_positions(training.seq_len, ...) and shard_sequence")
+                    "compute_cp_positions(training.seq_len, ...) and shard_sequence"
+                )
             positions = [cp_position_list(seq_len, cp, r, self.load_balance) for r in range(cp)]
-            self._plans[local_seqlen] = [[_plan_block(positions[i], positions[j]) for j in range(cp)]
-                                         for i in range(cp)]
+            self._plans[local_seqlen] = [
+                [_plan_block(positions[i], positions[j]) for j in range(cp)] for i in range(cp)
+            ]
         return self._plans[local_seqlen]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (bs, n_heads, s, d); k, v (bs, n_kv_heads, s, d) -> (bs, n_heads, s, d)."""
         if k.shape[2] != q.shape[2] or v.shape != k.shape or q.shape[1] % k.shape[1] != 0:
-            raise ValueError(f"ring attention needs q, k, v sharded alike along the sequence, with n_heads a "
-                             f"multiple of n_kv_heads: got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+            raise ValueError(
+                f"ring attention needs q, k, v sharded alike along the sequence, with n_heads a "
+                f"multiple of n_kv_heads: got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
         plans = self.block_plans(q.shape[2])
         return _RingAttentionFunction.apply(q, k, v, self.cp_group, self.rotate_method, plans)
 

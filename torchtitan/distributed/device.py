@@ -22,7 +22,9 @@ def get_device_info(local_rank: int | None = None) -> DeviceInfo:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         # gloo stays registered for CPU tensors (e.g. a CPU-side dataloader state exchange).
-        return DeviceInfo(torch.device("cuda", local_rank % torch.cuda.device_count()), "cpu:gloo,cuda:nccl")  # device-choice
+        return DeviceInfo(
+            torch.device("cuda", local_rank % torch.cuda.device_count()), "cpu:gloo,cuda:nccl"
+        )  # device-choice
     return DeviceInfo(torch.device("cpu"), "gloo")
 
 

@@ -53,8 +53,14 @@ def apply_fsdp(
         reshard = reshard_after_forward == "always" or (reshard_after_forward == "default" and not last)
         if experts_mesh is not None:
             for experts in [m for m in block.modules() if isinstance(m, GroupedExperts)]:
-                fully_shard(experts, mesh=experts_mesh, mp_policy=mp, reshard_after_forward=reshard,
-                            shard_placement_fn=_experts_placement(experts_mesh), **offload)
+                fully_shard(
+                    experts,
+                    mesh=experts_mesh,
+                    mp_policy=mp,
+                    reshard_after_forward=reshard,
+                    shard_placement_fn=_experts_placement(experts_mesh),
+                    **offload,
+                )
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard, **offload)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward != "never", **offload)
     if prefetch_depth > 1:

@@ -93,8 +93,7 @@ class ParallelDims:
 
     def _formula(self, dp_shard: str) -> str:
         return (
-            f"dp_replicate({self.dp_replicate}) * dp_shard({dp_shard}) * cp({self.cp}) * tp({self.tp}) * "
-            f"pp({self.pp})"
+            f"dp_replicate({self.dp_replicate}) * dp_shard({dp_shard}) * cp({self.cp}) * tp({self.tp}) * pp({self.pp})"
         )
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
@@ -142,8 +141,14 @@ class ParallelDims:
 
     def degrees(self) -> dict[str, int]:
         """Axis -> degree in mesh order (pp, dp_replicate, dp_shard, cp, tp), then ep; for logs and records."""
-        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
-                "tp": self.tp, "ep": self.ep}
+        return {
+            "pp": self.pp,
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.dp_shard,
+            "cp": self.cp,
+            "tp": self.tp,
+            "ep": self.ep,
+        }
 
     def size(self, axis: str) -> int:
         """The number of ranks of a real or flattened axis."""

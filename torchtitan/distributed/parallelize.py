@@ -136,15 +136,18 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, parallel_dims: ParallelDims
 def _apply_cp(model: nn.Module, cp_mesh: DeviceMesh, parallel_dims: ParallelDims, config: JobConfig) -> None:
     exp = config.experimental
     apply = apply_torch_cp if exp.context_parallel_impl == "torch" else apply_cp
-    apply(model, cp_mesh, rotate_method=exp.context_parallel_rotate_method,
-          load_balance=exp.context_parallel_load_balance)
+    apply(
+        model, cp_mesh, rotate_method=exp.context_parallel_rotate_method, load_balance=exp.context_parallel_load_balance
+    )
     positions = compute_cp_positions(
         config.training.seq_len, parallel_dims.cp, cp_mesh.get_local_rank(), exp.context_parallel_load_balance
     )
     pass_positions(model, positions)
     logger.info(
         "applied context parallel over %d ranks (%s ring attention, %s, load balance %s)",
-        parallel_dims.cp, exp.context_parallel_impl, exp.context_parallel_rotate_method,
+        parallel_dims.cp,
+        exp.context_parallel_impl,
+        exp.context_parallel_rotate_method,
         exp.context_parallel_load_balance,
     )
 

@@ -158,8 +158,10 @@ def _build_schedule(
         try:
             runtime._load_csv(csv_path)
         except (AssertionError, RuntimeError, ValueError, KeyError) as e:
-            raise ValueError(f"{_K_CSV} = {csv_path!r} is not a valid schedule for {n_microbatches} microbatches "
-                             f"and {stages[0].num_stages} stages: {e}") from e
+            raise ValueError(
+                f"{_K_CSV} = {csv_path!r} is not a valid schedule for {n_microbatches} microbatches "
+                f"and {stages[0].num_stages} stages: {e}"
+            ) from e
         return runtime
     cls = get_schedule_class(schedule)
     if schedule in SINGLE_STAGE_SCHEDULES:

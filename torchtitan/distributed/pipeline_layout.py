@@ -194,9 +194,7 @@ def _check_csv_placement(csv_path: str, pp: int, num_stages: int, placement: str
             )
 
 
-def validate_microbatches(
-    schedule: str, n_microbatches: int, local_batch_size: int, num_stages: int, pp: int
-) -> None:
+def validate_microbatches(schedule: str, n_microbatches: int, local_batch_size: int, num_stages: int, pp: int) -> None:
     """Raise ValueError before torch does, for the constraints torch 2.13's schedules enforce."""
     where = f"{_K_MB} = {n_microbatches}"
     if n_microbatches < 1:

@@ -59,7 +59,6 @@ def _wrap(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     return DTensor(local, spec, requires_grad=False)
 
 
-
 def _cpu_forward_handler(op_call, args, kwargs):
     """The CPU flash kernel's ring: (out, logsumexp), both Shard(2). Mirrors torch's CUDA handlers."""
     query, key, value, *rest = args
@@ -69,8 +68,15 @@ def _cpu_forward_handler(op_call, args, kwargs):
         raise NotImplementedError("context_parallel_impl = 'torch' on CPU: no attn_mask or dropout")
     mesh = query.device_mesh
     out, lse = _cp_attention()._templated_ring_attention(
-        mesh.get_group(), _SEQ_DIM, _CPU_FORWARD, local_shard(query), local_shard(key), local_shard(value),
-        is_causal=is_causal, dropout_p=0.0, scale=kwargs.get("scale"),
+        mesh.get_group(),
+        _SEQ_DIM,
+        _CPU_FORWARD,
+        local_shard(query),
+        local_shard(key),
+        local_shard(value),
+        is_causal=is_causal,
+        dropout_p=0.0,
+        scale=kwargs.get("scale"),
     )
     return _wrap(out, mesh), _wrap(lse, mesh)
 
@@ -80,10 +86,19 @@ def _cpu_backward_handler(op_call, args, kwargs):
     grad_out, query, key, value, out, logsumexp, dropout_p, is_causal = args[:8]
     mesh = query.device_mesh
     grads = _cp_attention()._templated_ring_attention_backward(
-        mesh.get_group(), _SEQ_DIM, _CPU_BACKWARD, grad_out=local_shard(grad_out), grad_out_name="grad_out",
-        query=local_shard(query), key=local_shard(key), value=local_shard(value), out=local_shard(out),
+        mesh.get_group(),
+        _SEQ_DIM,
+        _CPU_BACKWARD,
+        grad_out=local_shard(grad_out),
+        grad_out_name="grad_out",
+        query=local_shard(query),
+        key=local_shard(key),
+        value=local_shard(value),
+        out=local_shard(out),
         logsumexp=local_shard(logsumexp),
-        is_causal=is_causal, dropout_p=dropout_p, scale=kwargs.get("scale"),
+        is_causal=is_causal,
+        dropout_p=dropout_p,
+        scale=kwargs.get("scale"),
     )
     return tuple(_wrap(g, mesh) for g in grads[:3])
 

@@ -66,11 +66,22 @@ def _run(argv: list[str]) -> int:
         hw = Hardware(gpu=gpu or "H100", gpus_per_node=_positive("--gpus_per_node", gpus_per_node or "8"))
         hw.peak_flops  # noqa: B018 - validates --gpu before the long run
         top_k = _positive("--top", top or "10")
-        result = make_plan(config, world_size, _positive("--memory_gib", memory_gib, float), hw, top=top_k,
-                           log=(lambda line: None) if as_json else (lambda line: print(line, file=sys.stderr)))
+        result = make_plan(
+            config,
+            world_size,
+            _positive("--memory_gib", memory_gib, float),
+            hw,
+            top=top_k,
+            log=(lambda line: None) if as_json else (lambda line: print(line, file=sys.stderr)),
+        )
         print(json.dumps(plan_to_dict(result), indent=2) if as_json else format_plan(result, title, top_k))
         return 0 if result.rows else 1
-    for name, value in (("--memory_gib", memory_gib), ("--gpu", gpu), ("--gpus_per_node", gpus_per_node), ("--top", top)):
+    for name, value in (
+        ("--memory_gib", memory_gib),
+        ("--gpu", gpu),
+        ("--gpus_per_node", gpus_per_node),
+        ("--top", top),
+    ):
         if value is not None:
             raise ValueError(f"{name} only applies with --plan")
     from torchtitan.estimation.estimate import estimate_memory

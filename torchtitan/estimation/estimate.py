@@ -32,10 +32,18 @@ from torchtitan.train import Trainer
 
 # Settings the fake run cannot reproduce faithfully: (key, value that is fine, why).
 _UNMODELED = (
-    ("training.compile", False, "torch.compile under FakeTensorMode traces other graphs than the real run "
-     "(fused kernels, different temporaries); estimate with compile off and expect less memory with it"),
-    ("training.enable_cpu_offload", False, "FSDP CPU offload moves parameters, gradients and optimizer state to "
-     "host memory; the trackers do not separate host from device memory on a CPU run"),
+    (
+        "training.compile",
+        False,
+        "torch.compile under FakeTensorMode traces other graphs than the real run "
+        "(fused kernels, different temporaries); estimate with compile off and expect less memory with it",
+    ),
+    (
+        "training.enable_cpu_offload",
+        False,
+        "FSDP CPU offload moves parameters, gradients and optimizer state to "
+        "host memory; the trackers do not separate host from device memory on a CPU run",
+    ),
     ("validation.enabled", False, "validation runs outside the training step; the estimate covers the step"),
     ("optimizer.fused", False, "the fused optimizer kernel is CUDA-only and its temporaries are not modeled"),
 )
@@ -83,8 +91,9 @@ def role_ranks(dims: ParallelDims) -> list[tuple[str, int, int]]:
     return [(f"pp rank {k}", k * per_stage, k) for k in range(dims.pp)]
 
 
-def estimate_rank(config, world_size: int, rank: int, vocab: int, *, fake: bool = True,
-                  n_layers: int | None = None) -> StepMemory:
+def estimate_rank(
+    config, world_size: int, rank: int, vocab: int, *, fake: bool = True, n_layers: int | None = None
+) -> StepMemory:
     """Build the trainer as global rank ``rank`` and track two training steps.
 
     fake=True: FakeTensorMode under a fake process group created here (and destroyed after).
@@ -104,14 +113,23 @@ def estimate_rank(config, world_size: int, rank: int, vocab: int, *, fake: bool 
             trainer = Trainer(config, world_size=world_size, rank=rank, builders=builders)
             return track_steps(trainer)
         # allow_non_fake_inputs: the meta model (see estimation_builders) is plain meta tensors.
-        with (FakeTensorMode(allow_non_fake_inputs=True), fake_mode_patches(), grouped_mm_patches(),
-              _pipeline_patches(config, world_size, vocab), _backend_patches()):
+        with (
+            FakeTensorMode(allow_non_fake_inputs=True),
+            fake_mode_patches(),
+            grouped_mm_patches(),
+            _pipeline_patches(config, world_size, vocab),
+            _backend_patches(),
+        ):
             trainer = Trainer(config, world_size=world_size, rank=rank, builders=builders)
             memory = track_steps(trainer, foreach_temp=use_per_parameter_step(trainer.optimizer))
             if trainer.parallel_dims.dp_replicate_enabled and not trainer.parallel_dims.dp_shard_enabled:
                 buckets = ddp_bucket_bytes(trainer.model_parts)
-                memory.add_persistent(DDP_BUCKETS, buckets, "DDP gradient buckets modeled: a flat copy of every "
-                                      "gradient, allocated when DDP is built (its C++ reducer cannot run on fake tensors)")
+                memory.add_persistent(
+                    DDP_BUCKETS,
+                    buckets,
+                    "DDP gradient buckets modeled: a flat copy of every "
+                    "gradient, allocated when DDP is built (its C++ reducer cannot run on fake tensors)",
+                )
             return memory
     finally:
         if own_group:
@@ -190,8 +208,13 @@ def plan_depth(config, args, dims: ParallelDims, full_depth: bool) -> DepthReduc
 
 def _stage_layout(config, n_layers: int, dims: ParallelDims) -> list[tuple[int, int]]:
     exp = config.experimental
-    return resolve_stage_layout(n_layers, dims.pp, exp.pipeline_parallel_schedule, exp.pipeline_parallel_split_points,
-                                exp.pipeline_parallel_schedule_csv)
+    return resolve_stage_layout(
+        n_layers,
+        dims.pp,
+        exp.pipeline_parallel_schedule,
+        exp.pipeline_parallel_split_points,
+        exp.pipeline_parallel_schedule_csv,
+    )
 
 
 def _role_units(config, args, dims: ParallelDims, pp_rank: int, reduction: DepthReduction) -> float:
@@ -210,18 +233,29 @@ def _reduced_config(config, reduction: DepthReduction, units_per_stage: int):
     return reduced
 
 
-def estimate_role(config, world_size: int, rank: int, pp_rank: int, vocab: int, args, dims: ParallelDims,
-                  reduction: DepthReduction | None) -> StepMemory:
+def estimate_role(
+    config,
+    world_size: int,
+    rank: int,
+    pp_rank: int,
+    vocab: int,
+    args,
+    dims: ParallelDims,
+    reduction: DepthReduction | None,
+) -> StepMemory:
     if reduction is None:
         return estimate_rank(config, world_size, rank, vocab)
     (u1, u2), runs = reduction.units, []
     for units in (u1, u2):
         n_layers = reduction.n_layers(units)
-        runs.append(estimate_rank(_reduced_config(config, reduction, units), world_size, rank, vocab,
-                                  n_layers=n_layers))
+        runs.append(
+            estimate_rank(_reduced_config(config, reduction, units), world_size, rank, vocab, n_layers=n_layers)
+        )
     real = _role_units(config, args, dims, pp_rank, reduction)
-    note = (f"extrapolated linearly from {reduction.n_layers(u1)}- and {reduction.n_layers(u2)}-layer runs "
-            f"to the real {args.n_layers} layers (--full_depth runs them all)")
+    note = (
+        f"extrapolated linearly from {reduction.n_layers(u1)}- and {reduction.n_layers(u2)}-layer runs "
+        f"to the real {args.n_layers} layers (--full_depth runs them all)"
+    )
     return runs[0].extrapolate(runs[1], (real - u1) / (u2 - u1), note)
 
 
@@ -239,6 +273,8 @@ def estimate_memory(config, world_size: int, *, full_depth: bool = False, pp_ran
     roles = role_ranks(dims)
     if pp_ranks == "ends":  # the planner: first and last pipeline rank only
         roles = [r for r in roles if r[2] in (0, dims.pp - 1)]
-    roles = [RoleEstimate(role, rank, estimate_role(config, world_size, rank, pp_rank, vocab, args, dims, reduction))
-             for role, rank, pp_rank in roles]
+    roles = [
+        RoleEstimate(role, rank, estimate_role(config, world_size, rank, pp_rank, vocab, args, dims, reduction))
+        for role, rank, pp_rank in roles
+    ]
     return Estimate(world_size, dims.degrees(), source, roles, time.perf_counter() - start, warnings)

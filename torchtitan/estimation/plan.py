@@ -72,8 +72,10 @@ class Layout:
     def describe(self) -> str:
         mb = f" mb={self.microbatches}" if self.pp > 1 else ""
         ep = f" ep={self.ep}" if self.ep > 1 else ""
-        return (f"pp={self.pp} dp_rep={self.dp_replicate} dp_shard={self.dp_shard} cp={self.cp} tp={self.tp}{ep}"
-                f" ac={self.ac}{mb}")
+        return (
+            f"pp={self.pp} dp_rep={self.dp_replicate} dp_shard={self.dp_shard} cp={self.cp} tp={self.tp}{ep}"
+            f" ac={self.ac}{mb}"
+        )
 
 
 @dataclass
@@ -185,7 +187,9 @@ def throughput(args, layout: Layout, config, global_batch: int, world_size: int,
     # TP (sequence parallel): 2 all-gathers + 2 reduce-scatters per layer forward, as many backward
     tp_bytes = 8 * layers * act_bytes * (layout.tp - 1) / layout.tp if layout.tp > 1 else 0.0
     kv_dim = (args.n_kv_heads or args.n_heads) * args.head_dim
-    cp_bytes = 6 * layers * (local_tokens / layout.cp) * kv_dim * bytes_param * (layout.cp - 1) if layout.cp > 1 else 0.0
+    cp_bytes = (
+        6 * layers * (local_tokens / layout.cp) * kv_dim * bytes_param * (layout.cp - 1) if layout.cp > 1 else 0.0
+    )
     shard_bytes = (embed + rest) / (layout.tp * layout.pp) * bytes_param  # this rank's model slice, unsharded
     fsdp_bytes = 3 * shard_bytes * (layout.dp_shard * layout.cp - 1) / (layout.dp_shard * layout.cp)
     hsdp_bytes = 2 * shard_bytes / (layout.dp_shard * layout.cp) * (layout.dp_replicate - 1) / layout.dp_replicate
@@ -193,16 +197,25 @@ def throughput(args, layout: Layout, config, global_batch: int, world_size: int,
     dp_time = fsdp_bytes / bw["dp_shard"] + hsdp_bytes / bw["dp_replicate"]
     bubble = compute * (layout.pp - 1) / layout.microbatches if layout.pp > 1 else 0.0
     step = compute + exposed + max(0.0, dp_time - compute) + bubble
-    parts = {"compute": compute, "tp/cp comm": exposed, "dp comm (exposed)": max(0.0, dp_time - compute),
-             "pp bubble": bubble}
+    parts = {
+        "compute": compute,
+        "tp/cp comm": exposed,
+        "dp comm (exposed)": max(0.0, dp_time - compute),
+        "pp bubble": bubble,
+    }
     return PlanRow(layout, 0, step, tokens / (step * world_size), parts)
 
 
 def _bandwidths(layout: Layout, hw: Hardware) -> dict[str, float]:
     """Bytes/s of each axis: intra-node while the ranks up to and including it fit in one node."""
     span, out = 1, {}
-    for axis, size in (("tp", layout.tp), ("cp", layout.cp), ("dp_shard", layout.dp_shard),
-                       ("dp_replicate", layout.dp_replicate), ("pp", layout.pp)):
+    for axis, size in (
+        ("tp", layout.tp),
+        ("cp", layout.cp),
+        ("dp_shard", layout.dp_shard),
+        ("dp_replicate", layout.dp_replicate),
+        ("pp", layout.pp),
+    ):
         span *= size
         out[axis] = (hw.intra_node_gbps if span <= hw.gpus_per_node else hw.inter_node_gbps) * 1e9
     return out
@@ -264,21 +277,29 @@ def make_plan(config, world_size: int, memory_gib: float, hw: Hardware, *, top: 
             row.peak_bytes = est.peak
             rows.append(row)
             fitted.add(base)
-    return Plan(world_size, memory_gib, global_batch, rows, considered, estimated, rejected, time.perf_counter() - start)
+    return Plan(
+        world_size, memory_gib, global_batch, rows, considered, estimated, rejected, time.perf_counter() - start
+    )
 
 
 def format_plan(plan: Plan, title: str, top: int) -> str:
-    out = [f"{title}: {plan.world_size} ranks, {plan.memory_gib:g} GiB each, global batch {plan.global_batch} "
-           f"sequences; {plan.considered} layouts considered, {plan.estimated} estimated best-first by the throughput "
-           f"model, "
-           f"{len(plan.rows)} fit ({plan.seconds:.0f} s)"]
-    out.append(f"{'#':>3}  {'layout':<62}{'peak GiB':>10}{'step s':>9}{'tok/s/GPU':>11}  "
-               "compute / tp+cp comm / exposed dp comm / bubble (s)")
+    out = [
+        f"{title}: {plan.world_size} ranks, {plan.memory_gib:g} GiB each, global batch {plan.global_batch} "
+        f"sequences; {plan.considered} layouts considered, {plan.estimated} estimated best-first by the throughput "
+        f"model, "
+        f"{len(plan.rows)} fit ({plan.seconds:.0f} s)"
+    ]
+    out.append(
+        f"{'#':>3}  {'layout':<62}{'peak GiB':>10}{'step s':>9}{'tok/s/GPU':>11}  "
+        "compute / tp+cp comm / exposed dp comm / bubble (s)"
+    )
     for i, r in enumerate(plan.rows[:top], 1):
         p = r.parts
-        out.append(f"{i:>3}  {r.layout.describe():<62}{r.peak_bytes / GIB:>10.2f}{r.step_seconds:>9.2f}"
-                   f"{r.tokens_per_second_per_gpu:>11,.0f}  {p['compute']:.2f} / {p['tp/cp comm']:.2f} / "
-                   f"{p['dp comm (exposed)']:.2f} / {p['pp bubble']:.2f}")
+        out.append(
+            f"{i:>3}  {r.layout.describe():<62}{r.peak_bytes / GIB:>10.2f}{r.step_seconds:>9.2f}"
+            f"{r.tokens_per_second_per_gpu:>11,.0f}  {p['compute']:.2f} / {p['tp/cp comm']:.2f} / "
+            f"{p['dp comm (exposed)']:.2f} / {p['pp bubble']:.2f}"
+        )
     for why, n in sorted(plan.rejected.items()):
         out.append(f"rejected: {n} x {why}")
     return "\n".join(out)
@@ -286,9 +307,21 @@ def format_plan(plan: Plan, title: str, top: int) -> str:
 
 def plan_to_dict(plan: Plan) -> dict:
     return {
-        "world_size": plan.world_size, "memory_gib": plan.memory_gib, "global_batch": plan.global_batch,
-        "considered": plan.considered, "estimated": plan.estimated, "rejected": plan.rejected,
+        "world_size": plan.world_size,
+        "memory_gib": plan.memory_gib,
+        "global_batch": plan.global_batch,
+        "considered": plan.considered,
+        "estimated": plan.estimated,
+        "rejected": plan.rejected,
         "seconds": round(plan.seconds, 1),
-        "fits": [{"layout": r.layout.__dict__, "peak_bytes": r.peak_bytes, "step_seconds": r.step_seconds,
-                  "tokens_per_second_per_gpu": r.tokens_per_second_per_gpu, "parts": r.parts} for r in plan.rows],
+        "fits": [
+            {
+                "layout": r.layout.__dict__,
+                "peak_bytes": r.peak_bytes,
+                "step_seconds": r.step_seconds,
+                "tokens_per_second_per_gpu": r.tokens_per_second_per_gpu,
+                "parts": r.parts,
+            }
+            for r in plan.rows
+        ],
     }

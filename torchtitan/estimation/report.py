@@ -19,8 +19,14 @@ def to_dict(est: Estimate) -> dict:
         "peak_bytes": est.peak,
         "warnings": est.warnings,
         "roles": [
-            {"role": r.role, "rank": r.rank, "peak_bytes": r.memory.peak, "peak_phase": r.memory.peak_phase,
-             "breakdown_bytes": r.memory.breakdown, "notes": r.memory.notes}
+            {
+                "role": r.role,
+                "rank": r.rank,
+                "peak_bytes": r.memory.peak,
+                "peak_phase": r.memory.peak_phase,
+                "breakdown_bytes": r.memory.breakdown,
+                "notes": r.memory.notes,
+            }
             for r in est.roles
         ],
     }

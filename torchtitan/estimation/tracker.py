@@ -49,8 +49,10 @@ class Phase:
     def extrapolate(self, other: Phase, t: float) -> Phase:
         """The affine combination self + t * (other - self), per row (for depth extrapolation)."""
         rows = dict.fromkeys([*self.breakdown, *other.breakdown])
-        breakdown = {r: round(self.breakdown.get(r, 0) + t * (other.breakdown.get(r, 0) - self.breakdown.get(r, 0)))
-                     for r in rows}
+        breakdown = {
+            r: round(self.breakdown.get(r, 0) + t * (other.breakdown.get(r, 0) - self.breakdown.get(r, 0)))
+            for r in rows
+        }
         return Phase(round(self.total + t * (other.total - self.total)), {r: v for r, v in breakdown.items() if v})
 
 
@@ -117,8 +119,13 @@ class StepMemory:
 
         modeled = {r: round(v + t * (other.modeled.get(r, 0) - v)) for r, v in self.modeled.items()}
         notes = [n for n in self.notes if not n.startswith("foreach")] + [note]
-        return StepMemory(self.tracked.extrapolate(other.tracked, t), both(self.optimizer_step, other.optimizer_step),
-                          notes, modeled, both(self.all_activations, other.all_activations))
+        return StepMemory(
+            self.tracked.extrapolate(other.tracked, t),
+            both(self.optimizer_step, other.optimizer_step),
+            notes,
+            modeled,
+            both(self.all_activations, other.all_activations),
+        )
 
 
 def _breakdown(snapshot: dict) -> dict[str, int]:
@@ -177,13 +184,13 @@ def _non_leaf_stage_inputs() -> Iterator[None]:
     from torch.distributed.pipelining import stage
 
     def views(args):
-        return tuple(a.view_as(a) if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad else a
-                     for a in args)
+        return tuple(a.view_as(a) if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad else a for a in args)
 
     inference, forward = stage.PipelineStage._compute_outputs, stage.PipelineStage.forward_maybe_with_nosync
     # metadata inference (first step) and every micro-batch's forward
-    stage.PipelineStage._compute_outputs = lambda self, *args, module, **kw: inference(self, *views(args),
-                                                                                        module=module, **kw)
+    stage.PipelineStage._compute_outputs = lambda self, *args, module, **kw: inference(
+        self, *views(args), module=module, **kw
+    )
     stage.PipelineStage.forward_maybe_with_nosync = lambda self, *args, **kw: forward(self, *views(args), **kw)
     try:
         yield
@@ -232,15 +239,18 @@ def track_steps(trainer, *, foreach_temp: int = 0, steps: int = 2) -> StepMemory
     """
     tracker = _build_tracker(trainer.model_parts, trainer.optimizer)
     at_opt_step: list[dict] = []
-    hooks = [trainer.optimizer.register_step_pre_hook(
-        lambda *_: at_opt_step.append(tracker.get_tracker_snapshot("current"))
-    )]
+    hooks = [
+        trainer.optimizer.register_step_pre_hook(lambda *_: at_opt_step.append(tracker.get_tracker_snapshot("current")))
+    ]
     after_last_block: list[dict] = []
     for part in trainer.model_parts:
         blocks = [b for b in getattr(part, "layers", {}).values() if b is not None]
         if blocks:  # the third-to-last block on this part: the first few blocks' backward included
-            hooks.append(blocks[max(0, len(blocks) - 3)].register_full_backward_hook(
-                lambda *_: after_last_block.append(tracker.get_tracker_snapshot("peak"))))
+            hooks.append(
+                blocks[max(0, len(blocks) - 3)].register_full_backward_hook(
+                    lambda *_: after_last_block.append(tracker.get_tracker_snapshot("peak"))
+                )
+            )
     earlier: dict = {}
     # As in Trainer.train: no garbage collection during steps. Collection at arbitrary moments
     # frees reference cycles (pipeline works, autograd graphs) at run-dependent points, which made

@@ -47,8 +47,11 @@ def format_step_line(step: int, total: int, record: dict[str, float], eta_s: flo
         f"mfu {c.value}{record['mfu']:5.2f}%{c.reset}  "
         f"memory {c.value}{record['memory_gib']:6.2f} GiB{c.reset}  "
         # MoE: the worst layer's max/mean tokens per expert (per layer: metrics.jsonl)
-        + (f"moe_imbalance {c.value}{record['expert_imbalance_max']:4.2f}{c.reset}  "
-           if "expert_imbalance_max" in record else "")
+        + (
+            f"moe_imbalance {c.value}{record['expert_imbalance_max']:4.2f}{c.reset}  "
+            if "expert_imbalance_max" in record
+            else ""
+        )
         + f"{c.dim}eta {format_duration(eta_s)}{c.reset}"
     )
 
@@ -68,19 +71,40 @@ def format_layout(degrees: dict[str, int]) -> str:
     return " x ".join(parts) if parts else "single process"
 
 
-def format_start_summary(*, model: str, params: int, flop_params: int, layout: str, world_size: int,
-                         global_batch: int, seq_len: int, steps: int, device: str, dump_folder: str) -> str:
+def format_start_summary(
+    *,
+    model: str,
+    params: int,
+    flop_params: int,
+    layout: str,
+    world_size: int,
+    global_batch: int,
+    seq_len: int,
+    steps: int,
+    device: str,
+    dump_folder: str,
+) -> str:
     tokens = global_batch * seq_len
-    return "\n".join([
-        f"model       {model}: {params:,} parameters ({flop_params:,} without the embedding)",
-        f"layout      {layout} ({world_size} process{'es' if world_size > 1 else ''}, device {device})",
-        f"batch       {global_batch} samples x {seq_len} tokens = {tokens:,} tokens per step, {steps} steps",
-        f"outputs     {dump_folder} (metrics.jsonl, config.toml, command.txt, run_info.json)",
-    ])
+    return "\n".join(
+        [
+            f"model       {model}: {params:,} parameters ({flop_params:,} without the embedding)",
+            f"layout      {layout} ({world_size} process{'es' if world_size > 1 else ''}, device {device})",
+            f"batch       {global_batch} samples x {seq_len} tokens = {tokens:,} tokens per step, {steps} steps",
+            f"outputs     {dump_folder} (metrics.jsonl, config.toml, command.txt, run_info.json)",
+        ]
+    )
 
 
-def format_end_summary(*, steps: int, wall_s: float, mean_tps: float, best_loss: float | None,
-                       best_step: int | None, last_validation: float | None, checkpoint: str) -> str:
+def format_end_summary(
+    *,
+    steps: int,
+    wall_s: float,
+    mean_tps: float,
+    best_loss: float | None,
+    best_step: int | None,
+    last_validation: float | None,
+    checkpoint: str,
+) -> str:
     best = "n/a" if best_loss is None else f"{best_loss:.4f} (step {best_step})"
     val = "" if last_validation is None else f", last validation loss {last_validation:.4f}"
     return (

@@ -94,7 +94,7 @@ def _lookup_gpu_peak(device_name: str, dtype: torch.dtype) -> float:
         warn_once(
             logger,
             f"unknown GPU '{device_name}': using the {_FALLBACK_GPU} SXM peak FLOPS, so MFU is "
-            "only a rough guide; set the peak FLOPS override for an exact number"
+            "only a rough guide; set the peak FLOPS override for an exact number",
         )
         peak = dict(GPU_PEAK_FLOPS)[_FALLBACK_GPU]
     if dtype in _HALF_DTYPES:
@@ -103,8 +103,7 @@ def _lookup_gpu_peak(device_name: str, dtype: torch.dtype) -> float:
         use_tf32 = torch.backends.cuda.matmul.allow_tf32 and peak.tf32 is not None
         return (peak.tf32 if use_tf32 else peak.fp32) * _TERA
     raise NotImplementedError(
-        f"no GPU peak FLOPS for dtype {dtype}; supported: bfloat16, float16, float32 "
-        "(or pass an override)"
+        f"no GPU peak FLOPS for dtype {dtype}; supported: bfloat16, float16, float32 (or pass an override)"
     )
 
 
@@ -139,7 +138,11 @@ def measure_matmul_flops(
     flops = 2 * size**3 / min(rep_times)
     logger.debug(
         "matmul %d^2 %s on %s: best %.1f GFLOP/s, median %.1f GFLOP/s over %d reps",
-        size, dtype, device, flops / 1e9, 2 * size**3 / statistics.median(rep_times) / 1e9,
+        size,
+        dtype,
+        device,
+        flops / 1e9,
+        2 * size**3 / statistics.median(rep_times) / 1e9,
         len(rep_times),
     )
     return flops
@@ -162,10 +165,7 @@ def _cpu_model_name() -> str:
 
 
 def _cpu_cache_key(dtype: torch.dtype) -> str:
-    return (
-        f"{_cpu_model_name()}|threads={torch.get_num_threads()}|{dtype}"
-        f"|torch={torch.__version__}"
-    )
+    return f"{_cpu_model_name()}|threads={torch.get_num_threads()}|{dtype}|torch={torch.__version__}"
 
 
 def _cached_cpu_peak(dtype: torch.dtype) -> float:
@@ -179,7 +179,11 @@ def _cached_cpu_peak(dtype: torch.dtype) -> float:
     flops = measure_matmul_flops(torch.device("cpu"), dtype)
     logger.info(
         "measured CPU peak %.1f GFLOP/s (%s, %d threads) in %.2f s; caching it in %s",
-        flops / 1e9, dtype, torch.get_num_threads(), time.perf_counter() - start, path,
+        flops / 1e9,
+        dtype,
+        torch.get_num_threads(),
+        time.perf_counter() - start,
+        path,
     )
     entries[key] = flops
     _write_cache(path, entries)
@@ -210,8 +214,6 @@ def _write_cache(path: Path, entries: dict[str, object]) -> None:
             json.dump(entries, f, indent=1, sort_keys=True)
         os.replace(tmp_name, path)
     except OSError as e:
-        logger.warning(
-            "could not write peak FLOPS cache %s (%s); will re-measure next run", path, e
-        )
+        logger.warning("could not write peak FLOPS cache %s (%s); will re-measure next run", path, e)
         if tmp_name is not None and os.path.exists(tmp_name):
             os.remove(tmp_name)

@@ -171,9 +171,7 @@ def build_device_memory_monitor(device: torch.device) -> DeviceMemoryMonitor:
 # ---------------------------------------------------------------------------------------------
 
 
-def compute_num_flops_per_token(
-    num_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int
-) -> int:
+def compute_num_flops_per_token(num_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
     """Training FLOPs (forward + backward) per token of a decoder-only transformer.
 
     Args:
@@ -210,7 +208,9 @@ class MetricLogger:
     accepts every call and does nothing, so callers need no rank checks.
     """
 
-    def __init__(self, jsonl_file: IO[str] | None = None, tb_writer: Any | None = None, wandb_run: Any | None = None) -> None:
+    def __init__(
+        self, jsonl_file: IO[str] | None = None, tb_writer: Any | None = None, wandb_run: Any | None = None
+    ) -> None:
         self._jsonl_file = jsonl_file
         self._tb_writer = tb_writer
         self._wandb_run = wandb_run

@@ -57,10 +57,7 @@ def _offset_schedule(profile_freq: int, global_step: int) -> Callable[[int], Pro
 
 def _check_profile_freq(profile_freq: int, minimum: int) -> None:
     if profile_freq < minimum:
-        raise ValueError(
-            f"profile_freq must be >= {minimum} (got {profile_freq}); set a larger "
-            "profiling.profile_freq"
-        )
+        raise ValueError(f"profile_freq must be >= {minimum} (got {profile_freq}); set a larger profiling.profile_freq")
 
 
 @contextlib.contextmanager

@@ -52,6 +52,8 @@ def write_run_records(config: JobConfig, world_size: int) -> None:
     with open(os.path.join(folder, "command.txt"), "w") as f:
         launcher = f"torchrun --nproc_per_node={world_size} " if world_size > 1 else ""
         f.write(launcher + shlex.join([sys.executable, "-m", "torchtitan.train", *sys.argv[1:]]) + "\n")
-        f.write(f"# reproduce: {launcher}python -m torchtitan.train --job.config_file {os.path.join(folder, 'config.toml')}\n")
+        f.write(
+            f"# reproduce: {launcher}python -m torchtitan.train --job.config_file {os.path.join(folder, 'config.toml')}\n"
+        )
     with open(os.path.join(folder, "run_info.json"), "w") as f:
         json.dump(run_info(config, world_size), f, indent=2)

@@ -83,7 +83,12 @@ class StepMetrics:
         self.window_steps += 1
 
     def log(
-        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, *, lr: float,
+        self,
+        step: int,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        *,
+        lr: float,
         extra: tuple[dict[str, Any], dict[str, float]] | None = None,
     ) -> dict[str, float]:
         """One record: console line, metrics.jsonl, TensorBoard. ``extra``: the model family's own
@@ -130,9 +135,13 @@ class StepMetrics:
     def end_summary(self, steps: int, checkpoint: str) -> str:
         mean_tps = sum(self.tps_history) / len(self.tps_history) if self.tps_history else 0.0
         return format_end_summary(
-            steps=steps, wall_s=time.perf_counter() - self.run_start, mean_tps=mean_tps,
-            best_loss=self.best[0] if self.best else None, best_step=self.best[1] if self.best else None,
-            last_validation=self.last_validation, checkpoint=checkpoint,
+            steps=steps,
+            wall_s=time.perf_counter() - self.run_start,
+            mean_tps=mean_tps,
+            best_loss=self.best[0] if self.best else None,
+            best_step=self.best[1] if self.best else None,
+            last_validation=self.last_validation,
+            checkpoint=checkpoint,
         )
 
     def close(self) -> None:

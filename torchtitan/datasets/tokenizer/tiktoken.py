@@ -107,9 +107,7 @@ class TikTokenizer(Tokenizer):
             )
         mergeable_ranks = load_bpe_ranks(model_path)
         num_base_tokens = len(mergeable_ranks)
-        self.special_tokens = {
-            name: num_base_tokens + i for i, name in enumerate(special_token_names())
-        }
+        self.special_tokens = {name: num_base_tokens + i for i, name in enumerate(special_token_names())}
         self.model = tiktoken.Encoding(
             name=Path(model_path).name,
             pat_str=PAT_STR,
@@ -121,7 +119,12 @@ class TikTokenizer(Tokenizer):
         self._eos_id = self.special_tokens["<|end_of_text|>"]
         logger.info(
             "loaded tokenizer %s: %d BPE ranks + %d special = %d words (bos %d, eos %d)",
-            model_path, num_base_tokens, len(self.special_tokens), self._n_words, self._bos_id, self._eos_id,
+            model_path,
+            num_base_tokens,
+            len(self.special_tokens),
+            self._n_words,
+            self._bos_id,
+            self._eos_id,
         )
 
     def encode(self, s: str, *, bos: bool, eos: bool) -> list[int]:

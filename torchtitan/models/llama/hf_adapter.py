@@ -26,8 +26,11 @@ _BLOCK = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
+_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 def _interleaved_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -126,8 +129,12 @@ def model_args_from_hf(config: dict[str, Any]) -> dict[str, Any]:
     Raises:
         NotImplementedError: features our model does not have (RoPE scaling, biases, tied embeddings).
     """
-    for key, off in (("rope_scaling", None), ("attention_bias", False), ("mlp_bias", False),
-                     ("tie_word_embeddings", False)):
+    for key, off in (
+        ("rope_scaling", None),
+        ("attention_bias", False),
+        ("mlp_bias", False),
+        ("tie_word_embeddings", False),
+    ):
         if config.get(key, off) not in (off, {}):
             raise NotImplementedError(f"HF config {key} = {config[key]!r}: our Llama has no such feature")
     return {

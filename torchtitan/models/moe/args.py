@@ -40,8 +40,12 @@ class MoEArgs(ModelArgs):
     def __post_init__(self) -> None:
         checks = (
             (self.num_experts >= 1, "num_experts", self.num_experts, "use at least 1 expert"),
-            (1 <= self.top_k <= self.num_experts, "top_k", self.top_k,
-             f"each token picks top_k of num_experts = {self.num_experts}; set 1 <= top_k <= num_experts"),
+            (
+                1 <= self.top_k <= self.num_experts,
+                "top_k",
+                self.top_k,
+                f"each token picks top_k of num_experts = {self.num_experts}; set 1 <= top_k <= num_experts",
+            ),
             (self.moe_hidden_dim >= 1, "moe_hidden_dim", self.moe_hidden_dim, "use a positive width"),
             (self.score_func in _SCORE_FUNCS, "score_func", self.score_func, f"allowed are {_SCORE_FUNCS}"),
             (self.load_balance in _LOAD_BALANCE, "load_balance", self.load_balance, f"allowed are {_LOAD_BALANCE}"),
