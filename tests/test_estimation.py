@@ -10,8 +10,9 @@ Accuracy, on the integration matrix's own rows (tests/integration_tests.py, same
     so freed buffers return to the OS: within 10%, on rows at seq_len 1024, where activations
     dominate the ~20-30 MiB of process memory that is not tensors (allocator slack, gloo buffers,
     Python objects, the tracker's own records), which makes seq_len-64 rows meaningless here.
-MoE rows: the estimate assumes balanced routing, and the real runs measured here apply the same
-routing (`moe_patches(shape_only_grouped_mm=False)`), so (a) compares like with like.
+MoE rows: the estimate assumes balanced routing, and the real runs measured here are built with the
+same `estimation_builders` (the family's `fake_tensor_args`: balanced routing), so (a) compares like
+with like.
 """
 
 from __future__ import annotations
