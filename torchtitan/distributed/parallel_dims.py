@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from torchtitan.config.errors import ConfigError
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -49,8 +51,6 @@ class ParallelDims:
         )
 
     def __post_init__(self) -> None:
-        from torchtitan.config.errors import ConfigError
-
         for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} degree must be >= 1, got {getattr(self, name)}")
@@ -73,8 +73,6 @@ class ParallelDims:
 
     def _check_ep(self) -> None:
         """EP = dp_shard_in_ep x tp: it must contain the TP group and take a divisor of dp_shard."""
-        from torchtitan.config.errors import ConfigError
-
         if self.ep == 1:
             return
         key = f"experimental.expert_parallel_degree = {self.ep}"

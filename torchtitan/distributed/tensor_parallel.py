@@ -35,6 +35,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from torchtitan.distributed.async_tp import AsyncColwiseParallel, AsyncRowwiseParallel
+from torchtitan.models.moe import MoE
+
 
 def top_level_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
     return {
@@ -108,8 +111,6 @@ def async_block_plan() -> dict[str, ParallelStyle]:
     them chunk by chunk while multiplying; one shared style per consumer group gathers the input
     once for wq/wk/wv (and once for w1/w3).
     """
-    from torchtitan.distributed.async_tp import AsyncColwiseParallel, AsyncRowwiseParallel
-
     attention_in, ffn_in = AsyncColwiseParallel(), AsyncColwiseParallel()
     return {
         "attention_norm": SequenceParallel(),
@@ -128,8 +129,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, ring
     """Shard ``model`` in place over ``tp_mesh``. Submodules a pipeline stage dropped (None) are skipped."""
     plan = {k: v for k, v in top_level_plan(loss_parallel).items() if getattr(model, k, None) is not None}
     parallelize_module(model, tp_mesh, plan)
-    from torchtitan.models.moe import MoE
-
     for block in model.layers.values():
         if isinstance(block.feed_forward, MoE):
             if ring_async:

@@ -7,6 +7,9 @@ import os
 import sys
 
 from torchtitan.config.manager import JobConfig, format_help, wants_help
+from torchtitan.estimation.estimate import estimate_memory
+from torchtitan.estimation.plan import Hardware, format_plan, make_plan, plan_to_dict
+from torchtitan.estimation.report import format_table, to_json
 
 USAGE = """usage: estimation.py --job.config_file FILE [--world_size N] [--json] [--full_depth] [--section.key VALUE ...]
        estimation.py --plan --memory_gib M --job.config_file FILE [--world_size N] [--json]
@@ -61,8 +64,6 @@ def _run(argv: list[str]) -> int:
     if plan:
         if memory_gib is None:
             raise ValueError("--plan needs --memory_gib M (the memory of one device, GiB)")
-        from torchtitan.estimation.plan import Hardware, format_plan, make_plan, plan_to_dict
-
         hw = Hardware(gpu=gpu or "H100", gpus_per_node=_positive("--gpus_per_node", gpus_per_node or "8"))
         hw.peak_flops  # noqa: B018 - validates --gpu before the long run
         top_k = _positive("--top", top or "10")
@@ -84,9 +85,6 @@ def _run(argv: list[str]) -> int:
     ):
         if value is not None:
             raise ValueError(f"{name} only applies with --plan")
-    from torchtitan.estimation.estimate import estimate_memory
-    from torchtitan.estimation.report import format_table, to_json
-
     est = estimate_memory(config, world_size, full_depth=full_depth)
     print(to_json(est) if as_json else format_table(est, title))
     return 0

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from torchtitan.distributed.parallel_dims import ParallelDims
+
 if TYPE_CHECKING:
     from torchtitan.config.manager import JobConfig
 
@@ -28,8 +30,6 @@ def _git_commit() -> str | None:
 
 
 def run_info(config: JobConfig, world_size: int) -> dict:
-    from torchtitan.distributed.parallel_dims import ParallelDims
-
     dims = ParallelDims.from_config(config, world_size)
     return {
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
