@@ -52,7 +52,8 @@ def matrix(request, tmp_path_factory) -> MatrixLaunches:
     """The loss-parity rows selected in this session, launched one world size at a time."""
     rows = []
     for item in request.session.items:
-        row = getattr(item, "callspec", None) and item.callspec.params.get("row")
-        if isinstance(row, Row) and row not in rows:
-            rows.append(row)
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        for row in (params.get("row"), params.get("twin")):  # twin: a row another row is compared with
+            if isinstance(row, Row) and row not in rows:
+                rows.append(row)
     return MatrixLaunches(rows, str(tmp_path_factory.mktemp("matrix")))

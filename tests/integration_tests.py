@@ -87,6 +87,16 @@ PP_CSV = [
 ]
 
 
+# the same CSV with torchtitan's schedule-class name for its placement (several stages per rank)
+PP_CSV_MULTI = [*pp_schedule("PipelineScheduleMulti"), *PP_CSV[2:]]
+# one stage per rank, 1F1B order, named by torchtitan's schedule class
+PP_CSV_SINGLE = [
+    *pp_schedule("PipelineScheduleSingle"),
+    "--experimental.pipeline_parallel_schedule_csv",
+    "./tests/assets/pp2_1f1b_2stages_4mb.csv",
+]
+FUSED_RMSNORM = ["--model.norm_type", "fused_rmsnorm"]
+
 ASYNC = ["--experimental.enable_async_tensor_parallel"]
 ROTATE_ALLGATHER = ["--experimental.context_parallel_rotate_method", "allgather"]
 ROTATE_ALLTOALL = ["--experimental.context_parallel_rotate_method", "alltoall"]
@@ -120,6 +130,8 @@ ROWS = [
     Row("fsdp2_chunked_loss", 2, 4, ["--training.loss_chunk_size", "16"]),
     Row("fsdp2_tp2_chunked_loss", 4, 4, ["--training.loss_chunk_size", "16"], tp=2),
     # tensor parallel: TP ranks share their data-parallel rank's samples
+    Row("fsdp2_fused_rmsnorm", 2, 4, FUSED_RMSNORM),
+    Row("fsdp2_tp2_fused_rmsnorm", 4, 4, FUSED_RMSNORM, tp=2),
     Row("tp2", 2, 8, tp=2),
     Row("tp2_loss_parallel_off", 2, 8, ["--training.enable_loss_parallel", "false"], tp=2),
     Row("fsdp2_tp2", 4, 4, tp=2),
@@ -135,6 +147,8 @@ ROWS = [
     Row("pp2_zbv_zero_bubble", 2, 8, pp_schedule("ZBVZeroBubble"), pp=2),
     Row("pp2_dualpipev", 2, 8, pp_schedule("DualPipeV"), pp=2),
     Row("pp2_csv_schedule", 2, 8, PP_CSV, pp=2),
+    Row("pp2_csv_schedule_multi", 2, 8, PP_CSV_MULTI, pp=2),
+    Row("pp2_csv_schedule_single", 2, 8, PP_CSV_SINGLE, pp=2),
     Row("pp2_fsdp2", 4, 4, pp_schedule("1F1B", 2), pp=2),
     Row("pp2_tp2", 4, 8, pp_schedule("1F1B"), tp=2, pp=2),
     Row("pp2_fsdp2_tp2", 8, 4, pp_schedule("1F1B", 2), tp=2, pp=2),
@@ -330,3 +344,27 @@ def test_loss_parity(row: Row, reference: dict[str, list[float]], matrix: Matrix
     for key in ("loss",):
         for i, (got, want) in enumerate(zip(losses[key], reference[key], strict=True)):
             assert abs(got - want) <= RTOL * abs(want), f"{key} #{i}: {row.name} {got} vs single-process {want}"
+
+
+_BY_NAME = {r.name: r for r in ROWS}
+# (row, twin): the same run spelled two ways, so the losses must be bit-identical
+SPELLINGS = [
+    # torch 2.13's nn.RMSNorm already runs aten::_fused_rms_norm: fused_rmsnorm builds the same module
+    (_BY_NAME["fsdp2_fused_rmsnorm"], _BY_NAME["fsdp2"]),
+    (_BY_NAME["fsdp2_tp2_fused_rmsnorm"], _BY_NAME["fsdp2_tp2"]),
+    # torchtitan's schedule-class name for the CSV's placement
+    (_BY_NAME["pp2_csv_schedule_multi"], _BY_NAME["pp2_csv_schedule"]),
+]
+
+
+@pytest.mark.parametrize("row, twin", SPELLINGS, ids=[r.name for r, _ in SPELLINGS])
+def test_spellings_train_identically(row: Row, twin: Row, matrix: MatrixLaunches):
+    assert matrix.losses(row)["loss"] == matrix.losses(twin)["loss"]
+
+
+def test_fused_rmsnorm_one_process_equals_rmsnorm(reference: dict[str, list[float]], tmp_path):
+    folder = str(tmp_path / "fused_rmsnorm")
+    result = run_train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH), *VALIDATION, *FUSED_RMSNORM])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "aten::_fused_rms_norm" in result.stdout + result.stderr  # the one line saying what it runs
+    assert losses_of(folder)["loss"] == reference["loss"]

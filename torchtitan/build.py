@@ -11,6 +11,7 @@ the same way for both.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -50,8 +51,19 @@ def build_model_args(config: JobConfig, spec: ModelSpec, vocab_size: int) -> Any
             f"training.tensor_parallel_degree = {tp}: TP shards the embedding and output over the vocabulary; "
             "choose a TP degree that divides it"
         )
+    if config.model.norm_type == "fused_rmsnorm":
+        _log_fused_rmsnorm_once()
     return dataclasses.replace(
         flavor, vocab_size=vocab_size, max_seq_len=config.training.seq_len, norm_type=config.model.norm_type
+    )
+
+
+@functools.cache
+def _log_fused_rmsnorm_once() -> None:
+    logger.info(
+        "model.norm_type = 'fused_rmsnorm': nn.RMSNorm, as for 'rmsnorm' (torch %s runs aten::_fused_rms_norm for "
+        "both; on Hopper/Blackwell CUDA its quack kernel); checkpoints of either load into the other",
+        torch.__version__,
     )
 
 

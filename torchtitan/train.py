@@ -54,7 +54,7 @@ class Trainer:
         self.builders = b = _with_trainer_defaults(builders or TrainerBuilders())
         self.device = get_device_info().device
         if world_size > 1 and not dist.is_initialized():  # the memory estimator brings its own (fake) group
-            init_distributed(get_device_info(), config.comm.init_timeout_seconds)
+            init_distributed(get_device_info(), config.comm.init_timeout_seconds, config.comm.trace_buf_size)
         self.spec = get_model_spec(config.model.name)
         self.parallel_dims = ParallelDims.from_config(config, world_size)
         self.world = WorldMesh(self.parallel_dims, b.mesh(self.parallel_dims, self.device.type))

@@ -400,3 +400,29 @@ def test_checkpoint_knobs_without_checkpointing_warn():
 
     warnings = JobConfig.parse_args(["--checkpoint.keep_latest_k", "2"]).validate(1)
     assert any("no effect without checkpoint.enable_checkpoint" in w for w in warnings)
+
+
+def test_exclude_from_loading_keeps_those_parts_fresh(tmp_path):
+    """torchtitan's checkpoint.exclude_from_loading: the excluded parts are not restored, the rest is."""
+    model = _model(0)
+    saver = _manager(tmp_path, model)
+    _train_step(model, saver)
+    saver.data_loader.state["streams"]["0"]["windows"] = 7
+    saver.maybe_save(2, last=False)
+    saver.close()
+    other = _model(1)
+    loader = _manager(tmp_path, other, exclude_from_loading=["optimizer", "dataloader"])
+    assert loader.load() == 2
+    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert loader.lr_scheduler.last_epoch == 1  # restored
+    assert loader.optimizer.state == {}  # fresh
+    assert loader.data_loader.state["streams"]["0"]["windows"] == 2  # fresh
+
+
+def test_exclude_from_loading_refuses_the_model():
+    from torchtitan.config.manager import JobConfig
+
+    config = JobConfig.parse_args(["--checkpoint.enable_checkpoint", "--checkpoint.exclude_from_loading", "model"])
+    with pytest.raises(ValueError, match=r"'model' cannot be excluded; allowed are \['optimizer', 'lr_scheduler'"):
+        config.validate(1)

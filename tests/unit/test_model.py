@@ -8,7 +8,7 @@ import torch
 from torchtitan.distributed.init import init_model_weights
 from torchtitan.models import ModelArgs, Transformer
 from torchtitan.models.llama import llama3_configs
-from torchtitan.models.llama.model import ffn_hidden_dim
+from torchtitan.models.llama.model import build_norm, ffn_hidden_dim
 
 TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=32, max_seq_len=32)
 
@@ -91,3 +91,13 @@ def test_models_import_nothing_distributed():
         if re.search(r"torch\.distributed|os\.environ|\.cuda\(|import os\b|from torchtitan\.(?!models)", text):
             offenders.append(str(path))
     assert offenders == []
+
+
+def test_fused_rmsnorm_is_the_same_module_and_kernel():
+    """torch 2.13's nn.RMSNorm runs aten::_fused_rms_norm, so fused_rmsnorm builds the same module."""
+    fused, plain = build_norm("fused_rmsnorm", 16, 1e-5), build_norm("rmsnorm", 16, 1e-5)
+    assert type(fused) is type(plain) is torch.nn.RMSNorm and fused.state_dict().keys() == plain.state_dict().keys()
+    x = torch.randn(2, 3, 16)
+    with torch.profiler.profile() as prof:
+        fused(x)
+    assert "aten::_fused_rms_norm" in {e.name for e in prof.events()}

@@ -169,3 +169,18 @@ def test_prune_to_stage_keeps_layer_keys_and_ends():
     # names match the whole model's, so checkpoints and init seeds line up
     whole_names = {n for n, _ in whole.named_parameters()}
     assert {n for n, _ in middle.named_parameters()} <= whole_names
+
+
+def test_csv_accepts_torchtitans_schedule_class_names(tmp_path):
+    """With a CSV, PipelineScheduleMulti means the loop placement, PipelineScheduleSingle one stage per rank."""
+    multi = _csv(tmp_path, ["0F0,2F0,2B0,0B0", "1F0,3F0,3B0,1B0"])
+    assert resolve_stage_layout(8, 2, "PipelineScheduleMulti", [], multi) == resolve_stage_layout(
+        8, 2, "loop", [], multi
+    )
+    single = str(tmp_path / "single.csv")
+    with open(single, "w") as f:
+        f.write("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n")
+    assert resolve_stage_layout(8, 2, "PipelineScheduleSingle", [], single) == [(0, 4), (4, 8)]
+    assert stage_ids_for_rank(1, 2, 2, "single") == [1]
+    with pytest.raises(ValueError, match=r"row 1 \(rank 0\) runs stages \[0, 2\]"):
+        resolve_stage_layout(8, 2, "PipelineScheduleSingle", [], multi)  # a loop CSV is not one stage per rank

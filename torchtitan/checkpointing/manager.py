@@ -157,6 +157,8 @@ class CheckpointManager:
                 dataloader=DataLoaderState(self.data_loader, self.dp_rank, load_keys=loader_keys),
                 train_state=SavedKeysOnly(self.train_state, "train_state", saved),
             )
+            for part in self.config.exclude_from_loading:  # these start fresh (checked before launch)
+                del state[part]
         return state
 
     # ---- saving --------------------------------------------------------------------------------

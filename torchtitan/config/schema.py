@@ -52,7 +52,11 @@ class Metrics:
 class Model:
     name: str = _f("llama3", "model family: llama3")
     flavor: str = _f("debugmodel", "model size: debugmodel, 8B, 70B, 405B")
-    norm_type: str = _f("rmsnorm", "normalization layer: rmsnorm, layernorm, np_layernorm (no affine)")
+    norm_type: str = _f(
+        "rmsnorm",
+        "normalization layer: rmsnorm, fused_rmsnorm (the same nn.RMSNorm: torch 2.13 runs its fused kernel "
+        "aten::_fused_rms_norm for both), layernorm, np_layernorm (no affine)",
+    )
     tokenizer_path: str = _f(
         "./torchtitan/datasets/assets/tokenizer/pydocs_bpe2048.tiktoken",
         "tokenizer file in tiktoken BPE format (scripts/download_tokenizer.py fetches Llama 3's)",
@@ -146,8 +150,16 @@ class Experimental:
         1, "pipeline-parallel degree: ranks the layers are split over as stages (the outermost mesh axis); 1 = off"
     )
     pipeline_parallel_split_points: list[str] = _f([], "layer names where stages start, e.g. layers.4,layers.8")
-    pipeline_parallel_schedule: str = _f("1F1B", "pipeline schedule name")
-    pipeline_parallel_schedule_csv: str = _f("", "CSV file describing a custom pipeline schedule")
+    pipeline_parallel_schedule: str = _f(
+        "1F1B",
+        "pipeline schedule name (GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, "
+        "DualPipeV); with pipeline_parallel_schedule_csv, the stage placement the CSV was written for: 'loop' "
+        "or PipelineScheduleMulti (several stages per rank, stage s on rank s % pp), "
+        "PipelineScheduleSingle (one stage per rank), 'v' (V-shaped, 2 per rank)",
+    )
+    pipeline_parallel_schedule_csv: str = _f(
+        "", "CSV file of a custom pipeline schedule (compute actions, one row per pp rank; docs/pipeline_parallel.md)"
+    )
     pipeline_parallel_microbatches: int | None = _f(None, "pipeline micro-batches; None = the pp degree")
     enable_async_tensor_parallel: bool = _f(False, "overlap TP communication with the matmuls (needs TP)")
     async_tensor_parallel_impl: Literal["auto", "ring", "compiler"] = _f(
@@ -181,6 +193,11 @@ class Checkpoint:
         "keep only the newest K complete full checkpoints (the step-0 seed and weights-only exports are kept); 0 = all",
     )
     load_step: int = _f(-1, "step to resume from; -1 = the newest complete checkpoint")
+    exclude_from_loading: list[str] = _f(
+        [],
+        "parts of a full checkpoint not to restore on resume: any of optimizer, lr_scheduler, dataloader (they "
+        "start fresh; the model weights, step and RNG are restored)",
+    )
 
 
 @dataclass
@@ -204,7 +221,9 @@ class Float8:
 class Comm:
     init_timeout_seconds: int = _f(300, "timeout of process-group init and the first step's collectives")
     train_timeout_seconds: int = _f(100, "timeout of collectives after the first step")
-    trace_buf_size: int = _f(20000, "NCCL flight-recorder entries (CUDA only)")
+    trace_buf_size: int = _f(
+        20000, "NCCL flight-recorder entries for post-mortem dumps, 0 = off (NCCL only; no effect on gloo/CPU)"
+    )
 
 
 @dataclass

@@ -248,11 +248,17 @@ def _warnings(config: JobConfig, world_size: int) -> list[str]:
     if (
         not ck.enable_checkpoint
         and not ck.create_seed_checkpoint
-        and (ck.async_mode != "disabled" or ck.keep_latest_k or ck.load_step != -1 or ck.model_weights_only)
+        and (
+            ck.async_mode != "disabled"
+            or ck.keep_latest_k
+            or ck.load_step != -1
+            or ck.model_weights_only
+            or ck.exclude_from_loading
+        )
     ):
         out.append(
-            "checkpoint.async_mode / keep_latest_k / load_step / model_weights_only have no effect "
-            "without checkpoint.enable_checkpoint = true"
+            "checkpoint.async_mode / keep_latest_k / load_step / model_weights_only / exclude_from_loading have no "
+            "effect without checkpoint.enable_checkpoint = true"
         )
     if ck.export_dtype != "float32" and not ck.model_weights_only:
         out.append("checkpoint.export_dtype has no effect without checkpoint.model_weights_only = true")
@@ -283,6 +289,13 @@ def _check_checkpoint(config: JobConfig, world_size: int) -> None:
         raise ConfigError(
             f"checkpoint.load_step must be -1 (the newest complete checkpoint) or a step >= 0, got {ck.load_step}"
         )
+    excludable = ("optimizer", "lr_scheduler", "dataloader")
+    for part in ck.exclude_from_loading:
+        if part not in excludable:
+            raise ConfigError(
+                f"checkpoint.exclude_from_loading = {ck.exclude_from_loading}: {part!r} cannot be excluded; allowed "
+                f"are {list(excludable)} (the model weights are what a resume loads; the step and RNG follow them)"
+            )
     if ck.create_seed_checkpoint and world_size != 1:
         raise ConfigError(
             f"checkpoint.create_seed_checkpoint = true needs one process (it initialises the whole model and "

@@ -28,8 +28,15 @@ def get_device_info(local_rank: int | None = None) -> DeviceInfo:
     return DeviceInfo(torch.device("cpu"), "gloo")
 
 
-def init_distributed(info: DeviceInfo, timeout_s: int) -> None:
-    """Join the process group torchrun describes (RANK/WORLD_SIZE/MASTER_ADDR in the environment)."""
+def init_distributed(info: DeviceInfo, timeout_s: int, trace_buf_size: int = 0) -> None:
+    """Join the process group torchrun describes (RANK/WORLD_SIZE/MASTER_ADDR in the environment).
+
+    ``trace_buf_size``: NCCL's flight recorder keeps this many entries of collective history for
+    post-mortem dumps (0: off); read by NCCL process groups only, from the environment, at init. An
+    explicit ``TORCH_NCCL_TRACE_BUFFER_SIZE`` in the environment wins.
+    """
+    if "nccl" in info.backend:
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(trace_buf_size))
     if info.device.type != "cpu":
         torch.accelerator.set_device_index(info.device.index)
     kwargs = {"device_id": info.device} if info.device.type != "cpu" else {}

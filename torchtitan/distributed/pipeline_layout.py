@@ -34,6 +34,9 @@ MULTI_STAGE_SCHEDULES: tuple[str, ...] = (
 )
 V_SCHEDULES: tuple[str, ...] = ("ZBVZeroBubble", "DualPipeV")
 CSV_PLACEMENTS: tuple[str, ...] = ("loop", "v")
+# torchtitan's spelling with a CSV: the schedule class, which says how many stages a rank runs
+# ("single": one stage per rank, an internal placement name).
+CSV_CLASS_NAMES: dict[str, str] = {"PipelineScheduleMulti": "loop", "PipelineScheduleSingle": "single"}
 
 _SPLIT_RE = re.compile(r"layers\.(\d+)")
 _K_SPLIT = "experimental.pipeline_parallel_split_points"
@@ -44,22 +47,32 @@ _K_MB = "experimental.pipeline_parallel_microbatches"
 
 
 def canonical_schedule(schedule: str, csv_path: str) -> str:
-    """The schedule's canonical spelling (case-insensitive, like torch); with a CSV, "loop" or "v"."""
+    """The schedule's canonical spelling (case-insensitive, like torch); with a CSV, the stage
+    placement: "loop", "v" or (PipelineScheduleSingle) "single", one stage per rank."""
     names = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
     by_lower = {n.lower(): n for n in names}
     canonical = by_lower.get(schedule.lower())
     if csv_path:
+        classes = {k.lower(): v for k, v in CSV_CLASS_NAMES.items()}
         if schedule.lower() in CSV_PLACEMENTS:
             return schedule.lower()
+        if schedule.lower() in classes:
+            return classes[schedule.lower()]
         if canonical is not None:
             return "v" if canonical in V_SCHEDULES else "loop"
         raise ValueError(
             f"{_K_SCHEDULE} = {schedule!r} with {_K_CSV} = {csv_path!r}: with a CSV schedule it names the "
-            f"stage placement; allowed: {list(CSV_PLACEMENTS)} or a schedule name {list(names)}"
+            f"stage placement; allowed: {list(CSV_PLACEMENTS)}, a schedule class {list(CSV_CLASS_NAMES)} or a "
+            f"schedule name {list(names)}"
         )
     if canonical is None:
         raise ValueError(f"{_K_SCHEDULE} = {schedule!r} is unknown; valid schedules: {list(names)}")
     return canonical
+
+
+def _one_stage_per_rank(schedule: str) -> bool:
+    """A single-stage schedule, or a CSV written for one stage per rank ("single")."""
+    return schedule in SINGLE_STAGE_SCHEDULES or schedule == "single"
 
 
 def _is_v(schedule: str) -> bool:
@@ -106,7 +119,7 @@ def _check_stage_count(num_stages: int, pp: int, schedule: str, split_points: li
             f"{_K_SPLIT} = {split_points} gives {num_stages} stages, not a multiple of {_K_DEGREE} = {pp}; "
             "every rank must hold the same number of stages"
         )
-    if schedule in SINGLE_STAGE_SCHEDULES and num_stages != pp:
+    if _one_stage_per_rank(schedule) and num_stages != pp:
         raise ValueError(
             f"{_K_SCHEDULE} = {schedule!r} runs exactly one stage per rank, but {_K_SPLIT} = {split_points} "
             f"gives {num_stages} stages for {_K_DEGREE} = {pp}; use a multi-stage schedule "
@@ -134,7 +147,7 @@ def resolve_stage_layout(
     if split_points:
         starts = _parse_split_points(split_points, n_layers)
     else:
-        num_stages = pp if schedule in SINGLE_STAGE_SCHEDULES else 2 * pp
+        num_stages = pp if _one_stage_per_rank(schedule) else 2 * pp
         starts = _even_bounds(n_layers, num_stages, f"{_K_DEGREE} = {pp}, {_K_SCHEDULE} = {schedule!r}")
     bounds = [0, *starts, n_layers]
     _check_stage_count(len(bounds) - 1, pp, schedule, split_points)

@@ -54,7 +54,7 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[
     Raises:
         ValueError: a key we do not know how to map, or a norm HF Llama does not have.
     """
-    if args.get("norm_type", "rmsnorm") != "rmsnorm":
+    if args.get("norm_type", "rmsnorm") not in ("rmsnorm", "fused_rmsnorm"):
         raise ValueError(f"HF Llama uses RMSNorm; this model has norm_type = {args['norm_type']!r}")
     n_heads, n_kv_heads = _heads(args)
     out = {}

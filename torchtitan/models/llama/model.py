@@ -39,11 +39,13 @@ class ModelArgs:
         return self.dim // self.n_heads
 
 
-NORM_TYPES = ("rmsnorm", "layernorm", "np_layernorm")
+# fused_rmsnorm: torchtitan's name for the fused kernel, which torch 2.13's nn.RMSNorm already runs
+# (F.rms_norm dispatches to aten::_fused_rms_norm on every device), so it builds the same module.
+NORM_TYPES = ("rmsnorm", "fused_rmsnorm", "layernorm", "np_layernorm")
 
 
 def build_norm(norm_type: str, dim: int, eps: float) -> nn.Module:
-    if norm_type == "rmsnorm":
+    if norm_type in ("rmsnorm", "fused_rmsnorm"):
         return nn.RMSNorm(dim, eps=eps)
     if norm_type == "layernorm":
         return nn.LayerNorm(dim, eps=eps, bias=False)
