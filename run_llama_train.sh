@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Train with torchrun on this machine.
+# Train with torchrun on this machine, through our launcher (python -m torchtitan.launch, torchrun's
+# arguments): a rank's error is printed once, with its rank, whichever ranks LOG_RANK shows.
 #   NGPU         processes to start (default: number of GPUs, or 2 on a machine without one)
 #   LOG_RANK     ranks whose output is shown, comma-separated (default 0)
 #   CONFIG_FILE  TOML config (default ./train_configs/debug_model.toml)
 #   PREFLIGHT    1 (default): check the config in one process before starting NGPU; 0 skips that
 #                (every rank checks it again anyway; the test matrix saves a torch import per run)
 # Any further arguments are config overrides, e.g. --training.steps 20 --training.batch_size=4
+# Exit code: 0 done, 1 a crash (its traceback shown once), 2 a user error (one line); docs/reliability.md.
 set -eu -o pipefail
 
 if [ -z "${NGPU:-}" ]; then
@@ -15,6 +17,21 @@ fi
 LOG_RANK=${LOG_RANK:-0}
 CONFIG_FILE=${CONFIG_FILE:-"./train_configs/debug_model.toml"}
 PYTHON=${PYTHON:-python3}
+
+if ! [[ "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
+  echo "error: NGPU = '$NGPU': the number of processes to start must be a positive integer, e.g. NGPU=2" >&2
+  exit 2
+fi
+if ! [[ "$LOG_RANK" =~ ^[0-9]+(,[0-9]+)*$ ]]; then
+  echo "error: LOG_RANK = '$LOG_RANK': must be comma-separated ranks, e.g. LOG_RANK=0 or LOG_RANK=0,1" >&2
+  exit 2
+fi
+for rank in ${LOG_RANK//,/ }; do
+  if [ "$rank" -ge "$NGPU" ]; then
+    echo "error: LOG_RANK = '$LOG_RANK': rank $rank does not exist with NGPU = $NGPU (ranks 0..$((NGPU - 1)))" >&2
+    exit 2
+  fi
+done
 
 for arg in "$@"; do
   if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then
@@ -27,7 +44,7 @@ if [ "${PREFLIGHT:-1}" != "0" ]; then
   "$PYTHON" -m torchtitan.config --world_size "$NGPU" --job.config_file "$CONFIG_FILE" "$@"
 fi
 
-exec "$PYTHON" -m torch.distributed.run \
+exec "$PYTHON" -m torchtitan.launch \
   --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"

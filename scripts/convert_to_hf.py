@@ -5,7 +5,8 @@
 Writes ``model.safetensors`` and ``config.json`` (``LlamaForCausalLM``), which
 ``transformers.AutoModelForCausalLM.from_pretrained(outputs/hf_debug)`` loads. q/k projection rows
 are permuted from our interleaved RoPE to HF's rotate-half layout. The tokenizer is not converted.
-Only convert checkpoints you trust: DCP metadata is unpickled.
+The folder is checked against its marker (sizes, CRC32s) and its pickles are read restricted to
+plain checkpoint data (docs/checkpoint.md, Integrity).
 """
 
 from __future__ import annotations

@@ -2,9 +2,11 @@
 
     python scripts/dcp_to_torch.py outputs/debug_model/checkpoint/step-30 step30.pt [--model-only]
 
-Uses torch's ``dcp_to_torch_save``. Read the result with ``torch.load(path, weights_only=True)``
-(with --model-only it holds only tensors; a full checkpoint also holds the LR scheduler's and data
-loader's plain Python values). Only convert checkpoints you trust: DCP metadata is unpickled.
+Loads what torch's ``dcp_to_torch_save`` would, after checking every file against the marker (sizes,
+CRC32s) and with the restricted unpicklers of torchtitan/checkpointing/integrity.py (a foreign
+pickle is refused, not run). Read the result with ``torch.load(path, weights_only=True)`` (with
+--model-only it holds only tensors; a full checkpoint also holds the LR scheduler's and data
+loader's plain Python values).
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 import torch  # noqa: E402
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
 
-from torchtitan.checkpointing import MARKER, load_model_weights, read_marker  # noqa: E402
+from torchtitan.checkpointing import MARKER, CheckpointInfo, load_model_weights, read_marker  # noqa: E402
+from torchtitan.checkpointing.folders import verify_files  # noqa: E402
+from torchtitan.checkpointing.integrity import load_whole_checkpoint  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,22 +33,24 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isdir(args.checkpoint):
         print(f"error: checkpoint folder {args.checkpoint!r} does not exist", file=sys.stderr)
         return 2
-    if read_marker(args.checkpoint) is None:
+    marker = read_marker(args.checkpoint)
+    if marker is None:
         print(
             f"error: {args.checkpoint} is incomplete (no {MARKER} marker: its save did not finish); "
             "convert a complete step-N folder",
             file=sys.stderr,
         )
         return 2
-    if args.model_only:
-        try:
-            weights, _ = load_model_weights(args.checkpoint)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        torch.save(weights, args.output)
-    else:
-        dcp_to_torch_save(args.checkpoint, args.output)
+    try:
+        if args.model_only:
+            state, _ = load_model_weights(args.checkpoint)
+        else:
+            verify_files(CheckpointInfo(marker.get("step", -1), args.checkpoint, marker))
+            state = load_whole_checkpoint(args.checkpoint)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    torch.save(state, args.output)
     print(f"wrote {args.output}")
     return 0
 

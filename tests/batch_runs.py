@@ -6,7 +6,8 @@ The loss-parity matrix therefore runs all its rows of one world size in one laun
 join one gloo process group and run each job through ``torchtitan.train.run_job`` (the trainer's
 own validate, run records, build, train, close), one after the other, under that group.
 
-SPEC.json is a list of jobs, each ``{"argv": [config arguments]}``; a job's dump folder comes from
+SPEC.json is a list of jobs, each ``{"argv": [config arguments]}`` (optionally ``"expect_error": text``:
+the job must fail on every rank with an error containing the text, and the launch goes on); a job's dump folder comes from
 its ``--job.dump_folder``. Per job, every rank writes its log to ``<dump>/rank<r>.log`` and rank 0
 writes ``<dump>/job_status.json``: ``{"ok": bool, "error": str | None, "seconds": float}``.
 
@@ -78,15 +79,22 @@ def main(spec_path: str) -> int:
         for job in jobs:
             start = time.perf_counter()
             error = _run_one(job["argv"], world_size, rank)
+            expect = job.get("expect_error")
             failed = torch.tensor([0 if error is None else 1])
             dist.all_reduce(failed)
+            # A job expected to fail passes when every rank raised the expected error: the ranks
+            # stopped at the same point, so the group is still in step for the next job.
+            as_expected = expect is not None and failed.item() == world_size and expect in (error or "")
             if rank == 0:
-                status = {"ok": failed.item() == 0, "error": error, "seconds": time.perf_counter() - start}
-                if error is None and failed.item():
+                ok = failed.item() == 0 if expect is None else as_expected
+                status = {"ok": ok, "error": error, "seconds": time.perf_counter() - start}
+                if expect is not None and not as_expected:
+                    status["error"] = f"expected every rank to fail with {expect!r}; {failed.item()} failed: {error}"
+                elif error is None and failed.item():
                     status["error"] = f"{failed.item()} other rank(s) failed; see rank*.log"
                 with open(os.path.join(_dump_folder(job["argv"]), STATUS_FILE), "w") as f:
                     json.dump(status, f)
-            if failed.item():
+            if failed.item() and not as_expected:
                 return 1
         return 0
     finally:

@@ -7,6 +7,7 @@ import subprocess
 import pytest
 
 from tests.integration_tests import (
+    BF16,
     GLOBAL_BATCH,
     MOE,
     VALIDATION,
@@ -36,6 +37,15 @@ def reference(reference_run) -> dict[str, list[float]]:
     losses = losses_of(folder)
     assert losses["loss"][-1] < losses["loss"][0] - 0.3, f"loss did not fall: {losses['loss']}"
     return losses
+
+
+@pytest.fixture(scope="session")
+def bf16_reference(tmp_path_factory) -> list[float]:
+    """The bf16 rows' reference: one process (so the trainer autocasts), the whole global batch."""
+    folder = str(tmp_path_factory.mktemp("bf16_reference"))
+    result = run_train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH), *BF16])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return losses_of(folder)["loss"]
 
 
 @pytest.fixture(scope="session")

@@ -188,6 +188,24 @@ MOE_ROWS = [
 # Counting the expert grads twice (or ep times) would change the norm far more than this.
 GRAD_NORM_RTOL = 3e-4
 
+# bf16 mixed precision against one process in bf16 (``bf16_reference``: the trainer autocasts). The
+# rows: FSDP's MixedPrecisionPolicy, autocast over TP's DTensors, both, autocast around the pipeline
+# schedule, ring attention on bf16 inputs (CP shards the parameters with FSDP, so the policy).
+BF16 = ["--training.mixed_precision_param", "bfloat16"]
+BF16_ROWS = [
+    Row("fsdp2_bf16", 2, 4, BF16),
+    Row("tp2_bf16", 2, 8, BF16, tp=2),
+    Row("fsdp2_tp2_bf16", 4, 4, BF16, tp=2),
+    Row("pp2_bf16", 2, 8, [*BF16, *pp_schedule("1F1B")], pp=2),
+    Row("cp2_bf16", 2, 8, [*BF16, *ROTATE_ALLTOALL], cp=2),
+]
+# Measured max relative gap to the bf16 reference over the 6 steps: 1.9e-4 for fsdp2, fsdp2_tp2 and
+# cp2 (at step 2: the policy runs the whole forward in bf16, autocast only the matmuls), 3.7e-5 tp2,
+# 2.1e-5 pp2; with AVX2 kernels 1.8e-4, 3.3e-5 and 4.3e-5. 5e-4 is 2.6x the largest. bf16 moves
+# these losses by little (3e-5 to 2e-4), so a row must also miss the fp32 reference by more than
+# RTOL (measured: 5.1e-5 at least): a row that silently trained in fp32 fails.
+BF16_RTOL = 5e-4
+
 
 def job_argv(row: Row, dump_folder: str) -> list[str]:
     """A matrix row's trainer arguments: what run_llama_train.sh would pass for it."""
@@ -232,10 +250,10 @@ class MatrixLaunches:
         return losses_of(self.folder(row))
 
 
-def launch_jobs(ngpu: int, jobs: list[list[str]], spec_path: str) -> subprocess.CompletedProcess:
-    """Run trainer jobs (argument lists, each with its --job.dump_folder) in one torchrun launch."""
+def launch_jobs(ngpu: int, jobs: list[list[str] | dict], spec_path: str) -> subprocess.CompletedProcess:
+    """Run trainer jobs (argument lists, each with its --job.dump_folder, or tests.batch_runs job dicts) in one launch."""
     with open(spec_path, "w") as f:
-        json.dump([{"argv": argv} for argv in jobs], f)
+        json.dump([job if isinstance(job, dict) else {"argv": job} for job in jobs], f)
     cmd = [
         sys.executable,
         "-m",
@@ -344,6 +362,16 @@ def test_loss_parity(row: Row, reference: dict[str, list[float]], matrix: Matrix
     for key in ("loss",):
         for i, (got, want) in enumerate(zip(losses[key], reference[key], strict=True)):
             assert abs(got - want) <= RTOL * abs(want), f"{key} #{i}: {row.name} {got} vs single-process {want}"
+
+
+@pytest.mark.parametrize("row", BF16_ROWS, ids=[r.name for r in BF16_ROWS])
+def test_bf16_loss_parity(row: Row, bf16_reference: list[float], reference: dict, matrix: MatrixLaunches):
+    check_row(row)
+    losses = matrix.losses(row)["loss"]
+    for i, (got, want) in enumerate(zip(losses, bf16_reference, strict=True)):
+        assert abs(got - want) <= BF16_RTOL * abs(want), f"loss #{i}: {row.name} {got} vs single-process bf16 {want}"
+    gap_to_fp32 = max(abs(got - want) / abs(want) for got, want in zip(losses, reference["loss"], strict=True))
+    assert gap_to_fp32 > RTOL, f"{row.name} is within fp32 parity ({gap_to_fp32:.2g}) of the fp32 run: not bf16?"
 
 
 _BY_NAME = {r.name: r for r in ROWS}

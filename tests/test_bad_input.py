@@ -1,28 +1,49 @@
 """Bad input: one clear line on stderr and a non-zero exit, never a hang or a torch traceback.
 
-Config-level mistakes are caught by run_llama_train.sh's one-process check before torchrun starts;
-the last test goes through torchrun to the trainer itself (a data problem only the trainer sees).
+Config-level mistakes are caught by run_llama_train.sh's one-process check before torchrun starts
+("error: ..."), bad NGPU / LOG_RANK by the script itself. The last tests go through torchrun to the
+trainer (PREFLIGHT=0 where the check would catch it first): what only a rank sees is printed once
+by the launcher, with the ranks that raised it ("error (ranks 0,1): ..."), whatever LOG_RANK shows.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# "error: ..." (the pre-launch check, the script) or "error (rank 1): ..." / "error (ranks 0,1): ..." (the launcher)
+ERROR_LINE = re.compile(r"^error( \(ranks? [\d,]+\))?: ")
+SMALL = ["--training.steps", "2", "--training.seq_len", "64", "--training.batch_size", "2"]
 
 
-def launch(args: list[str], ngpu: int = 2, config: str = "./train_configs/debug_model.toml", timeout: int = 120):
-    env = dict(os.environ, NGPU=str(ngpu), CONFIG_FILE=config)
+def launch(
+    args: list[str],
+    ngpu: int | str = 2,
+    config: str = "./train_configs/debug_model.toml",
+    timeout: int = 120,
+    **env: str,
+):
+    env = dict(os.environ, NGPU=str(ngpu), CONFIG_FILE=config, **env)
     return subprocess.run(
         ["bash", "./run_llama_train.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
 
 
-def _error_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if "error:" in line]
+def _error_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if ERROR_LINE.match(line) or "error:" in line]
+
+
+def _one_error_line(result: subprocess.CompletedProcess, expected: str, code: int = 2) -> str:
+    out = result.stdout + result.stderr
+    lines = _error_lines(out)
+    assert result.returncode == code and len(lines) == 1 and expected in lines[0], out[-3000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+    return lines[0]
 
 
 @pytest.mark.parametrize(
@@ -52,6 +73,13 @@ def _error_lines(stderr: str) -> list[str]:
             "training.dataset_path = './no/such/data.jsonl' does not exist",
         ),
         (["--experimental.enable_compiled_autograd"], None, "compiled autograd is not available yet"),
+        (["--training.dataset", "c5"], None, "config key 'training.dataset': got 'c5' (str), expected 'pydocs' |"),
+        (
+            ["--profiling.enable_profiling", "--profiling.profile_freq", "1"],
+            None,
+            "profiling.profile_freq = 1 with profiling.enable_profiling = true: each trace needs a warmup step",
+        ),
+        (["--job.dump_folder", "A_FILE/out"], None, "is a file, not a folder; choose another path"),
         (
             ["--experimental.context_parallel_degree", "2", "--training.seq_len", "90"],
             None,
@@ -67,6 +95,9 @@ def _error_lines(stderr: str) -> list[str]:
         "tokenizer",
         "dataset-path",
         "not-built",
+        "unknown-dataset",
+        "profile-freq",
+        "dump-folder-under-a-file",
         "cp-seq-len",
     ],
 )
@@ -75,6 +106,8 @@ def test_launcher_rejects_bad_input_in_one_line(args, config, expected, tmp_path
         bad = tmp_path / "bad.toml"
         bad.write_text("[training\nsteps = 1\n")
         config = str(bad)
+    (tmp_path / "a_file").write_text("not a folder")
+    args = [a.replace("A_FILE", str(tmp_path / "a_file")) for a in args]
     result = launch(args, config=config or "./train_configs/debug_model.toml")
     assert result.returncode != 0
     lines = _error_lines(result.stderr)
@@ -82,12 +115,48 @@ def test_launcher_rejects_bad_input_in_one_line(args, config, expected, tmp_path
     assert "Traceback" not in result.stderr
 
 
-def test_trainer_error_after_launch_is_one_line_on_rank0(tmp_path):
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({"NGPU": "0"}, "error: NGPU = '0': the number of processes to start must be a positive integer"),
+        ({"NGPU": "abc"}, "error: NGPU = 'abc': the number of processes to start must be a positive integer"),
+        ({"NGPU": "2", "LOG_RANK": "2"}, "error: LOG_RANK = '2': rank 2 does not exist with NGPU = 2"),
+    ],
+    ids=["ngpu-0", "ngpu-abc", "log-rank"],
+)
+def test_launcher_rejects_bad_ngpu_and_log_rank(env, expected):
+    result = launch([], ngpu=env.pop("NGPU"), **env)
+    assert _one_error_line(result, expected).startswith(expected)
+
+
+def test_trainer_error_after_launch_is_one_line_with_its_ranks(tmp_path):
     tiny = tmp_path / "tiny.jsonl"
     tiny.write_text('{"text": "far too small"}\n')
     result = launch(["--training.dataset_path", str(tiny), "--job.dump_folder", str(tmp_path / "out")])
-    assert result.returncode != 0
-    out = result.stdout + result.stderr
-    lines = [line for line in out.splitlines() if "error: dataset" in line]
-    assert len(lines) == 1, out  # rank 0 only
-    assert lines[0].startswith("[rank0]:") and "fewer than one sample of seq_len + 1 = 257" in lines[0]
+    line = _one_error_line(result, "fewer than one sample of seq_len + 1 = 257")
+    # every rank raises it; the launcher prints it once (a rank stopped by torchrun first leaves no record)
+    assert line.startswith(("error (ranks 0,1): dataset", "error (rank 0): dataset", "error (rank 1): dataset"))
+
+
+def test_a_bad_row_shows_its_error_ranks_and_file(tmp_path):
+    """A null text in the data: found when the data is loaded, named by file and line, on the user's screen
+    although LOG_RANK shows rank 0 only and rank 1 may be the one that reports it."""
+    data = tmp_path / "corpus.jsonl"
+    rows = [json.dumps({"text": f"document {i}: " + "words of text " * 30}) for i in range(40)]
+    rows[23] = json.dumps({"text": None})
+    data.write_text("\n".join(rows) + "\n")
+    result = launch([*SMALL, "--training.dataset_path", str(data), "--job.dump_folder", str(tmp_path / "out")])
+    line = _one_error_line(result, f"data file '{data}', line 24: 'text' is null")
+    assert re.match(r"error \(ranks? (0,1|0|1)\): data file", line), line
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux) to fill a disk")
+def test_a_full_disk_after_launch_is_one_line(tmp_path):
+    """metrics.jsonl on a full disk (a link to /dev/full: every write fails with ENOSPC) at the first step.
+    A read-only folder or a path through a file fails the same way (storage_error, tests/unit/test_launch.py);
+    before launch, the pre-launch check finds those without writing (the dump-folder case above)."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / "metrics.jsonl").symlink_to("/dev/full")
+    result = launch([*SMALL, "--metrics.log_freq", "1", "--job.dump_folder", str(folder)], ngpu=1, PREFLIGHT="0")
+    _one_error_line(result, "error (rank 0): No space left on device; free some space or choose another folder")

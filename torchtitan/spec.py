@@ -68,6 +68,9 @@ class StepHooks(Protocol):
     def after_optimizer_step(self, *, keep_metrics: bool) -> None:
         """Called on every rank after each optimizer step (may communicate)."""
 
+    def discard_step(self) -> None:
+        """Called on every rank instead of ``after_optimizer_step`` when the step's update is dropped."""
+
     def metrics(self) -> tuple[dict[str, Any], dict[str, float]] | None:
         """(record fields, TensorBoard scalars) of the last log step, or None."""
 

@@ -5,13 +5,14 @@ Launch several processes with torchrun (see run_llama_train.sh); one process nee
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
 import os
 import sys
+import threading
 import time
-import traceback
 from collections.abc import Iterator
 
 import torch
@@ -19,7 +20,8 @@ import torch.distributed as dist
 
 from torchtitan.build import TrainerBuilders, build_step_function, create_seed_checkpoint
 from torchtitan.checkpointing import CheckpointManager, model_info, trim_metrics
-from torchtitan.components.optimizer import build_lr_scheduler, build_optimizer
+from torchtitan.components.optimizer import apply_optimizer_config, build_lr_scheduler, build_optimizer
+from torchtitan.components.run_control import NonFiniteStep, RunStopped, StepGuard, StopSignals
 from torchtitan.components.step import StepFunction
 from torchtitan.components.validation import Validator
 from torchtitan.config.manager import JobConfig, format_help, wants_help
@@ -28,6 +30,9 @@ from torchtitan.distributed.device import get_device_info, init_distributed, set
 from torchtitan.distributed.mesh import WorldMesh
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.dtypes import to_dtype
+from torchtitan.launch.failures import report_exception, report_failure
+from torchtitan.launch.parent_watch import watch_parent
+from torchtitan.launch.run_folder import RunLock
 from torchtitan.observability.console import format_layout, format_start_summary
 from torchtitan.observability.logging import init_logger
 from torchtitan.observability.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
@@ -37,8 +42,9 @@ from torchtitan.spec import get_model_spec
 
 logger = logging.getLogger(__name__)
 
-# What a user can get wrong: shown as one line on rank 0, exit code 2. Anything else is a bug
-# and keeps its traceback.
+# What a user can get wrong: one line (printed by the launcher, with the ranks that raised it), exit
+# code 2; so are storage errors (disk full, read-only folder). Anything else is a bug and keeps its
+# traceback.
 USER_ERRORS = (ValueError, NotImplementedError, FileNotFoundError)
 
 
@@ -74,10 +80,19 @@ class Trainer:
         self.checkpointer = b.checkpointer(self)
         # A resumed run continues at checkpoint step + 1; metrics.jsonl keeps the records up to it.
         self.step = self.start_step = self.checkpointer.load()
+        if self.step > 0:
+            changed = apply_optimizer_config(self.optimizer, self.lr_scheduler, config.optimizer)
+            if rank == 0 and changed:
+                logger.info("resume: the config's optimizer settings replace the checkpoint's: %s", "; ".join(changed))
         if rank == 0 and self.step > 0:
             trim_metrics(config.job.dump_folder, self.step)
         self.metrics = b.metrics(self)
         self.validator = b.validator(self, tokenizer) if config.validation.enabled else None
+        self.signals = StopSignals()
+        self.guard = StepGuard(
+            config.training.on_nonfinite, config.training.max_nonfinite_skips, self.device, self.signals
+        )
+        self.stop_requested = False
         if rank == 0:
             logger.info("\n%s", self._start_summary(num_params))
 
@@ -160,9 +175,16 @@ class Trainer:
             if loss is not None:
                 loss_sum += loss
         grad_norm = self.step_fn.clip_grad_norm_(self.config.training.max_norm)
-        self.optimizer.step()
-        if self.step_fn.hooks is not None:
-            self.step_fn.hooks.after_optimizer_step(keep_metrics=self._is_log_step())
+        verdict = self.guard.check(self.step, loss_sum, grad_norm)  # every rank: same verdict
+        self.stop_requested = verdict.stop
+        hooks = self.step_fn.hooks
+        if verdict.skip:  # no update; the schedule still follows the step count
+            if hooks is not None:
+                hooks.discard_step()
+        else:
+            self.optimizer.step()
+            if hooks is not None:
+                hooks.after_optimizer_step(keep_metrics=self._is_log_step())
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm
@@ -195,11 +217,18 @@ class Trainer:
                 rank=self.rank,
             ) as snapshotter,
         ):
-            while self.step < cfg.training.steps:
-                self.run_step(data_iter)
-                for tool in (profiler, snapshotter):
-                    if tool is not None:
-                        tool.step()
+            on_main_thread = threading.current_thread() is threading.main_thread()
+            if on_main_thread:  # Python delivers signals to the main thread only
+                self.signals.install()
+            try:
+                while self.step < cfg.training.steps:
+                    self.run_step(data_iter)
+                    for tool in (profiler, snapshotter):
+                        if tool is not None:
+                            tool.step()
+            finally:
+                if on_main_thread:
+                    self.signals.restore()
         gc.enable()
         if self.rank == 0:
             logger.info(self.metrics.end_summary(self.step, checkpoint=self.checkpointer.summary()))
@@ -229,10 +258,22 @@ class Trainer:
         if self.validator is not None and (self.step % v.freq == 0 or self.step == cfg.training.steps):
             self.metrics.log_validation(self.step, self.validator.run())
         self.checkpointer.maybe_save(self.step, last=self.step == cfg.training.steps)
+        if self.stop_requested and self.step < cfg.training.steps:  # at the last step the run is done anyway
+            self._stop()
         if first:
             set_pg_timeout(cfg.comm.train_timeout_seconds)
         if self.step % cfg.training.gc_freq == 0:
             gc.collect(1)
+
+    def _stop(self) -> None:
+        """A stop signal reached some rank during this step: save it (if not just saved) and stop."""
+        saved = self.checkpointer.save_now(self.step)
+        where = (
+            f"checkpoint step-{self.step} saved; run the same command to resume"
+            if saved
+            else "checkpointing is off (checkpoint.enable_checkpoint), nothing saved"
+        )
+        raise RunStopped(f"stopped by a signal after step {self.step}: {where}")
 
     def close(self) -> None:
         self.checkpointer.close()  # waits for an async save in flight
@@ -264,6 +305,7 @@ def _build_checkpointer(trainer: Trainer) -> CheckpointManager:
         rank=trainer.rank,
         device=trainer.device,
         model_info=model_info(cfg, trainer.model_args),
+        data_info={"dataset": cfg.training.dataset, "dataset_path": cfg.training.dataset_path},
     )
 
 
@@ -302,18 +344,20 @@ def run_job(config: JobConfig, *, world_size: int, rank: int) -> None:
         if rank == 0:
             logger.warning(warning)
     os.makedirs(config.job.dump_folder, exist_ok=True)
-    if rank == 0:
-        write_run_records(config, world_size)
-        if config.job.print_args:
-            logger.info("resolved config:\n%s", config.to_toml())
-    if config.checkpoint.create_seed_checkpoint:
-        create_seed_checkpoint(config)
-        return
-    trainer = Trainer(config, world_size=world_size, rank=rank)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
+    # One live run per folder: rank 0 holds run.lock from before anything is written there until exit.
+    with RunLock(config.job.dump_folder) if rank == 0 else contextlib.nullcontext():
+        if rank == 0:
+            write_run_records(config, world_size)
+            if config.job.print_args:
+                logger.info("resolved config:\n%s", config.to_toml())
+        if config.checkpoint.create_seed_checkpoint:
+            create_seed_checkpoint(config)
+            return
+        trainer = Trainer(config, world_size=world_size, rank=rank)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
 
 
 def run(config: JobConfig, *, world_size: int, rank: int) -> None:
@@ -333,14 +377,15 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     init_logger()
+    watch_parent()  # under torchrun: stop when the launcher dies
     try:
         run(JobConfig.parse_args(argv), world_size=world_size, rank=rank)
-    except USER_ERRORS as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        if os.environ.get("TORCHTITAN_TRACEBACK"):
-            traceback.print_exc()
-        return 2
+    except (RunStopped, NonFiniteStep) as e:  # every rank agreed on it: one line
+        return report_failure(rank, "stopped" if isinstance(e, RunStopped) else "error", str(e), e.exit_code)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException; told once (launch/failures.py)
+        if isinstance(e, SystemExit):
+            raise
+        return report_exception(e, rank, USER_ERRORS)
     return 0
 
 

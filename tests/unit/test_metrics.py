@@ -14,6 +14,7 @@ from torchtitan.observability import flops
 from torchtitan.observability.logging import warn_once
 from torchtitan.observability.metrics import (
     DeviceMemStats,
+    LinearShape,
     build_device_memory_monitor,
     build_metric_logger,
     compute_mfu,
@@ -49,8 +50,8 @@ def test_mfu_rejects_zero_peak() -> None:
 
 def test_override_wins_without_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(flops, "measure_matmul_flops", _fail)
-    assert get_peak_flops(CPU, torch.float32, override=123.0) == 123.0
-    assert get_peak_flops(CUDA, torch.bfloat16, override=5e14) == 5e14
+    assert get_peak_flops(CPU, torch.float32, override=123.0).flops == 123.0
+    assert get_peak_flops(CUDA, torch.bfloat16, override=5e14).flops == 5e14
 
 
 @pytest.mark.parametrize(
@@ -71,22 +72,22 @@ def test_override_wins_without_measuring(monkeypatch: pytest.MonkeyPatch) -> Non
 )
 def test_gpu_table_lookup(monkeypatch: pytest.MonkeyPatch, name: str, dtype: torch.dtype, tflops: float) -> None:
     monkeypatch.setattr(flops, "_get_device_name", lambda device: name)
-    assert get_peak_flops(CUDA, dtype) == pytest.approx(tflops * 1e12)
+    assert get_peak_flops(CUDA, dtype).flops == pytest.approx(tflops * 1e12)
 
 
 def test_gpu_fp32_follows_tf32_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(flops, "_get_device_name", lambda device: "NVIDIA A100-SXM4-40GB")
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert get_peak_flops(CUDA, torch.float32) == pytest.approx(156e12)
+    assert get_peak_flops(CUDA, torch.float32).flops == pytest.approx(156e12)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    assert get_peak_flops(CUDA, torch.float32) == pytest.approx(19.5e12)
+    assert get_peak_flops(CUDA, torch.float32).flops == pytest.approx(19.5e12)
 
 
 def test_unknown_gpu_warns_and_uses_h100(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     warn_once.cache_clear()
     monkeypatch.setattr(flops, "_get_device_name", lambda device: "Mystery GPU 9000")
     with caplog.at_level(logging.WARNING, logger="torchtitan.observability.flops"):
-        assert get_peak_flops(CUDA, torch.bfloat16) == pytest.approx(989e12)
+        assert get_peak_flops(CUDA, torch.bfloat16).flops == pytest.approx(989e12)
     assert "Mystery GPU 9000" in caplog.text
 
 
@@ -109,7 +110,7 @@ def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def _count_measurements(monkeypatch: pytest.MonkeyPatch, value: float) -> list[torch.dtype]:
     calls: list[torch.dtype] = []
 
-    def fake_measure(device: torch.device, dtype: torch.dtype) -> float:
+    def fake_measure(device: torch.device, dtype: torch.dtype, linears: object = None) -> float:
         calls.append(dtype)
         return value
 
@@ -119,8 +120,8 @@ def _count_measurements(monkeypatch: pytest.MonkeyPatch, value: float) -> list[t
 
 def test_cpu_peak_is_measured_once_then_cached(cache_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _count_measurements(monkeypatch, 4.5e11)
-    assert get_peak_flops(CPU, torch.float32) == 4.5e11
-    assert get_peak_flops(CPU, torch.float32) == 4.5e11
+    assert get_peak_flops(CPU, torch.float32).flops == 4.5e11
+    assert get_peak_flops(CPU, torch.float32).flops == 4.5e11
     assert calls == [torch.float32]
     get_peak_flops(CPU, torch.bfloat16)  # another dtype is another key
     assert calls == [torch.float32, torch.bfloat16]
@@ -137,7 +138,7 @@ def test_corrupt_cache_is_remeasured_and_rewritten(
     cache_home.write_text("{not json")
     calls = _count_measurements(monkeypatch, 7e10)
     with caplog.at_level(logging.WARNING, logger="torchtitan.observability.flops"):
-        assert get_peak_flops(CPU, torch.float32) == 7e10
+        assert get_peak_flops(CPU, torch.float32).flops == 7e10
     assert "re-measuring" in caplog.text and calls == [torch.float32]
     assert list(json.loads(cache_home.read_text()).values()) == [7e10]
 
@@ -146,7 +147,7 @@ def test_non_object_cache_is_ignored(cache_home: Path, monkeypatch: pytest.Monke
     cache_home.parent.mkdir(parents=True)
     cache_home.write_text("[1, 2]")
     _count_measurements(monkeypatch, 3e10)
-    assert get_peak_flops(CPU, torch.float32) == 3e10
+    assert get_peak_flops(CPU, torch.float32).flops == 3e10
 
 
 @pytest.mark.skipif(sys.platform == "win32" or os.geteuid() == 0, reason="root ignores directory permissions")
@@ -158,7 +159,7 @@ def test_unwritable_cache_warns(
     monkeypatch.setenv("XDG_CACHE_HOME", str(read_only))
     _count_measurements(monkeypatch, 2e10)
     with caplog.at_level(logging.WARNING, logger="torchtitan.observability.flops"):
-        assert get_peak_flops(CPU, torch.float32) == 2e10
+        assert get_peak_flops(CPU, torch.float32).flops == 2e10
     assert "could not write" in caplog.text
 
 
@@ -170,13 +171,13 @@ def test_unwritable_cache_path_warns(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     _count_measurements(monkeypatch, 2e10)
     with caplog.at_level(logging.WARNING, logger="torchtitan.observability.flops"):
-        assert get_peak_flops(CPU, torch.float32) == 2e10
+        assert get_peak_flops(CPU, torch.float32).flops == 2e10
     assert "could not write" in caplog.text
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_real_cpu_measurement_is_plausible(dtype: torch.dtype) -> None:
-    measured = measure_matmul_flops(CPU, dtype, size=128, budget_s=0.05, num_warmup=1)
+    measured = measure_matmul_flops(CPU, dtype, (LinearShape(128, 128, 128),), budget_s=0.05)
     # Any CPU from the last 15 years does more than 0.1 GFLOP/s and less than 100 TFLOP/s.
     assert 1e8 < measured < 1e14
 

@@ -1,7 +1,7 @@
 """Checkpointing: DCP save/resume of the whole training state, seed checkpoints, weight export.
 
-See docs/checkpoint.md for the layout on disk, the resume and resharding guarantees and the
-trust boundary (DCP metadata is pickled: load only checkpoints you trust).
+See docs/checkpoint.md for the layout on disk, the resume and resharding guarantees and integrity
+(CRC32s taken while writing and checked on load; pickles restricted to DCP's types: integrity.py).
 """
 
 from torchtitan.checkpointing.folders import (

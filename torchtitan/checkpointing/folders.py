@@ -16,14 +16,16 @@ import os
 import re
 import shutil
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from torchtitan.checkpointing.integrity import DATA_SUFFIX, SIDECAR_SUFFIX, crc32_of_file, read_sidecar
+
 logger = logging.getLogger(__name__)
 
 MARKER = ".complete"
+SET_ASIDE = "set-aside"  # abandoned branches and replaced checkpoints, out of discovery
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 # What a complete checkpoint holds ("kind" in its marker).
@@ -63,28 +65,50 @@ def write_marker(path: str, step: int, kind: str, **extra: Any) -> None:
 
 
 def list_files(path: str) -> dict[str, list[int]]:
-    """The checkpoint's data files -> [size in bytes, CRC32 or -1]; run on rank 0 before the marker.
+    """The checkpoint's files -> [size in bytes, CRC32 or -1]; run on rank 0 before the marker.
 
-    Every file's size is recorded (a cheap ``stat``); only ``.metadata`` (small, and the file every
-    rank reads first) is checksummed: reading every rank's data back on one rank would cost as much
-    as the save. So a missing, truncated or extended file, or altered metadata, is caught before
-    loading; a flipped bit inside tensor data is not (DCP has no checksums of its own).
+    Every file's size is recorded (a ``stat``). Every data file's CRC32 comes from the sidecar its
+    rank wrote while writing it (integrity.ChecksummingWriter), so nothing is read back here;
+    ``.metadata`` (small) is checksummed directly. So a missing, truncated or extended file and any
+    altered byte are caught before loading. A data file without a usable sidecar (written by
+    another writer, or its size differs from what went through the stream) records -1 with a
+    warning: only its size is checked then. The sidecars themselves are not listed.
     """
     files = {}
     for name in sorted(os.listdir(path)):
         full = os.path.join(path, name)
-        if name.startswith(MARKER) or not os.path.isfile(full):
+        if name.startswith(MARKER) or name.endswith(SIDECAR_SUFFIX) or not os.path.isfile(full):
             continue
-        crc = -1
-        if name == ".metadata":
-            with open(full, "rb") as f:
-                crc = zlib.crc32(f.read())
-        files[name] = [os.path.getsize(full), crc]
+        size = os.path.getsize(full)
+        files[name] = [size, _written_crc(full, size)]
     return files
 
 
-def verify_files(c: CheckpointInfo) -> None:
+def _written_crc(full: str, size: int) -> int:
+    if os.path.basename(full) == ".metadata":
+        return crc32_of_file(full)
+    sidecar = read_sidecar(full)
+    if sidecar is None:
+        if full.endswith(DATA_SUFFIX):
+            logger.warning("checkpoint file %s has no CRC32 sidecar; its marker records only its size", full)
+        return -1
+    if sidecar[0] != size:
+        logger.warning(
+            "checkpoint file %s has %d bytes, its writer counted %d; its marker records only its size",
+            full,
+            size,
+            sidecar[0],
+        )
+        return -1
+    return sidecar[1]
+
+
+def verify_files(c: CheckpointInfo, *, checksums: bool = True) -> None:
     """Compare the folder with what its marker recorded (markers from before this check record nothing).
+
+    Sizes are always compared. With ``checksums`` (checkpoint.verify_checksums) every file with a
+    recorded CRC32 is read back in 16 MiB pieces and compared; without, only ``.metadata`` (small)
+    is. Older markers record -1 for data files: their size alone is checked.
 
     Raises:
         ValueError: naming each missing file, size change and checksum mismatch.
@@ -92,14 +116,14 @@ def verify_files(c: CheckpointInfo) -> None:
     recorded = (c.marker or {}).get("files")
     if not recorded:
         return
-    present = list_files(c.path)
     problems = []
     for name, (size, crc) in recorded.items():
-        if name not in present:
+        full = os.path.join(c.path, name)
+        if not os.path.isfile(full):
             problems.append(f"{name} is missing")
-        elif present[name][0] != size:
-            problems.append(f"{name} has {present[name][0]} bytes, the save wrote {size}")
-        elif crc != -1 and present[name][1] != crc:
+        elif os.path.getsize(full) != size:
+            problems.append(f"{name} has {os.path.getsize(full)} bytes, the save wrote {size}")
+        elif crc != -1 and (checksums or name == ".metadata") and crc32_of_file(full) != crc:
             problems.append(f"{name} does not match its CRC32 (altered after the save)")
     if problems:
         raise ValueError(
@@ -132,8 +156,10 @@ def list_checkpoints(root: str) -> list[CheckpointInfo]:
     return sorted(found, key=lambda c: c.step)
 
 
-def find_resume_checkpoint(root: str, load_step: int) -> CheckpointInfo | None:
+def find_resume_checkpoint(root: str, load_step: int, verify_checksums: bool = True) -> CheckpointInfo | None:
     """The checkpoint to start from: ``load_step``, or with -1 the newest complete full/seed one.
+
+    The one picked is checked against its marker: ``verify_files(..., checksums=verify_checksums)``.
 
     Raises:
         ValueError: ``load_step`` names a folder that is missing, incomplete or a weights-only export.
@@ -147,7 +173,7 @@ def find_resume_checkpoint(root: str, load_step: int) -> CheckpointInfo | None:
                 f"complete checkpoints: {[c.step for c in found if c.complete]} (or -1 for the newest)"
             )
         _check_loadable(match[0], f"checkpoint.load_step = {load_step}")
-        verify_files(match[0])
+        verify_files(match[0], checksums=verify_checksums)
         return match[0]
     resumable = [c for c in found if c.kind in (FULL, SEED)]
     newest = resumable[-1] if resumable else None
@@ -160,7 +186,7 @@ def find_resume_checkpoint(root: str, load_step: int) -> CheckpointInfo | None:
             elif c.kind == EXPORT:
                 logger.info("not resuming from %s: a weights-only export, not a training state", c.path)
     if newest is not None:
-        verify_files(newest)
+        verify_files(newest, checksums=verify_checksums)
     return newest
 
 
@@ -203,6 +229,30 @@ def purge_stale(root: str, keep_latest_k: int) -> list[str]:
         shutil.rmtree(c.path, ignore_errors=True)
         logger.info("purged checkpoint %s (checkpoint.keep_latest_k = %d)", c.path, keep_latest_k)
     return [c.path for c in stale]
+
+
+def set_aside(root: str, checkpoints: list[CheckpointInfo], why: str) -> list[str]:
+    """Move complete checkpoints out of discovery into ``<root>/set-aside/<why>-<time>/``; returns the new paths.
+
+    Kept, not deleted (a user may want them back); no longer a ``step-N`` folder of ``root``, so never
+    resumed from, counted by keep_latest_k or purged.
+    """
+    if not checkpoints:
+        return []
+    dest = os.path.join(root, SET_ASIDE, f"{why}-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(dest, exist_ok=True)
+    moved = []
+    for c in checkpoints:
+        target = os.path.join(dest, os.path.basename(c.path))
+        os.replace(c.path, target)
+        moved.append(target)
+    logger.warning("moved %s to %s (%s)", ", ".join(os.path.basename(c.path) for c in checkpoints), dest, why)
+    return moved
+
+
+def later_branch(root: str, step: int) -> list[CheckpointInfo]:
+    """Complete checkpoints newer than ``step``: after resuming from ``step`` they belong to an abandoned run."""
+    return [c for c in list_checkpoints(root) if c.complete and c.step > step]
 
 
 class SaveSchedule:

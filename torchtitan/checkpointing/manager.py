@@ -4,14 +4,16 @@ Layout: ``<job.dump_folder>/<checkpoint.folder>/step-N/`` holds DCP files (``.me
 ``__<rank>_0.distcp``) and, once complete, the ``.complete`` marker (folders.py). Top-level DCP keys:
 ``model``, ``optimizer``, ``lr_scheduler``, ``dataloader``, ``train_state`` (state.py).
 
-Trust: DCP's ``.metadata`` and its non-tensor entries are pickles, unpickled on load. Load only
-checkpoints you (or your own runs) wrote.
+Trust (integrity.py): every file's CRC32 is taken as DCP writes it and recorded in the marker; a
+load first checks every file's size and (checkpoint.verify_checksums) CRC32. ``.metadata`` is
+unpickled admitting only DCP's metadata types, and non-tensor entries only if torch's weights-only
+unpickler accepts them, so a crafted folder is refused instead of running code. Sizes and CRCs
+catch accidents (bit flips, truncation), not an author who rewrites data and marker alike.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -25,9 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+import torchtitan.checkpointing.integrity as integrity
+from torchtitan.checkpointing.compat import check_model_matches, warn_if_data_changed
 from torchtitan.checkpointing.folders import (
     EXPORT,
     FULL,
@@ -35,9 +38,11 @@ from torchtitan.checkpointing.folders import (
     CheckpointInfo,
     SaveSchedule,
     find_resume_checkpoint,
+    later_branch,
     list_files,
     purge_stale,
     read_marker,
+    set_aside,
     step_folder,
     verify_files,
     write_marker,
@@ -52,6 +57,7 @@ from torchtitan.checkpointing.state import (
     check_model_keys,
 )
 from torchtitan.dtypes import to_dtype
+from torchtitan.launch.run_folder import read_json_lines
 
 if TYPE_CHECKING:
     from torch import nn
@@ -85,6 +91,7 @@ class CheckpointManager:
         rank: int,
         device: torch.device,
         model_info: dict[str, Any],
+        data_info: dict[str, Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.config = config
@@ -93,7 +100,8 @@ class CheckpointManager:
         self.view = build_model_view(model_parts)
         self.optimizer, self.lr_scheduler, self.data_loader = optimizer, lr_scheduler, data_loader
         self.dp_rank, self.rank, self.device = dp_rank, rank, device
-        self.model_info = model_info
+        self.model_info, self.data_info = model_info, data_info or {}
+        self.last_save_step: int | None = None  # on every rank (``_finished`` is rank 0's)
         self.train_state = TrainState(rank, device)
         self.schedule = SaveSchedule(config.interval_type, config.interval, clock)
         self.async_save = self.enabled and config.async_mode != "disabled"
@@ -113,20 +121,26 @@ class CheckpointManager:
         """Load the checkpoint to resume from, if any; return the step training continues after."""
         if not self.enabled:
             return 0
-        info = _agree(lambda: find_resume_checkpoint(self.root, self.config.load_step))
+        info = _agree(lambda: find_resume_checkpoint(self.root, self.config.load_step, self.config.verify_checksums))
         if info is None:
             return 0
+        marker = info.marker or {}
+        check_model_matches(marker.get("model"), self.model_info, info.path)
+        if info.kind == FULL and self.rank == 0:
+            warn_if_data_changed(marker.get("data"), self.data_info, info.path)
         start = time.perf_counter()
         metadata = _read_metadata(info.path)
         state = self._load_targets(info, metadata)
         try:
             with _one_process_quiet():
-                dcp.load(state, checkpoint_id=info.path, process_group=self.pg, no_dist=not dist.is_initialized())
+                integrity.load(state, info.path, process_group=self.pg, no_dist=not dist.is_initialized())
         except (Exception, CheckpointException) as e:
             raise ValueError(f"checkpoint {info.path} could not be loaded: {_short_error(e)}") from e
         seconds = time.perf_counter() - start
         step = self.train_state.step if info.kind == FULL else 0
         self.loaded = f"step-{info.step}"
+        if self.rank == 0:  # before anything new is saved; every rank's next save starts with a barrier
+            set_aside(self.root, later_branch(self.root, info.step), f"abandoned-after-resume-from-step-{info.step}")
         if self.rank == 0:
             what = "resumed from step" if info.kind == FULL else "loaded seed weights (model only) from step"
             logger.info("%s %d (%s) in %.2f s", what, info.step, info.path, seconds)
@@ -179,9 +193,12 @@ class CheckpointManager:
         kind = EXPORT if final and self.config.model_weights_only else FULL
         path = step_folder(self.root, step)
         if self.rank == 0:
-            if os.path.isdir(path):
-                logger.warning("replacing existing checkpoint %s", path)
-                shutil.rmtree(path)
+            if os.path.isdir(path):  # a complete one is kept (set aside) until its replacement exists
+                existing = read_marker(path)
+                if existing is None:
+                    shutil.rmtree(path)
+                else:
+                    set_aside(self.root, [CheckpointInfo(step, path, existing)], f"replaced-step-{step}")
             os.makedirs(path)
         if dist.is_initialized():
             dist.barrier()  # nobody writes into the folder before rank 0 has cleared it
@@ -189,9 +206,7 @@ class CheckpointManager:
         start = time.perf_counter()
         if self.async_save and not final:
             with _one_process_quiet():
-                future = dcp.async_save(
-                    state, checkpoint_id=path, process_group=self.pg, no_dist=not dist.is_initialized()
-                )
+                future = integrity.async_save(state, path, process_group=self.pg, no_dist=not dist.is_initialized())
             self._pending = (future, step, kind, start)
             if self.rank == 0:
                 logger.info(
@@ -200,9 +215,19 @@ class CheckpointManager:
                 future.add_done_callback(lambda f: f.exception() is None and self._mark_complete(step, kind, start))
         else:
             with _one_process_quiet():
-                dcp.save(state, checkpoint_id=path, process_group=self.pg, no_dist=not dist.is_initialized())
+                integrity.save(state, path, process_group=self.pg, no_dist=not dist.is_initialized())
             self._saved(step, kind, start)
         self.schedule.saved()
+        self.last_save_step = step
+
+    def save_now(self, step: int) -> bool:
+        """Save ``step`` unless it was just saved, and wait until it is complete; False if checkpointing is off."""
+        if not self.enabled:
+            return False
+        if self.last_save_step != step:
+            self.save(step)
+        self.wait()
+        return True
 
     def _save_state(self, step: int, kind: str) -> dict[str, Any]:
         if kind == EXPORT:
@@ -235,6 +260,7 @@ class CheckpointManager:
                 step,
                 kind,
                 model=self.model_info,
+                data=self.data_info,
                 files=list_files(path),
                 world_size=dist.get_world_size() if dist.is_initialized() else 1,
                 **extra,
@@ -298,7 +324,9 @@ def _one_process_quiet() -> Iterator[None]:
 
 def _read_metadata(path: str) -> Any:
     try:
-        return dcp.FileSystemReader(path).read_metadata()
+        return integrity.read_metadata_file(os.path.join(path, ".metadata"))
+    except integrity.ForeignPickleError:
+        raise  # already one clear line naming the file and the foreign type
     except Exception as e:
         raise ValueError(f"checkpoint {path}: cannot read its DCP metadata ({type(e).__name__}: {e})") from e
 
@@ -327,20 +355,21 @@ def save_model_weights(state_dict: dict[str, torch.Tensor], path: str, info: dic
     if os.path.isdir(path):
         shutil.rmtree(path)
     with _one_process_quiet():
-        dcp.save({"model": state_dict}, checkpoint_id=path, no_dist=True)
-    write_marker(path, 0, SEED, model=info, files=list_files(path))
+        integrity.save({"model": state_dict}, path, no_dist=True)
+    write_marker(path, 0, SEED, model=info, files=list_files(path))  # sizes, and CRCs from the writer's sidecars
 
 
-def load_model_weights(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def load_model_weights(path: str, *, verify_checksums: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """One process, no process group: a checkpoint's whole-model weights as plain tensors, and its marker.
 
     Raises:
-        ValueError: ``path`` is not a complete checkpoint.
+        ValueError: ``path`` is not a complete checkpoint, is corrupted (``verify_files``; CRC32s with
+            ``verify_checksums``) or holds a foreign pickle.
     """
     marker = read_marker(path)
     if marker is None:
         raise ValueError(f"{path} is not a complete checkpoint (no .complete marker); pass a step-N folder")
-    verify_files(CheckpointInfo(marker.get("step", -1), path, marker))
+    verify_files(CheckpointInfo(marker.get("step", -1), path, marker), checksums=verify_checksums)
     metadata = _read_metadata(path)
     weights = {
         key[len("model.") :]: torch.empty(md.size, dtype=md.properties.dtype)
@@ -348,7 +377,7 @@ def load_model_weights(path: str) -> tuple[dict[str, torch.Tensor], dict[str, An
         if key.startswith("model.")
     }
     with _one_process_quiet():
-        dcp.load({"model": weights}, checkpoint_id=path, no_dist=True)
+        integrity.load({"model": weights}, path, no_dist=True)
     return weights, marker
 
 
@@ -357,10 +386,8 @@ def trim_metrics(dump_folder: str, last_step: int) -> None:
     path = os.path.join(dump_folder, "metrics.jsonl")
     if not os.path.isfile(path):
         return
-    with open(path, encoding="utf-8") as f:
-        lines = f.readlines()
-    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= last_step]
-    if len(kept) != len(lines):
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)
+    records = read_json_lines(path)  # a last line cut short by a kill is dropped, with a warning
+    kept = [line for line, record in records if record.get("step", 0) <= last_step]
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)

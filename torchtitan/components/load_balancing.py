@@ -109,6 +109,10 @@ class LoadBalancer:
         # global token counts: the expert bias update and the load metrics
         self.tracker.finish_step(update_bias=self.args.load_balance == "bias", keep=keep_metrics)
 
+    def discard_step(self) -> None:
+        """A skipped (non-finite) step: its token counts move no bias and count in no metric."""
+        self.tracker.counts = None
+
     def metrics(self) -> tuple[dict[str, Any], dict[str, float]] | None:
         """(record fields, TensorBoard scalars) of the last kept step's expert load, or None."""
         if self.tracker.last is None:

@@ -50,3 +50,29 @@ def compute_lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: Training) -> LambdaLR:
     return LambdaLR(optimizer, lambda step: compute_lr_factor(step, config.warmup_steps, config.steps))
+
+
+def apply_optimizer_config(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, config: OptimizerConfig) -> list[str]:
+    """After a resume: the current config's hyper-parameters replace the checkpoint's; returns what changed.
+
+    A checkpoint carries the optimizer's param groups and the schedule's base LR as they were saved;
+    the config is the user's intent now. The schedule's position (its step) stays the checkpoint's,
+    so the LR continues on the current config's curve at that step.
+    """
+    wanted = {
+        "lr": config.lr,
+        "betas": (config.beta1, config.beta2),
+        "eps": config.eps,
+        "weight_decay": config.weight_decay,
+    }
+    first = optimizer.param_groups[0]
+    saved = {"lr": scheduler.base_lrs[0], "betas": tuple(first["betas"]), "eps": first["eps"]}
+    saved["weight_decay"] = first["weight_decay"]
+    changed = [f"optimizer.{k} {saved[k]} -> {v}" for k, v in wanted.items() if saved[k] != v]
+    for i, group in enumerate(optimizer.param_groups):
+        group.update({k: v for k, v in wanted.items() if k != "lr"})
+        group["initial_lr"] = config.lr
+        group["lr"] = config.lr * scheduler.lr_lambdas[i](scheduler.last_epoch)
+    scheduler.base_lrs = [config.lr] * len(optimizer.param_groups)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    return changed

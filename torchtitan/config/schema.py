@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+# The names of torchtitan/datasets/registry.py's DATASETS (tests/unit/test_data_errors.py keeps them equal),
+# spelled out here so that the config check knows them without importing the data stack.
+DatasetName = Literal["pydocs", "pydocs_val", "c4", "c4_test", "fineweb"]
+
 
 def _f(default: Any, help: str) -> Any:
     """A dataclass field with a help string (a list default gets its own copy per instance)."""
@@ -44,7 +48,10 @@ class Metrics:
     rank_0_only: bool = _f(True, "only the logging rank writes metrics (the only mode supported)")
     enable_wandb: bool = _f(False, "also log to Weights & Biases (needs `pip install wandb`; WANDB_* env vars apply)")
     device_peak_flops: float = _f(
-        0.0, "peak FLOP/s of one device for MFU; 0 = look up (GPU table) or measure once (CPU GEMM, cached)"
+        0.0,
+        "peak FLOP/s of one device for MFU; 0 = look up (GPU datasheet table) or measure once (CPU: the "
+        "model's GEMMs in its dtype at the rank's thread count, cached). An MFU above 100% is never shown: "
+        "the run warns that the peak is unreliable and names its source",
     )
 
 
@@ -81,7 +88,7 @@ class Optimizer:
 
 @dataclass
 class Training:
-    dataset: str = _f("pydocs", "dataset name: pydocs (shipped, offline), c4, c4_test, fineweb")
+    dataset: DatasetName = _f("pydocs", "dataset name: pydocs (shipped, offline), c4, c4_test, fineweb")
     dataset_path: str | None = _f(None, "local file/folder (or hub id) to read the dataset from")
     batch_size: int = _f(8, "samples per data-parallel rank per micro-batch")
     seq_len: int = _f(2048, "tokens per sample")
@@ -115,6 +122,12 @@ class Training:
     gc_freq: int = _f(50, "run Python garbage collection every N steps (automatic GC is off while training)")
     seed: int | None = _f(None, "seed for weights init; None = 0. Weights depend only on it, not on the layout")
     deterministic: bool = _f(False, "use deterministic algorithms (slower)")
+    on_nonfinite: Literal["stop", "skip"] = _f(
+        "stop",
+        "a step whose loss or grad norm is NaN/inf (checked on every rank before the optimizer step): stop "
+        "(exit 4 naming the step; the last good checkpoint is kept) or skip (drop its update)",
+    )
+    max_nonfinite_skips: int = _f(3, "with on_nonfinite = 'skip': stop after this many skipped steps in a row")
 
 
 @dataclass
@@ -122,7 +135,7 @@ class Validation:
     enabled: bool = _f(False, "compute the loss on held-out data every `freq` steps and at the last step")
     freq: int = _f(10, "validate every N training steps")
     steps: int = _f(2, "batches per validation (the same batches every time, so values compare over time)")
-    dataset: str = _f("pydocs_val", "validation dataset name (pydocs_val = held out of pydocs)")
+    dataset: DatasetName = _f("pydocs_val", "validation dataset name (pydocs_val = held out of pydocs)")
     dataset_path: str | None = _f(None, "local file/folder (or hub id) to read the validation data from")
     batch_size: int | None = _f(
         None, "samples per data-parallel rank per batch; None = batch_size x gradient_accumulation_steps"
@@ -193,6 +206,11 @@ class Checkpoint:
         "keep only the newest K complete full checkpoints (the step-0 seed and weights-only exports are kept); 0 = all",
     )
     load_step: int = _f(-1, "step to resume from; -1 = the newest complete checkpoint")
+    verify_checksums: bool = _f(
+        True,
+        "before loading, compare every file's CRC32 with the one recorded when it was written (rank 0 reads the "
+        "whole checkpoint once); false skips that for huge checkpoints (file sizes are still checked)",
+    )
     exclude_from_loading: list[str] = _f(
         [],
         "parts of a full checkpoint not to restore on resume: any of optimizer, lr_scheduler, dataloader (they "

@@ -6,7 +6,9 @@ not built yet raises NotImplementedError naming the key rather than being silent
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import math
 import os
 from typing import TYPE_CHECKING
 
@@ -15,6 +17,7 @@ import torch
 from torchtitan.config.errors import ConfigError
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_layout import resolve_stage_layout, validate_microbatches
+from torchtitan.launch.run_folder import folder_problem
 from torchtitan.models.llama.model import NORM_TYPES
 from torchtitan.spec import get_model_spec
 
@@ -34,6 +37,7 @@ _POSITIVE = (
     "training.seq_len",
     "training.gradient_accumulation_steps",
     "training.gc_freq",
+    "training.max_nonfinite_skips",
     "training.data_parallel_replicate_degree",
     "training.fsdp_prefetch_depth",
     "metrics.log_freq",
@@ -58,7 +62,20 @@ def _check_not_built(config: JobConfig) -> None:
             )
 
 
+def _check_finite(config: JobConfig) -> None:
+    """No NaN or infinity in any float key (``--optimizer.lr inf`` would pass every range check)."""
+    for section in dataclasses.fields(config):
+        values = getattr(config, section.name)
+        if not dataclasses.is_dataclass(values):
+            continue
+        for f in dataclasses.fields(values):
+            value = getattr(values, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{f.name} must be a finite number, got {value}")
+
+
 def _check_ranges(config: JobConfig) -> None:
+    _check_finite(config)
     for key in _POSITIVE:
         if _get(config, key) < 1:
             raise ConfigError(f"{key} must be >= 1, got {_get(config, key)}")
@@ -229,6 +246,9 @@ def _check_paths(config: JobConfig) -> None:
     # A hub id looks like "org/name"; anything that starts like a filesystem path must exist.
     if data is not None and data.startswith((".", "/", "~")) and not os.path.exists(os.path.expanduser(data)):
         raise FileNotFoundError(f"training.dataset_path = '{data}' does not exist")
+    problem = folder_problem(config.job.dump_folder)
+    if problem is not None:
+        raise ConfigError(f"job.dump_folder = '{config.job.dump_folder}' cannot be written: {problem}")
 
 
 def _warnings(config: JobConfig, world_size: int) -> list[str]:
@@ -274,6 +294,12 @@ def _check_validation_and_logging(config: JobConfig) -> None:
     if v.enabled and v.dataset_path is not None and v.dataset_path.startswith((".", "/", "~")):
         if not os.path.exists(os.path.expanduser(v.dataset_path)):
             raise FileNotFoundError(f"validation.dataset_path = '{v.dataset_path}' does not exist")
+    p = config.profiling
+    if p.enable_profiling and p.profile_freq < 2:  # observability/profiling.py: 1 warmup + 1 recorded step
+        raise ConfigError(
+            f"profiling.profile_freq = {p.profile_freq} with profiling.enable_profiling = true: each trace needs a "
+            "warmup step before the recorded one; set profile_freq >= 2"
+        )
     if config.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("metrics.enable_wandb = true but the wandb package is not installed; `pip install wandb`")
 

@@ -133,8 +133,8 @@ class HuggingFaceDataset(IterableDataset, Stateful):
         # each stream eventually fills by looping, but a dataset smaller than one window would
         # repeat the same text in every sample: almost surely a wrong path, so refuse it
         need, total = self._seq_len + 1, 0
-        for text in self._source.iter_texts():
-            total += len(self._tokenizer.encode(text, bos=True, eos=True))
+        for g, text in enumerate(self._source.iter_texts()):
+            total += len(self._tokenizer.encode(self._checked(text, g), bos=True, eos=True))
             if total >= need:
                 return
         raise ValueError(
@@ -155,7 +155,7 @@ class HuggingFaceDataset(IterableDataset, Stateful):
         st = self._streams[stream_id]
         while len(st.buffer) < self._seq_len + 1:
             g = stream_id + st.docs * self._num_streams
-            text = self._source.fetch(stream_id, g)
+            text = self._checked(self._source.fetch(stream_id, g), g)
             self._log_epoch(g)
             st.buffer.extend(self._tokenizer.encode(text, bos=True, eos=True))
             st.docs += 1
@@ -163,6 +163,16 @@ class HuggingFaceDataset(IterableDataset, Stateful):
         del st.buffer[: self._seq_len + 1]
         st.windows += 1
         return window
+
+    def _checked(self, text: object, g: int) -> str:
+        # Local files are checked when loaded (file_checks.py); a streamed row is seen only here.
+        if not isinstance(text, str):
+            row = g % self._source.num_docs if self._source.num_docs else g
+            raise ValueError(
+                f"dataset {self.dataset_name!r}, row {row}: the text is {'null' if text is None else type(text).__name__}"
+                ", not a string; fix or drop that row"
+            )
+        return text
 
     def _log_epoch(self, g: int) -> None:
         num_docs = self._source.num_docs

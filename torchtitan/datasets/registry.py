@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from datasets import Dataset, IterableDataset, load_dataset
+from datasets.exceptions import DatasetGenerationError
+
+from torchtitan.datasets.file_checks import check_not_empty, check_text_column, explain_load_error, source_files
 
 logger = logging.getLogger(__name__)
 
@@ -63,17 +66,35 @@ def _looks_like_hub_id(path: str) -> bool:
     )
 
 
-def load_local(path: Path) -> Dataset:
-    """A local file (.json/.jsonl/.parquet/.txt) or folder, map-style (random access by index)."""
-    if path.is_dir():
-        return load_dataset(str(path), split="train")
+def load_local(path: Path, text_field: str) -> Dataset:
+    """A local file (.json/.jsonl/.parquet/.txt) or folder, map-style (random access by index).
+
+    Raises:
+        ValueError: empty data, a malformed JSON line, a row whose text is null or not a string
+            (each naming the file and line or row; see file_checks.py).
+    """
     builder = _FILE_BUILDERS.get(path.suffix.lower())
-    if builder is None:
+    if builder is None and not path.is_dir():
         raise ValueError(
             f"unsupported data file {str(path)!r}: suffix {path.suffix!r} not in {sorted(_FILE_BUILDERS)}; "
             f"convert it or pass a folder of such files"
         )
-    return load_dataset(builder, data_files=str(path), split="train")
+    files = source_files(path)
+    check_not_empty(files)
+    json_logger = logging.getLogger("datasets.packaged_modules.json.json")
+    level = json_logger.level
+    json_logger.setLevel(logging.CRITICAL)  # its "Failed to load JSON" line says less than our error
+    try:
+        if path.is_dir():
+            data = load_dataset(str(path), split="train")
+        else:
+            data = load_dataset(builder, data_files=str(path), split="train")
+    except (DatasetGenerationError, StopIteration, ValueError) as e:  # ValueError: its pandas fallback for JSON
+        raise explain_load_error(files, text_field, e) from e
+    finally:
+        json_logger.setLevel(level)
+    check_text_column(data, text_field, files)
+    return data
 
 
 def load_from_hub(hub_id: str, hub_config: str | None) -> IterableDataset:
@@ -92,7 +113,7 @@ def load_text_dataset(dataset_name: str, dataset_path: str | None) -> tuple[HFDa
     if dataset_path is not None:
         path = Path(dataset_path).expanduser()
         if path.exists():
-            return load_local(path), spec.text_field
+            return load_local(path, spec.text_field), spec.text_field
         if spec.hub_id is not None and _looks_like_hub_id(dataset_path):
             return load_from_hub(dataset_path, spec.hub_config), spec.text_field
         raise FileNotFoundError(
@@ -105,6 +126,6 @@ def load_text_dataset(dataset_name: str, dataset_path: str | None) -> tuple[HFDa
                 f"dataset {dataset_name!r} reads local data at {str(spec.default_path)!r}, which does not exist; "
                 f"create it or set dataset_path to a local copy"
             )
-        return load_local(spec.default_path), spec.text_field
+        return load_local(spec.default_path, spec.text_field), spec.text_field
     assert spec.hub_id is not None, f"registry entry {dataset_name!r} has neither a hub id nor a local path"
     return load_from_hub(spec.hub_id, spec.hub_config), spec.text_field

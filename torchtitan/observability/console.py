@@ -35,16 +35,18 @@ def format_duration(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}"
 
 
-def format_step_line(step: int, total: int, record: dict[str, float], eta_s: float, c: Palette = PLAIN) -> str:
+def format_step_line(step: int, total: int, record: dict[str, float | None], eta_s: float, c: Palette = PLAIN) -> str:
     """One aligned line per logged step: step/total, loss, grad norm, lr, tokens/s, MFU, memory, ETA."""
     width = len(str(total))
+    # None: the peak FLOPS was found unreliable (StepMetrics warns once why); "n/a" keeps the columns.
+    mfu = "   n/a" if record["mfu"] is None else f"{record['mfu']:5.2f}%"
     return (
         f"{c.step}step {step:>{width}}/{total}{c.reset}  "
         f"loss {c.loss}{record['loss']:8.4f}{c.reset}  "
         f"grad_norm {c.value}{record['grad_norm']:7.4f}{c.reset}  "
         f"lr {c.value}{record['lr']:.2e}{c.reset}  "
         f"tps {c.value}{record['tps']:>9,.0f}{c.reset}  "
-        f"mfu {c.value}{record['mfu']:5.2f}%{c.reset}  "
+        f"mfu {c.value}{mfu}{c.reset}  "
         f"memory {c.value}{record['memory_gib']:6.2f} GiB{c.reset}  "
         # MoE: the worst layer's max/mean tokens per expert (per layer: metrics.jsonl)
         + (

@@ -14,12 +14,14 @@ from typing import IO, Any
 
 import torch
 
-from torchtitan.observability.flops import get_peak_flops, measure_matmul_flops
+from torchtitan.observability.flops import LinearShape, PeakFlops, get_peak_flops, measure_matmul_flops
 
 __all__ = [
     "DeviceMemStats",
     "DeviceMemoryMonitor",
+    "LinearShape",
     "MetricLogger",
+    "PeakFlops",
     "build_device_memory_monitor",
     "build_metric_logger",
     "compute_mfu",
@@ -222,6 +224,7 @@ class MetricLogger:
         infinities are written as `NaN`/`Infinity`, which Python's `json` reads back. Values that
         are not numbers (e.g. per-expert load lists) go to the JSON file only; TensorBoard gets the
         numbers plus ``tb_extra`` (scalars named for TensorBoard, e.g. "moe/layers.1/imbalance").
+        None (e.g. an MFU withheld as unreliable) is written as JSON null and not sent elsewhere.
         """
         if self._jsonl_file is not None:
             self._jsonl_file.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -233,7 +236,7 @@ class MetricLogger:
                 self._tb_writer.add_scalar(name, value, step)
             self._tb_writer.flush()
         if self._wandb_run is not None:
-            self._wandb_run.log(metrics, step=step)
+            self._wandb_run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
 
     def close(self) -> None:
         if self._wandb_run is not None:

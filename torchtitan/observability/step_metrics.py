@@ -16,7 +16,7 @@ import torch
 from torchtitan.distributed.device import synchronize
 from torchtitan.dtypes import to_dtype
 from torchtitan.observability.console import build_palette, format_end_summary, format_step_line, format_validation_line
-from torchtitan.observability.flops import get_peak_flops
+from torchtitan.observability.flops import LinearShape, get_peak_flops
 from torchtitan.observability.metrics import (
     build_device_memory_monitor,
     build_metric_logger,
@@ -50,7 +50,11 @@ class StepMetrics:
             num_params, model_args.n_layers, model_args.n_heads, model_args.head_dim, config.training.seq_len
         )
         compute_dtype = to_dtype(config.training.mixed_precision_param)
-        self.peak_flops = get_peak_flops(device, compute_dtype, config.metrics.device_peak_flops)
+        tokens = config.training.batch_size * config.training.seq_len // config.experimental.context_parallel_degree
+        self.peak = get_peak_flops(
+            device, compute_dtype, config.metrics.device_peak_flops, linears=build_linear_shapes(model_args, tokens)
+        )
+        self.mfu_unreliable = False  # set once an MFU exceeds 100%: the peak is too low for every step
         self.memory = build_device_memory_monitor(device)
         self.logger = build_metric_logger(
             config.job.dump_folder,
@@ -90,7 +94,7 @@ class StepMetrics:
         *,
         lr: float,
         extra: tuple[dict[str, Any], dict[str, float]] | None = None,
-    ) -> dict[str, float]:
+    ) -> dict[str, float | None]:
         """One record: console line, metrics.jsonl, TensorBoard. ``extra``: the model family's own
         (record fields, TensorBoard scalars) for this step, from its step hooks."""
         synchronize(self.device)
@@ -104,7 +108,7 @@ class StepMetrics:
             "grad_norm": grad_norm.item(),
             "lr": lr,
             "tps": tps,
-            "mfu": compute_mfu(tps, self.flops_per_token, self.peak_flops),
+            "mfu": self._mfu(tps),
             "memory_gib": mem.max_active_gib,
             "step_time_s": elapsed / self.window_steps,
             "data_time_s": self.window_data_time / self.window_steps,
@@ -123,6 +127,28 @@ class StepMetrics:
         self.memory.reset_peak_stats()
         self._reset_window()
         return record
+
+    def _mfu(self, tps: float) -> float | None:
+        """MFU in %, or None (no MFU shown or written) from the first step whose MFU exceeds 100%.
+
+        An MFU over 100% means the peak is too low, and then every step's MFU is too high, not
+        only the ones past 100%: so MFU stays off for the rest of the run, with one warning.
+        """
+        if self.mfu_unreliable:
+            return None
+        mfu = compute_mfu(tps, self.flops_per_token, self.peak.flops)
+        if mfu <= 100.0:
+            return mfu
+        self.mfu_unreliable = True
+        if self.enabled:
+            logger.warning(
+                "MFU would be %.0f%%, above 100%%: the peak FLOPS it divides by is unreliable (%s). "
+                "MFU is not reported for the rest of this run; set metrics.device_peak_flops to this "
+                "device's peak FLOP/s for an MFU",
+                mfu,
+                self.peak.source,
+            )
+        return None
 
     def log_validation(self, step: int, record: dict[str, float]) -> None:
         self.last_validation = record["validation_loss"]
@@ -146,3 +172,13 @@ class StepMetrics:
 
     def close(self) -> None:
         self.logger.close()
+
+
+def build_linear_shapes(model_args: ModelArgs, tokens: int) -> tuple[LinearShape, ...]:
+    """The linears the CPU peak is measured on: one micro-batch's `tokens` through the model's widths.
+
+    The attention projection (dim x dim), an FFN-wide linear (dim x 4 dim) and the output projection
+    (dim x vocab), usually the largest; only fields every family's args have, so no family is named.
+    """
+    dim = model_args.dim
+    return tuple(LinearShape(tokens, dim, width) for width in (dim, 4 * dim, model_args.vocab_size))

@@ -1,0 +1,140 @@
+"""The launcher and the run lock end to end: a rank's error or crash is printed once with its rank,
+a second run on a live dump folder is refused, and killing the launcher stops its ranks.
+
+The first two launch ``tests/failing_worker.py`` (ranks that do not import torch) through
+``python -m torchtitan.launch``; the last runs the trainer through run_llama_train.sh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCH = [
+    sys.executable,
+    "-m",
+    "torchtitan.launch",
+    "--nproc_per_node=2",
+    "--rdzv_backend",
+    "c10d",
+    "--rdzv_endpoint=localhost:0",
+    "--local-ranks-filter",
+    "0",  # the user watches rank 0 only; rank 1 fails
+    "--role",
+    "rank",
+    "--tee",
+    "3",
+]
+
+
+def _launch_failing(mode: str) -> tuple[int, str]:
+    result = subprocess.run(
+        [*LAUNCH, "-m", "tests.failing_worker", mode], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    return result.returncode, result.stdout + result.stderr
+
+
+def test_a_user_error_on_rank1_is_one_line_with_its_rank():
+    code, out = _launch_failing("user_error")
+    lines = [line for line in out.splitlines() if line.startswith(("error", "crash"))]
+    assert lines == ["error (rank 1): data file 'corpus.jsonl', line 44: 'text' is null; fix or remove that row"], out
+    assert code == 2
+    # rank 0's own failure after it ("Connection closed by peer") is a consequence: not shown
+    assert "Traceback" not in out and "ChildFailedError" not in out and "Connection closed" not in out, out
+
+
+def test_a_crash_on_rank1_shows_its_traceback_once():
+    code, out = _launch_failing("crash")
+    assert code == 1
+    assert [line for line in out.splitlines() if line.startswith(("error", "crash"))] == [
+        "crash (rank 1): RuntimeError: boom"
+    ], out
+    assert out.count("Traceback (most recent call last)") == 1 and 'raise RuntimeError("boom")' in out, out
+    assert "ChildFailedError" not in out and "each rank's full output: " in out, out
+
+
+# --------------------------------------------------------------------------- the real trainer
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rpartition(")")[2].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError):
+                pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+def _train(folder: str, ngpu: int, steps: int) -> tuple[list[str], dict[str, str]]:
+    args = ["--training.steps", str(steps), "--training.seq_len", "64", "--training.batch_size", "2"]
+    env = dict(os.environ, NGPU=str(ngpu), PREFLIGHT="0", CONFIG_FILE="./train_configs/debug_model.toml")
+    return ["bash", "./run_llama_train.sh", *args, "--metrics.log_freq", "1", "--job.dump_folder", folder], env
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the ranks through /proc")
+def test_a_second_run_is_refused_and_killing_the_launcher_stops_the_ranks(tmp_path):
+    folder = str(tmp_path / "run")
+    metrics = os.path.join(folder, "metrics.jsonl")
+    cmd, env = _train(folder, ngpu=2, steps=100_000)
+    with open(tmp_path / "first.out", "w") as out:
+        first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not (os.path.isfile(metrics) and os.path.getsize(metrics)) and time.monotonic() < deadline:
+            assert first.poll() is None, (tmp_path / "first.out").read_text()[-3000:]
+            time.sleep(0.5)
+        ranks = _children(first.pid)  # run_llama_train.sh exec'd the launcher: its children are the ranks
+        assert len(ranks) == 2, ranks
+        with open(os.path.join(folder, "run.lock")) as f:
+            holder = json.load(f)
+        assert holder["host"] == socket.gethostname() and holder["pid"] in ranks
+
+        cmd2, env2 = _train(folder, ngpu=1, steps=1)
+        second = subprocess.run(cmd2, cwd=ROOT, env=env2, capture_output=True, text=True, timeout=240)
+        out2 = second.stdout + second.stderr
+        assert second.returncode == 2, out2[-3000:]
+        errors = [line for line in out2.splitlines() if line.startswith("error")]
+        assert errors == [
+            f"error (rank 0): job.dump_folder '{folder}' is in use by a run on host {socket.gethostname()} "
+            f"(pid {holder['pid']}, started {holder['started']}); wait for it, stop it, or choose another "
+            f"job.dump_folder. If that run is gone, delete {folder}/run.lock"
+        ], out2[-3000:]
+        records = open(metrics).read()
+        assert records.startswith('{"step": 1'), "the refused run wrote into the first run's metrics"
+
+        os.kill(first.pid, signal.SIGKILL)  # the launcher only: torchrun put the ranks in sessions of their own
+        first.wait()
+        deadline = time.monotonic() + 45  # 1 s to notice, then the step in flight, or 30 s at most
+        while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(r) for r in ranks), "orphaned ranks still running"
+        assert time.monotonic() < deadline
+    finally:
+        for pid in [first.pid, *ranks]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    lock = os.path.join(folder, "run.lock")
+    assert not os.path.exists(lock) or not _alive(json.load(open(lock))["pid"])  # released, or stale

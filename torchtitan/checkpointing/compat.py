@@ -1,0 +1,79 @@
+"""Does a checkpoint fit the run that loads it? The model it records must be the model being built.
+
+A marker records the model's name and its args (``model_info``). Keys and shapes are checked by DCP,
+but some changes keep both (``norm_type`` rmsnorm -> layernorm, ``rope_theta``, ``norm_eps``, the MoE
+score function): those would load and silently train another model, so every model-defining arg is
+compared. Args that only size buffers or steer training (below) may change on resume.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# May differ between the checkpoint and the run: a RoPE cache length (follows training.seq_len),
+# init-only choices, MoE balancing hyper-parameters, kernel choices with the same numbers, and the
+# estimator's assumed routing.
+NOT_MODEL_DEFINING = frozenset(
+    {
+        "max_seq_len",
+        "depth_init",
+        "load_balance",
+        "aux_loss_coeff",
+        "bias_update_rate",
+        "use_grouped_mm",
+        "balanced_routing",
+    }
+)
+# Spellings of one module (see models/llama/model.py build_norm).
+_SAME = {"fused_rmsnorm": "rmsnorm"}
+
+
+def check_model_matches(saved: dict[str, Any] | None, current: dict[str, Any], path: str) -> None:
+    """Compare a marker's ``model`` entry with this run's.
+
+    Raises:
+        ValueError: naming every model-defining arg that differs, with both values.
+    """
+    if not saved or "args" not in saved or "args" not in current:
+        return  # a marker from before model info was recorded: keys and shapes are still checked
+    diffs = []
+    if saved.get("name") != current.get("name"):
+        diffs.append(f"model.name: checkpoint {saved.get('name')!r}, config {current.get('name')!r}")
+    old, new = saved["args"], current["args"]
+    for key in sorted(set(old) | set(new)):
+        if key in NOT_MODEL_DEFINING:
+            continue
+        if _canonical(old.get(key)) != _canonical(new.get(key)):
+            diffs.append(f"{key}: checkpoint {old.get(key)!r}, config {new.get(key)!r}")
+    if diffs:
+        raise ValueError(
+            f"checkpoint {path} holds another model than the config builds ({'; '.join(diffs)}); set the "
+            "config back (model.flavor / model.norm_type / ...) to resume, or start a new run in another "
+            "job.dump_folder"
+        )
+
+
+def _canonical(value: Any) -> Any:
+    return _SAME.get(value, value) if isinstance(value, str) else value
+
+
+def warn_if_data_changed(saved: dict[str, Any] | None, current: dict[str, Any], path: str) -> list[str]:
+    """A different dataset on resume is allowed (curricula do it) but said; returns the warnings."""
+    if not saved:
+        return []
+    changed = [
+        f"training.{key}: checkpoint {saved.get(key)!r}, config {current.get(key)!r}"
+        for key in sorted(current)
+        if saved.get(key) != current.get(key)
+    ]
+    if changed:
+        logger.warning(
+            "resuming from %s with other data than it was trained on (%s); the data loader's position "
+            "is the checkpoint's, read from the new data",
+            path,
+            "; ".join(changed),
+        )
+    return changed

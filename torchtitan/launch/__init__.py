@@ -1,0 +1,12 @@
+"""Starting, owning and ending a run (see docs/reliability.md, "Errors and launching").
+
+failures.py      why a rank failed: classified (a user or storage error is one line, a bug keeps its
+                 traceback), recorded in torchelastic's per-rank error file, told once by the launcher
+launcher.py      ``python -m torchtitan.launch TORCHRUN_ARGS``: torchrun, whose failures are printed
+                 as one line per distinct error with the ranks that raised it
+run_folder.py    one live run per dump folder (``run.lock``: host and pid), a folder that cannot be
+                 written (found before launch), metrics.jsonl cut mid-line
+parent_watch.py  a rank stops when its launcher dies, so an orphaned run does not train on
+
+Nothing here imports torch at import time except launcher.py, which the ranks never import.
+"""

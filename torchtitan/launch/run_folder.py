@@ -1,0 +1,218 @@
+"""The dump folder a run owns: one live run per folder; what may stop a run from writing there.
+
+``RunLock``: rank 0 creates ``<dump_folder>/run.lock`` (``O_CREAT | O_EXCL``, so exactly one of
+two racing runs gets it) holding its host and pid (and its launcher's), before the run writes
+anything there, and removes it at exit. A second run on the folder is refused, naming the holder.
+A lock left by a run that died without removing it (SIGKILL, a power cut) is stale when its pid is
+gone on this host (or now belongs to a younger process); it is taken over with a warning. A holder
+whose launcher is gone is an orphan that stops by itself (parent_watch.py): it is waited for. A
+lock from another host cannot be checked from here: the error says which file to delete if that
+run is gone.
+
+``folder_problem``: why the folder could not be created or written (a path through a file, a
+read-only file system, no permission), found without writing: the pre-launch check.
+
+``read_json_lines``: the records of a JSON-lines file a killed run may have cut mid-line
+(metrics.jsonl on resume).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+
+from torchtitan.launch.parent_watch import GRACE_SECONDS, POLL_SECONDS, under_launcher
+
+logger = logging.getLogger(__name__)
+
+LOCK_FILE = "run.lock"
+
+
+class FolderInUseError(ValueError):
+    """Another live run holds the dump folder's lock."""
+
+
+def folder_problem(folder: str) -> str | None:
+    """Why ``folder`` could not be created or written, found without writing anything; None if none."""
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"'{existing}' is a file, not a folder; choose another path"
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        return f"'{existing}' is on a read-only file system; choose another folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"'{existing}' is not writable by this user; fix its permissions or choose another folder"
+    return None
+
+
+def read_json_lines(path: str) -> list[tuple[str, dict]]:
+    """(line, record) for each JSON-object line of a file that a killed run may have left behind.
+
+    A last line cut short (the run was killed while writing it) is dropped with a warning naming
+    the file; a bad line before it raises ValueError naming the file and line. Each returned line
+    ends with a newline, so records appended after them start on a line of their own.
+    """
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [(number, line) for number, line in enumerate(f, start=1) if line.strip()]
+    out = []
+    for number, line in lines:
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            if number < lines[-1][0]:
+                raise ValueError(
+                    f"{path}, line {number}: not a JSON record ({line.strip()[:60]!r}); fix or delete that line"
+                ) from None
+            logger.warning("%s: dropping its last line, cut short (%r)", path, line.strip()[:60])
+            continue
+        out.append((line.rstrip("\n") + "\n", record))
+    return out
+
+
+def _proc_stat(pid: int) -> list[str]:
+    """Fields 3.. of /proc/<pid>/stat (Linux): [0] the state, [19] the start time in ticks since boot."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()
+    except OSError:
+        return []
+
+
+def _process_start(pid: int) -> str | None:
+    """The process's start time (Linux), to tell a reused pid apart."""
+    fields = _proc_stat(pid)
+    return fields[19] if len(fields) > 19 else None
+
+
+def _alive(holder: dict) -> bool:
+    """Whether the process ``holder`` describes (host, pid, pid_start) still runs (decidable on its host only)."""
+    if holder.get("host") != socket.gethostname():
+        return True  # cannot tell from here
+    pid = int(holder.get("pid") or -1)
+    if pid == os.getpid():
+        return False  # a dead run's pid, reused by us (a restarted container)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, another user's
+    fields = _proc_stat(pid)
+    if fields[:1] == ["Z"]:
+        return False  # exited, not yet reaped
+    start = holder.get("pid_start")
+    return start is None or _process_start(pid) in (None, start)
+
+
+def _orphaned(holder: dict) -> bool:
+    """Whether the holder ran under a launcher that is gone (then it stops within GRACE_SECONDS)."""
+    launcher = holder.get("launcher")
+    return bool(launcher) and not _alive({"host": holder.get("host"), **launcher})
+
+
+class RunLock:
+    """``<folder>/run.lock`` while this process runs there (also as ``with RunLock(folder):``).
+
+    Raises:
+        FolderInUseError: from ``acquire``, when a live run holds the lock.
+    """
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.path = os.path.join(folder, LOCK_FILE)
+        self.me = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "pid_start": _process_start(os.getpid()),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "launcher": {"pid": os.getppid(), "pid_start": _process_start(os.getppid())} if under_launcher() else None,
+        }
+        self.held = False
+
+    def acquire(self) -> None:
+        for _ in range(3):  # a stale lock is removed, then we race for a fresh one
+            if self._create():
+                self.held = True
+                return
+            holder = self._read_holder()
+            if holder == {}:
+                continue  # released meanwhile
+            if holder is not None and _alive(holder) and not (_orphaned(holder) and self._outlive(holder)):
+                raise FolderInUseError(
+                    f"job.dump_folder '{self.folder}' is in use by a run on host {holder.get('host')} (pid "
+                    f"{holder.get('pid')}, started {holder.get('started')}); wait for it, stop it, or choose another "
+                    f"job.dump_folder. If that run is gone, delete {self.path}"
+                )
+            logger.warning(
+                "job.dump_folder %s: taking over %s from a run that is gone (%s)",
+                self.folder,
+                LOCK_FILE,
+                ", ".join(f"{k} {v}" for k, v in (holder or {"contents": "unreadable"}).items()),
+            )
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        raise FolderInUseError(f"could not take {self.path}: other runs keep creating it; is one starting now?")
+
+    def _outlive(self, holder: dict) -> bool:
+        """Wait for an orphaned holder to stop (its parent watch ends it); True once it has."""
+        wait = GRACE_SECONDS + 5 * POLL_SECONDS
+        logger.warning(
+            "job.dump_folder %s is held by pid %s, whose launcher is gone; waiting up to %.0f s for it to stop",
+            self.folder,
+            holder.get("pid"),
+            wait,
+        )
+        deadline = time.monotonic() + wait
+        while _alive(holder) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return not _alive(holder)
+
+    def _create(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.me, f)
+        return True
+
+    def _read_holder(self) -> dict | None:
+        """The holder's record; {} if the lock is gone; None if unreadable (its writer died before writing)."""
+        for attempt in range(3):
+            try:
+                with open(self.path) as f:
+                    return json.load(f)
+            except FileNotFoundError:
+                return {}
+            except (OSError, ValueError):
+                if attempt < 2:
+                    time.sleep(0.2)  # its writer may be between create and write
+        return None
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Remove the lock if it is still ours."""
+        if not self.held:
+            return
+        self.held = False
+        try:
+            with open(self.path) as f:
+                if json.load(f) != self.me:
+                    return  # taken over meanwhile (someone judged us dead); leave theirs alone
+            os.unlink(self.path)
+        except (OSError, ValueError):
+            pass
