@@ -104,7 +104,8 @@ class TrainerBuilders:
             ``end_summary``, ``close``)
         checkpointer(trainer) -> CheckpointManager-like (``load``, ``maybe_save``, ``summary``, ``close``)
         validator(trainer, tokenizer) -> Validator-like (``run``)
-    The trainer-level defaults (metrics, checkpointer, validator) are filled in by train.py.
+        guard(trainer) -> StepGuard-like (``check(step, loss, grad_norm) -> Verdict``; it syncs with the host)
+    The trainer-level defaults (metrics, checkpointer, validator, guard) are filled in by train.py.
     """
 
     mesh: Callable[..., Any] = _build_world_mesh
@@ -115,6 +116,7 @@ class TrainerBuilders:
     metrics: Callable[..., Any] | None = None
     checkpointer: Callable[..., Any] | None = None
     validator: Callable[..., Any] | None = None
+    guard: Callable[..., Any] | None = None
 
 
 def finish_model_part(

@@ -89,9 +89,7 @@ class Trainer:
         self.metrics = b.metrics(self)
         self.validator = b.validator(self, tokenizer) if config.validation.enabled else None
         self.signals = StopSignals()
-        self.guard = StepGuard(
-            config.training.on_nonfinite, config.training.max_nonfinite_skips, self.device, self.signals
-        )
+        self.guard = b.guard(self)
         self.stop_requested = False
         if rank == 0:
             logger.info("\n%s", self._start_summary(num_params))
@@ -319,8 +317,14 @@ def _build_validator(trainer: Trainer, tokenizer) -> Validator:
     )
 
 
+def _build_guard(trainer: Trainer) -> StepGuard:
+    cfg = trainer.config.training
+    return StepGuard(cfg.on_nonfinite, cfg.max_nonfinite_skips, trainer.device, trainer.signals)
+
+
 def _with_trainer_defaults(builders: TrainerBuilders) -> TrainerBuilders:
     defaults = {"metrics": _build_metrics, "checkpointer": _build_checkpointer, "validator": _build_validator}
+    defaults["guard"] = _build_guard
     return dataclasses.replace(builders, **{k: v for k, v in defaults.items() if getattr(builders, k) is None})
 
 

@@ -19,6 +19,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from torchtitan.build import TrainerBuilders
+from torchtitan.components.run_control import Verdict
 from torchtitan.datasets import build_tokenizer
 from torchtitan.spec import get_model_spec
 
@@ -110,6 +111,11 @@ class _NoCheckpoint:
         pass
 
 
+class _NoGuard:
+    def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> Verdict:
+        return Verdict(skip=False, stop=False)
+
+
 class _NoMetrics:
     def close(self) -> None:
         pass
@@ -152,6 +158,9 @@ def estimation_builders(vocab: int, *, n_layers: int | None = None) -> TrainerBu
         metrics=lambda trainer: _NoMetrics(),
         checkpointer=lambda trainer: _NoCheckpoint(),
         validator=_no_validation,
+        # The guard reads the step's flags on the host, which fake tensors cannot answer; a fake step
+        # is never non-finite and never asked to stop.
+        guard=lambda trainer: _NoGuard(),
     )
 
 
