@@ -1,13 +1,11 @@
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import pytest
 import torch
 
-from torchtitan.observability.logging import warn_once
 from torchtitan.observability.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
 
@@ -50,15 +48,13 @@ def test_profile_freq_too_small(tmp_path: Path) -> None:
             pass
 
 
-def test_memory_snapshot_off_cuda_warns_and_yields_none(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    warn_once.cache_clear()
+def test_memory_snapshot_off_cuda_is_refused(tmp_path: Path) -> None:
     kwargs = dict(snapshot_dir=str(tmp_path), profile_freq=2, device=torch.device("cpu"))
     with maybe_enable_memory_snapshot(False, **kwargs) as snapshotter:
         assert snapshotter is None
-    with caplog.at_level(logging.WARNING, logger="torchtitan.observability.profiling"):
-        with maybe_enable_memory_snapshot(True, **kwargs) as snapshotter:
-            assert snapshotter is None
-    assert "CUDA" in caplog.text
+    with pytest.raises(NotImplementedError, match="memory snapshots need a CUDA device, not 'cpu'"):
+        with maybe_enable_memory_snapshot(True, **kwargs):
+            pass
     assert list(tmp_path.iterdir()) == []
 
 

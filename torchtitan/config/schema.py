@@ -35,7 +35,9 @@ class Profiling:
     enable_profiling: bool = _f(False, "record torch.profiler traces")
     save_traces_folder: str = _f("profile_traces", "trace folder, relative to job.dump_folder")
     profile_freq: int = _f(10, "record one step every N steps")
-    enable_memory_snapshot: bool = _f(False, "dump CUDA memory snapshots (CUDA only; warns elsewhere)")
+    enable_memory_snapshot: bool = _f(
+        False, "dump CUDA memory snapshots (CUDA only; refused on a machine without CUDA)"
+    )
     save_memory_snapshot_folder: str = _f("memory_snapshot", "snapshot folder, relative to job.dump_folder")
 
 

@@ -339,10 +339,17 @@ def _check_checkpoint(config: JobConfig, world_size: int) -> None:
 def validate_config(config: JobConfig, world_size: int, *, check_paths: bool = True) -> list[str]:
     """Raise on the first problem; return warnings (settings that have no effect).
 
-    check_paths=False skips the tokenizer/dataset file checks (the memory estimator reads no files).
+    check_paths=False skips the checks of this machine: tokenizer/dataset files and CUDA for memory snapshots
+    (the memory estimator reads no files and plans for the machine the run will use).
     """
     _check_ranges(config)
     _check_not_built(config)
+    # About this machine, like the paths: the estimator plans for another one.
+    if check_paths and config.profiling.enable_memory_snapshot and not torch.cuda.is_available():
+        raise NotImplementedError(
+            "profiling.enable_memory_snapshot = true: memory snapshots are CUDA's allocator history and this "
+            "machine has no CUDA device; set it to false (profiling.enable_profiling traces CPU memory)"
+        )
     _check_memory_options(config)
     dims = ParallelDims.from_config(config, world_size)  # raises on degrees that do not fit the world size
     if dims.dp_replicate_enabled and not dims.fsdp_enabled and dims.tp_enabled:

@@ -16,8 +16,6 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
-from torchtitan.observability.logging import warn_once
-
 logger = logging.getLogger(__name__)
 
 # One warmup step lets the profiler's own start-up cost fall outside the recorded step.
@@ -154,15 +152,16 @@ def maybe_enable_memory_snapshot(
 
     Snapshots go to `<snapshot_dir>/iteration_<step>/rank<rank>_memory_snapshot.pickle`; view
     them at https://pytorch.org/memory_viz. Only CUDA has an allocator history, so on any other
-    device this warns once and yields None.
+    device it is an error (the pre-launch check refuses it first).
     """
     if not enable:
         yield None
         return
     if device.type != "cuda":
-        warn_once(logger, f"memory snapshots need a CUDA device, not '{device.type}'; skipping them")
-        yield None
-        return
+        raise NotImplementedError(
+            f"profiling.enable_memory_snapshot = true: memory snapshots need a CUDA device, not "
+            f"'{device.type}'; set it to false"
+        )
     _check_profile_freq(profile_freq, 1)
     torch.cuda.memory._record_memory_history(max_entries=_MAX_MEMORY_EVENTS, device=device)
     logger.info("memory snapshot every %d steps into %s", profile_freq, snapshot_dir)
