@@ -19,6 +19,7 @@ import time
 import pytest
 
 from tests.integration_tests import COMMON, ROOT, check_job, launch_jobs, read_metrics, run_train
+from tests.test_checkpoint_runs import complete_steps, losses
 
 pytestmark = pytest.mark.integration
 
@@ -27,14 +28,6 @@ CKPT = ["--checkpoint.enable_checkpoint"]
 # training.steps, so the SIGTERM run (1000 steps, stopped early) compares with the 6-step "saved" run.
 WARMUP = 1000
 BATCH = ["--training.batch_size", "4", "--training.warmup_steps", str(WARMUP)]
-
-
-def losses(folder: str) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(folder) if "loss" in r}
-
-
-def complete_steps(root: str) -> list[int]:
-    return sorted(int(d[5:]) for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, ".complete")))
 
 
 def job(folder: str, *args: str, expect_error: str | None = None) -> dict:
@@ -79,7 +72,7 @@ def runs(tmp_path_factory) -> dict:
     d = {name: str(base / name) for name in ("saved", "norm", "config", "rollback", "sigterm")}
     first = launch_jobs(2, [job(d["saved"], "--checkpoint.interval", "2")], str(base / "first.json"))
     check_job("saved", d["saved"], first)
-    assert complete_steps(os.path.join(d["saved"], "checkpoint")) == [2, 4, 6]
+    assert complete_steps(d["saved"]) == [2, 4, 6]
     for name in ("norm", "config", "rollback"):
         shutil.copytree(os.path.join(d["saved"], "checkpoint"), os.path.join(d[name], "checkpoint"))
     out = {"dirs": d}
@@ -99,7 +92,7 @@ def runs(tmp_path_factory) -> dict:
     wait_for(resaving_step4, proc, d["rollback"], "step-4's data written again")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    out["after_kill"] = complete_steps(os.path.join(d["rollback"], "checkpoint"))
+    out["after_kill"] = complete_steps(d["rollback"])
     out["set_aside"] = sorted(
         name for _, dirs, _ in os.walk(os.path.join(d["rollback"], "checkpoint", "set-aside")) for name in dirs
     )
@@ -111,7 +104,7 @@ def runs(tmp_path_factory) -> dict:
     os.kill(proc.pid, signal.SIGTERM)
     out["sigterm_returncode"] = proc.wait(timeout=120)
     out["sigterm_output"] = output(d["sigterm"])
-    out["sigterm_steps"] = complete_steps(os.path.join(d["sigterm"], "checkpoint"))
+    out["sigterm_steps"] = complete_steps(d["sigterm"])
     out["sigterm_losses"] = losses(d["sigterm"])
 
     last = [
@@ -146,7 +139,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     found = re.search(r"error \(ranks? [\d,]+\): step (\d+): ", out)
     assert found, out[-3000:]  # one line from the launcher, naming the ranks and the step
     bad_step = int(found.group(1))
-    steps = complete_steps(os.path.join(folder, "checkpoint"))
+    steps = complete_steps(folder)
     assert steps == [bad_step - 1], steps  # the good one before it, never a checkpoint of the bad step
     weights, marker = load_model_weights(os.path.join(folder, "checkpoint", f"step-{bad_step - 1}"))
     assert marker["step"] == bad_step - 1 and all(t.isfinite().all() for t in weights.values())
@@ -161,7 +154,7 @@ def test_rollback_keeps_a_loadable_checkpoint_through_a_kill(runs):
     assert {"step-4", "step-6"} <= set(runs["set_aside"]), runs["set_aside"]
     log = check_job("rollback resume", d["rollback"], runs["last"])
     assert "resumed from step 3" in log, log[-2000:]  # not the abandoned step-4 or step-6
-    assert complete_steps(os.path.join(d["rollback"], "checkpoint")) == [6]
+    assert complete_steps(d["rollback"]) == [6]
 
 
 def test_model_change_on_resume_is_refused(runs):
