@@ -73,6 +73,11 @@ def _one_error_line(result: subprocess.CompletedProcess, expected: str, code: in
             "training.dataset_path = './no/such/data.jsonl' does not exist",
         ),
         (["--experimental.enable_compiled_autograd"], None, "compiled autograd is not available yet"),
+        (
+            ["--float8.enable_float8_linear", "--float8.recipe_name", "mxfp8"],
+            None,
+            "float8.recipe_name = 'mxfp8': torchao 0.18's MX training",
+        ),
         (["--training.dataset", "c5"], None, "config key 'training.dataset': got 'c5' (str), expected 'pydocs' |"),
         (
             ["--profiling.enable_profiling", "--profiling.profile_freq", "1"],
@@ -95,6 +100,7 @@ def _one_error_line(result: subprocess.CompletedProcess, expected: str, code: in
         "tokenizer",
         "dataset-path",
         "not-built",
+        "float8-mxfp8",
         "unknown-dataset",
         "profile-freq",
         "dump-folder-under-a-file",

@@ -28,6 +28,7 @@ from functools import cache
 import pytest
 
 from tests.integration_tests import MOE_ROWS, ROOT, ROWS, Row, job_argv
+from tests.test_float8_runs import FLOAT8_ROWS
 from torchtitan.config.manager import JobConfig
 
 pytestmark = pytest.mark.integration
@@ -38,7 +39,7 @@ NOT_PRACTICAL = {
     "fsdp2_compile": "training.compile is not modeled (NotImplementedError)",
     "fsdp2_cpu_offload": "CPU offload is not modeled (NotImplementedError)",
 }
-ALL_ROWS = [r for r in ROWS + MOE_ROWS if r.name not in NOT_PRACTICAL]
+ALL_ROWS = [r for r in ROWS + MOE_ROWS + FLOAT8_ROWS if r.name not in NOT_PRACTICAL]
 # CI measures one row per feature (~4 minutes); every practical row takes ~15 minutes:
 # TORCHTITAN_ESTIMATION_ALL_ROWS=1 python -m pytest -s tests/test_estimation.py
 CI_ROWS = {
@@ -53,6 +54,7 @@ CI_ROWS = {
     "pp2_interleaved1f1b",
     "pp2_zbv_zero_bubble",
     "moe_fsdp2_ep2",
+    "float8_fsdp2",  # float8 all-gather buffers (1 byte per element) and precomputed scales
 }
 TRACKER_ROWS = (
     ALL_ROWS if os.environ.get("TORCHTITAN_ESTIMATION_ALL_ROWS") else [r for r in ALL_ROWS if r.name in CI_ROWS]

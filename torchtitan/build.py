@@ -23,6 +23,7 @@ from torch import nn
 
 from torchtitan.checkpointing import model_info, read_marker, save_model_weights, step_folder
 from torchtitan.checkpointing.state import ModelState
+from torchtitan.components.float8 import Float8ScalePrecompute, apply_float8, check_float8_runs
 from torchtitan.components.step import PipelineLoss, StepFunction
 from torchtitan.datasets import build_hf_data_loader, build_tokenizer, compute_stream_groups
 from torchtitan.distributed.device import get_device_info
@@ -30,7 +31,7 @@ from torchtitan.distributed.init import init_model_weights
 from torchtitan.distributed.mesh import WorldMesh
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline import PipelineParts, build_pipeline
-from torchtitan.spec import get_model_spec
+from torchtitan.spec import chain_hooks, get_model_spec
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,11 @@ class TrainerBuilders:
 def finish_model_part(
     part: nn.Module, spec: ModelSpec, config: JobConfig, world: WorldMesh, device: torch.device
 ) -> None:
-    """Parallelize a meta model (or pipeline stage), materialise it on ``device``, init from the seed."""
+    """Float8-convert (if asked), parallelize a meta model (or pipeline stage), materialise it on ``device``, init
+    from the seed. The float8 conversion comes first: TP picks float8 styles for converted linears."""
+    if config.float8.enable_float8_linear:
+        check_float8_runs(device)
+        apply_float8(part, config.float8)
     spec.parallelize_fn(part, world.mesh, world.dims, config)
     # With FSDP CPU offload the sharded parameters live in CPU memory; FSDP copies them to the
     # device for each block's compute. Buffers (the RoPE table) stay on the device.
@@ -187,6 +192,8 @@ def build_step_function(
     hooks = None
     if spec.build_step_hooks is not None:
         hooks = spec.build_step_hooks(model_args, whole, parts, world, device)
+    if config.float8.precompute_float8_dynamic_scale_for_fsdp:
+        hooks = chain_hooks(hooks, Float8ScalePrecompute(parts))
     return StepFunction(
         parts,
         world=world,

@@ -75,6 +75,36 @@ class StepHooks(Protocol):
         """(record fields, TensorBoard scalars) of the last log step, or None."""
 
 
+class HookChain:
+    """Several ``StepHooks`` as one (the family's and, e.g., float8's), called in order."""
+
+    def __init__(self, hooks: list[StepHooks]):
+        self.hooks = hooks
+
+    def aux_loss(self, model_part: nn.Module, scale: float) -> torch.Tensor | None:
+        terms = [t for t in (h.aux_loss(model_part, scale) for h in self.hooks) if t is not None]
+        return sum(terms[1:], terms[0]) if terms else None
+
+    def after_optimizer_step(self, *, keep_metrics: bool) -> None:
+        for h in self.hooks:
+            h.after_optimizer_step(keep_metrics=keep_metrics)
+
+    def discard_step(self) -> None:
+        for h in self.hooks:
+            h.discard_step()
+
+    def metrics(self) -> tuple[dict[str, Any], dict[str, float]] | None:
+        found = [m for m in (h.metrics() for h in self.hooks) if m is not None]
+        if not found:
+            return None
+        return {k: v for fields, _ in found for k, v in fields.items()}, {k: v for _, s in found for k, v in s.items()}
+
+
+def chain_hooks(*hooks: StepHooks | None) -> StepHooks | None:
+    present = [h for h in hooks if h is not None]
+    return None if not present else present[0] if len(present) == 1 else HookChain(present)
+
+
 def count_non_embedding_params(args: Any, model: nn.Module) -> int:
     """Global (unsharded) parameter count without the embedding table: what the matmuls touch."""
     total = sum(p.numel() for p in model.parameters())

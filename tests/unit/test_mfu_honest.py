@@ -173,3 +173,35 @@ def test_bf16_peak_is_not_below_what_a_model_linear_reaches(onednn: bool) -> Non
             peak = max(peak, measure_matmul_flops(CPU, torch.bfloat16, (shape,), budget_s=0.1))
             achieved = max(achieved, _achieved_linear_flops(shape, torch.bfloat16))
     assert peak >= 0.25 * achieved, f"peak {peak / 1e9:.2f} vs model linear {achieved / 1e9:.2f} GFLOP/s"
+
+
+def test_float8_run_divides_by_the_bf16_peak_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Same denominator as the bf16 run (not H100's float8 1979 TFLOP/s), so the two MFUs compare.
+    monkeypatch.setattr(flops, "_get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    cuda = torch.device("cuda", 0)
+    float8 = get_peak_flops(cuda, torch.bfloat16, float8=True)
+    assert float8.flops == get_peak_flops(cuda, torch.bfloat16).flops == 989e12
+    assert float8.source == "datasheet table: H100 bf16, vs bf16 peak (float8 run)"
+    # A user's override is the user's denominator: used as given, still named a float8 run.
+    override = get_peak_flops(cuda, torch.bfloat16, override=2e15, float8=True)
+    assert override.flops == 2e15 and override.source == "metrics.device_peak_flops = 2e+15 (float8 run: used as given)"
+
+
+def test_float8_step_metrics_mfu_equals_bf16_and_the_log_labels_it(
+    tmp_path: Path, cache_home: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(flops, "measure_matmul_flops", lambda device, dtype, linears: 1e12)
+    bf16 = ("--training.mixed_precision_param", "bfloat16")
+    with caplog.at_level(logging.INFO, logger="torchtitan.observability.step_metrics"):
+        plain = _build_metrics(tmp_path / "bf16", *bf16)
+        fp8 = _build_metrics(tmp_path / "float8", *bf16, "--float8.enable_float8_linear")
+    assert fp8.peak.flops == plain.peak.flops
+    assert fp8.peak.source.endswith(", vs bf16 peak (float8 run)") and "(float8 run)" not in plain.peak.source
+    labels = [r.getMessage() for r in caplog.records if "float8 run" in r.getMessage()]
+    assert len(labels) == 1 and "vs bf16 peak (float8 run)" in labels[0]  # once, for the float8 run only
+    for metrics in (plain, fp8):
+        metrics.flops_per_token = 1e12 / TOKENS / 4
+    records = [_log_one_second_window(m, 1) for m in (plain, fp8)]
+    plain.close()
+    fp8.close()
+    assert records[0]["mfu"] == pytest.approx(records[1]["mfu"], rel=0.05) == pytest.approx(25.0, rel=0.05)

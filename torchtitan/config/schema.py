@@ -228,13 +228,29 @@ class ActivationCheckpoint:
 
 @dataclass
 class Float8:
-    enable_float8_linear: bool = _f(False, "float8 linears (needs a supporting GPU; no effect here)")
-    enable_fsdp_float8_all_gather: bool = _f(False, "float8 FSDP all-gather (needs float8 linears)")
-    precompute_float8_dynamic_scale_for_fsdp: bool = _f(False, "precompute float8 scales for FSDP")
-    force_recompute_fp8_weight_in_bwd: bool = _f(False, "recompute the float8 weight in backward")
-    scaling_type_input: Literal["dynamic", "delayed"] = _f("dynamic", "float8 scaling of inputs")
-    scaling_type_weight: Literal["dynamic", "delayed"] = _f("dynamic", "float8 scaling of weights")
-    scaling_type_grad_output: Literal["dynamic", "delayed"] = _f("dynamic", "float8 scaling of output grads")
+    enable_float8_linear: bool = _f(
+        False,
+        "train the model's linears in float8 with torchao (the output head and linears whose dims are not "
+        "multiples of 16 stay in high precision); refused where this torch/device cannot run float8 GEMMs",
+    )
+    recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8"] = _f(
+        "tensorwise",
+        "scaling: 'tensorwise' (one scale per tensor; composes with float8 FSDP all-gather and float8 TP), "
+        "'rowwise' (one per row), 'rowwise_with_gw_hp' (rowwise, weight grad in high precision); 'mxfp8' is refused",
+    )
+    filter_fqns: list[str] = _f([], "modules kept in high precision: a linear whose name contains one of these")
+    enable_fsdp_float8_all_gather: bool = _f(
+        False, "FSDP all-gathers the weights in float8 (tensorwise only; needs data_parallel_shard_degree > 1)"
+    )
+    precompute_float8_dynamic_scale_for_fsdp: bool = _f(
+        False, "one all-reduce after each optimizer step computes every weight's float8 scale (needs the above)"
+    )
+    force_recompute_fp8_weight_in_bwd: bool = _f(
+        False, "recast the weight to float8 in backward instead of saving it (less memory; tensorwise only)"
+    )
+    scaling_type_input: Literal["dynamic", "delayed"] = _f("dynamic", "torchtitan's older key: only 'dynamic'")
+    scaling_type_weight: Literal["dynamic", "delayed"] = _f("dynamic", "torchtitan's older key: only 'dynamic'")
+    scaling_type_grad_output: Literal["dynamic", "delayed"] = _f("dynamic", "torchtitan's older key: only 'dynamic'")
 
 
 @dataclass

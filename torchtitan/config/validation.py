@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from torchtitan.components.float8 import TORCHAO_PIN, check_float8_config
 from torchtitan.config.errors import ConfigError
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_layout import resolve_stage_layout, validate_microbatches
@@ -253,8 +254,6 @@ def _check_paths(config: JobConfig) -> None:
 
 def _warnings(config: JobConfig, world_size: int) -> list[str]:
     out = []
-    if config.float8.enable_float8_linear:
-        out.append("float8.enable_float8_linear has no effect without a GPU that supports float8 (ignored)")
     if not config.training.enable_loss_parallel and config.training.tensor_parallel_degree == 1:
         out.append("training.enable_loss_parallel = false has no effect without tensor parallel")
     t = config.training
@@ -356,6 +355,15 @@ def validate_config(config: JobConfig, world_size: int, *, check_paths: bool = T
         raise NotImplementedError(
             "DDP (data_parallel_replicate_degree > 1, data_parallel_shard_degree = 1) with tensor parallel "
             "is not supported; use HSDP (data_parallel_shard_degree > 1) or FSDP with TP"
+        )
+    exp = config.experimental
+    ring = dims.tp_enabled and exp.enable_async_tensor_parallel and exp.async_tensor_parallel_impl != "compiler"
+    check_float8_config(
+        config.float8, fsdp_enabled=dims.fsdp_enabled, ring_async_tp=ring and not config.training.compile
+    )
+    if check_paths and config.float8.enable_float8_linear and importlib.util.find_spec("torchao") is None:
+        raise NotImplementedError(
+            f"float8.enable_float8_linear = true needs torchao, which is not installed; pip install {TORCHAO_PIN}"
         )
     _check_model(config)
     if check_paths:

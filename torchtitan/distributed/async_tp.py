@@ -40,17 +40,23 @@ Under autocast the inputs are cast to the autocast dtype before the ring (so chu
 the compute dtype) and the ring runs with autocast off, so its backward sees one dtype. The ring
 code is eager Python with P2P ops; it has not been tried under torch.compile.
 
-Instrumentation: ``with record_events() as events:`` collects ``(kind, step)`` tuples in program
-order: ``("all_gather", tp)`` / ``("reduce_scatter", tp)`` when a ring starts, then per step
-``("comm_issued", s)``, ``("mm_start", s)``, ``("mm_end", s)``, ``("comm_waited", s)``, where a
-comm is labelled with the step whose matmul it overlaps. Off by default; then each record is one
-``None`` check.
+Float8: a linear converted to torchao's ``Float8Linear`` runs every GEMM of both rings in float8
+(``torch._scaled_mm``), following the module's own ``config`` (tensorwise recipe; rowwise and the
+other axiswise recipes raise NotImplementedError when the style is applied). The input, weight
+and output gradient are each cast ONCE with a scale agreed over the TP group (an amax
+all-reduce, as torchao's sync float8 TP styles get from DTensor), so the ring moves the float8
+bytes (half of bf16, a quarter of fp32) and every chunk has the scale sync float8 TP would use.
+The reduce-scatters sum high-precision partial products, as sync float8 TP does. Backward keeps
+the float8 copies (the gathered input saved for backward is float8). Activation checkpointing
+recomputes the same values; under autocast the operands are cast to the autocast dtype first.
+Casts and GEMMs are in ``async_tp_float8``; the ring's point-to-point plumbing and its
+instrumentation (``record_events``) in ``async_tp_ring``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import sys
 from functools import partial
 
 import torch
@@ -62,103 +68,11 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.utils.weak import WeakIdKeyDictionary
 
+from torchtitan.distributed.async_tp_ring import Ring, record_events, ring_all_gather, ring_reduce_scatter
+
 __all__ = ["AsyncColwiseParallel", "AsyncRowwiseParallel", "record_events"]
 
 _SEQ_DIM = 1
-_events: list[tuple[str, int]] | None = None  # the active recorder's list; None = recording off
-
-
-@contextlib.contextmanager
-def record_events() -> Iterator[list[tuple[str, int]]]:
-    """Record the ring schedule's ``(kind, step)`` events of this process while the block runs."""
-    global _events
-    previous, events = _events, []
-    _events = events
-    try:
-        yield events
-    finally:
-        _events = previous
-
-
-def _record(kind: str, step: int) -> None:
-    if _events is not None:
-        _events.append((kind, step))
-
-
-class _Ring:
-    """This rank's neighbours in the TP group, ordered by group rank."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-        self.size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        # P2POp takes global ranks; the TP group is usually a strided subset of the world.
-        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
-        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
-
-    def shift(self, send: Tensor, recv: Tensor, step: int) -> tuple[list, Tensor]:
-        """Start sending ``send`` to the next rank and receiving ``recv`` from the previous one."""
-        works = dist.batch_isend_irecv(
-            [
-                dist.P2POp(dist.isend, send, self.next, self.group),
-                dist.P2POp(dist.irecv, recv, self.prev, self.group),
-            ]
-        )
-        _record("comm_issued", step)
-        return works, send  # the caller keeps ``send`` alive until the wait
-
-    @staticmethod
-    def wait(pending: tuple[list, Tensor], step: int) -> None:
-        for work in pending[0]:
-            work.wait()
-        _record("comm_waited", step)
-
-
-def _ring_all_gather(ring: _Ring, local: Tensor, compute: Callable[[int, Tensor], None]) -> list[Tensor]:
-    """All-gather ``local`` chunks; ``compute(c, chunk_c)`` runs while the next chunk is in flight.
-
-    Returns the chunks indexed by the group rank that owns them.
-    """
-    _record("all_gather", ring.size)
-    chunks: list[Tensor | None] = [None] * ring.size
-    current, owner = local.contiguous(), ring.rank
-    for step in range(ring.size):
-        chunks[owner] = current
-        pending, incoming = None, None
-        if step < ring.size - 1:
-            incoming = torch.empty_like(current)
-            pending = ring.shift(current, incoming, step)
-        _record("mm_start", step)
-        compute(owner, current)
-        _record("mm_end", step)
-        if pending is not None:
-            ring.wait(pending, step)
-            current, owner = incoming, (owner - 1) % ring.size
-    return chunks  # type: ignore[return-value]
-
-
-def _ring_reduce_scatter(ring: _Ring, partial_for: Callable[[int], Tensor]) -> Tensor:
-    """Sum over ranks of ``partial_for(c)`` for ``c`` = this rank's chunk.
-
-    ``partial_for`` must return a fresh contiguous tensor (it is summed into in place and sent).
-    The partial of the next destination is computed while the running sum of the previous one
-    moves one hop along the ring.
-    """
-    _record("reduce_scatter", ring.size)
-    pending, incoming = None, None
-    for step in range(ring.size):
-        dest = (ring.rank - step - 1) % ring.size  # the last step (dest == rank) keeps the sum
-        _record("mm_start", step)
-        total = partial_for(dest)
-        _record("mm_end", step)
-        if pending is not None:
-            ring.wait(pending, step)
-            total.add_(incoming)
-        if step == ring.size - 1:
-            return total
-        incoming = torch.empty_like(total)
-        pending = ring.shift(total, incoming, step + 1)
-    raise AssertionError("unreachable: the ring has at least one step")
 
 
 def _seq_slice(chunk: int, chunk_len: int) -> slice:
@@ -169,20 +83,77 @@ def _rows(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1])  # (bs * seq, features)
 
 
+def _zeros_like(weight: Tensor) -> Tensor:
+    # not torch.zeros_like: a float8 weight (Float8TrainingTensor) has no such op
+    return torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
+
+
+class _Gemms:
+    """The ring's casts, transfers and GEMMs in the operands' own precision (what nn.Linear does).
+
+    ``async_tp_float8.Float8Gemms`` has the same methods in float8; the ring code calls only these.
+    ``role`` is "input", "weight" or "grad_output".
+    """
+
+    float8 = False
+
+    def cast(self, t: Tensor, role: str) -> Tensor:
+        return t
+
+    def to_wire(self, t: Tensor) -> Tensor:
+        return t
+
+    def from_wire(self, wire: Tensor, like: Tensor) -> Tensor:
+        return wire
+
+    def seq_chunk(self, t: Tensor, sl: slice) -> Tensor:
+        return t[:, sl]
+
+    def linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        return F.linear(x, weight)
+
+    def grad_input(self, grad_y: Tensor, weight: Tensor) -> Tensor:
+        return torch.matmul(grad_y, weight)
+
+    def add_grad_weight(self, grad_w: Tensor, grad_y: Tensor, x: Tensor) -> None:
+        grad_w.addmm_(_rows(grad_y).t(), _rows(x))
+
+    def shared_linear(self, x_full: Tensor, weight: Tensor) -> Tensor:
+        return F.linear(x_full, weight)
+
+    def output(self, y: Tensor) -> Tensor:
+        return y
+
+
+def _gemms_for(module: nn.Module, mesh: DeviceMesh, style: str) -> _Gemms:
+    """Float8 GEMMs for a torchao ``Float8Linear`` (raises on a recipe the ring cannot run), else plain."""
+    # Read from sys.modules, not imported: a module can only be a Float8Linear once torchao is loaded,
+    # and importing torchao costs seconds.
+    float8_linear = sys.modules.get("torchao.float8.float8_linear")
+    if float8_linear is None or not isinstance(module, float8_linear.Float8Linear):
+        return _Gemms()
+    from torchtitan.distributed.async_tp_float8 import Float8Gemms, check_ring_float8
+
+    check_ring_float8(module, style)
+    return Float8Gemms(module, mesh)  # type: ignore[return-value]
+
+
 class _AllGatherMatmul(torch.autograd.Function):
     """(x_local, W) -> (x_full @ W^T, x_full); backward is a ring matmul + reduce-scatter."""
 
     @staticmethod
-    def forward(ctx, x_local: Tensor, weight: Tensor, ring: _Ring) -> tuple[Tensor, Tensor]:
+    def forward(ctx, x_local: Tensor, weight: Tensor, ring: Ring, gemms: _Gemms) -> tuple[Tensor, Tensor]:
         # x_local (bs, seq/tp, in), weight (out/tp, in)
+        x_local, weight = gemms.cast(x_local, "input"), gemms.cast(weight, "weight")
         y_chunks: list[Tensor | None] = [None] * ring.size
 
         def matmul(owner: int, chunk: Tensor) -> None:
-            y_chunks[owner] = F.linear(chunk, weight)  # (bs, seq/tp, out/tp)
+            y_chunks[owner] = gemms.linear(gemms.from_wire(chunk, x_local), weight)  # (bs, seq/tp, out/tp)
 
-        x_full = torch.cat(_ring_all_gather(ring, x_local, matmul), dim=_SEQ_DIM)  # (bs, seq, in)
+        wire = torch.cat(ring_all_gather(ring, gemms.to_wire(x_local), matmul), dim=_SEQ_DIM)
+        x_full = gemms.from_wire(wire, x_local)  # (bs, seq, in)
         ctx.save_for_backward(x_full, weight)
-        ctx.ring = ring
+        ctx.ring, ctx.gemms = ring, gemms
         # None grads mean "this output was unused": skip its term instead of adding zeros.
         ctx.set_materialize_grads(False)
         return torch.cat(y_chunks, dim=_SEQ_DIM), x_full  # type: ignore[arg-type]
@@ -191,61 +162,65 @@ class _AllGatherMatmul(torch.autograd.Function):
     def backward(ctx, grad_y: Tensor | None, grad_gathered: Tensor | None):
         x_full, weight = ctx.saved_tensors
         if grad_y is None and grad_gathered is None:
-            return None, None, None
-        ring: _Ring = ctx.ring
+            return None, None, None, None
+        ring, gemms = ctx.ring, ctx.gemms
         chunk_len = x_full.shape[_SEQ_DIM] // ring.size
-        grad_w = torch.zeros_like(weight) if grad_y is not None and ctx.needs_input_grad[1] else None
+        grad_w = _zeros_like(weight) if grad_y is not None and ctx.needs_input_grad[1] else None
+        grad_y = None if grad_y is None else gemms.cast(grad_y, "grad_output")
 
         def partial_grad(dest: int) -> Tensor:
             # grad of x_full's chunk ``dest``: grad_y @ W (this rank's columns) + the sharers' grads
             sl = _seq_slice(dest, chunk_len)
             if grad_y is None:
                 return grad_gathered[:, sl].clone(memory_format=torch.contiguous_format)
-            gy = grad_y[:, sl]  # (bs, seq/tp, out/tp)
+            gy = gemms.seq_chunk(grad_y, sl)  # (bs, seq/tp, out/tp)
             if grad_w is not None:
-                grad_w.addmm_(_rows(gy).t(), _rows(x_full[:, sl]))
-            total = torch.matmul(gy, weight)  # (bs, seq/tp, in), fresh
+                gemms.add_grad_weight(grad_w, gy, gemms.seq_chunk(x_full, sl))
+            total = gemms.grad_input(gy, weight)  # (bs, seq/tp, in), fresh
             return total if grad_gathered is None else total.add_(grad_gathered[:, sl])
 
         if not ctx.needs_input_grad[0]:  # nothing to reduce-scatter; W's grad in one matmul
             if grad_w is not None:
-                grad_w.addmm_(_rows(grad_y).t(), _rows(x_full))
-            return None, grad_w, None
-        return _ring_reduce_scatter(ring, partial_grad), grad_w, None
+                gemms.add_grad_weight(grad_w, grad_y, x_full)
+            return None, grad_w, None, None
+        return ring_reduce_scatter(ring, partial_grad), grad_w, None, None
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
     """(x, W) -> reduce_scatter_seq(x @ W^T); backward is a ring all-gather + matmul."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, ring: _Ring) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, ring: Ring, gemms: _Gemms) -> Tensor:
         # x (bs, seq, in/tp), weight (out, in/tp)
+        x, weight = gemms.cast(x, "input"), gemms.cast(weight, "weight")
         chunk_len = x.shape[_SEQ_DIM] // ring.size
 
         def partial_out(dest: int) -> Tensor:
-            return F.linear(x[:, _seq_slice(dest, chunk_len)], weight).contiguous()  # (bs, seq/tp, out)
+            return gemms.linear(gemms.seq_chunk(x, _seq_slice(dest, chunk_len)), weight).contiguous()
 
         ctx.save_for_backward(x, weight)
-        ctx.ring = ring
-        return _ring_reduce_scatter(ring, partial_out)  # (bs, seq/tp, out)
+        ctx.ring, ctx.gemms = ring, gemms
+        return ring_reduce_scatter(ring, partial_out)  # (bs, seq/tp, out)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         x, weight = ctx.saved_tensors
-        ring: _Ring = ctx.ring
+        ring, gemms = ctx.ring, ctx.gemms
         chunk_len = x.shape[_SEQ_DIM] // ring.size
         grad_x_chunks: list[Tensor | None] = [None] * ring.size
-        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        grad_w = _zeros_like(weight) if ctx.needs_input_grad[1] else None
+        grad_out = gemms.cast(grad_out, "grad_output")
 
-        def matmul(owner: int, g: Tensor) -> None:  # g (bs, seq/tp, out) of chunk ``owner``
+        def matmul(owner: int, wire: Tensor) -> None:  # the grad (bs, seq/tp, out) of chunk ``owner``
+            g = gemms.from_wire(wire, grad_out)
             if ctx.needs_input_grad[0]:
-                grad_x_chunks[owner] = torch.matmul(g, weight)  # (bs, seq/tp, in/tp)
+                grad_x_chunks[owner] = gemms.grad_input(g, weight)  # (bs, seq/tp, in/tp)
             if grad_w is not None:
-                grad_w.addmm_(_rows(g).t(), _rows(x[:, _seq_slice(owner, chunk_len)]))
+                gemms.add_grad_weight(grad_w, g, gemms.seq_chunk(x, _seq_slice(owner, chunk_len)))
 
-        _ring_all_gather(ring, grad_out, matmul)
+        ring_all_gather(ring, gemms.to_wire(grad_out), matmul)
         grad_x = torch.cat(grad_x_chunks, dim=_SEQ_DIM) if ctx.needs_input_grad[0] else None  # type: ignore[arg-type]
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
 class _SumGradOverRanks(torch.autograd.Function):
@@ -288,7 +263,7 @@ def _check_target(module: nn.Module, mesh: DeviceMesh, style: str) -> None:
         raise ValueError(f"{style} needs the 1-D tp mesh, got a {mesh.ndim}-D mesh; pass mesh['tp']")
 
 
-def _check_seq(seq_len: int, ring: _Ring, style: str) -> None:
+def _check_seq(seq_len: int, ring: Ring, style: str) -> None:
     if seq_len % ring.size != 0:
         raise ValueError(
             f"{style}: seq_len ({seq_len}) must be divisible by the tensor parallel degree "
@@ -322,29 +297,31 @@ class AsyncColwiseParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_target(module, device_mesh, type(self).__name__)
+        gemms = _gemms_for(module, device_mesh, type(self).__name__)
         _shard_params(module, device_mesh, {"weight": Shard(0), "bias": Shard(0)}, self.src_data_rank)
-        ring = _Ring(device_mesh.get_group())
-        module.forward = partial(self._forward, module, ring)  # type: ignore[method-assign]
+        ring = Ring(device_mesh.get_group())
+        module.forward = partial(self._forward, module, ring, gemms)  # type: ignore[method-assign]
         return module
 
-    def _forward(self, module: nn.Linear, ring: _Ring, x: Tensor) -> Tensor:
+    def _forward(self, module: nn.Linear, ring: Ring, gemms: _Gemms, x: Tensor) -> Tensor:
         weight = module.weight.to_local()  # (out/tp, in); its grad lands on the Shard(0) DTensor
-        # A cached gather is valid only for the same input contents and grad mode.
-        stamp = (x._version, torch.is_grad_enabled())
+        # A cached gather is valid only for the same input contents, grad mode and precision (a
+        # float8 gather is shared by float8 linears only; a mixed group gathers once per switch).
+        stamp = (x._version, torch.is_grad_enabled(), gemms.float8)
         cached = self._gathered.get(x)
         if cached is None or cached[0] != stamp:
             no_autocast, (x_local, weight) = _autocast_off(self._local_shard(x, ring), weight)
             with no_autocast:
-                y, x_full = _AllGatherMatmul.apply(x_local, weight, ring)
+                y, x_full = _AllGatherMatmul.apply(x_local, weight, ring, gemms)
             self._gathered[x] = (stamp, x_full)
         else:
             x_full = cached[1]
-            y = F.linear(x_full, weight)  # a sharer: its grad w.r.t. x_full joins the one ring
+            y = gemms.shared_linear(x_full, weight)  # a sharer: its grad w.r.t. x_full joins the one ring
         if module.bias is not None:
             y = y + module.bias.to_local().to(y.dtype)
-        return y  # (bs, seq, out/tp)
+        return gemms.output(y)  # (bs, seq, out/tp)
 
-    def _local_shard(self, x: Tensor, ring: _Ring) -> Tensor:
+    def _local_shard(self, x: Tensor, ring: Ring) -> Tensor:
         if isinstance(x, DTensor):
             if tuple(x.placements) != (Shard(_SEQ_DIM),):
                 raise ValueError(
@@ -370,12 +347,13 @@ class AsyncRowwiseParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_target(module, device_mesh, type(self).__name__)
+        gemms = _gemms_for(module, device_mesh, type(self).__name__)
         _shard_params(module, device_mesh, {"weight": Shard(1), "bias": Replicate()}, self.src_data_rank)
-        ring = _Ring(device_mesh.get_group())
-        module.forward = partial(self._forward, module, ring)  # type: ignore[method-assign]
+        ring = Ring(device_mesh.get_group())
+        module.forward = partial(self._forward, module, ring, gemms)  # type: ignore[method-assign]
         return module
 
-    def _forward(self, module: nn.Linear, ring: _Ring, x: Tensor) -> Tensor:
+    def _forward(self, module: nn.Linear, ring: Ring, gemms: _Gemms, x: Tensor) -> Tensor:
         if isinstance(x, DTensor):
             if tuple(x.placements) not in ((Shard(x.ndim - 1),), (Shard(-1),)):
                 raise ValueError(f"{type(self).__name__} expects a last-dim-sharded input, got {x.placements}")
@@ -383,10 +361,10 @@ class AsyncRowwiseParallel(ParallelStyle):
         _check_seq(x.shape[_SEQ_DIM], ring, type(self).__name__)
         no_autocast, (x, weight) = _autocast_off(x, module.weight.to_local())
         with no_autocast:
-            out = _MatmulReduceScatter.apply(x, weight, ring)  # (bs, seq/tp, out)
-        if module.bias is None:
-            return out
-        return out + _SumGradOverRanks.apply(module.bias.to_local(), ring.group).to(out.dtype)
+            out = _MatmulReduceScatter.apply(x, weight, ring, gemms)  # (bs, seq/tp, out)
+        if module.bias is not None:
+            out = out + _SumGradOverRanks.apply(module.bias.to_local(), ring.group).to(out.dtype)
+        return gemms.output(out)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -127,10 +127,36 @@ def parallelize(
 
 def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, parallel_dims: ParallelDims, config: JobConfig) -> None:
     async_tp = resolve_async_tp(config, tp_mesh.device_type)
-    apply_tp(model, tp_mesh, loss_parallel=parallel_dims.loss_parallel_enabled, ring_async=async_tp == "ring")
+    apply_tp(
+        model,
+        tp_mesh,
+        loss_parallel=parallel_dims.loss_parallel_enabled,
+        ring_async=async_tp == "ring",
+        float8=_float8_tp_styles(config, tp_mesh),
+    )
     if async_tp == "compiler":
         enable_compiler_async_tp(tp_mesh)
     logger.info("applied tensor parallel over %d ranks (async: %s)", parallel_dims.tp, async_tp or "off")
+
+
+def _float8_tp_styles(config: JobConfig, tp_mesh: DeviceMesh) -> bool:
+    """Whether TP uses torchao's float8 styles (all-gathers in float8): tensorwise linears, a float8-capable backend.
+
+    Rowwise-scaled linears take the plain styles (torchao's float8 styles are tensorwise); gloo has no
+    float8 dtypes, so there the all-gathers move high precision and the GEMMs are still float8.
+    """
+    f8 = config.float8
+    if not f8.enable_float8_linear or f8.recipe_name != "tensorwise":
+        return False
+    backend = torch.distributed.get_backend(tp_mesh.get_group())
+    if backend == "gloo":
+        logger.info(
+            "float8 with TP on gloo: its collectives have no float8 dtypes, so TP's all-gathers move %s "
+            "(the GEMMs are float8); on NCCL torchao's float8 styles all-gather float8",
+            config.training.mixed_precision_param,
+        )
+        return False
+    return True
 
 
 def _apply_cp(model: nn.Module, cp_mesh: DeviceMesh, parallel_dims: ParallelDims, config: JobConfig) -> None:

@@ -52,22 +52,47 @@ def top_level_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
     }
 
 
-def block_plan() -> dict[str, ParallelStyle]:
-    """Synchronous TP + SP for one transformer block."""
+def block_plan(float8: bool = False) -> dict[str, ParallelStyle]:
+    """Synchronous TP + SP for one transformer block.
+
+    float8: the block's linears are torchao ``Float8Linear`` (tensorwise): torchao's float8 styles
+    cast the attention / FFN input to float8 *before* the sequence all-gather (half the bytes of
+    bf16) and the row-parallel output gradients before theirs.
+    """
+    colwise, rowwise, prepare_input = _styles(float8)
     return {
         "attention_norm": SequenceParallel(),
         # rope (the second input) is a plain per-position table, the same on every rank.
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "attention": prepare_input(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        "attention.wq": colwise(),
+        "attention.wk": colwise(),
+        "attention.wv": colwise(),
+        "attention.wo": rowwise(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward": prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": colwise(),
+        "feed_forward.w2": rowwise(output_layouts=Shard(1)),
+        "feed_forward.w3": colwise(),
     }
+
+
+def _styles(float8: bool) -> tuple[type, type, type]:
+    if not float8:
+        return ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+
+def _all_float8(block: nn.Module, names: list[str]) -> bool:
+    """Whether every linear the plan names is a torchao Float8Linear (a filtered one keeps the plain styles)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    return all(isinstance(block.get_submodule(n), Float8Linear) for n in names)
 
 
 class TokenShardedReplicate(ParallelStyle):
@@ -125,8 +150,14 @@ def async_block_plan() -> dict[str, ParallelStyle]:
     }
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, ring_async: bool) -> None:
-    """Shard ``model`` in place over ``tp_mesh``. Submodules a pipeline stage dropped (None) are skipped."""
+def apply_tp(
+    model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, ring_async: bool, float8: bool = False
+) -> None:
+    """Shard ``model`` in place over ``tp_mesh``. Submodules a pipeline stage dropped (None) are skipped.
+
+    float8: use torchao's float8 styles in blocks whose linears were all converted (tensorwise
+    recipe); the embedding and the output head stay in high precision and keep the plain styles.
+    """
     plan = {k: v for k, v in top_level_plan(loss_parallel).items() if getattr(model, k, None) is not None}
     parallelize_module(model, tp_mesh, plan)
     for block in model.layers.values():
@@ -137,6 +168,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, ring
                     "block; turn async TP off"
                 )
             plan = moe_block_plan(has_shared_expert=block.feed_forward.shared_expert is not None)
+        elif ring_async:
+            plan = async_block_plan()
         else:
-            plan = async_block_plan() if ring_async else block_plan()
+            linears = [k for k in block_plan() if k.count(".") == 1]
+            plan = block_plan(float8=float8 and _all_float8(block, linears))
         parallelize_module(block, tp_mesh, plan)

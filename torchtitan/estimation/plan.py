@@ -16,6 +16,11 @@ Throughput model (a ranking aid, not a prediction; see docs/estimation.md). Per 
 * exposed communication = TP and CP traffic (on the critical path) / link bandwidth, plus the
   part of FSDP/HSDP/DDP traffic that the compute cannot hide (max(0, dp_time - compute));
 * pipeline bubble: compute x (pp - 1) / micro-batches (1F1B/GPipe family).
+* float8 (``float8.enable_float8_linear``, the memory side is the estimator's: float8 all-gather
+  buffers and scales): the 6 x parameters part runs at ``FLOAT8_GEMM_SPEEDUP`` x the bf16 rate
+  (the datasheets' dense float8 peak is 2x bf16 on Hopper/Ada; the casts and the high-precision
+  output head keep the gain below that), and with ``enable_fsdp_float8_all_gather`` the two FSDP
+  all-gathers move 1 byte per parameter.
 An axis's traffic uses the intra-node bandwidth when the ranks it spans (TP innermost, then CP,
 dp_shard, dp_replicate, pp outermost) fit in one node of ``gpus_per_node``, else inter-node.
 """
@@ -40,6 +45,7 @@ GIB = 2**30
 MODEL_EFFICIENCY = 0.5  # achievable fraction of peak FLOP/s for large matmuls
 OP_AC_RECOMPUTE = 1.1  # selective op AC recomputes the cheap ops, not the matmuls and attention
 AC_MODES = ("none", "op", "full")
+FLOAT8_GEMM_SPEEDUP = 1.5  # of the linears' matmuls, vs bf16 (torchtitan's Llama 3.1 8B: +28% end to end)
 _AC_COMPUTE = {"none": 1.0, "op": OP_AC_RECOMPUTE, "full": 4 / 3}
 
 
@@ -177,6 +183,10 @@ def throughput(args, layout: Layout, config, global_batch: int, world_size: int,
     seq, bytes_param = config.training.seq_len, 2 if config.training.mixed_precision_param == "bfloat16" else 4
     embed, rest = _param_counts(config, args)
     flops_per_token = compute_num_flops_per_token(rest + embed // 2, args.n_layers, args.n_heads, args.head_dim, seq)
+    f8 = config.float8
+    if f8.enable_float8_linear:  # the linears' 6N share runs float8 GEMMs
+        linear = 6 * (rest + embed // 2)
+        flops_per_token += linear / FLOAT8_GEMM_SPEEDUP - linear
     tokens = global_batch * seq
     compute = tokens * flops_per_token * _AC_COMPUTE[layout.ac] / (world_size * hw.peak_flops * MODEL_EFFICIENCY)
     dp = layout.dp_replicate * layout.dp_shard
@@ -191,7 +201,13 @@ def throughput(args, layout: Layout, config, global_batch: int, world_size: int,
         6 * layers * (local_tokens / layout.cp) * kv_dim * bytes_param * (layout.cp - 1) if layout.cp > 1 else 0.0
     )
     shard_bytes = (embed + rest) / (layout.tp * layout.pp) * bytes_param  # this rank's model slice, unsharded
-    fsdp_bytes = 3 * shard_bytes * (layout.dp_shard * layout.cp - 1) / (layout.dp_shard * layout.cp)
+    # forward and backward all-gathers, then the gradients' reduce-scatter
+    gathers = (
+        2 * shard_bytes / bytes_param
+        if f8.enable_float8_linear and f8.enable_fsdp_float8_all_gather
+        else 2 * shard_bytes
+    )
+    fsdp_bytes = (gathers + shard_bytes) * (layout.dp_shard * layout.cp - 1) / (layout.dp_shard * layout.cp)
     hsdp_bytes = 2 * shard_bytes / (layout.dp_shard * layout.cp) * (layout.dp_replicate - 1) / layout.dp_replicate
     exposed = tp_bytes / bw["tp"] + cp_bytes / bw["cp"]
     dp_time = fsdp_bytes / bw["dp_shard"] + hsdp_bytes / bw["dp_replicate"]

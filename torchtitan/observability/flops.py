@@ -96,6 +96,7 @@ def get_peak_flops(
     override: float = 0.0,
     *,
     linears: tuple[LinearShape, ...] = DEFAULT_LINEARS,
+    float8: bool = False,
 ) -> PeakFlops:
     """Peak dense FLOP/s of one `device` for matmuls in `dtype`, with its source.
 
@@ -103,6 +104,8 @@ def get_peak_flops(
         override: if > 0, returned as is (for hardware the table or benchmark gets wrong).
         linears: the model's linear layers; on CPU (and devices with no table) the peak is the
             fastest of their forward and backward GEMMs (see `measure_matmul_flops`).
+        float8: a float8 run: the same peak as without float8 (that of `dtype`, not the float8
+            peak), its source labelled so (see `label_float8_peak`).
 
     On CUDA/ROCm, float32 uses the TF32 (or MI300 XF32) peak when
     `torch.backends.cuda.matmul.allow_tf32` is on, since that is what the matmuls then run at,
@@ -110,7 +113,24 @@ def get_peak_flops(
     `torch.get_num_threads()` and cached on disk. Other accelerators are measured each time, uncached.
     """
     if override > 0:
-        return PeakFlops(override, f"metrics.device_peak_flops = {override:.3g}")
+        note = " (float8 run: used as given)" if float8 else ""
+        return PeakFlops(override, f"metrics.device_peak_flops = {override:.3g}{note}")
+    peak = _device_peak(device, dtype, linears)
+    return label_float8_peak(peak, dtype) if float8 else peak
+
+
+def label_float8_peak(peak: PeakFlops, dtype: torch.dtype) -> PeakFlops:
+    """A float8 run's MFU denominator: the peak the same run without float8 divides by, labelled so.
+
+    Not a float8 peak (twice bf16's on Hopper): only the converted linears run float8 GEMMs (the
+    output head, filtered linears and attention's score/value matmuls stay in `dtype`), and the same
+    model FLOPs over the same denominator make a float8 run's MFU compare directly with the bf16
+    run's: float8's speed-up shows as a higher MFU.
+    """
+    return PeakFlops(peak.flops, f"{peak.source}, vs {_dtype_name(dtype)} peak (float8 run)")
+
+
+def _device_peak(device: torch.device, dtype: torch.dtype, linears: tuple[LinearShape, ...]) -> PeakFlops:
     if device.type == "cuda":
         return _lookup_gpu_peak(_get_device_name(device), dtype)
     if device.type == "cpu":

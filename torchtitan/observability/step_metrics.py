@@ -16,7 +16,7 @@ import torch
 from torchtitan.distributed.device import synchronize
 from torchtitan.dtypes import to_dtype
 from torchtitan.observability.console import build_palette, format_end_summary, format_step_line, format_validation_line
-from torchtitan.observability.flops import LinearShape, get_peak_flops
+from torchtitan.observability.flops import LinearShape, PeakFlops, get_peak_flops
 from torchtitan.observability.metrics import (
     build_device_memory_monitor,
     build_metric_logger,
@@ -49,11 +49,9 @@ class StepMetrics:
         self.flops_per_token = compute_num_flops_per_token(
             num_params, model_args.n_layers, model_args.n_heads, model_args.head_dim, config.training.seq_len
         )
-        compute_dtype = to_dtype(config.training.mixed_precision_param)
-        tokens = config.training.batch_size * config.training.seq_len // config.experimental.context_parallel_degree
-        self.peak = get_peak_flops(
-            device, compute_dtype, config.metrics.device_peak_flops, linears=build_linear_shapes(model_args, tokens)
-        )
+        self.peak = build_peak_flops(config, device, model_args)
+        if enabled and config.float8.enable_float8_linear:
+            logger.info("float8 run: MFU divides by the peak a run without float8 uses (%s)", self.peak.source)
         self.mfu_unreliable = False  # set once an MFU exceeds 100%: the peak is too low for every step
         self.memory = build_device_memory_monitor(device)
         self.logger = build_metric_logger(
@@ -172,6 +170,18 @@ class StepMetrics:
 
     def close(self) -> None:
         self.logger.close()
+
+
+def build_peak_flops(config: JobConfig, device: torch.device, model_args: ModelArgs) -> PeakFlops:
+    """The MFU denominator: the compute dtype's peak, the same with float8 on (labelled so; docs/metrics.md)."""
+    tokens = config.training.batch_size * config.training.seq_len // config.experimental.context_parallel_degree
+    return get_peak_flops(
+        device,
+        to_dtype(config.training.mixed_precision_param),
+        config.metrics.device_peak_flops,
+        linears=build_linear_shapes(model_args, tokens),
+        float8=config.float8.enable_float8_linear,
+    )
 
 
 def build_linear_shapes(model_args: ModelArgs, tokens: int) -> tuple[LinearShape, ...]:

@@ -11,6 +11,18 @@ __all__ = ["ModelArgs", "Transformer", "llama3_configs"]
 
 llama3_configs = {
     "debugmodel": ModelArgs(dim=256, n_layers=8, n_heads=16, rope_theta=500000, max_seq_len=2048),
+    # Llama 3.2 1B's shapes. Llama 3.2 ties the output head to the embedding and scales RoPE for long
+    # context; this model does neither, so it has 1.50B parameters (1.24B published, tied).
+    "1B": ModelArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.5,
+        multiple_of=256,
+        rope_theta=500000,
+        max_seq_len=131072,
+    ),
     "8B": ModelArgs(
         dim=4096,
         n_layers=32,

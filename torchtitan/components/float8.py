@@ -1,0 +1,250 @@
+"""Float8 training with torchao: which linears convert, the recipe, and the checks that refuse what cannot run.
+
+Order (``build.finish_model_part``): the meta model is converted first, then parallelized. A
+converted linear is torchao's ``Float8Linear``: the same ``weight`` parameter (same name, shape and
+dtype as the ``nn.Linear`` it replaces, so checkpoints interchange with bf16 runs), whose forward
+casts input and weight to float8 with dynamic scales, multiplies with ``torch._scaled_mm`` and
+returns the high-precision dtype; backward casts the output gradient the same way. The parallelisms
+then see ordinary linears: TP uses torchao's float8 styles (tensorwise), FSDP all-gathers float8
+weights when ``enable_fsdp_float8_all_gather`` is set. Initial weights do not change: the
+conversion happens on the meta device and init fills the same parameters from the seed.
+
+Kept in high precision: the output head (always: the logits' precision drives the loss), every
+linear whose name contains one of ``filter_fqns``, and linears whose in/out features are not
+multiples of 16 (``_scaled_mm``'s constraint; e.g. the MoE router's ``num_experts``-wide gate).
+MoE routed experts are one grouped GEMM over 3-D weights, not linears; torchao 0.18's float8
+grouped GEMM (``torchao.prototype.moe_training``) does not run on this torch's CPU build and is a
+prototype, so they stay in high precision, and the log says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from torchtitan.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torchtitan.config.schema import Float8
+
+logger = logging.getLogger(__name__)
+
+TORCHAO_PIN = "torchao==0.18.0"
+DIM_MULTIPLE = 16  # _scaled_mm needs both GEMM dims of the weight divisible by 16
+ALWAYS_HIGH_PRECISION = ("output",)
+# CUDA float8 GEMMs need Ada (8.9) or Hopper (9.0) tensor cores or newer.
+MIN_CUDA_CAPABILITY = (8, 9)
+
+
+def check_float8_config(cfg: Float8, *, fsdp_enabled: bool, ring_async_tp: bool = False) -> None:
+    """The float8 keys that contradict each other or name something not built; no torchao import."""
+    if not cfg.enable_float8_linear:
+        others = [
+            k for k in ("enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp") if getattr(cfg, k)
+        ]
+        if others:
+            raise ConfigError(
+                f"float8.{others[0]} = true needs float8.enable_float8_linear = true; set it, or turn {others[0]} off"
+            )
+        return
+    for key in ("scaling_type_input", "scaling_type_weight", "scaling_type_grad_output"):
+        if getattr(cfg, key) != "dynamic":
+            raise NotImplementedError(
+                f"float8.{key} = {getattr(cfg, key)!r}: delayed scaling was removed from torchao (it is not in "
+                f"{TORCHAO_PIN}); use 'dynamic' (the default)"
+            )
+    if cfg.recipe_name == "mxfp8":
+        raise NotImplementedError(
+            "float8.recipe_name = 'mxfp8': torchao 0.18's MX training (torchao.prototype.moe_training.MXFP8Linear) "
+            "needs CUDA kernels for Blackwell GPUs that this build does not have; use 'tensorwise' or 'rowwise'"
+        )
+    tensorwise_only = ["enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp"]
+    tensorwise_only += ["force_recompute_fp8_weight_in_bwd"]
+    for key in tensorwise_only:
+        if getattr(cfg, key) and cfg.recipe_name != "tensorwise":
+            raise ConfigError(
+                f"float8.{key} = true with float8.recipe_name = {cfg.recipe_name!r}: torchao supports it for the "
+                "'tensorwise' recipe only; use recipe_name = 'tensorwise' or turn it off"
+            )
+    if cfg.precompute_float8_dynamic_scale_for_fsdp and not cfg.enable_fsdp_float8_all_gather:
+        raise ConfigError(
+            "float8.precompute_float8_dynamic_scale_for_fsdp = true needs float8.enable_fsdp_float8_all_gather = true "
+            "(the precomputed scales are those of the float8 all-gather); set it or turn precompute off"
+        )
+    if ring_async_tp:
+        _check_ring_async_tp(cfg)
+    if cfg.enable_fsdp_float8_all_gather and not fsdp_enabled:
+        raise ConfigError(
+            "float8.enable_fsdp_float8_all_gather = true without FSDP (data_parallel_shard_degree = 1): there is no "
+            "all-gather to run in float8; turn it off or shard over data-parallel ranks"
+        )
+
+
+def _check_ring_async_tp(cfg: Float8) -> None:
+    """Our async TP ring casts with tensorwise scales and does not take FSDP's float8-cast weights."""
+    if cfg.recipe_name != "tensorwise":
+        raise NotImplementedError(
+            f"float8.recipe_name = {cfg.recipe_name!r} with experimental.enable_async_tensor_parallel (our ring): "
+            "the ring's float8 GEMMs are tensorwise-scaled; use recipe_name = 'tensorwise' or turn async TP off"
+        )
+    if cfg.enable_fsdp_float8_all_gather:
+        raise NotImplementedError(
+            "float8.enable_fsdp_float8_all_gather with experimental.enable_async_tensor_parallel (our ring): the "
+            "ring does not take FSDP's float8-cast weights yet; turn one of them off"
+        )
+
+
+def check_float8_runs(device: torch.device) -> None:
+    """Raise NotImplementedError naming what is missing when this process cannot train in float8."""
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError as e:
+        raise NotImplementedError(
+            f"float8.enable_float8_linear = true needs torchao, which is not importable here ({e}); "
+            f"pip install {TORCHAO_PIN}, or turn float8 off"
+        ) from e
+    if device.type == "cuda":  # device-choice: the GPU's float8 tensor cores
+        capability = torch.cuda.get_device_capability(device)
+        if capability < MIN_CUDA_CAPABILITY:
+            raise NotImplementedError(
+                f"float8.enable_float8_linear = true on {torch.cuda.get_device_name(device)} (compute capability "
+                f"{capability[0]}.{capability[1]}): float8 GEMMs need {MIN_CUDA_CAPABILITY[0]}.{MIN_CUDA_CAPABILITY[1]} "
+                "or newer (Ada, Hopper, Blackwell); turn float8 off on this GPU"
+            )
+        return
+    _probe_scaled_mm(device.type)
+
+
+@functools.cache
+def _probe_scaled_mm(device_type: str) -> None:
+    """One 16x16 float8 GEMM: torch builds differ in which devices have ``_scaled_mm``."""
+    a = torch.ones(16, 16, device=device_type).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=device_type)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError) as e:
+        raise NotImplementedError(
+            f"float8.enable_float8_linear = true: torch {torch.__version__} cannot run a float8 GEMM "
+            f"(torch._scaled_mm) on device '{device_type}': {str(e).splitlines()[0]}; turn float8 off"
+        ) from e
+
+
+def float8_linear_config(cfg: Float8):
+    """torchao's ``Float8LinearConfig`` for the recipe and the FSDP/recompute keys."""
+    from torchao.float8 import Float8LinearConfig
+
+    if cfg.recipe_name == "tensorwise":
+        return Float8LinearConfig(
+            enable_fsdp_float8_all_gather=cfg.enable_fsdp_float8_all_gather,
+            force_recompute_fp8_weight_in_bwd=cfg.force_recompute_fp8_weight_in_bwd,
+        )
+    return Float8LinearConfig.from_recipe_name(cfg.recipe_name)
+
+
+def is_float8_friendly(linear: nn.Linear) -> bool:
+    return linear.in_features % DIM_MULTIPLE == 0 and linear.out_features % DIM_MULTIPLE == 0
+
+
+def high_precision_reason(fqn: str, module: nn.Module, filter_fqns: list[str]) -> str | None:
+    """Why the linear ``fqn`` stays in high precision, or None when it converts."""
+    if fqn in ALWAYS_HIGH_PRECISION:
+        return "the output head"
+    matched = [f for f in filter_fqns if f in fqn]
+    if matched:
+        return f"float8.filter_fqns ({matched[0]!r})"
+    if not is_float8_friendly(module):
+        return f"{module.in_features}x{module.out_features} is not a multiple of {DIM_MULTIPLE}"
+    return None
+
+
+def apply_float8(model: nn.Module, cfg: Float8) -> list[str]:
+    """Convert ``model``'s linears to torchao ``Float8Linear`` in place; returns the converted names."""
+    from torchao.float8 import convert_to_float8_training
+
+    kept: dict[str, str] = {}
+    converted: list[str] = []
+
+    def convert(module: nn.Module, fqn: str) -> bool:
+        if not isinstance(module, nn.Linear):
+            return True  # torchao asks for containers too
+        reason = high_precision_reason(fqn, module, cfg.filter_fqns)
+        if reason is None:
+            converted.append(fqn)
+            return True
+        kept[fqn] = reason
+        return False
+
+    convert_to_float8_training(model, config=float8_linear_config(cfg), module_filter_fn=convert)
+    for fqn in converted:
+        model.get_submodule(fqn).register_forward_pre_hook(_cast_to_cpu_autocast_dtype)
+    _log_conversion(cfg, converted, kept, has_experts=_has_grouped_experts(model))
+    return converted
+
+
+def _cast_to_cpu_autocast_dtype(module: nn.Module, args: tuple) -> tuple | None:
+    """Under CPU autocast, give the float8 linear its input in the autocast dtype.
+
+    torchao 0.18's ``Float8Linear.forward`` does this for CUDA autocast only; on CPU the input stays
+    fp32 while the output gradient comes back in bf16, and a high-precision weight-gradient GEMM
+    (``rowwise_with_gw_hp``) then multiplies the two dtypes and fails.
+    """
+    x = args[0]
+    if x.device.type == "cpu" and torch.is_autocast_enabled("cpu") and x.is_floating_point():
+        return (x.to(torch.get_autocast_dtype("cpu")), *args[1:])
+    return None
+
+
+def _has_grouped_experts(model: nn.Module) -> bool:
+    from torchtitan.models.moe import GroupedExperts
+
+    return any(isinstance(m, GroupedExperts) for m in model.modules())
+
+
+def _log_conversion(cfg: Float8, converted: list[str], kept: dict[str, str], *, has_experts: bool) -> None:
+    logger.info(
+        "float8 (%s scaling, torchao): %d linears converted; kept in high precision: %s",
+        cfg.recipe_name,
+        len(converted),
+        ", ".join(f"{name} ({why})" for name, why in kept.items()) or "none",
+    )
+    if has_experts:
+        logger.info(
+            "float8: the MoE routed experts' grouped GEMMs stay in high precision (torchao 0.18's float8 grouped "
+            "GEMM is a CUDA prototype); attention, shared-expert and dense-FFN linears are float8"
+        )
+
+
+def has_float8_linears(module: nn.Module) -> bool:
+    from torchao.float8.float8_linear import Float8Linear
+
+    return any(isinstance(m, Float8Linear) for m in module.modules())
+
+
+class Float8ScalePrecompute:
+    """Step hooks: after each optimizer step, every FSDP float8 weight's scale in one all-reduce (torchao).
+
+    Without it each block's float8 all-gather computes its weights' scales itself (one small
+    all-reduce per weight). A dropped step (``discard_step``) leaves the weights, and so the scales, as they are.
+    """
+
+    def __init__(self, model_parts: list[nn.Module]):
+        self.model_parts = model_parts
+
+    def aux_loss(self, model_part: nn.Module, scale: float) -> None:
+        return None
+
+    def after_optimizer_step(self, *, keep_metrics: bool) -> None:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        for part in self.model_parts:
+            precompute_float8_dynamic_scale_for_fsdp(part)
+
+    def discard_step(self) -> None:
+        pass
+
+    def metrics(self) -> None:
+        return None
