@@ -143,3 +143,18 @@ def test_fused_with_bf16_states_is_rejected():
     config = JobConfig.parse_args(["--optimizer.state_dtype", "bfloat16", "--optimizer.fused", "true"])
     with pytest.raises(ConfigError, match=r"optimizer.fused = true with optimizer.state_dtype = 'bfloat16'"):
         validate_config(config, world_size=1)
+
+
+def test_max_norm_zero_turns_clipping_off_but_keeps_the_norm():
+    from torchtitan.distributed.grad_norm import clip_grad_norm_
+
+    params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(2)]
+    for p in params:
+        p.grad = torch.full((4,), 3.0)  # total norm sqrt(8 * 9) = 8.49
+    norm = clip_grad_norm_(params, 0.0)
+    assert norm.item() == pytest.approx(72**0.5) and all(torch.equal(p.grad, torch.full((4,), 3.0)) for p in params)
+    clip_grad_norm_(params, 1.0)
+    assert sum(p.grad.pow(2).sum() for p in params).sqrt().item() == pytest.approx(1.0, rel=1e-5)
+    JobConfig.parse_args(["--training.max_norm", "0"]).validate(world_size=1)
+    with pytest.raises(ConfigError, match=r"training.max_norm must be >= 0 \(0 turns clipping off\), got -1"):
+        JobConfig.parse_args(["--training.max_norm", "-1"]).validate(world_size=1)

@@ -95,7 +95,7 @@ class Training:
     batch_size: int = _f(8, "samples per data-parallel rank per micro-batch")
     seq_len: int = _f(2048, "tokens per sample")
     warmup_steps: int = _f(200, "linear warmup steps of the learning rate (then linear decay to 0 at `steps`)")
-    max_norm: float = _f(1.0, "gradient-norm clipping threshold (total 2-norm over all parameters)")
+    max_norm: float = _f(1.0, "gradient-norm clipping threshold (total 2-norm over all parameters); 0 = no clipping")
     steps: int = _f(10000, "optimizer steps to train")
     gradient_accumulation_steps: int = _f(1, "micro-batches accumulated per optimizer step")
     data_parallel_replicate_degree: int = _f(1, "replicas (DDP, or the replicate axis of HSDP)")

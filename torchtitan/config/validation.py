@@ -82,9 +82,10 @@ def _check_ranges(config: JobConfig) -> None:
             raise ConfigError(f"{key} must be >= 1, got {_get(config, key)}")
     if config.training.warmup_steps < 0:
         raise ConfigError(f"training.warmup_steps must be >= 0, got {config.training.warmup_steps}")
-    for key in ("optimizer.lr", "training.max_norm"):
-        if not _get(config, key) > 0:
-            raise ConfigError(f"{key} must be > 0, got {_get(config, key)}")
+    if not config.optimizer.lr > 0:
+        raise ConfigError(f"optimizer.lr must be > 0, got {config.optimizer.lr}")
+    if config.training.max_norm < 0:
+        raise ConfigError(f"training.max_norm must be >= 0 (0 turns clipping off), got {config.training.max_norm}")
     ac = config.activation_checkpoint
     if ac.mode == "selective" and ac.selective_ac_option != "op":
         if not ac.selective_ac_option.isdigit() or int(ac.selective_ac_option) < 1:

@@ -92,6 +92,9 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip gradients in place to total norm ``max_norm``; return the total norm (before clipping).
 
+    ``max_norm <= 0``: no clipping (torchtitan's meaning of 0); the norm is still computed, for the
+    metrics and the non-finite guard.
+
     ``extra_groups``: process groups whose ranks hold *different* parameters that are not visible
     in the DTensor placements (e.g. pipeline stages); the total is reduced over them too.
     """
@@ -108,6 +111,8 @@ def clip_grad_norm_(
     for group in extra_groups:
         dist.all_reduce(total, op=op, group=group)
     total_norm = total if inf_norm else total.pow(1.0 / norm_type)
+    if max_norm <= 0:
+        return total_norm
     clip_coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
     local_grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     torch._foreach_mul_(local_grads, clip_coef.to(local_grads[0].dtype))
