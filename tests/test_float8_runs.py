@@ -26,9 +26,9 @@ from tests.integration_tests import (
     launch_jobs,
     losses_of,
     pp_schedule,
-    read_metrics,
     run_train,
 )
+from tests.test_checkpoint_runs import losses as step_losses
 
 pytestmark = pytest.mark.integration
 
@@ -142,7 +142,7 @@ def test_float8_resume_is_bit_exact_and_interchanges_with_bf16(tmp_path):
     launch = launch_jobs(2, jobs, str(tmp_path / "b.json"))
     for name in ("float8_again", "float8_in_bf16", "plain_in_float8"):
         assert "resumed from step 4" in check_job(name, f[name], launch)
-    losses = {n: _step_losses(folder) for n, folder in f.items()}
+    losses = {n: step_losses(folder) for n, folder in f.items()}
     assert [losses["float8_again"][s] for s in range(5, 9)] == [losses["float8"][s] for s in range(5, 9)]
     # From the same step-4 weights, one step in another precision: within float8 rounding of the source run
     # at step 5 (measured 7.6e-5 and 6.0e-5 relative; limit 1e-3), far from a fresh init's 8.18 (15% off).
@@ -153,7 +153,3 @@ def test_float8_resume_is_bit_exact_and_interchanges_with_bf16(tmp_path):
             losses[source],
         )
         assert losses[name][5] != losses[source][5], f"{name}: the precision did not change"
-
-
-def _step_losses(folder: str) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(folder) if "loss" in r}

@@ -218,12 +218,6 @@ def _log_conversion(cfg: Float8, converted: list[str], kept: dict[str, str], *, 
         )
 
 
-def has_float8_linears(module: nn.Module) -> bool:
-    from torchao.float8.float8_linear import Float8Linear
-
-    return any(isinstance(m, Float8Linear) for m in module.modules())
-
-
 class Float8ScalePrecompute:
     """Step hooks: after each optimizer step, every FSDP float8 weight's scale in one all-reduce (torchao).
 
