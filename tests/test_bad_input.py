@@ -78,6 +78,17 @@ def _one_error_line(result: subprocess.CompletedProcess, expected: str, code: in
             None,
             "float8.recipe_name = 'mxfp8': torchao 0.18's MX training",
         ),
+        (
+            ["--optimizer.early_step_in_backward"],
+            None,
+            "optimizer.early_step_in_backward = true with training.max_norm = 1.0: clipping needs the total",
+        ),
+        (
+            ["--optimizer.early_step_in_backward", "--training.max_norm", "0"]
+            + ["--training.gradient_accumulation_steps", "2"],
+            None,
+            "optimizer.early_step_in_backward = true with training.gradient_accumulation_steps = 2",
+        ),
         (["--training.dataset", "c5"], None, "config key 'training.dataset': got 'c5' (str), expected 'pydocs' |"),
         (
             ["--profiling.enable_profiling", "--profiling.profile_freq", "1"],
@@ -101,6 +112,8 @@ def _one_error_line(result: subprocess.CompletedProcess, expected: str, code: in
         "dataset-path",
         "not-built",
         "float8-mxfp8",
+        "in-backward-max-norm",
+        "in-backward-grad-accum",
         "unknown-dataset",
         "profile-freq",
         "dump-folder-under-a-file",

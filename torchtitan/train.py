@@ -26,7 +26,7 @@ from torchtitan.components.step import StepFunction
 from torchtitan.components.validation import Validator
 from torchtitan.config.manager import JobConfig, format_help, wants_help
 from torchtitan.distributed.context_parallel import compute_cp_positions, shard_sequence
-from torchtitan.distributed.device import get_device_info, init_distributed, set_pg_timeout
+from torchtitan.distributed.device import get_device_info, init_distributed, set_determinism, set_pg_timeout
 from torchtitan.distributed.mesh import WorldMesh
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.dtypes import to_dtype
@@ -65,7 +65,7 @@ class Trainer:
         self.parallel_dims = ParallelDims.from_config(config, world_size)
         self.world = WorldMesh(self.parallel_dims, b.mesh(self.parallel_dims, self.device.type))
         self.cp_positions = self._cp_positions()
-        _set_determinism(config)
+        set_determinism(config.training.seed, config.training.deterministic)
         tokenizer = b.tokenizer(config)
         self.data_loader = b.data_loader(config, tokenizer, self.world)
         self.model_args = b.model_args(config, self.spec, tokenizer.n_words)
@@ -75,6 +75,11 @@ class Trainer:
         self.step_fn = self._build_step(whole)
         self.model_parts = self.step_fn.model_parts
         self.optimizer = build_optimizer(self.model_parts, config.optimizer)
+        # optimizer.early_step_in_backward: hooks step each parameter during backward instead of optimizer.step()
+        in_backward = config.optimizer.early_step_in_backward
+        self.in_backward = (
+            self.step_fn.build_optimizer_in_backward(self.optimizer, config.optimizer) if in_backward else None
+        )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.training)
         self.step = 0
         self.checkpointer = b.checkpointer(self)
@@ -172,7 +177,9 @@ class Trainer:
             loss = self.step_fn.forward_backward(inputs, labels, accum_steps=len(batches))
             if loss is not None:
                 loss_sum += loss
-        grad_norm = self.step_fn.clip_grad_norm_(self.config.training.max_norm)
+        # in backward, every parameter already stepped (so on_nonfinite = "skip" is refused before launch)
+        in_backward, max_norm = self.in_backward, self.config.training.max_norm
+        grad_norm = self.step_fn.clip_grad_norm_(max_norm) if in_backward is None else in_backward.finish_step()
         verdict = self.guard.check(self.step, loss_sum, grad_norm)  # every rank: same verdict
         self.stop_requested = verdict.stop
         hooks = self.step_fn.hooks
@@ -180,7 +187,8 @@ class Trainer:
             if hooks is not None:
                 hooks.discard_step()
         else:
-            self.optimizer.step()
+            if in_backward is None:
+                self.optimizer.step()
             if hooks is not None:
                 hooks.after_optimizer_step(keep_metrics=self._is_log_step())
         self.lr_scheduler.step()
@@ -326,16 +334,6 @@ def _with_trainer_defaults(builders: TrainerBuilders) -> TrainerBuilders:
     defaults = {"metrics": _build_metrics, "checkpointer": _build_checkpointer, "validator": _build_validator}
     defaults["guard"] = _build_guard
     return dataclasses.replace(builders, **{k: v for k, v in defaults.items() if getattr(builders, k) is None})
-
-
-def _set_determinism(config: JobConfig) -> None:
-    torch.manual_seed(0 if config.training.seed is None else config.training.seed)
-    if config.training.deterministic:
-        # Deterministic cuBLAS needs a fixed workspace; read when the first CUDA matmul runs.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
 
 
 def run_job(config: JobConfig, *, world_size: int, rank: int) -> None:

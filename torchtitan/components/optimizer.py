@@ -2,20 +2,58 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from torchtitan.components.optim_lowp import LowPrecisionAdamW
+from torchtitan.components.optimizer_in_backward import OptimizerInBackward
 from torchtitan.config.schema import Optimizer as OptimizerConfig
 from torchtitan.config.schema import Training
+
+logger = logging.getLogger(__name__)
 
 
 def build_optimizer(model_parts: list[nn.Module], config: OptimizerConfig) -> torch.optim.Optimizer:
     """One optimizer over the parameters of every model part (several with pipeline stages per rank)."""
+    return _optimizer_over([p for part in model_parts for p in part.parameters()], config)
+
+
+def build_optimizer_in_backward(
+    optimizer: torch.optim.Optimizer,
+    config: OptimizerConfig,
+    *,
+    pipeline_microbatches: int,
+    fsdp: bool,
+    pp_group: dist.ProcessGroup | None,
+) -> OptimizerInBackward:
+    """The per-parameter steps in backward over ``optimizer``'s parameters (``optimizer.early_step_in_backward``).
+
+    ``pipeline_microbatches``: 1 without pipeline parallel. Without FSDP every micro-batch's backward
+    accumulates into a stage's gradients; FSDP's hook fires once, after its reduce-scatter.
+    """
+    in_backward = OptimizerInBackward(
+        optimizer,
+        lambda params: _optimizer_over(params, config),
+        grads_per_step=1 if fsdp else pipeline_microbatches,
+        grad_divisor=pipeline_microbatches,
+        norm_groups=[pp_group] if pp_group is not None else [],
+    )
+    logger.info(
+        "optimizer steps in backward: each of this rank's %d parameters is stepped by a hook as soon as its "
+        "gradient is final, and the gradient freed",
+        len(in_backward.one),
+    )
+    return in_backward
+
+
+def _optimizer_over(params: list[nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:
     if config.state_dtype == "bfloat16":
         return LowPrecisionAdamW(
-            [p for part in model_parts for p in part.parameters()],
+            params,
             lr=config.lr,
             betas=(config.beta1, config.beta2),
             eps=config.eps,
@@ -27,7 +65,7 @@ def build_optimizer(model_parts: list[nn.Module], config: OptimizerConfig) -> to
     # foreach (multi-tensor) is the default; fused only where asked (a CUDA kernel).
     impl = {"fused": True} if config.fused else {"foreach": True}
     return cls(
-        [p for part in model_parts for p in part.parameters()],
+        params,
         lr=config.lr,
         betas=(config.beta1, config.beta2),
         eps=config.eps,

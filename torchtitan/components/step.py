@@ -20,12 +20,15 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.components.loss import chunked_cross_entropy, cross_entropy_loss
+from torchtitan.components.optimizer import build_optimizer_in_backward
 from torchtitan.distributed.grad_norm import clip_grad_norm_, reduce_partial_grads_
 from torchtitan.distributed.pipeline import pipeline_eval, pipeline_step
 
 if TYPE_CHECKING:
     from torch import nn
 
+    from torchtitan.components.optimizer_in_backward import OptimizerInBackward
+    from torchtitan.config.schema import Optimizer as OptimizerConfig
     from torchtitan.distributed.mesh import WorldMesh
     from torchtitan.distributed.pipeline import PipelineParts
     from torchtitan.spec import StepHooks
@@ -121,6 +124,23 @@ class StepFunction:
             loss.backward()
         else:
             torch.autograd.backward([loss, aux])  # loss may be a DTensor (loss parallel), aux is not
+
+    def build_optimizer_in_backward(
+        self, optimizer: torch.optim.Optimizer, config: OptimizerConfig
+    ) -> OptimizerInBackward:
+        """Hooks that step each parameter of ``optimizer`` as its gradient is final, during backward.
+
+        Under pipeline parallel a stage's backward runs once per micro-batch (FSDP reduces after the
+        last one) and the schedule would scale the gradients by 1/micro-batches after it; the grad
+        norm is summed over the pp axis too, as in ``clip_grad_norm_``.
+        """
+        return build_optimizer_in_backward(
+            optimizer,
+            config,
+            pipeline_microbatches=self.pipeline.n_microbatches if self.pipeline is not None else 1,
+            fsdp=self.world.dims.fsdp_enabled,
+            pp_group=self.world.group("pp"),
+        )
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Finish the gradients (partial DTensor grads reduced), clip them; returns the total norm.

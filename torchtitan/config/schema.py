@@ -85,7 +85,12 @@ class Optimizer:
         "float32",
         "dtype of Adam's exp_avg / exp_avg_sq; bfloat16 halves the optimizer state (the update still runs in fp32)",
     )
-    early_step_in_backward: bool = _f(False, "step the optimizer per parameter during backward (not built yet)")
+    early_step_in_backward: bool = _f(
+        False,
+        "step each parameter as soon as its gradient is final, during backward, and free that gradient (less "
+        "memory: all gradients never live at once); needs training.max_norm = 0, gradient_accumulation_steps = 1, "
+        "on_nonfinite = 'stop'; not with DDP or zero-bubble pipeline schedules (docs/compatibility.md)",
+    )
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from torchtitan.components.float8 import TORCHAO_PIN, check_float8_config
+from torchtitan.components.optimizer_in_backward import check_in_backward_config
 from torchtitan.config.errors import ConfigError
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_layout import resolve_stage_layout, validate_microbatches
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
 _NOT_BUILT = {
     "experimental.enable_compiled_autograd": (False, "compiled autograd"),
     "memory_estimation.enabled": (False, "memory estimation in the trainer"),
-    "optimizer.early_step_in_backward": (False, "optimizer steps in backward"),
 }
 
 _POSITIVE = (
@@ -357,6 +357,7 @@ def validate_config(config: JobConfig, world_size: int, *, check_paths: bool = T
             "DDP (data_parallel_replicate_degree > 1, data_parallel_shard_degree = 1) with tensor parallel "
             "is not supported; use HSDP (data_parallel_shard_degree > 1) or FSDP with TP"
         )
+    check_in_backward_config(config, dims)
     exp = config.experimental
     ring = dims.tp_enabled and exp.enable_async_tensor_parallel and exp.async_tensor_parallel_impl != "compiler"
     check_float8_config(

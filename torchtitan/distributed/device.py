@@ -58,3 +58,14 @@ def synchronize(device: torch.device) -> None:
     """
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
+
+
+def set_determinism(seed: int | None, deterministic: bool) -> None:
+    """Seed torch (None = 0); with ``deterministic``, deterministic kernels on every device."""
+    torch.manual_seed(0 if seed is None else seed)
+    if deterministic:
+        # Deterministic cuBLAS needs a fixed workspace; read when the first CUDA matmul runs.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False

@@ -98,22 +98,52 @@ def clip_grad_norm_(
     ``extra_groups``: process groups whose ranks hold *different* parameters that are not visible
     in the DTensor placements (e.g. pipeline stages); the total is reduced over them too.
     """
-    inf_norm = math.isinf(norm_type)
-    op = dist.ReduceOp.MAX if inf_norm else dist.ReduceOp.SUM
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
-    total = None
-    for mesh, part in _partial_norms(grads, norm_type).items():
-        if mesh is not None:
-            dist.all_reduce(part, op=op, group=_mesh_group(mesh))
-        total = part if total is None else (torch.maximum(total, part) if inf_norm else total + part)
-    for group in extra_groups:
-        dist.all_reduce(total, op=op, group=group)
-    total_norm = total if inf_norm else total.pow(1.0 / norm_type)
+    total_norm = _total_norm(_partial_norms(grads, norm_type), norm_type, extra_groups)
     if max_norm <= 0:
         return total_norm
     clip_coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
     local_grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     torch._foreach_mul_(local_grads, clip_coef.to(local_grads[0].dtype))
     return total_norm
+
+
+def _total_norm(
+    parts: dict[DeviceMesh | None, torch.Tensor], norm_type: float, extra_groups: Iterable[dist.ProcessGroup]
+) -> torch.Tensor:
+    """The global norm from per-mesh local partial sums: one all-reduce per mesh, then over ``extra_groups``."""
+    inf_norm = math.isinf(norm_type)
+    op = dist.ReduceOp.MAX if inf_norm else dist.ReduceOp.SUM
+    total = None
+    for mesh, part in parts.items():
+        if mesh is not None:
+            dist.all_reduce(part, op=op, group=_mesh_group(mesh))
+        total = part if total is None else (torch.maximum(total, part) if inf_norm else total + part)
+    for group in extra_groups:
+        dist.all_reduce(total, op=op, group=group)
+    return total if inf_norm else total.pow(1.0 / norm_type)
+
+
+class GradNormAccumulator:
+    """The total 2-norm of gradients that are seen one at a time and then freed (optimizer steps in backward).
+
+    ``add`` keeps each gradient's local partial sum per mesh (the same weighting as clipping);
+    ``finish`` reduces them once, as ``clip_grad_norm_`` does, and starts over.
+    """
+
+    def __init__(self) -> None:
+        self.parts: dict[DeviceMesh | None, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def add(self, grad: torch.Tensor) -> None:
+        for mesh, part in _partial_norms([grad], 2.0).items():
+            self.parts[mesh] = part if mesh not in self.parts else self.parts[mesh] + part
+
+    @torch.no_grad()
+    def finish(self, extra_groups: Iterable[dist.ProcessGroup] = ()) -> torch.Tensor:
+        parts, self.parts = self.parts, {}
+        if not parts:
+            return torch.tensor(0.0)
+        return _total_norm(parts, 2.0, extra_groups)

@@ -148,6 +148,7 @@ class PipelineParts:
     stages: list[PipelineStage]
     has_first_stage: bool
     has_last_stage: bool
+    n_microbatches: int  # each stage's backward runs this often per step; grads are scaled by 1/it
 
 
 def _build_schedule(
@@ -211,6 +212,7 @@ def build_pipeline(
         stages=stages,
         has_first_stage=any(s.is_first for s in stages),
         has_last_stage=any(s.is_last for s in stages),
+        n_microbatches=n_microbatches,
     )
 
 

@@ -193,6 +193,17 @@ def _read_csv_actions(csv_path: str) -> list[list[_Action]]:
     return rows
 
 
+SPLIT_BACKWARD_SCHEDULES: tuple[str, ...] = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def splits_backward(schedule: str, csv_path: str) -> bool:
+    """Whether the schedule computes weight gradients apart from input gradients (zero-bubble "I"/"W"
+    actions): those weight gradients are assigned by the schedule, not accumulated by autograd."""
+    if csv_path:
+        return any(a.computation_type.value in ("I", "W") for row in _read_csv_actions(csv_path) for a in row)
+    return canonical_schedule(schedule, csv_path) in SPLIT_BACKWARD_SCHEDULES
+
+
 def _check_csv_placement(csv_path: str, pp: int, num_stages: int, placement: str) -> None:
     rows = _read_csv_actions(csv_path)
     if len(rows) != pp:

@@ -149,6 +149,20 @@ def _build_tracker(model_parts, optimizer):
     return tracker
 
 
+def _label_in_backward_states(tracker, trainer) -> list:
+    """With the optimizer step in backward, the state is created by one-parameter optimizers FSDP's
+    tracker does not watch (torch's plain MemTracker watches every optimizer): label it as optimizer
+    state right after each of their steps, not as temporaries."""
+    if trainer.in_backward is None or not isinstance(tracker, FSDPMemTracker):
+        return []
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+
+    def label(optimizer, *_):
+        tracker._track_optimizer_states(_FSDPRefType.OPT, optimizer)
+
+    return [one.register_step_post_hook(label) for one, _ in trainer.in_backward.one.values()]
+
+
 @contextmanager
 def _one_tracked_forward_per_call(tracker, roots) -> Iterator[None]:
     """Let a step call each root module several times (micro-batches of gradient accumulation or
@@ -239,9 +253,9 @@ def track_steps(trainer, *, foreach_temp: int = 0, steps: int = 2) -> StepMemory
     """
     tracker = _build_tracker(trainer.model_parts, trainer.optimizer)
     at_opt_step: list[dict] = []
-    hooks = [
-        trainer.optimizer.register_step_pre_hook(lambda *_: at_opt_step.append(tracker.get_tracker_snapshot("current")))
-    ]
+    snap = tracker.get_tracker_snapshot
+    hooks = [trainer.optimizer.register_step_pre_hook(lambda *_: at_opt_step.append(snap("current")))]
+    hooks += _label_in_backward_states(tracker, trainer)
     after_last_block: list[dict] = []
     for part in trainer.model_parts:
         blocks = [b for b in getattr(part, "layers", {}).values() if b is not None]
