@@ -145,3 +145,17 @@ def test_what_composes_passes(monkeypatch):
 
 
 _ROOT = __file__.rsplit("/tests/", 1)[0]
+
+
+def test_the_planner_leaves_gradients_out_of_its_lower_bound(monkeypatch):
+    """The planner's params + grads + state bound: 4 + 4 + 8 bytes per parameter, 4 + 8 in backward."""
+    from torchtitan.build import build_model_args
+    from torchtitan.estimation.plan import Layout, lower_bound_bytes
+    from torchtitan.spec import get_model_spec
+
+    monkeypatch.chdir(_ROOT)
+    regular = JobConfig.parse_args(["--job.config_file", "train_configs/debug_model.toml"])
+    in_backward = JobConfig.parse_args(["--job.config_file", "train_configs/debug_model.toml", *IB])
+    args = build_model_args(regular, get_model_spec("llama3"), 2304)
+    layout = Layout(**{f.name: 1 for f in dataclasses.fields(Layout)} | {"ac": "none"})
+    assert lower_bound_bytes(args, layout, in_backward) * 16 == lower_bound_bytes(args, layout, regular) * 12

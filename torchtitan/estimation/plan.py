@@ -159,11 +159,15 @@ def _with_overrides(config, layout: Layout, local_batch: int):
 
 
 def lower_bound_bytes(args, layout: Layout, config) -> int:
-    """Parameters + gradients + AdamW state per rank, sharded over everything that shards them."""
+    """Parameters + gradients + AdamW state per rank, sharded over everything that shards them.
+
+    With the optimizer step in backward the gradients never live all at once: they are left out.
+    """
     params = sum(_param_counts(config, args))
     shards = layout.tp * layout.pp * layout.dp_shard * layout.cp
     state = 2 if config.optimizer.state_dtype == "float32" else 1  # bytes per moment element / 2
-    return int(params / shards * (4 + 4 + 4 * state))
+    grads = 0 if config.optimizer.early_step_in_backward else 4
+    return int(params / shards * (4 + grads + 4 * state))
 
 
 def _param_counts(config, args) -> tuple[int, int]:
