@@ -138,8 +138,13 @@ class GradNormAccumulator:
 
     @torch.no_grad()
     def add(self, grad: torch.Tensor) -> None:
-        for mesh, part in _partial_norms([grad], 2.0).items():
-            self.parts[mesh] = part if mesh not in self.parts else self.parts[mesh] + part
+        # Called once per parameter per step (a hook): one norm kernel, no list or weight tensor built.
+        mesh = grad.device_mesh if isinstance(grad, DTensor) else None
+        local = grad.to_local() if mesh is not None else grad
+        part = torch.linalg.vector_norm(local).float().square()
+        if mesh is not None:
+            part = part / _replication(grad)
+        self.parts[mesh] = part if mesh not in self.parts else self.parts[mesh] + part
 
     @torch.no_grad()
     def finish(self, extra_groups: Iterable[dist.ProcessGroup] = ()) -> torch.Tensor:

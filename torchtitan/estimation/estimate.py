@@ -122,11 +122,9 @@ def estimate_rank(
         ):
             trainer = Trainer(config, world_size=world_size, rank=rank, builders=builders)
             foreach_temp = use_per_parameter_step(trainer.optimizer)
-            if trainer.in_backward is not None:
-                # each parameter steps alone in a hook (its group's foreach flag is copied there): the
-                # per-parameter step's own temporaries are what the tracker sees, no list-wide ones
-                foreach_temp = 0
-            memory = track_steps(trainer, foreach_temp=foreach_temp)
+            # In backward each parameter steps alone in a hook (its group's foreach flag is copied
+            # there): the tracker sees that step's own temporaries, there are no list-wide ones.
+            memory = track_steps(trainer, foreach_temp=0 if trainer.in_backward is not None else foreach_temp)
             if trainer.parallel_dims.dp_replicate_enabled and not trainer.parallel_dims.dp_shard_enabled:
                 buckets = ddp_bucket_bytes(trainer.model_parts)
                 memory.add_persistent(
