@@ -5,14 +5,17 @@ The trainer replaces ``vocab_size`` with its tokenizer's size and ``max_seq_len`
 context the flavor supports.
 """
 
-from torchtitan.models.llama.model import ModelArgs, Transformer
+from torchtitan.models.llama.model import ModelArgs, RopeScaling, Transformer
 
-__all__ = ["ModelArgs", "Transformer", "llama3_configs"]
+__all__ = ["ModelArgs", "RopeScaling", "Transformer", "llama3_configs"]
+
+# Llama 3.1's published long-context RoPE scaling (8B, 70B, 405B): 8192 -> 131072 tokens.
+LLAMA31_ROPE_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
 
 llama3_configs = {
     "debugmodel": ModelArgs(dim=256, n_layers=8, n_heads=16, rope_theta=500000, max_seq_len=2048),
-    # Llama 3.2 1B's shapes. Llama 3.2 ties the output head to the embedding and scales RoPE for long
-    # context; this model does neither, so it has 1.50B parameters (1.24B published, tied).
+    # Llama 3.2 1B's shapes and RoPE scaling (factor 32). Llama 3.2 ties the output head to the
+    # embedding; this flavor does not yet, so it has 1.50B parameters (1.24B published, tied).
     "1B": ModelArgs(
         dim=2048,
         n_layers=16,
@@ -21,6 +24,7 @@ llama3_configs = {
         ffn_dim_multiplier=1.5,
         multiple_of=256,
         rope_theta=500000,
+        rope_scaling=RopeScaling(factor=32.0),
         max_seq_len=131072,
     ),
     "8B": ModelArgs(
@@ -31,6 +35,7 @@ llama3_configs = {
         ffn_dim_multiplier=1.3,
         multiple_of=1024,
         rope_theta=500000,
+        rope_scaling=LLAMA31_ROPE_SCALING,
         max_seq_len=131072,
     ),
     "70B": ModelArgs(
@@ -41,6 +46,7 @@ llama3_configs = {
         ffn_dim_multiplier=1.3,
         multiple_of=4096,
         rope_theta=500000,
+        rope_scaling=LLAMA31_ROPE_SCALING,
         max_seq_len=131072,
     ),
     "405B": ModelArgs(
@@ -51,6 +57,7 @@ llama3_configs = {
         ffn_dim_multiplier=1.2,
         multiple_of=4096,
         rope_theta=500000,
+        rope_scaling=LLAMA31_ROPE_SCALING,
         max_seq_len=131072,
     ),
 }

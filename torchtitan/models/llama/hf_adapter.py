@@ -114,7 +114,7 @@ def hf_config(args: dict[str, Any], weights: dict[str, torch.Tensor], dtype: tor
         "max_position_embeddings": args["max_seq_len"],
         "rms_norm_eps": args["norm_eps"],
         "rope_theta": args["rope_theta"],
-        "rope_scaling": None,
+        "rope_scaling": _hf_rope_scaling(args.get("rope_scaling")),
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
@@ -127,10 +127,9 @@ def model_args_from_hf(config: dict[str, Any]) -> dict[str, Any]:
     """Our ModelArgs fields (as a dict) from an HF Llama ``config.json``.
 
     Raises:
-        NotImplementedError: features our model does not have (RoPE scaling, biases, tied embeddings).
+        NotImplementedError: features our model does not have (other RoPE types, biases, tied embeddings).
     """
     for key, off in (
-        ("rope_scaling", None),
         ("attention_bias", False),
         ("mlp_bias", False),
         ("tie_word_embeddings", False),
@@ -144,7 +143,39 @@ def model_args_from_hf(config: dict[str, Any]) -> dict[str, Any]:
         "n_kv_heads": config.get("num_key_value_heads"),
         "vocab_size": config["vocab_size"],
         "norm_eps": config.get("rms_norm_eps", 1e-5),
-        "rope_theta": config.get("rope_theta", 10000.0),
+        "rope_theta": (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0)),
+        "rope_scaling": _our_rope_scaling(config),
         "max_seq_len": config.get("max_position_embeddings", 2048),
         "norm_type": "rmsnorm",
     }
+
+
+# HF's llama3 rope-scaling keys -> our RopeScaling fields
+_ROPE_KEYS = {
+    "factor": "factor",
+    "low_freq_factor": "low_freq_factor",
+    "high_freq_factor": "high_freq_factor",
+    "original_max_position_embeddings": "original_max_seq_len",
+}
+
+
+def _hf_rope_scaling(ours: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Our RopeScaling (as a dict) -> the published Llama 3.1 ``rope_scaling`` entry."""
+    if ours is None:
+        return None
+    return {"rope_type": "llama3", **{hf: ours[our] for hf, our in _ROPE_KEYS.items()}}
+
+
+def _our_rope_scaling(config: dict[str, Any]) -> dict[str, Any] | None:
+    """``rope_scaling`` (config.json as published) or ``rope_parameters`` (transformers >= 5) -> ours.
+
+    Raises:
+        NotImplementedError: a RoPE type other than default / llama3 (e.g. yarn, linear, dynamic).
+    """
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise NotImplementedError(f"HF config rope type {kind!r}: our Llama implements 'default' and 'llama3' RoPE")
+    return {our: rope[hf] for hf, our in _ROPE_KEYS.items()}

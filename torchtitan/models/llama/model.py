@@ -10,12 +10,28 @@ drops layers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's frequency-dependent RoPE scaling (HF ``rope_scaling = {"rope_type": "llama3", ...}``).
+
+    Rotation frequencies whose wavelength exceeds ``original_max_seq_len / low_freq_factor`` are
+    divided by ``factor``; those with a wavelength below ``original_max_seq_len / high_freq_factor``
+    are kept; in between, the two are blended linearly in ``original_max_seq_len / wavelength``.
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
 
 
 @dataclass(frozen=True)
@@ -29,6 +45,7 @@ class ModelArgs:
     ffn_dim_multiplier: float | None = None
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
     max_seq_len: int = 2048
     # depth_init: scale each block's output-projection init by its depth (True) or by the model depth.
     depth_init: bool = True
@@ -54,11 +71,23 @@ def build_norm(norm_type: str, dim: int, eps: float) -> nn.Module:
     raise ValueError(f"model.norm_type = {norm_type!r}: allowed are {', '.join(NORM_TYPES)}")
 
 
-def compute_rope_cache(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
+def compute_rope_cache(
+    head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None = None
+) -> torch.Tensor:
     """(max_seq_len, head_dim) holding [cos | sin] of each position's rotation angles."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # (head_dim/2,)
+    if scaling is not None:
+        freqs = scale_rope_freqs(freqs, scaling)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)  # (seq, head_dim/2)
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def scale_rope_freqs(freqs: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's scaling of the rotation frequencies (see ``RopeScaling``)."""
+    ratio = scaling.original_max_seq_len * freqs / (2 * math.pi)  # original context / wavelength
+    # 0 at or below the low-frequency bound (fully scaled), 1 at or above the high one (kept)
+    keep = ((ratio - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)).clamp(0, 1)
+    return (1 - keep) * freqs / scaling.factor + keep * freqs
 
 
 def apply_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -186,7 +215,8 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
 
     def _rope_cache(self) -> torch.Tensor:
-        return compute_rope_cache(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
+        args = self.args
+        return compute_rope_cache(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling)
 
     def init_units(self) -> Iterator[tuple[str, Callable[[], None]]]:
         """(name, init function) for each separately initialised unit this module still owns.
