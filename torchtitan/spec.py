@@ -106,10 +106,15 @@ def chain_hooks(*hooks: StepHooks | None) -> StepHooks | None:
 
 
 def count_non_embedding_params(args: Any, model: nn.Module) -> int:
-    """Global (unsharded) parameter count without the embedding table: what the matmuls touch."""
+    """Global (unsharded) parameter count without the embedding table: what the matmuls touch.
+
+    A table tied to the output head stays in: the head's matmul uses it (``parameters()`` counts it once).
+    """
     total = sum(p.numel() for p in model.parameters())
-    embed = getattr(model, "tok_embeddings", None)
-    return total - (embed.weight.numel() if embed is not None else 0)
+    embed, output = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    if embed is None or (output is not None and output.weight is embed.weight):
+        return total
+    return total - embed.weight.numel()
 
 
 @dataclass(frozen=True)

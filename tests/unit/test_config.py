@@ -319,8 +319,9 @@ def test_tp_valid_layout_passes():
         (["--experimental.pipeline_parallel_split_points", "layers.9"], ValueError, "layers.9"),
         (["--experimental.pipeline_parallel_microbatches", "3"], ValueError, "pipeline_parallel_microbatches"),
         (["--experimental.pipeline_parallel_schedule_csv", "./nope.csv"], FileNotFoundError, "nope.csv"),
+        (["--model.flavor", "debugmodel_tied"], NotImplementedError, "ties the output head to the embedding"),
     ],
-    ids=["schedule-name", "split-point", "microbatches", "csv-missing"],
+    ids=["schedule-name", "split-point", "microbatches", "csv-missing", "tied-embeddings"],
 )
 def test_pipeline_validation(args, error, match):
     config = JobConfig.parse_args(

@@ -71,9 +71,16 @@ def _logits(model, tokens):
     return out.logits if hasattr(out, "logits") else out
 
 
-@pytest.mark.parametrize("scaled", [True, False], ids=["llama3.1_rope_scaling", "plain_rope"])
-def test_llama_import_and_export_match_transformers(tmp_path, scaled):
-    config = dict(LLAMA31) if scaled else {**LLAMA31, "rope_scaling": None}
+LLAMA32 = {**LLAMA31, "tie_word_embeddings": True, "rope_scaling": {**LLAMA31["rope_scaling"], "factor": 32.0}}
+
+
+@pytest.mark.parametrize(
+    "config",
+    [LLAMA31, {**LLAMA31, "rope_scaling": None}, LLAMA32],
+    ids=["llama3.1_rope_scaling", "plain_rope", "llama3.2_tied"],
+)
+def test_llama_import_and_export_match_transformers(tmp_path, config):
+    scaled = config["rope_scaling"] is not None
     hf_dir = _hf_model(tmp_path, config)
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with open(os.path.join(hf_dir, "config.json")) as f:
@@ -84,10 +91,14 @@ def test_llama_import_and_export_match_transformers(tmp_path, scaled):
     weights, _ = load_model_weights(seed)
     ours = _ours(args)
     ours.load_state_dict(weights)
+    tied = config["tie_word_embeddings"]
+    assert (ours.output.weight is ours.tok_embeddings.weight) == tied
     tokens = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(1))
     want, got = _logits(hf, tokens), _logits(ours, tokens)
     delta = (got - want).abs().max().item()
-    print(f"\nllama {'3.1 scaled' if scaled else 'plain'} RoPE, seq {SEQ}: max |dlogits| {delta:.2e}")
+    print(
+        f"\nllama {'scaled' if scaled else 'plain'} RoPE{', tied' if tied else ''}, seq {SEQ}: max |dlogits| {delta:.2e}"
+    )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     if scaled:  # the scaling matters at this length: plain RoPE on the same weights is far off
         plain = _ours({**args, "rope_scaling": None})
@@ -96,4 +107,5 @@ def test_llama_import_and_export_match_transformers(tmp_path, scaled):
     out_dir = str(tmp_path / "hf_out")
     export_to_hf(seed, out_dir)
     back = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    assert back.config.tie_word_embeddings == tied
     torch.testing.assert_close(_logits(back, tokens), got, rtol=1e-5, atol=1e-5)

@@ -21,11 +21,41 @@ def _build(args=TINY, seed=0):
     return model
 
 
-@pytest.mark.parametrize("flavor, billions", [("8B", 8.03), ("70B", 70.55), ("405B", 405.85)])
-def test_published_flavor_sizes_on_meta(flavor, billions):
+# Meta's model cards / the HF checkpoints' parameter counts (Llama 3.2 1B and 3B count the tied table once)
+PUBLISHED = {
+    "1B": 1_235_814_400,
+    "3B": 3_212_749_824,
+    "8B": 8_030_261_248,
+    "70B": 70_553_706_496,
+    "405B": 405_853_388_800,
+}
+
+
+@pytest.mark.parametrize("flavor", PUBLISHED)
+def test_published_flavor_sizes_on_meta(flavor):
     with torch.device("meta"):
         model = Transformer(llama3_configs[flavor])
-    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == billions
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED[flavor]
+    assert (model.output.weight is model.tok_embeddings.weight) == (flavor in ("1B", "3B"))
+
+
+def test_tied_head_survives_materialisation_and_init():
+    """``to_empty`` unties a shared parameter; ``init_buffers`` (run by the init) ties it again."""
+    model = _build(dataclasses.replace(TINY, tie_word_embeddings=True))
+    assert model.output.weight is model.tok_embeddings.weight
+    assert len(list(model.parameters())) == len(list(_build().parameters())) - 1
+    std = model.tok_embeddings.weight.std().item()
+    assert abs(std - TINY.dim**-0.5) < 0.2 * TINY.dim**-0.5  # initialised as a head, not N(0, 1)
+
+
+def test_flop_params_count_a_tied_table_once_for_the_head():
+    from torchtitan.spec import count_non_embedding_params
+
+    untied, tied = _build(), _build(dataclasses.replace(TINY, tie_word_embeddings=True))
+    embedding = TINY.vocab_size * TINY.dim
+    # untied: every parameter but the embedding; tied: the head's matmul uses the one table
+    assert count_non_embedding_params(TINY, untied) == sum(p.numel() for p in untied.parameters()) - embedding
+    assert count_non_embedding_params(TINY, tied) == count_non_embedding_params(TINY, untied)
 
 
 def test_8b_ffn_width_matches_published():

@@ -201,6 +201,13 @@ def _check_pipeline(config: JobConfig, args) -> None:
     pp = exp.pipeline_parallel_degree
     if pp == 1:
         return
+    if getattr(args, "tie_word_embeddings", False):
+        raise NotImplementedError(
+            f"model.flavor = {config.model.flavor!r} ties the output head to the embedding table, and "
+            f"experimental.pipeline_parallel_degree = {pp} puts them on different stages (the first and the "
+            "last), where one parameter cannot get both gradients; use pipeline_parallel_degree = 1 with this "
+            "flavor"
+        )
     if exp.pipeline_parallel_schedule_csv and not os.path.isfile(exp.pipeline_parallel_schedule_csv):
         raise FileNotFoundError(
             f"experimental.pipeline_parallel_schedule_csv = '{exp.pipeline_parallel_schedule_csv}' does not exist"

@@ -159,7 +159,13 @@ def apply_tp(
     recipe); the embedding and the output head stay in high precision and keep the plain styles.
     """
     plan = {k: v for k, v in top_level_plan(loss_parallel).items() if getattr(model, k, None) is not None}
+    embedding, output = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    tied = embedding is not None and output is not None and output.weight is embedding.weight
     parallelize_module(model, tp_mesh, plan)
+    if tied:
+        # Each style distributed its own copy of the one table; both are Shard(0) over the vocab,
+        # so the head takes the embedding's DTensor and the two stay one parameter.
+        output.weight = embedding.weight
     for block in model.layers.values():
         if isinstance(block.feed_forward, MoE):
             if ring_async:

@@ -12,10 +12,22 @@ __all__ = ["ModelArgs", "RopeScaling", "Transformer", "llama3_configs"]
 # Llama 3.1's published long-context RoPE scaling (8B, 70B, 405B): 8192 -> 131072 tokens.
 LLAMA31_ROPE_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
 
+LLAMA32_ROPE_SCALING = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
+
 llama3_configs = {
     "debugmodel": ModelArgs(dim=256, n_layers=8, n_heads=16, rope_theta=500000, max_seq_len=2048),
-    # Llama 3.2 1B's shapes and RoPE scaling (factor 32). Llama 3.2 ties the output head to the
-    # embedding; this flavor does not yet, so it has 1.50B parameters (1.24B published, tied).
+    # Llama 3.2's features at debug size: the output head tied to the embedding, RoPE scaled (factor
+    # 32) from a 64-token original context, so training at seq_len 64+ exercises both.
+    "debugmodel_tied": ModelArgs(
+        dim=256,
+        n_layers=8,
+        n_heads=16,
+        rope_theta=500000,
+        rope_scaling=RopeScaling(factor=32.0, original_max_seq_len=64),
+        max_seq_len=2048,
+        tie_word_embeddings=True,
+    ),
+    # Llama 3.2 1B and 3B: RoPE scaling with factor 32, the output head tied to the embedding.
     "1B": ModelArgs(
         dim=2048,
         n_layers=16,
@@ -24,8 +36,21 @@ llama3_configs = {
         ffn_dim_multiplier=1.5,
         multiple_of=256,
         rope_theta=500000,
-        rope_scaling=RopeScaling(factor=32.0),
+        rope_scaling=LLAMA32_ROPE_SCALING,
         max_seq_len=131072,
+        tie_word_embeddings=True,
+    ),
+    "3B": ModelArgs(
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.0,
+        multiple_of=256,
+        rope_theta=500000,
+        rope_scaling=LLAMA32_ROPE_SCALING,
+        max_seq_len=131072,
+        tie_word_embeddings=True,
     ),
     "8B": ModelArgs(
         dim=4096,

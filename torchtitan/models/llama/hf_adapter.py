@@ -59,6 +59,8 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[
     n_heads, n_kv_heads = _heads(args)
     out = {}
     for key, w in sd.items():
+        if key == "output.weight" and args.get("tie_word_embeddings"):
+            continue  # the embedding table; HF's tie_word_embeddings shares it
         if key in _TOP:
             out[_TOP[key]] = w.contiguous()
             continue
@@ -94,6 +96,9 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], args: dict[str, Any]) -> dic
         elif suffix == "attention.wk.weight":
             w = _halves_to_interleaved(w, n_kv_heads)
         out[f"layers.{parts[2]}.{suffix}"] = w.contiguous()
+    if args.get("tie_word_embeddings"):
+        # one tensor under both names, as the tied model's state dict holds it
+        out["output.weight"] = out["tok_embeddings.weight"]
     return out
 
 
@@ -118,7 +123,7 @@ def hf_config(args: dict[str, Any], weights: dict[str, torch.Tensor], dtype: tor
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": bool(args.get("tie_word_embeddings", False)),
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
@@ -127,12 +132,11 @@ def model_args_from_hf(config: dict[str, Any]) -> dict[str, Any]:
     """Our ModelArgs fields (as a dict) from an HF Llama ``config.json``.
 
     Raises:
-        NotImplementedError: features our model does not have (other RoPE types, biases, tied embeddings).
+        NotImplementedError: features our model does not have (other RoPE types, biases).
     """
     for key, off in (
         ("attention_bias", False),
         ("mlp_bias", False),
-        ("tie_word_embeddings", False),
     ):
         if config.get(key, off) not in (off, {}):
             raise NotImplementedError(f"HF config {key} = {config[key]!r}: our Llama has no such feature")
@@ -145,6 +149,7 @@ def model_args_from_hf(config: dict[str, Any]) -> dict[str, Any]:
         "norm_eps": config.get("rms_norm_eps", 1e-5),
         "rope_theta": (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0)),
         "rope_scaling": _our_rope_scaling(config),
+        "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
         "max_seq_len": config.get("max_position_embeddings", 2048),
         "norm_type": "rmsnorm",
     }

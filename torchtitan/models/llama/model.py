@@ -50,6 +50,8 @@ class ModelArgs:
     # depth_init: scale each block's output-projection init by its depth (True) or by the model depth.
     depth_init: bool = True
     norm_type: str = "rmsnorm"
+    # The output head reuses the embedding table (Llama 3.2 1B/3B, small Qwen3): one parameter.
+    tie_word_embeddings: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -213,6 +215,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): build_block(i, args) for i in range(args.n_layers)})
         self.norm: nn.Module | None = build_norm(args.norm_type, args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight  # (vocab, dim) both
 
     def _rope_cache(self) -> torch.Tensor:
         args = self.args
@@ -224,18 +228,27 @@ class Transformer(nn.Module):
         The caller may reseed between units, so a pipeline stage that owns only some units draws
         the same values for them as the whole model does.
         """
+        tied = self.args.tie_word_embeddings
         if self.tok_embeddings is not None:
-            yield "tok_embeddings", lambda: nn.init.normal_(self.tok_embeddings.weight)
+            # a tied table is also the output head: initialised like it (std dim^-0.5), not N(0, 1)
+            yield (
+                "tok_embeddings",
+                (
+                    (lambda: self._init_head(self.tok_embeddings.weight))
+                    if tied
+                    else (lambda: nn.init.normal_(self.tok_embeddings.weight))
+                ),
+            )
         for name, block in self.layers.items():
             yield f"layers.{name}", block.init_weights
         if self.norm is not None:
             yield "norm", self.norm.reset_parameters
-        if self.output is not None:
-            yield "output", self._init_output
+        if self.output is not None and not tied:
+            yield "output", lambda: self._init_head(self.output.weight)
 
-    def _init_output(self) -> None:
+    def _init_head(self, weight: torch.Tensor) -> None:
         std = self.args.dim**-0.5
-        nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Fill every parameter and buffer (after ``to_empty``) from the global RNG."""
@@ -244,6 +257,13 @@ class Transformer(nn.Module):
             init()
 
     def init_buffers(self, buffer_device: torch.device | None = None) -> None:
+        """Recompute the RoPE table on ``buffer_device``; re-tie a tied output head first.
+
+        ``to_empty`` gives each module its own new parameter where one was shared (FSDP2 keeps the
+        sharing itself), so the head takes the embedding's parameter again here, before any init.
+        """
+        if self.args.tie_word_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight
         device = buffer_device or self.rope_cache.device
         with torch.device(device):
             self.rope_cache = self._rope_cache()

@@ -1,0 +1,37 @@
+"""Model families and flavors beyond the plain debug model, through the trainer: loss parity per layout.
+
+* Tied embeddings (``debugmodel_tied``: Llama 3.2's head tied to the embedding, RoPE scaled from a
+  64-token original context): FSDP2, TP2 (both shard the one table over the vocab: Shard(0)) and
+  DDP against the single-process run of the same flavor, within the matrix's RTOL. These rows join
+  the shared launches (the reference joins the 1-process one).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration_tests import GLOBAL_BATCH, RTOL, MatrixLaunches, Row, check_row
+
+pytestmark = pytest.mark.integration
+
+TIED = ["--model.flavor", "debugmodel_tied"]
+TIED_REFERENCE = Row("tied_1proc", 1, GLOBAL_BATCH, TIED)
+TIED_ROWS = [
+    Row("tied_fsdp2", 2, 4, TIED),
+    Row("tied_tp2", 2, 8, TIED, tp=2),
+    Row(
+        "tied_ddp2",
+        2,
+        4,
+        [*TIED, "--training.data_parallel_replicate_degree", "2", "--training.data_parallel_shard_degree", "1"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("row", "twin"), [(r, TIED_REFERENCE) for r in TIED_ROWS], ids=[r.name for r in TIED_ROWS])
+def test_tied_embedding_loss_parity(row: Row, twin: Row, matrix: MatrixLaunches):
+    check_row(row)
+    losses, ref = matrix.losses(row)["loss"], matrix.losses(twin)["loss"]
+    gaps = [abs(g - w) / abs(w) for g, w in zip(losses, ref, strict=True)]
+    print(row.name, "gap to one process", [f"{g:.2e}" for g in gaps])
+    assert max(gaps) <= RTOL, f"{row.name}: {losses} vs single-process {ref}"
