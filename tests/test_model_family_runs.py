@@ -4,13 +4,15 @@
   64-token original context): FSDP2, TP2 (both shard the one table over the vocab: Shard(0)) and
   DDP against the single-process run of the same flavor, within the matrix's RTOL. These rows join
   the shared launches (the reference joins the 1-process one).
+* Qwen3 (``model.name = "qwen3"``, debugmodel: QK-norm, head_dim 32 != dim / n_heads): FSDP2, TP2 (the
+  q/k norms' replicated weights on each rank's heads), PP2 1F1B and CP2 against its single-process run.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.integration_tests import GLOBAL_BATCH, RTOL, MatrixLaunches, Row, check_row
+from tests.integration_tests import GLOBAL_BATCH, ROTATE_ALLTOALL, RTOL, MatrixLaunches, Row, check_row, pp_schedule
 
 pytestmark = pytest.mark.integration
 
@@ -35,3 +37,18 @@ def test_tied_embedding_loss_parity(row: Row, twin: Row, matrix: MatrixLaunches)
     gaps = [abs(g - w) / abs(w) for g, w in zip(losses, ref, strict=True)]
     print(row.name, "gap to one process", [f"{g:.2e}" for g in gaps])
     assert max(gaps) <= RTOL, f"{row.name}: {losses} vs single-process {ref}"
+
+
+QWEN3 = ["--model.name", "qwen3"]
+QWEN3_REFERENCE = Row("qwen3_1proc", 1, GLOBAL_BATCH, QWEN3)
+QWEN3_ROWS = [
+    Row("qwen3_fsdp2", 2, 4, QWEN3),
+    Row("qwen3_tp2", 2, 8, QWEN3, tp=2),
+    Row("qwen3_pp2", 2, 8, [*QWEN3, *pp_schedule("1F1B")], pp=2),
+    Row("qwen3_cp2", 2, 8, [*QWEN3, *ROTATE_ALLTOALL], cp=2),
+]
+
+
+@pytest.mark.parametrize(("row", "twin"), [(r, QWEN3_REFERENCE) for r in QWEN3_ROWS], ids=[r.name for r in QWEN3_ROWS])
+def test_qwen3_loss_parity(row: Row, twin: Row, matrix: MatrixLaunches):
+    test_tied_embedding_loss_parity(row, twin, matrix)

@@ -23,6 +23,8 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.models.llama import Transformer, hf_adapter, llama3_configs
 from torchtitan.models.llama.model import ffn_hidden_dim
 from torchtitan.models.moe import MoETransformer, moe_configs, num_active_params
+from torchtitan.models.qwen3 import Qwen3Transformer, qwen3_configs
+from torchtitan.models.qwen3 import hf_adapter as qwen3_hf_adapter
 
 if TYPE_CHECKING:
     import torch
@@ -169,17 +171,18 @@ def _balanced_routing(args: Any) -> Any:
 
 
 def _check_dense_config(config: JobConfig, args: Any) -> None:
-    """llama's FFN width under TP; no expert parallel for a model without experts."""
+    """The FFN width under TP (llama's formula, or a family's ``ffn_dim``); no expert parallel without experts."""
     tp, ep = config.training.tensor_parallel_degree, config.experimental.expert_parallel_degree
-    if ffn_hidden_dim(args) % tp:
+    hidden = getattr(args, "ffn_dim", None) or ffn_hidden_dim(args)
+    if hidden % tp:
         raise ConfigError(
-            f"model {config.model.flavor}: ffn hidden size = {ffn_hidden_dim(args)} is not divisible by "
+            f"model {config.model.flavor}: ffn hidden size = {hidden} is not divisible by "
             f"training.tensor_parallel_degree = {tp}; choose a TP degree that divides it"
         )
     if ep > 1 and not hasattr(args, "num_experts"):
         raise ConfigError(
             f"experimental.expert_parallel_degree = {ep} but model.name = {config.model.name!r} (flavor "
-            f"{config.model.flavor!r}) has no experts; use model.name = 'llama3_moe' or set expert_parallel_degree = 1"
+            f"{config.model.flavor!r}) has no experts; use an MoE family (llama3_moe) or set expert_parallel_degree = 1"
         )
 
 
@@ -237,6 +240,13 @@ def _check_moe_config(config: JobConfig, args: Any) -> None:
 _SPECS: dict[str, ModelSpec] = {
     "llama3": ModelSpec(
         "llama3", Transformer, llama3_configs, state_dict_adapter=hf_adapter, validate_fn=_check_dense_config
+    ),
+    "qwen3": ModelSpec(
+        "qwen3",
+        Qwen3Transformer,
+        qwen3_configs,
+        state_dict_adapter=qwen3_hf_adapter,
+        validate_fn=_check_dense_config,
     ),
     "llama3_moe": ModelSpec(
         "llama3_moe",

@@ -18,7 +18,9 @@ import torch
 from torchtitan.checkpointing.hf import export_to_hf, import_from_hf
 from torchtitan.checkpointing.manager import load_model_weights
 from torchtitan.models.llama.hf_adapter import model_args_from_hf
-from torchtitan.models.llama.model import ModelArgs, RopeScaling, Transformer
+from torchtitan.models.llama.model import RopeScaling, Transformer
+from torchtitan.models.qwen3.hf_adapter import model_args_from_hf as qwen3_args_from_hf
+from torchtitan.spec import get_model_spec
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,21 +47,24 @@ LLAMA31 = {
 }
 
 
-def _hf_model(tmp_path, config: dict) -> str:
+def _hf_model(tmp_path, config: dict, family: str = "Llama") -> str:
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    hf_cls, config_cls = getattr(transformers, f"{family}ForCausalLM"), getattr(transformers, f"{family}Config")
+    model = hf_cls(config_cls(**config)).eval()
     folder = str(tmp_path / "hf_in")
     model.save_pretrained(folder, safe_serialization=True)
     return folder
 
 
-def _ours(args: dict) -> Transformer:
+def _ours(args: dict, model_name: str = "llama3") -> Transformer:
+    spec = get_model_spec(model_name)
+    args_cls = type(next(iter(spec.flavors.values())))
     scaling = args.get("rope_scaling")
-    fields = {f.name for f in dataclasses.fields(ModelArgs)}
+    fields = {f.name for f in dataclasses.fields(args_cls)}
     kwargs = {k: v for k, v in args.items() if k in fields and k != "rope_scaling"}
-    model_args = ModelArgs(**kwargs, rope_scaling=RopeScaling(**scaling) if scaling else None)
+    model_args = args_cls(**kwargs, rope_scaling=RopeScaling(**scaling) if scaling else None)
     with torch.device("meta"):
-        model = Transformer(model_args)
+        model = spec.model_cls(model_args)
     model.to_empty(device="cpu")
     model.init_buffers(torch.device("cpu"))
     return model.eval()
@@ -108,4 +113,49 @@ def test_llama_import_and_export_match_transformers(tmp_path, config):
     export_to_hf(seed, out_dir)
     back = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
     assert back.config.tie_word_embeddings == tied
+    torch.testing.assert_close(_logits(back, tokens), got, rtol=1e-5, atol=1e-5)
+
+
+QWEN3 = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,  # != hidden_size / heads = 16: Qwen3's own head_dim
+    "vocab_size": 256,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["qwen3", "qwen3_tied"])
+def test_qwen3_import_and_export_match_transformers(tmp_path, tied):
+    """QK-norm (its weights reordered within each head like wq/wk's rows), head_dim of its own, tying."""
+    config = {**QWEN3, "tie_word_embeddings": tied}
+    hf_dir = _hf_model(tmp_path, config, family="Qwen3")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    # random-init RMSNorm weights are all ones; make the q/k norms' reordering visible
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    hf.save_pretrained(hf_dir, safe_serialization=True)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        args = qwen3_args_from_hf(json.load(f))
+    seed = str(tmp_path / "seed" / "step-0")
+    import_from_hf(hf_dir, seed, model_name="qwen3")
+    weights, _ = load_model_weights(seed)
+    ours = _ours(args, "qwen3")
+    ours.load_state_dict(weights)
+    assert (ours.output.weight is ours.tok_embeddings.weight) == tied
+    tokens = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    want, got = _logits(hf, tokens), _logits(ours, tokens)
+    print(f"\nqwen3{' tied' if tied else ''}, seq {SEQ}: max |dlogits| {(got - want).abs().max().item():.2e}")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    out_dir = str(tmp_path / "hf_out")
+    export_to_hf(seed, out_dir)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    assert type(back).__name__ == "Qwen3ForCausalLM" and back.config.tie_word_embeddings == tied
     torch.testing.assert_close(_logits(back, tokens), got, rtol=1e-5, atol=1e-5)

@@ -98,8 +98,13 @@ def _all_float8(block: nn.Module, names: list[str]) -> bool:
 class TokenShardedReplicate(ParallelStyle):
     """Replicated weights applied to this rank's own tokens: (T_local, ...) plain in, plain out.
 
-    The input is read as Shard(0) of all TP ranks' tokens, so the weight grad is Partial(sum).
+    The input is read as Shard(``shard_dim``) (default 0: tokens) of all TP ranks' inputs, so the
+    weight grad is Partial(sum). Qwen3's q/k norms use dim 2: each rank's own heads.
     """
+
+    def __init__(self, shard_dim: int = 0):
+        super().__init__()
+        self.shard_dim = shard_dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def replicate(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
@@ -107,7 +112,7 @@ class TokenShardedReplicate(ParallelStyle):
                 mod.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
 
         def to_dtensor(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-            return tuple(DTensor.from_local(x, mesh, [Shard(0)], run_check=False) for x in inputs)
+            return tuple(DTensor.from_local(x, mesh, [Shard(self.shard_dim)], run_check=False) for x in inputs)
 
         def to_local(mod: nn.Module, out: DTensor, mesh: DeviceMesh):
             return out.to_local()
@@ -179,4 +184,6 @@ def apply_tp(
         else:
             linears = [k for k in block_plan() if k.count(".") == 1]
             plan = block_plan(float8=float8 and _all_float8(block, linears))
+        if block.attention.q_norm is not None:  # QK-norm: (bs, seqlen, local heads, head_dim) per rank
+            plan = {**plan, "attention.q_norm": TokenShardedReplicate(2), "attention.k_norm": TokenShardedReplicate(2)}
         parallelize_module(block, tp_mesh, plan)

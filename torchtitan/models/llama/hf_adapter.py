@@ -114,7 +114,7 @@ def hf_config(args: dict[str, Any], weights: dict[str, torch.Tensor], dtype: tor
         "num_hidden_layers": args["n_layers"],
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv_heads,
-        "head_dim": args["dim"] // n_heads,
+        "head_dim": args.get("head_dim") or args["dim"] // n_heads,
         "vocab_size": args["vocab_size"],
         "max_position_embeddings": args["max_seq_len"],
         "rms_norm_eps": args["norm_eps"],

@@ -125,11 +125,17 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.sdpa: nn.Module = CausalAttention()
+        # QK-norm (Qwen3): an RMSNorm over head_dim of each q and k head, before RoPE; None in Llama.
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         """x (bs, seqlen, dim); rope (>= seqlen, head_dim), row i for the i-th token of x."""
@@ -138,6 +144,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_heads, head_dim)
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_kv_heads, head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_kv_heads, head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         # Sliced here, where the sequence is whole: between blocks, sequence parallel shards it.
         rope = rope[:seqlen]
         q, k = apply_rotary_emb(q, rope), apply_rotary_emb(k, rope)
@@ -154,9 +162,10 @@ def ffn_hidden_dim(args: ModelArgs) -> int:
 
 
 class FeedForward(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, hidden: int | None = None):
+        """``hidden``: the SwiGLU width; default Llama's ``ffn_hidden_dim(args)``."""
         super().__init__()
-        hidden = ffn_hidden_dim(args)
+        hidden = hidden or ffn_hidden_dim(args)
         self.w1 = nn.Linear(args.dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, args.dim, bias=False)
         self.w3 = nn.Linear(args.dim, hidden, bias=False)
