@@ -23,8 +23,9 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.models.llama import Transformer, hf_adapter, llama3_configs
 from torchtitan.models.llama.model import ffn_hidden_dim
 from torchtitan.models.moe import MoETransformer, moe_configs, num_active_params
-from torchtitan.models.qwen3 import Qwen3Transformer, qwen3_configs
+from torchtitan.models.qwen3 import Qwen3MoETransformer, Qwen3Transformer, qwen3_configs, qwen3_moe_configs
 from torchtitan.models.qwen3 import hf_adapter as qwen3_hf_adapter
+from torchtitan.models.qwen3 import hf_moe_adapter as qwen3_moe_hf_adapter
 
 if TYPE_CHECKING:
     import torch
@@ -162,7 +163,7 @@ class ModelSpec:
 
 
 def _moe_flop_params(args: Any, model: nn.Module) -> int:
-    return num_active_params(args)  # top_k of the routed experts
+    return num_active_params(args, model)  # top_k of the routed experts
 
 
 def _balanced_routing(args: Any) -> Any:
@@ -255,6 +256,17 @@ _SPECS: dict[str, ModelSpec] = {
         count_flop_params=_moe_flop_params,
         build_step_hooks=Deferred("torchtitan.components.load_balancing:build_load_balancer"),
         fake_tensor_args=_balanced_routing,
+        validate_fn=_check_moe_config,
+        layer_pattern=lambda args: (args.first_k_dense, args.moe_every),
+    ),
+    "qwen3_moe": ModelSpec(
+        "qwen3_moe",
+        Qwen3MoETransformer,
+        qwen3_moe_configs,
+        count_flop_params=_moe_flop_params,
+        build_step_hooks=Deferred("torchtitan.components.load_balancing:build_load_balancer"),
+        fake_tensor_args=_balanced_routing,
+        state_dict_adapter=qwen3_moe_hf_adapter,
         validate_fn=_check_moe_config,
         layer_pattern=lambda args: (args.first_k_dense, args.moe_every),
     ),

@@ -159,3 +159,40 @@ def test_qwen3_import_and_export_match_transformers(tmp_path, tied):
     back = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
     assert type(back).__name__ == "Qwen3ForCausalLM" and back.config.tie_word_embeddings == tied
     torch.testing.assert_close(_logits(back, tokens), got, rtol=1e-5, atol=1e-5)
+
+
+QWEN3_MOE = {
+    **{k: v for k, v in QWEN3.items() if k != "intermediate_size"},
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+}
+
+
+def test_qwen3_moe_import_and_export_match_transformers(tmp_path):
+    """Per-expert HF weights stacked into our grouped experts, softmax top-k renormalised, QK-norm."""
+    from torchtitan.models.qwen3.hf_moe_adapter import model_args_from_hf as moe_args_from_hf
+
+    hf_dir = _hf_model(tmp_path, QWEN3_MOE, family="Qwen3Moe")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        args = moe_args_from_hf(json.load(f))
+    seed = str(tmp_path / "seed" / "step-0")
+    import_from_hf(hf_dir, seed, model_name="qwen3_moe")
+    weights, _ = load_model_weights(seed)
+    ours = _ours(args, "qwen3_moe")
+    ours.load_state_dict(weights)
+    tokens = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    want, got = _logits(hf, tokens), _logits(ours, tokens)
+    print(f"\nqwen3_moe, seq {SEQ}: max |dlogits| {(got - want).abs().max().item():.2e}")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    out_dir = str(tmp_path / "hf_out")
+    export_to_hf(seed, out_dir)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    assert type(back).__name__ == "Qwen3MoeForCausalLM"
+    torch.testing.assert_close(_logits(back, tokens), got, rtol=1e-5, atol=1e-5)

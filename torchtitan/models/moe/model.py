@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from torchtitan.models.llama.model import Transformer, TransformerBlock
 from torchtitan.models.moe.args import MoEArgs
@@ -26,8 +27,9 @@ def build_moe_block(layer_id: int, args: MoEArgs) -> TransformerBlock:
 class MoETransformer(Transformer):
     """Llama's Transformer (embedding, RoPE, norm, output, init units, forward) with MoE blocks."""
 
-    def __init__(self, args: MoEArgs):
-        super().__init__(args, build_block=build_moe_block)
+    def __init__(self, args: MoEArgs, build_block: Callable[[int, MoEArgs], nn.Module] = build_moe_block):
+        """``build_block``: llama's block with an MoE (default), or a family's variant of it (Qwen3-MoE)."""
+        super().__init__(args, build_block=build_block)
 
     def moe_layers(self) -> dict[str, MoE]:
         """Layer name ("1", "2", ...) -> its MoE, for the layers this module (or stage) owns.
@@ -75,10 +77,14 @@ class MoETransformer(Transformer):
             m.update_expert_bias(row)
 
 
-def num_active_params(args: MoEArgs) -> int:
-    """Parameters one token's forward multiplies by (the 6N in MFU): no embedding, top_k of the routed experts."""
-    with torch.device("meta"):
-        model = MoETransformer(args)
+def num_active_params(args: MoEArgs, model: MoETransformer | None = None) -> int:
+    """Parameters one token's forward multiplies by (the 6N in MFU): no embedding, top_k of the routed experts.
+
+    ``model``: the (meta) model to count; default llama's MoE built from ``args``.
+    """
+    if model is None:
+        with torch.device("meta"):
+            model = MoETransformer(args)
     total = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("tok_embeddings."))
     routed = sum(p.numel() for m in model.moe_layers().values() for p in m.experts.parameters())
     return total - routed * (args.num_experts - args.top_k) // args.num_experts

@@ -3,11 +3,14 @@
 The small sizes (0.6B, 1.7B, 4B) tie the output head to the embedding, as published. debugmodel:
 llama's debug size with Qwen3's features (QK-norm, head_dim 32 != dim / n_heads = 16, a given FFN
 width), untied so that every layout, pipeline parallel included, can train it.
+
+Qwen3-MoE ("qwen3_moe"): 30B-A3B and 235B-A22B as published (128 experts, top 8, every layer MoE);
+debugmodel: the dense debug model's attention with 8 experts of width 128, top 2.
 """
 
-from torchtitan.models.qwen3.model import Qwen3Args, Qwen3Transformer
+from torchtitan.models.qwen3.model import Qwen3Args, Qwen3MoEArgs, Qwen3MoETransformer, Qwen3Transformer
 
-__all__ = ["Qwen3Args", "Qwen3Transformer", "qwen3_configs"]
+__all__ = ["Qwen3Args", "Qwen3MoEArgs", "Qwen3MoETransformer", "Qwen3Transformer", "qwen3_configs", "qwen3_moe_configs"]
 
 
 def _published(dim: int, n_layers: int, n_heads: int, ffn_dim: int, tied: bool) -> Qwen3Args:
@@ -32,4 +35,36 @@ qwen3_configs = {
     "8B": _published(4096, 36, 32, 12288, tied=False),
     "14B": _published(5120, 40, 40, 17408, tied=False),
     "32B": _published(5120, 64, 64, 25600, tied=False),
+}
+
+
+def _published_moe(dim: int, n_layers: int, n_heads: int, moe_hidden_dim: int) -> Qwen3MoEArgs:
+    return Qwen3MoEArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=4,
+        head_dim=128,
+        num_experts=128,
+        top_k=8,
+        moe_hidden_dim=moe_hidden_dim,
+        vocab_size=151936,
+        max_seq_len=40960,
+    )
+
+
+qwen3_moe_configs = {
+    "debugmodel": Qwen3MoEArgs(
+        dim=256,
+        n_layers=8,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=32,
+        num_experts=8,
+        top_k=2,
+        moe_hidden_dim=128,
+        max_seq_len=2048,
+    ),
+    "30B-A3B": _published_moe(2048, 48, 32, 768),
+    "235B-A22B": _published_moe(4096, 94, 64, 1536),
 }
