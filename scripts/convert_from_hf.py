@@ -1,8 +1,9 @@
-"""Convert Hugging Face Llama weights to a seed checkpoint a training run starts from.
+"""Convert Hugging Face weights (Llama, Qwen3, Qwen3-MoE) to a seed checkpoint a training run starts from.
 
-    python scripts/convert_from_hf.py HF_DIR outputs/my_run/checkpoint/step-0
+    python scripts/convert_from_hf.py HF_DIR outputs/my_run/checkpoint/step-0 [--model qwen3]
 
-HF_DIR holds ``model.safetensors`` and ``config.json``. The output is a complete step-0 (weights
+HF_DIR holds ``model.safetensors`` and ``config.json``; the model family is the one for the config's
+``model_type`` unless ``--model`` names it. The output is a complete step-0 (weights
 only) checkpoint: a run with ``checkpoint.enable_checkpoint = true`` and that checkpoint folder loads
 it as its initial weights (every key and shape is checked against the configured model).
 """
@@ -22,9 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("hf_dir", help="folder with model.safetensors and config.json")
     parser.add_argument("output", help="output checkpoint folder, e.g. <dump_folder>/checkpoint/step-0")
+    parser.add_argument(
+        "--model", default=None, help="model.name of the family (default: from config.json's model_type)"
+    )
     args = parser.parse_args(argv)
     try:
-        import_from_hf(args.hf_dir, args.output)
+        import_from_hf(args.hf_dir, args.output, model_name=args.model)
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

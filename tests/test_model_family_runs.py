@@ -6,6 +6,8 @@
   the shared launches (the reference joins the 1-process one).
 * Qwen3 (``model.name = "qwen3"``, debugmodel: QK-norm, head_dim 32 != dim / n_heads): FSDP2, TP2 (the
   q/k norms' replicated weights on each rank's heads), PP2 1F1B and CP2 against its single-process run.
+* Qwen3-MoE (``model.name = "qwen3_moe"``, debugmodel: 8 experts, top 2, softmax renormalised, expert-
+  bias balancing): EP2 and FSDP2 x EP2 against its single-process run.
 """
 
 from __future__ import annotations
@@ -51,4 +53,19 @@ QWEN3_ROWS = [
 
 @pytest.mark.parametrize(("row", "twin"), [(r, QWEN3_REFERENCE) for r in QWEN3_ROWS], ids=[r.name for r in QWEN3_ROWS])
 def test_qwen3_loss_parity(row: Row, twin: Row, matrix: MatrixLaunches):
+    test_tied_embedding_loss_parity(row, twin, matrix)
+
+
+QWEN3_MOE = ["--model.name", "qwen3_moe"]
+QWEN3_MOE_REFERENCE = Row("qwen3_moe_1proc", 1, GLOBAL_BATCH, QWEN3_MOE)
+QWEN3_MOE_ROWS = [
+    Row("qwen3_moe_ep2", 2, 4, [*QWEN3_MOE, "--experimental.expert_parallel_degree", "2"]),
+    Row("qwen3_moe_fsdp2_ep2", 4, 2, [*QWEN3_MOE, "--experimental.expert_parallel_degree", "2"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("row", "twin"), [(r, QWEN3_MOE_REFERENCE) for r in QWEN3_MOE_ROWS], ids=[r.name for r in QWEN3_MOE_ROWS]
+)
+def test_qwen3_moe_loss_parity(row: Row, twin: Row, matrix: MatrixLaunches):
     test_tied_embedding_loss_parity(row, twin, matrix)

@@ -145,6 +145,7 @@ class ModelSpec:
             ConfigError / NotImplementedError naming the key), beside the generic ones.
         layer_pattern: ``args -> (prefix, period)``: after ``prefix`` leading layers, the layers
             repeat with this period (the estimator extrapolates memory over whole periods).
+        hf_model_type: the Hugging Face ``model_type`` a ``config.json`` names for this family.
     """
 
     name: str
@@ -160,6 +161,7 @@ class ModelSpec:
     state_dict_adapter: Any = None
     validate_fn: Callable[[JobConfig, Any], None] | None = None
     layer_pattern: Callable[[Any], tuple[int, int]] = lambda args: (0, 1)
+    hf_model_type: str | None = None  # config.json's "model_type" this family imports (with state_dict_adapter)
 
 
 def _moe_flop_params(args: Any, model: nn.Module) -> int:
@@ -240,7 +242,12 @@ def _check_moe_config(config: JobConfig, args: Any) -> None:
 # One entry per family.
 _SPECS: dict[str, ModelSpec] = {
     "llama3": ModelSpec(
-        "llama3", Transformer, llama3_configs, state_dict_adapter=hf_adapter, validate_fn=_check_dense_config
+        "llama3",
+        Transformer,
+        llama3_configs,
+        state_dict_adapter=hf_adapter,
+        validate_fn=_check_dense_config,
+        hf_model_type="llama",
     ),
     "qwen3": ModelSpec(
         "qwen3",
@@ -248,6 +255,7 @@ _SPECS: dict[str, ModelSpec] = {
         qwen3_configs,
         state_dict_adapter=qwen3_hf_adapter,
         validate_fn=_check_dense_config,
+        hf_model_type="qwen3",
     ),
     "llama3_moe": ModelSpec(
         "llama3_moe",
@@ -269,6 +277,7 @@ _SPECS: dict[str, ModelSpec] = {
         state_dict_adapter=qwen3_moe_hf_adapter,
         validate_fn=_check_moe_config,
         layer_pattern=lambda args: (args.first_k_dense, args.moe_every),
+        hf_model_type="qwen3_moe",
     ),
 }
 
@@ -282,6 +291,15 @@ def register_model_spec(spec: ModelSpec) -> None:
 
 def model_names() -> list[str]:
     return list(_SPECS)
+
+
+def spec_for_hf_model_type(model_type: str) -> ModelSpec:
+    """The family that imports a Hugging Face ``config.json`` of this ``model_type``."""
+    for spec in _SPECS.values():
+        if spec.hf_model_type == model_type:
+            return spec
+    known = sorted(s.hf_model_type for s in _SPECS.values() if s.hf_model_type)
+    raise ValueError(f"Hugging Face model_type {model_type!r} has no model family here; known: {known}")
 
 
 def get_model_spec(name: str) -> ModelSpec:

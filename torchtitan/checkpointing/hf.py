@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from torchtitan.checkpointing.manager import load_model_weights, save_model_weights
-from torchtitan.spec import get_model_spec
+from torchtitan.spec import get_model_spec, spec_for_hf_model_type
 
 
 def _adapter(model_name: str) -> Any:
@@ -43,15 +43,19 @@ def export_to_hf(checkpoint_path: str, output_dir: str, dtype: torch.dtype | Non
     return config
 
 
-def import_from_hf(hf_dir: str, output_path: str, model_name: str = "llama3") -> None:
+def import_from_hf(hf_dir: str, output_path: str, model_name: str | None = None) -> None:
     """HF ``model.safetensors`` + ``config.json`` -> a step-0 seed checkpoint at ``output_path``.
 
     A run whose checkpoint folder holds it (as ``step-0``) starts from these weights; the model
-    config must match (the load checks every key and shape).
+    config must match (the load checks every key and shape). ``model_name``: the family; default
+    the one whose ``hf_model_type`` is the config's ``model_type``.
     """
-    adapter = _adapter(model_name)
     with open(os.path.join(hf_dir, "config.json"), encoding="utf-8") as f:
-        args = adapter.model_args_from_hf(json.load(f))
+        hf_config = json.load(f)
+    if model_name is None:
+        model_name = spec_for_hf_model_type(hf_config.get("model_type", "llama")).name
+    adapter = _adapter(model_name)
+    args = adapter.model_args_from_hf(hf_config)
     weights = adapter.from_hf_state_dict(load_file(os.path.join(hf_dir, "model.safetensors")), args)
     save_model_weights(weights, output_path, {"name": model_name, "flavor": None, "args": args, "source": hf_dir})
 

@@ -5,8 +5,13 @@ llama's debug size with Qwen3's features (QK-norm, head_dim 32 != dim / n_heads 
 width), untied so that every layout, pipeline parallel included, can train it.
 
 Qwen3-MoE ("qwen3_moe"): 30B-A3B and 235B-A22B as published (128 experts, top 8, every layer MoE);
-debugmodel: the dense debug model's attention with 8 experts of width 128, top 2.
+debugmodel: the dense debug model's attention with 8 experts of width 128, top 2, balanced with the
+expert bias (aux-loss free), whose updates use the global token counts, so every layout trains it
+to the same loss; debugmodel_aux_loss: the same with Qwen3-MoE's own aux loss, which each rank
+computes on its own tokens (as transformers does), so layouts differ by more than fp32 noise.
 """
+
+import dataclasses
 
 from torchtitan.models.qwen3.model import Qwen3Args, Qwen3MoEArgs, Qwen3MoETransformer, Qwen3Transformer
 
@@ -64,7 +69,9 @@ qwen3_moe_configs = {
         top_k=2,
         moe_hidden_dim=128,
         max_seq_len=2048,
+        load_balance="bias",
     ),
     "30B-A3B": _published_moe(2048, 48, 32, 768),
     "235B-A22B": _published_moe(4096, 94, 64, 1536),
 }
+qwen3_moe_configs["debugmodel_aux_loss"] = dataclasses.replace(qwen3_moe_configs["debugmodel"], load_balance="aux_loss")
