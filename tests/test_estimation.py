@@ -29,6 +29,7 @@ import pytest
 
 from tests.integration_tests import MOE_ROWS, ROOT, ROWS, Row, job_argv
 from tests.test_float8_runs import FLOAT8_ROWS
+from tests.test_model_family_runs import QWEN3_MOE_ROWS, QWEN3_ROWS, TIED_ROWS
 from tests.test_optimizer_in_backward_runs import IB_ROWS
 from torchtitan.config.manager import JobConfig
 
@@ -41,7 +42,10 @@ NOT_PRACTICAL = {
     "fsdp2_cpu_offload": "CPU offload is not modeled (NotImplementedError)",
     "ib_fsdp2_cpu_offload": "CPU offload is not modeled (NotImplementedError)",
 }
-ALL_ROWS = [r for r in ROWS + MOE_ROWS + FLOAT8_ROWS + IB_ROWS if r.name not in NOT_PRACTICAL and r.ngpu > 1]
+FAMILY_ROWS = TIED_ROWS + QWEN3_ROWS + QWEN3_MOE_ROWS
+ALL_ROWS = [
+    r for r in ROWS + MOE_ROWS + FLOAT8_ROWS + IB_ROWS + FAMILY_ROWS if r.name not in NOT_PRACTICAL and r.ngpu > 1
+]
 # CI measures one row per feature (~4 minutes); every practical row takes ~15 minutes:
 # TORCHTITAN_ESTIMATION_ALL_ROWS=1 python -m pytest -s tests/test_estimation.py
 CI_ROWS = {
@@ -60,6 +64,9 @@ CI_ROWS = {
     # the optimizer step in backward: gradients freed one by one, the state created in backward; with
     # full AC, where the gradients are part of the peak (test_in_backward_step_peaks_lower)
     "ib_fsdp2_ac_full",
+    "tied_fsdp2",  # one table for the embedding and the head
+    "qwen3_tp2",  # Qwen3: QK-norm weights replicated over TP, head_dim of its own
+    "qwen3_moe_ep2",
 }
 TRACKER_ROWS = (
     ALL_ROWS if os.environ.get("TORCHTITAN_ESTIMATION_ALL_ROWS") else [r for r in ALL_ROWS if r.name in CI_ROWS]
