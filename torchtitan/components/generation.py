@@ -1,0 +1,121 @@
+"""Sampling text from a trained model: greedy, temperature and top-k, with or without a KV cache.
+
+The model is not edited: ``KVCache.install`` swaps each block's attention kernel
+(``layers[*].attention.sdpa``, the seam context parallel uses too) for one that appends the step's
+keys and values to a per-layer cache and attends over everything cached so far. The model gets the
+new tokens' true positions (its ``positions`` argument), so RoPE rotates them as in a full forward.
+Without the cache every step runs the whole sequence again: the reference the cache is tested against.
+
+Works on the local heads a tensor-parallel rank holds (the kernel reads head counts from shapes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CachedAttention(nn.Module):
+    """Causal attention of new queries over cached + new keys/values of one layer."""
+
+    def __init__(self, cache: KVCache):
+        super().__init__()
+        self.cache = cache
+        self.k: torch.Tensor | None = None  # (bs, n_kv_heads, max_len, head_dim)
+        self.v: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (bs, n_heads, n, head_dim); k, v (bs, n_kv_heads, n, head_dim), the n newest tokens."""
+        start, n = self.cache.length, q.shape[2]
+        if self.k is None:
+            shape = (k.shape[0], k.shape[1], self.cache.max_len, k.shape[3])
+            self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
+        self.k[:, :, start : start + n] = k
+        self.v[:, :, start : start + n] = v
+        keys, values = self.k[:, :, : start + n], self.v[:, :, : start + n]  # (bs, n_kv_heads, start+n, hd)
+        n_rep = q.shape[1] // k.shape[1]
+        keys, values = keys.repeat_interleave(n_rep, dim=1), values.repeat_interleave(n_rep, dim=1)
+        # query i (position start+i) sees keys 0..start+i
+        mask = torch.ones(n, start + n, dtype=torch.bool, device=q.device).tril(diagonal=start)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+
+class KVCache:
+    """Every layer's keys and values for up to ``max_len`` positions; ``length`` of them are filled."""
+
+    def __init__(self, max_len: int):
+        self.max_len, self.length = max_len, 0
+
+    def install(self, model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+        """Swap the attention kernels; returns (attention, its original kernel) to restore."""
+        swapped = []
+        for block in model.layers.values():
+            swapped.append((block.attention, block.attention.sdpa))
+            block.attention.sdpa = CachedAttention(self)
+        return swapped
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """``temperature`` 0: greedy (argmax); else softmax(logits / temperature) over the ``top_k`` best (0: all)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+
+    def pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """logits (bs, vocab) fp32 -> (bs,) token ids."""
+        if self.temperature <= 0:
+            return logits.argmax(dim=-1)
+        logits = logits / self.temperature
+        if self.top_k > 0:
+            kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (bs, 1)
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    *,
+    use_cache: bool = True,
+    stop_token: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """prompt (bs, n) token ids -> (bs, n + generated): the prompt followed by up to ``max_new_tokens``.
+
+    Stops early once every row has produced ``stop_token``. ``generator`` seeds the sampling.
+    """
+    tokens = prompt
+    cache = KVCache(prompt.shape[1] + max_new_tokens) if use_cache else None
+    swapped = cache.install(model) if cache is not None else []
+    done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+    try:
+        for _ in range(max_new_tokens):
+            if cache is None:  # the whole sequence again, positions 0..len-1
+                logits = model(tokens)[:, -1]
+            else:  # only the tokens not yet cached, at their true positions
+                new = tokens[:, cache.length :]
+                positions = torch.arange(cache.length, tokens.shape[1], device=tokens.device)
+                logits = model(new, positions)[:, -1]
+                cache.length = tokens.shape[1]
+            nxt = sampling.pick(_full(logits).float(), generator)  # (bs,)
+            tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+            if stop_token is not None:
+                done |= nxt == stop_token
+                if bool(done.all()):
+                    break
+    finally:
+        for attention, kernel in swapped:
+            attention.sdpa = kernel
+    return tokens
+
+
+def _full(logits: torch.Tensor) -> torch.Tensor:
+    """Plain logits (a replicated DTensor under tensor parallel without loss parallel)."""
+    return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
