@@ -76,6 +76,33 @@ def block_plan(float8: bool = False) -> dict[str, ParallelStyle]:
     }
 
 
+def apply_tp_inference(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Tensor parallel without sequence parallel, for generation (a step may hold a single token).
+
+    Activations between blocks stay replicated: column-parallel q/k/v and w1/w3, row-parallel wo/w2
+    whose outputs are all-reduced; the embedding and the head shard the vocabulary and return
+    replicated outputs (the logits whole on every rank). Dense blocks only.
+    """
+    top = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "output": ColwiseParallel(output_layouts=Replicate(), use_local_output=True),
+    }
+    embedding, output = model.tok_embeddings, model.output
+    tied = output.weight is embedding.weight
+    parallelize_module(model, tp_mesh, top)
+    if tied:
+        output.weight = embedding.weight
+    for block in model.layers.values():
+        if isinstance(block.feed_forward, MoE):
+            raise NotImplementedError("tensor-parallel generation of an MoE model: run it on one process")
+        plan = {name: ColwiseParallel() for name in ("attention.wq", "attention.wk", "attention.wv")}
+        plan |= {"feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel()}
+        plan |= {"attention.wo": RowwiseParallel(), "feed_forward.w2": RowwiseParallel()}
+        if block.attention.q_norm is not None:
+            plan |= {"attention.q_norm": TokenShardedReplicate(2), "attention.k_norm": TokenShardedReplicate(2)}
+        parallelize_module(block, tp_mesh, plan)
+
+
 def _styles(float8: bool) -> tuple[type, type, type]:
     if not float8:
         return ColwiseParallel, RowwiseParallel, PrepareModuleInput

@@ -10,6 +10,7 @@ drops layers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -56,6 +57,15 @@ class ModelArgs:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> ModelArgs:
+        """The args a checkpoint marker records (``dataclasses.asdict``), back as this class."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in fields.items() if k in known}
+        if isinstance(kwargs.get("rope_scaling"), dict):
+            kwargs["rope_scaling"] = RopeScaling(**kwargs["rope_scaling"])
+        return cls(**kwargs)
 
 
 # fused_rmsnorm: torchtitan's name for the fused kernel, which torch 2.13's nn.RMSNorm already runs
