@@ -20,6 +20,7 @@ from torchtitan.estimation.fake_trainer import (
     ddp_bucket_bytes,
     estimation_builders,
     fake_mode_patches,
+    gloo_frees_in_order,
     gloo_patches,
     grouped_mm_patches,
     p2p_works_hold_tensors,
@@ -110,8 +111,9 @@ def estimate_rank(
     try:
         builders = estimation_builders(vocab, n_layers=n_layers)
         if not fake:  # the accuracy tests' real run: same builders (and routing assumption), real tensors
-            trainer = Trainer(config, world_size=world_size, rank=rank, builders=builders)
-            return track_steps(trainer)
+            with gloo_frees_in_order() if get_device_info().backend == "gloo" else contextlib.nullcontext():
+                trainer = Trainer(config, world_size=world_size, rank=rank, builders=builders)
+                return track_steps(trainer)
         # allow_non_fake_inputs: the meta model (see estimation_builders) is plain meta tensors.
         with (
             FakeTensorMode(allow_non_fake_inputs=True),

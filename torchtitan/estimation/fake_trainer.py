@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-import os
 import unittest.mock
 from collections.abc import Iterator
 
@@ -21,6 +20,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torchtitan.build import TrainerBuilders
 from torchtitan.components.run_control import Verdict
 from torchtitan.datasets import build_tokenizer
+from torchtitan.datasets.tokenizer import find_tokenizer_file
 from torchtitan.spec import get_model_spec
 
 
@@ -83,7 +83,7 @@ class FlavorVocabTokenizer:
 def resolve_vocab(config) -> tuple[int, str]:
     """(vocabulary size, where it came from): the tokenizer file if present, else the flavor's."""
     path = config.model.tokenizer_path
-    if os.path.isfile(path):
+    if find_tokenizer_file(path) is not None:
         return build_tokenizer(path).n_words, f"tokenizer {path}"
     n = get_model_spec(config.model.name).flavors[config.model.flavor].vocab_size
     return n, f"flavor {config.model.flavor} vocabulary (tokenizer file {path} not found)"
@@ -277,6 +277,44 @@ _REAL_GROUPED_MM = torch._grouped_mm
 def grouped_mm_patches() -> Iterator[None]:
     """``torch._grouped_mm`` (the MoE experts) on fake fp32 inputs, whose meta kernel takes only bf16."""
     with unittest.mock.patch.object(torch, "_grouped_mm", _grouped_mm):
+        yield
+
+
+@contextlib.contextmanager
+def gloo_frees_in_order(timeout_s: float = 5.0) -> Iterator[None]:
+    """The real (tracked) run only, on gloo: FSDP's all-gather and reduce-scatter return once
+    gloo's worker thread has let go of the finished work.
+
+    gloo signals completion before its worker thread drops the work, which holds the collective's
+    tensors (FSDP's all-gather output, gloo's own reduce-scatter buffer). Whether the main thread's
+    next allocation sees them freed was a race: the tracked peak of the same step varied by one
+    all-gather buffer between runs (the tiny family's FSDP2 step: 8,690,728 or 9,280,552 bytes).
+    Here each call waits, then yields until the output's storage has no reference beyond those it
+    had before the call, so buffers are freed where the step drops them, as stream-ordered NCCL
+    frees them. Training never runs under this: it makes the measurement repeatable.
+    """
+    import time
+
+    import torch.distributed as dist
+
+    def released_on_return(real):
+        def call(output, input, *args, async_op: bool = False, **kwargs):
+            storage = output.untyped_storage()._cdata
+            before = torch._C._storage_Use_Count(storage)
+            work = real(output, input, *args, async_op=True, **kwargs)
+            work.wait()
+            del work
+            deadline = time.monotonic() + timeout_s
+            while torch._C._storage_Use_Count(storage) > before and time.monotonic() < deadline:
+                time.sleep(0)  # the worker thread still holds the finished work
+            return None  # FSDP waits only on a returned Work: this one is done
+
+        return call
+
+    with (
+        unittest.mock.patch.object(dist, "all_gather_single", released_on_return(dist.all_gather_single)),
+        unittest.mock.patch.object(dist, "reduce_scatter_single", released_on_return(dist.reduce_scatter_single)),
+    ):
         yield
 
 
