@@ -101,6 +101,11 @@ def _one_error_line(result: subprocess.CompletedProcess, expected: str, code: in
             None,
             "training.seq_len = 90 is not divisible by 2 x context_parallel_degree (load balancing) = 4",
         ),
+        (
+            ["--checkpoint.initial_load_path", "./no_such_hf", "--checkpoint.initial_load_in_hf"],
+            None,
+            "Hugging Face folder './no_such_hf' does not exist",
+        ),
     ],
     ids=[
         "missing-config",
@@ -118,6 +123,7 @@ def _one_error_line(result: subprocess.CompletedProcess, expected: str, code: in
         "profile-freq",
         "dump-folder-under-a-file",
         "cp-seq-len",
+        "initial-load-in-hf",
     ],
 )
 def test_launcher_rejects_bad_input_in_one_line(args, config, expected, tmp_path):

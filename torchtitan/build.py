@@ -43,8 +43,12 @@ if TYPE_CHECKING:
 
 
 def build_model_args(config: JobConfig, spec: ModelSpec, vocab_size: int) -> Any:
-    """The flavor's args with the tokenizer's vocab, the training seq_len and the norm type (a new object)."""
+    """The flavor's args with the tokenizer's vocab (the HF model's rows when a run starts from one, see
+    ``_hf_vocab``), the training seq_len and the norm type (a new object)."""
     flavor = spec.flavors[config.model.flavor]
+    ck = config.checkpoint
+    if ck.initial_load_in_hf and ck.initial_load_path:
+        vocab_size = _hf_vocab(ck.initial_load_path, vocab_size, config.model.tokenizer_path)
     tp = config.training.tensor_parallel_degree
     if vocab_size % tp:
         raise ValueError(
@@ -57,6 +61,20 @@ def build_model_args(config: JobConfig, spec: ModelSpec, vocab_size: int) -> Any
     return dataclasses.replace(
         flavor, vocab_size=vocab_size, max_seq_len=config.training.seq_len, norm_type=config.model.norm_type
     )
+
+
+def _hf_vocab(hf_dir: str, tokenizer_vocab: int, tokenizer_path: str) -> int:
+    """The embedding rows of the HF model a run starts from: published models pad their table past the
+    tokenizer's words (Qwen3: 151,936 rows for 151,669 tokens); the padding rows are never looked up."""
+    from torchtitan.checkpointing.hf import read_hf_config
+
+    rows = read_hf_config(hf_dir).get("vocab_size", tokenizer_vocab)
+    if rows < tokenizer_vocab:
+        raise ValueError(
+            f"checkpoint.initial_load_path = {hf_dir!r} has vocab_size {rows}, fewer rows than the tokenizer's "
+            f"{tokenizer_vocab} words ({tokenizer_path}); use the tokenizer that model was trained with"
+        )
+    return rows
 
 
 @functools.cache

@@ -15,8 +15,8 @@ import os
 import pytest
 import torch
 
+from torchtitan.checkpointing import load_model_weights
 from torchtitan.checkpointing.hf import export_to_hf, import_from_hf
-from torchtitan.checkpointing.manager import load_model_weights
 from torchtitan.models.llama.hf_adapter import model_args_from_hf
 from torchtitan.models.llama.model import RopeScaling, Transformer
 from torchtitan.models.qwen3.hf_adapter import model_args_from_hf as qwen3_args_from_hf

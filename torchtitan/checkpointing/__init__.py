@@ -4,6 +4,7 @@ See docs/checkpoint.md for the layout on disk, the resume and resharding guarant
 (CRC32s taken while writing and checked on load; pickles restricted to DCP's types: integrity.py).
 """
 
+from torchtitan.checkpointing.common import load_model_weights, model_info, save_model_weights
 from torchtitan.checkpointing.folders import (
     EXPORT,
     FULL,
@@ -18,13 +19,7 @@ from torchtitan.checkpointing.folders import (
     step_folder,
     write_marker,
 )
-from torchtitan.checkpointing.manager import (
-    CheckpointManager,
-    load_model_weights,
-    model_info,
-    save_model_weights,
-    trim_metrics,
-)
+from torchtitan.checkpointing.manager import CheckpointManager, trim_metrics
 
 __all__ = [
     "EXPORT",

@@ -1,24 +1,35 @@
 """Hugging Face export and import: files in, files out; the family's spec maps the weights.
 
 ``export_to_hf`` reads a complete checkpoint, finds its family from the marker, and writes
-``model.safetensors`` + ``config.json`` with that family's ``state_dict_adapter``;
-``import_from_hf`` does the reverse into a step-0 seed checkpoint.
+safetensors (one file, or shards with ``model.safetensors.index.json``) + ``config.json`` with
+that family's ``state_dict_adapter``; ``import_from_hf`` does the reverse into a step-0 seed
+checkpoint. Starting a run from an HF folder and exporting its last checkpoint: hf_run.py.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from torchtitan.checkpointing.manager import load_model_weights, save_model_weights
+from torchtitan.checkpointing.common import (
+    load_model_weights,
+    save_model_weights,
+)
 from torchtitan.spec import get_model_spec, spec_for_hf_model_type
 
+if TYPE_CHECKING:
+    pass
 
-def _adapter(model_name: str) -> Any:
+logger = logging.getLogger(__name__)
+
+
+def adapter_of(model_name: str) -> Any:
     adapter = get_model_spec(model_name).state_dict_adapter
     if adapter is None:
         raise ValueError(f"model family {model_name!r} has no Hugging Face conversion (its spec's state_dict_adapter)")
@@ -32,15 +43,47 @@ def export_to_hf(checkpoint_path: str, output_dir: str, dtype: torch.dtype | Non
     """
     weights, marker = load_model_weights(checkpoint_path)
     args = _marker_args(marker, checkpoint_path)
-    adapter = _adapter((marker.get("model") or {}).get("name") or "llama3")
+    adapter = adapter_of((marker.get("model") or {}).get("name") or "llama3")
     dtype = dtype or next(iter(weights.values())).dtype
     hf = {k: v.to(dtype) for k, v in adapter.to_hf_state_dict(weights, args).items()}
     config = adapter.hf_config(args, weights, dtype=dtype)
+    del weights
+    save_hf_folder(hf, config, output_dir)
+    return config
+
+
+# transformers' default shard size for save_pretrained
+MAX_SHARD_BYTES = 5 * 10**9
+
+
+def save_hf_folder(
+    hf: dict[str, torch.Tensor], config: dict[str, Any], output_dir: str, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> None:
+    """``config.json`` and the weights: ``model.safetensors``, or shards over ``max_shard_bytes``
+    (``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``, as transformers writes)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, w in hf.items():
+        nbytes = w.numel() * w.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = w
+        size += nbytes
     os.makedirs(output_dir, exist_ok=True)
-    save_file(hf, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(output_dir, name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
+        total = sum(w.numel() * w.element_size() for w in hf.values())
+        with open(os.path.join(output_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(output_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
-    return config
 
 
 def import_from_hf(hf_dir: str, output_path: str, model_name: str | None = None) -> None:
@@ -54,9 +97,13 @@ def import_from_hf(hf_dir: str, output_path: str, model_name: str | None = None)
         hf_config = json.load(f)
     if model_name is None:
         model_name = spec_for_hf_model_type(hf_config.get("model_type", "llama")).name
-    adapter = _adapter(model_name)
+    adapter = adapter_of(model_name)
     args = adapter.model_args_from_hf(hf_config)
-    weights = adapter.from_hf_state_dict(load_file(os.path.join(hf_dir, "model.safetensors")), args)
+    files = hf_weight_files(hf_dir)
+    hf = {}
+    for path in sorted(set(files.values())):
+        hf.update(load_file(path))
+    weights = adapter.from_hf_state_dict(hf, args)
     save_model_weights(weights, output_path, {"name": model_name, "flavor": None, "args": args, "source": hf_dir})
 
 
@@ -65,3 +112,85 @@ def _marker_args(marker: dict[str, Any], path: str) -> dict[str, Any]:
     if not args:
         raise ValueError(f"{path}: its marker records no model args; it was not written by this trainer")
     return args
+
+
+def read_hf_config(hf_dir: str) -> dict[str, Any]:
+    """An HF model folder's ``config.json``.
+
+    Raises:
+        ValueError: no such folder, or no ``config.json`` in it.
+    """
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        what = "has no config.json" if os.path.isdir(hf_dir) else "does not exist"
+        raise ValueError(
+            f"Hugging Face folder {hf_dir!r} {what}; pass a folder written by save_pretrained "
+            f"(config.json + *.safetensors)"
+        )
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def hf_weight_files(hf_dir: str) -> dict[str, str]:
+    """Every weight of an HF folder -> the safetensors file holding it (index file or all ``*.safetensors``).
+
+    Raises:
+        ValueError: no safetensors files (a PyTorch ``.bin`` checkpoint is not read: re-save it with
+            ``save_pretrained(..., safe_serialization=True)``).
+    """
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            return {k: os.path.join(hf_dir, v) for k, v in json.load(f)["weight_map"].items()}
+    names = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
+    if not names:
+        raise ValueError(
+            f"Hugging Face folder {hf_dir!r} has no *.safetensors files; re-save the model with "
+            f"save_pretrained(..., safe_serialization=True)"
+        )
+    files = {}
+    for name in names:
+        with safe_open(os.path.join(hf_dir, name), framework="pt") as f:
+            files.update(dict.fromkeys(f.keys(), os.path.join(hf_dir, name)))
+    return files
+
+
+def check_hf_matches(hf_dir: str, model_name: str, args: dict[str, Any]) -> None:
+    """The HF folder holds this family at these shapes (before any weight is read).
+
+    Raises:
+        ValueError: another family (``model_type``), or model args that differ from the flavor's.
+    """
+    spec = get_model_spec(model_name)
+    adapter = adapter_of(model_name)
+    config = read_hf_config(hf_dir)
+    if config.get("model_type") != spec.hf_model_type:
+        raise ValueError(
+            f"checkpoint.initial_load_path = {hf_dir!r} holds a {config.get('model_type')!r} model and "
+            f"model.name = {model_name!r} reads {spec.hf_model_type!r}; set model.name to that family"
+        )
+    theirs = adapter.model_args_from_hf(config)
+    differ = {
+        k: (args[k], v)
+        for k, v in theirs.items()
+        if k in args and k not in _NOT_SHAPES and _as_plain(_kv(args, k)) != _as_plain(_kv(theirs, k))
+    }
+    if differ:
+        listed = ", ".join(f"{k}: flavor {ours!r} vs checkpoint {hf!r}" for k, (ours, hf) in sorted(differ.items()))
+        raise ValueError(
+            f"checkpoint.initial_load_path = {hf_dir!r} does not match model.flavor ({listed}); pick the flavor "
+            f"of that model's size (docs/models.md lists them)"
+        )
+
+
+# Args that size no weight: the run's seq_len sizes the RoPE cache, norm_type picks a kernel.
+_NOT_SHAPES = ("max_seq_len", "norm_type")
+
+
+def _kv(args: dict[str, Any], key: str) -> Any:
+    """``n_kv_heads`` None means one per query head."""
+    return (args.get("n_kv_heads") or args["n_heads"]) if key == "n_kv_heads" else args[key]
+
+
+def _as_plain(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=lambda o: o.__dict__))

@@ -13,16 +13,13 @@ catch accidents (bit flips, truncation), not an author who rewrites data and mar
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
 import threading
 import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,11 +27,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 import torchtitan.checkpointing.integrity as integrity
+from torchtitan.checkpointing.common import agree, one_process_quiet, read_metadata, short_error
 from torchtitan.checkpointing.compat import check_model_matches, warn_if_data_changed
 from torchtitan.checkpointing.folders import (
     EXPORT,
     FULL,
-    SEED,
     CheckpointInfo,
     SaveSchedule,
     find_resume_checkpoint,
@@ -44,7 +41,6 @@ from torchtitan.checkpointing.folders import (
     read_marker,
     set_aside,
     step_folder,
-    verify_files,
     write_marker,
 )
 from torchtitan.checkpointing.state import (
@@ -62,7 +58,6 @@ from torchtitan.launch.run_folder import read_json_lines
 if TYPE_CHECKING:
     from torch import nn
 
-    from torchtitan.config.manager import JobConfig
     from torchtitan.config.schema import Checkpoint as CheckpointConfig
 
 logger = logging.getLogger(__name__)
@@ -97,6 +92,7 @@ class CheckpointManager:
         self.config = config
         self.enabled = config.enable_checkpoint
         self.root = os.path.join(dump_folder, config.folder)
+        self.hf_root = os.path.join(dump_folder, "hf")  # checkpoint.last_save_in_hf writes step-N here
         self.view = build_model_view(model_parts)
         self.optimizer, self.lr_scheduler, self.data_loader = optimizer, lr_scheduler, data_loader
         self.dp_rank, self.rank, self.device = dp_rank, rank, device
@@ -118,24 +114,35 @@ class CheckpointManager:
     # ---- loading -------------------------------------------------------------------------------
 
     def load(self) -> int:
-        """Load the checkpoint to resume from, if any; return the step training continues after."""
-        if not self.enabled:
-            return 0
-        info = _agree(lambda: find_resume_checkpoint(self.root, self.config.load_step, self.config.verify_checksums))
+        """Load the checkpoint to resume from, if any; return the step training continues after.
+
+        With nothing to resume, ``checkpoint.initial_load_path`` (if set) gives the starting weights.
+        """
+        info = None
+        if self.enabled:
+            info = agree(lambda: find_resume_checkpoint(self.root, self.config.load_step, self.config.verify_checksums))
         if info is None:
+            if self.config.initial_load_path:
+                from torchtitan.checkpointing.hf_run import initial_load
+
+                self.loaded = initial_load(
+                    self.config, self.view, self.model_info, self._load_targets, self.rank, self.pg
+                )
             return 0
+        if self.config.initial_load_path and self.rank == 0:
+            logger.info("checkpoint.initial_load_path is not read: resuming from %s", info.path)
         marker = info.marker or {}
         check_model_matches(marker.get("model"), self.model_info, info.path)
         if info.kind == FULL and self.rank == 0:
             warn_if_data_changed(marker.get("data"), self.data_info, info.path)
         start = time.perf_counter()
-        metadata = _read_metadata(info.path)
+        metadata = read_metadata(info.path)
         state = self._load_targets(info, metadata)
         try:
-            with _one_process_quiet():
+            with one_process_quiet():
                 integrity.load(state, info.path, process_group=self.pg, no_dist=not dist.is_initialized())
         except (Exception, CheckpointException) as e:
-            raise ValueError(f"checkpoint {info.path} could not be loaded: {_short_error(e)}") from e
+            raise ValueError(f"checkpoint {info.path} could not be loaded: {short_error(e)}") from e
         seconds = time.perf_counter() - start
         step = self.train_state.step if info.kind == FULL else 0
         self.loaded = f"step-{info.step}"
@@ -183,7 +190,7 @@ class CheckpointManager:
             return
         due = last or self.schedule.due(step)
         if self.schedule.interval_type == "seconds" and not last:
-            due = _agree(lambda: due)  # rank 0's clock decides, so all ranks join the same save
+            due = agree(lambda: due)  # rank 0's clock decides, so all ranks join the same save
         if due:
             self.save(step, final=last)
 
@@ -205,7 +212,7 @@ class CheckpointManager:
         state = self._save_state(step, kind)
         start = time.perf_counter()
         if self.async_save and not final:
-            with _one_process_quiet():
+            with one_process_quiet():
                 future = integrity.async_save(state, path, process_group=self.pg, no_dist=not dist.is_initialized())
             self._pending = (future, step, kind, start)
             if self.rank == 0:
@@ -214,11 +221,15 @@ class CheckpointManager:
                 )
                 future.add_done_callback(lambda f: f.exception() is None and self._mark_complete(step, kind, start))
         else:
-            with _one_process_quiet():
+            with one_process_quiet():
                 integrity.save(state, path, process_group=self.pg, no_dist=not dist.is_initialized())
             self._saved(step, kind, start)
         self.schedule.saved()
         self.last_save_step = step
+        if final and self.config.last_save_in_hf:
+            from torchtitan.checkpointing.hf_run import export_last_in_hf
+
+            export_last_in_hf(self.config, path, step_folder(self.hf_root, step))
 
     def save_now(self, step: int) -> bool:
         """Save ``step`` unless it was just saved, and wait until it is complete; False if checkpointing is off."""
@@ -278,7 +289,7 @@ class CheckpointManager:
         try:
             future.result()
         except (Exception, CheckpointException) as e:
-            raise RuntimeError(f"async save of checkpoint step-{step} failed: {_short_error(e)}") from e
+            raise RuntimeError(f"async save of checkpoint step-{step} failed: {short_error(e)}") from e
         self._saved(step, kind, start)
 
     def close(self) -> None:
@@ -297,88 +308,11 @@ class CheckpointManager:
         return ", ".join(parts)
 
 
-def _agree(decide: Callable[[], Any]) -> Any:
-    """Rank 0 runs ``decide`` and every rank gets its result (or its ValueError, re-raised)."""
-    if not dist.is_initialized():
-        return decide()
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ("ok", decide())
-        except ValueError as e:
-            box[0] = ("error", str(e))
-    dist.broadcast_object_list(box, src=0)
-    status, value = box[0]
-    if status == "error":
-        raise ValueError(value)
-    return value
-
-
-@contextmanager
-def _one_process_quiet() -> Iterator[None]:
-    """Without a process group DCP warns on every call that it assumes one process: that is intended."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
-
-
-def _read_metadata(path: str) -> Any:
-    try:
-        return integrity.read_metadata_file(os.path.join(path, ".metadata"))
-    except integrity.ForeignPickleError:
-        raise  # already one clear line naming the file and the foreign type
-    except Exception as e:
-        raise ValueError(f"checkpoint {path}: cannot read its DCP metadata ({type(e).__name__}: {e})") from e
-
-
-def _short_error(e: BaseException) -> str:
-    """One line per failing rank instead of DCP's per-rank tracebacks."""
-    if isinstance(e, CheckpointException):
-        return "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in e.failures.items())
-    return f"{type(e).__name__}: {e}"
-
-
 def _maybe_test_delay(step: int) -> None:
     spec = os.environ.get(_TEST_DELAY_ENV)
     if spec and int(spec.split(":")[0]) == step:
         logger.warning("%s: sleeping before marking step-%d complete", _TEST_DELAY_ENV, step)
         time.sleep(float(spec.split(":")[1]))
-
-
-def model_info(config: JobConfig, model_args: Any) -> dict[str, Any]:
-    """What a marker records about the model (read by the conversion scripts)."""
-    return {"name": config.model.name, "flavor": config.model.flavor, "args": dataclasses.asdict(model_args)}
-
-
-def save_model_weights(state_dict: dict[str, torch.Tensor], path: str, info: dict[str, Any]) -> None:
-    """One process: write whole-model weights as a complete step-0 seed checkpoint at ``path``."""
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    with _one_process_quiet():
-        integrity.save({"model": state_dict}, path, no_dist=True)
-    write_marker(path, 0, SEED, model=info, files=list_files(path))  # sizes, and CRCs from the writer's sidecars
-
-
-def load_model_weights(path: str, *, verify_checksums: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """One process, no process group: a checkpoint's whole-model weights as plain tensors, and its marker.
-
-    Raises:
-        ValueError: ``path`` is not a complete checkpoint, is corrupted (``verify_files``; CRC32s with
-            ``verify_checksums``) or holds a foreign pickle.
-    """
-    marker = read_marker(path)
-    if marker is None:
-        raise ValueError(f"{path} is not a complete checkpoint (no .complete marker); pass a step-N folder")
-    verify_files(CheckpointInfo(marker.get("step", -1), path, marker), checksums=verify_checksums)
-    metadata = _read_metadata(path)
-    weights = {
-        key[len("model.") :]: torch.empty(md.size, dtype=md.properties.dtype)
-        for key, md in metadata.state_dict_metadata.items()
-        if key.startswith("model.")
-    }
-    with _one_process_quiet():
-        integrity.load({"model": weights}, path, no_dist=True)
-    return weights, marker
 
 
 def trim_metrics(dump_folder: str, last_step: int) -> None:

@@ -68,7 +68,8 @@ class Model:
     )
     tokenizer_path: str = _f(
         "./torchtitan/datasets/assets/tokenizer/pydocs_bpe2048.tiktoken",
-        "tokenizer file in tiktoken BPE format (scripts/download_tokenizer.py fetches Llama 3's)",
+        "tokenizer: a tiktoken BPE file (Llama 3's tokenizer.model), or a Hugging Face tokenizer.json or its "
+        "folder (Qwen3's); scripts/download_tokenizer.py fetches both kinds",
     )
 
 
@@ -217,6 +218,21 @@ class Checkpoint:
         True,
         "before loading, compare every file's CRC32 with the one recorded when it was written (rank 0 reads the "
         "whole checkpoint once); false skips that for huge checkpoints (file sizes are still checked)",
+    )
+    initial_load_path: str = _f(
+        "",
+        "weights to start from when the checkpoint folder has nothing to resume: a complete step-N folder (DCP; "
+        "model weights only) or, with initial_load_in_hf, a Hugging Face folder (config.json + *.safetensors)",
+    )
+    initial_load_in_hf: bool = _f(
+        False,
+        "initial_load_path is a Hugging Face folder: each rank reads only its shards, one layer at a time, "
+        "through the family's adapter; model.flavor must match its config.json",
+    )
+    last_save_in_hf: bool = _f(
+        False,
+        "after the last step's checkpoint, also write the model in Hugging Face format (safetensors + config.json) "
+        "to <dump_folder>/hf/step-N (rank 0 converts the saved checkpoint)",
     )
     exclude_from_loading: list[str] = _f(
         [],

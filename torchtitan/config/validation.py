@@ -244,17 +244,22 @@ def _check_memory_options(config: JobConfig) -> None:
 
 
 def _check_paths(config: JobConfig) -> None:
+    from torchtitan.checkpointing.hf_run import check_initial_load
+
     path = config.model.tokenizer_path
-    if not os.path.isfile(path):
+    # a file, or a folder holding tokenizer.json (build_tokenizer's rule; not imported: no data stack here)
+    if not os.path.isfile(path) and not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        problem = "is a folder without tokenizer.json" if os.path.isdir(path) else "does not exist"
         raise FileNotFoundError(
-            f"model.tokenizer_path = '{path}' does not exist; use the shipped "
-            "./torchtitan/datasets/assets/tokenizer/pydocs_bpe2048.tiktoken or fetch Llama 3's with "
-            "scripts/download_tokenizer.py"
+            f"model.tokenizer_path = '{path}' {problem}; use the shipped "
+            "./torchtitan/datasets/assets/tokenizer/pydocs_bpe2048.tiktoken or fetch Llama 3's (tokenizer.model) "
+            "or Qwen3's (tokenizer.json) with scripts/download_tokenizer.py"
         )
     data = config.training.dataset_path
     # A hub id looks like "org/name"; anything that starts like a filesystem path must exist.
     if data is not None and data.startswith((".", "/", "~")) and not os.path.exists(os.path.expanduser(data)):
         raise FileNotFoundError(f"training.dataset_path = '{data}' does not exist")
+    check_initial_load(config)
     problem = folder_problem(config.job.dump_folder)
     if problem is not None:
         raise ConfigError(f"job.dump_folder = '{config.job.dump_folder}' cannot be written: {problem}")
@@ -329,6 +334,9 @@ def _check_checkpoint(config: JobConfig, world_size: int) -> None:
                 f"checkpoint.exclude_from_loading = {ck.exclude_from_loading}: {part!r} cannot be excluded; allowed "
                 f"are {list(excludable)} (the model weights are what a resume loads; the step and RNG follow them)"
             )
+    from torchtitan.checkpointing.hf_run import check_hf_keys
+
+    check_hf_keys(config)
     if ck.create_seed_checkpoint and world_size != 1:
         raise ConfigError(
             f"checkpoint.create_seed_checkpoint = true needs one process (it initialises the whole model and "

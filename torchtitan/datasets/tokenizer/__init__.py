@@ -1,18 +1,43 @@
-"""Tokenizers: the abstract interface and the tiktoken-format (Llama 3) implementation."""
+"""Tokenizers: the abstract interface, tiktoken-format (Llama 3) and Hugging Face `tokenizer.json` (Qwen3)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from torchtitan.datasets.tokenizer.hf_tokenizer import HFTokenizer, find_hf_tokenizer_file, is_hf_tokenizer_path
 from torchtitan.datasets.tokenizer.tiktoken import DEFAULT_TOKENIZER_PATH, TikTokenizer
 from torchtitan.datasets.tokenizer.tokenizer import Tokenizer
 
-__all__ = ["DEFAULT_TOKENIZER_PATH", "TikTokenizer", "Tokenizer", "build_tokenizer"]
+__all__ = [
+    "DEFAULT_TOKENIZER_PATH",
+    "HFTokenizer",
+    "TikTokenizer",
+    "Tokenizer",
+    "build_tokenizer",
+    "find_tokenizer_file",
+]
 
 
 def build_tokenizer(tokenizer_path: str) -> Tokenizer:
-    """Build the tokenizer stored at `tokenizer_path` (a tiktoken-format BPE file).
+    """Build the tokenizer stored at `tokenizer_path`.
+
+    A `.json` file or a folder is read as a Hugging Face tokenizer (`HFTokenizer`: the folder's
+    `tokenizer.json`, special tokens from `tokenizer_config.json` beside it); anything else as a
+    tiktoken-format BPE file (`TikTokenizer`: Llama 3's `tokenizer.model`, the shipped default).
 
     Raises:
-        FileNotFoundError: no file at `tokenizer_path`.
-        ValueError: the file is not in tiktoken BPE format.
+        FileNotFoundError: no file at `tokenizer_path` (or no `tokenizer.json` in the folder).
+        ValueError: the file is not in the format its name implies, or (Hugging Face) no end-of-text
+            token can be determined.
     """
+    if is_hf_tokenizer_path(tokenizer_path):
+        return HFTokenizer(tokenizer_path)
     return TikTokenizer(tokenizer_path)
+
+
+def find_tokenizer_file(tokenizer_path: str) -> Path | None:
+    """The file `build_tokenizer(tokenizer_path)` would read, or None when it is not there."""
+    if is_hf_tokenizer_path(tokenizer_path):
+        return find_hf_tokenizer_file(tokenizer_path)
+    p = Path(tokenizer_path)
+    return p if p.is_file() else None

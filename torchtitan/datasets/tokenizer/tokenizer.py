@@ -25,7 +25,7 @@ class Tokenizer(ABC):
     @property
     @abstractmethod
     def bos_id(self) -> int:
-        """Id of the begin-of-text token."""
+        """Id of the begin-of-text token; -1 when the tokenizer has none (then `encode(bos=True)` prepends nothing)."""
 
     @property
     @abstractmethod

@@ -96,8 +96,9 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], args: dict[str, Any]) -> dic
         elif suffix == "attention.wk.weight":
             w = _halves_to_interleaved(w, n_kv_heads)
         out[f"layers.{parts[2]}.{suffix}"] = w.contiguous()
-    if args.get("tie_word_embeddings"):
-        # one tensor under both names, as the tied model's state dict holds it
+    if args.get("tie_word_embeddings") and "tok_embeddings.weight" in out:
+        # one tensor under both names, as the tied model's state dict holds it (a partial dict, e.g.
+        # one layer's weights during a sharded load, has no embedding)
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
 
