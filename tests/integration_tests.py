@@ -182,6 +182,14 @@ MOE_ROWS = [
     Row("moe_ep2_tp2", 4, 4, ep(2), tp=2),  # dp_shard 2 x tp 2; the EP group is the TP group
     Row("moe_fsdp_ep_tp", 8, 2, ep(4), tp=2),  # dp_shard 4 x tp 2; ep 4 = dp_shard_in_ep 2 x tp 2
     Row("moe_pp2_ep2", 4, 4, [*ep(2), *pp_schedule("1F1B", 2)], pp=2),  # pp 2 x dp_shard 2 = ep 2
+    # selective op AC around blocks whose experts are their own FSDP unit (EP): SAC must not count
+    # FSDP's profiler annotations, which differ between forward and recompute (activation_checkpoint.py)
+    Row(
+        "moe_ep2_sac_op",
+        2,
+        4,
+        [*ep(2), "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+    ),
 ]
 # CPU fp32 norms of the ~600K-element output gradient accumulate rounding of ~1e-4 relative, so the
 # same gradients give grad norms that differ by ~7e-5 between one shard and two (dense fsdp2 too).

@@ -23,6 +23,18 @@ _SAVE_OPS = {
 }
 
 
+# Profiler annotations are not computation: SAC must not count them. FSDP2 opens record_function
+# scopes in its hooks, and an FSDP unit inside a checkpointed block (the experts under expert
+# parallel) runs them a different number of times in forward and in recompute, so torch 2.13's
+# per-op replay counters miss ("profiler._record_function_enter_new ... invocation index 3 ... not
+# found in storage": torchtitan#3427; upstream fix pytorch#196862 ignores them the same way).
+# SAC_IGNORED_OPS is the public set torch's SAC modes consult; adding to it changes nothing else.
+_PROFILER_OPS = {
+    torch.ops.profiler._record_function_enter_new.default,
+    torch.ops.profiler._record_function_exit._RecordFunction,
+}
+
+
 def _op_policy():
     """Save attention outputs and every other matmul; recompute the rest (cheap elementwise ops)."""
     mm_count: dict[str, int] = defaultdict(int)
@@ -35,6 +47,7 @@ def _op_policy():
             return CheckpointPolicy.MUST_SAVE if mm_count[mode] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
+    torch.utils.checkpoint.SAC_IGNORED_OPS.update(_PROFILER_OPS)
     return create_selective_checkpoint_contexts(policy)
 
 
