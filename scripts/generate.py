@@ -26,26 +26,41 @@ from torchtitan.components.generation import Sampling, generate  # noqa: E402
 SHIPPED_TOKENIZER = "./torchtitan/datasets/assets/tokenizer/pydocs_bpe2048.tiktoken"
 
 
-def _weights_and_model(args: argparse.Namespace, max_len: int, device: torch.device):
-    """(whole-model weights, model name, ModelArgs) from a checkpoint folder or an HF folder."""
-    from torchtitan.checkpointing.manager import load_model_weights
+def load_model(checkpoint: str | None, hf: str | None, max_len: int, n_words: int, device: torch.device):
+    """The model (eval mode, on ``device``) from a checkpoint folder or, with ``hf``, an HF folder.
+
+    ``max_len`` bounds prompt + generated tokens; ``n_words`` is the tokenizer's vocabulary size.
+
+    Raises:
+        ValueError: not a checkpoint of this trainer, or a vocabulary other than the tokenizer's.
+    """
+    weights, spec, model_args = _weights_and_model(checkpoint, hf, max_len)
+    if model_args.vocab_size != n_words:
+        raise ValueError(
+            f"the model has a vocabulary of {model_args.vocab_size} and the tokenizer {n_words} words; "
+            "pass the tokenizer the model was trained with (--tokenizer)"
+        )
+    return _build(spec, model_args, weights, device)
+
+
+def _weights_and_model(checkpoint: str | None, hf: str | None, max_len: int):
+    """(whole-model weights, model spec, ModelArgs) from a checkpoint folder or an HF folder."""
+    from torchtitan.checkpointing import load_model_weights
     from torchtitan.spec import get_model_spec, spec_for_hf_model_type
 
-    if args.hf:
+    if hf:
         from safetensors.torch import load_file
 
-        with open(os.path.join(args.hf, "config.json"), encoding="utf-8") as f:
+        with open(os.path.join(hf, "config.json"), encoding="utf-8") as f:
             config = json.load(f)
         spec = spec_for_hf_model_type(config.get("model_type", "llama"))
         fields = spec.state_dict_adapter.model_args_from_hf(config)
-        weights = spec.state_dict_adapter.from_hf_state_dict(
-            load_file(os.path.join(args.hf, "model.safetensors")), fields
-        )
+        weights = spec.state_dict_adapter.from_hf_state_dict(load_file(os.path.join(hf, "model.safetensors")), fields)
     else:
-        weights, marker = load_model_weights(args.checkpoint)
+        weights, marker = load_model_weights(checkpoint)
         info = marker.get("model") or {}
         if not info.get("args"):
-            raise ValueError(f"{args.checkpoint}: its marker records no model args; it was not written by this trainer")
+            raise ValueError(f"{checkpoint}: its marker records no model args; it was not written by this trainer")
         spec, fields = get_model_spec(info.get("name") or "llama3"), info["args"]
     model_args = type(next(iter(spec.flavors.values()))).from_dict({**fields, "max_seq_len": max_len})
     return weights, spec, model_args
@@ -78,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", nargs="?", help="a complete checkpoint folder (step-N)")
     parser.add_argument("--hf", help="a Hugging Face folder (model.safetensors + config.json) instead")
     parser.add_argument("--prompt", required=True)
-    parser.add_argument("--tokenizer", default=SHIPPED_TOKENIZER, help="tiktoken BPE file the model was trained with")
+    parser.add_argument(
+        "--tokenizer",
+        default=SHIPPED_TOKENIZER,
+        help="tokenizer the model was trained with: tiktoken BPE file or tokenizer.json (or its folder)",
+    )
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
@@ -96,13 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tokenizer = build_tokenizer(args.tokenizer)
         prompt = tokenizer.encode(args.prompt, bos=True, eos=False)
-        weights, spec, model_args = _weights_and_model(args, len(prompt) + args.max_new_tokens, info.device)
-        if model_args.vocab_size != tokenizer.n_words:
-            raise ValueError(
-                f"the model has a vocabulary of {model_args.vocab_size} and --tokenizer {args.tokenizer} "
-                f"{tokenizer.n_words} words; pass the tokenizer the model was trained with"
-            )
-        model = _build(spec, model_args, weights, info.device)
+        max_len = len(prompt) + args.max_new_tokens
+        model = load_model(args.checkpoint, args.hf, max_len, tokenizer.n_words, info.device)
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
