@@ -7,8 +7,8 @@ checkpoint is exported with ``checkpoint.last_save_in_hf``; transformers loads t
 Checked:
 - the first step's loss (our forward on the loaded shards) equals transformers' loss of the same model
   on the same global batch (fp32; only reduction order differs: the matrix's RTOL);
-- the same holds for TP2 and PP2 starts (row- and column-sharded weights; each stage reads only its
-  own layers), and for a Qwen3-MoE model under EP2 (per-expert HF tensors stacked, then cut by expert);
+- the same holds for TP2, FSDP2 x TP2 (4 ranks) and PP2 starts (row- and column-sharded weights,
+  FSDP over TP; each stage reads only its own layers), and for a Qwen3-MoE model under EP2 (per-expert HF tensors stacked, then cut by expert);
 - the export loads in transformers with no missing or unexpected weight, holds exactly the weights of
   the final DCP checkpoint (through the adapter), and its loss on the first batch is below the
   starting model's (it is the trained model).
@@ -93,9 +93,20 @@ def _argv(hf_dir: str, folder: str, family: str, steps: int, batch: int, overrid
     ]
 
 
+# 4 ranks: FSDP over TP (both shard dim 0 of the column-parallel weights)
+LAYOUTS_4 = {
+    "fsdp2_tp2": (
+        "llama",
+        1,
+        2,
+        ["--training.data_parallel_shard_degree", "2", "--training.tensor_parallel_degree", "2"],
+    )
+}
+
+
 def _ranks(rank: int, world_size: int, base: str) -> None:
     os.chdir(ROOT)
-    for name, (family, steps, batch, overrides) in LAYOUTS.items():
+    for name, (family, steps, batch, overrides) in (LAYOUTS if world_size == 2 else LAYOUTS_4).items():
         hf_dir = os.path.join(base, f"hf_{family}")
         run_job(
             JobConfig.parse_args(_argv(hf_dir, os.path.join(base, name), family, steps, batch, overrides)),
@@ -159,10 +170,11 @@ def test_hf_model_fine_tuned_under_fsdp2_and_exported_back(tmp_path):
         _hf_start(family, str(tmp_path / f"hf_{family}"))
     assert os.path.isfile(str(tmp_path / "hf_llama" / "model.safetensors.index.json"))  # the sharded layout is read
     run_distributed(_ranks, 2, str(tmp_path), timeout_s=600)
+    run_distributed(_ranks, 4, str(tmp_path), timeout_s=600)
 
     batches = {family: _first_batch(family) for family in FAMILIES}
     start_loss = {family: _hf_loss(str(tmp_path / f"hf_{family}"), *batches[family]) for family in FAMILIES}
-    for name, (family, *_) in LAYOUTS.items():
+    for name, (family, *_) in {**LAYOUTS, **LAYOUTS_4}.items():
         first, want = _losses(str(tmp_path / name))[0], start_loss[family]
         print(f"{name}: step 1 loss {first!r} vs transformers {want!r} (rel {abs(first - want) / want:.1e})")
         assert abs(first - want) <= RTOL * want, f"{name}: step 1 loss {first} vs transformers {want}"

@@ -99,6 +99,8 @@ def _local_slice(target: torch.Tensor, full: torch.Tensor, key: str, hf_dir: str
         )
     if not isinstance(target, DTensor):
         return full.to(dtype=target.dtype, device=target.device, copy=True)
+    # The box DCP itself reads for this shard when it reshards (nested dim-0 sharding, FSDP over TP,
+    # is a contiguous box too); cut on the host, so only the shard goes to the device.
     shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
     piece = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
     local = torch.empty(shape, dtype=target.dtype, device=target.to_local().device).copy_(piece)  # not a view
