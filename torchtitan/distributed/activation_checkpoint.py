@@ -47,7 +47,6 @@ def _op_policy():
             return CheckpointPolicy.MUST_SAVE if mm_count[mode] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
-    torch.utils.checkpoint.SAC_IGNORED_OPS.update(_PROFILER_OPS)
     return create_selective_checkpoint_contexts(policy)
 
 
@@ -68,6 +67,8 @@ def apply_ac(model: nn.Module, config: ActivationCheckpoint) -> None:
     if config.mode == "none":
         return
     op_selective = config.mode == "selective" and config.selective_ac_option == "op"
+    if op_selective:
+        torch.utils.checkpoint.SAC_IGNORED_OPS.update(_PROFILER_OPS)  # once, not in every block's forward
     every = int(config.selective_ac_option) if config.mode == "selective" and not op_selective else 1
     for i, (name, block) in enumerate(list(model.layers.items())):
         if i % every == 0:
