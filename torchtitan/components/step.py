@@ -27,6 +27,7 @@ from torchtitan.distributed.pipeline import pipeline_eval, pipeline_step
 if TYPE_CHECKING:
     from torch import nn
 
+    from torchtitan.components.document_feed import DocumentFeed
     from torchtitan.components.optimizer_in_backward import OptimizerInBackward
     from torchtitan.config.schema import Optimizer as OptimizerConfig
     from torchtitan.distributed.mesh import WorldMesh
@@ -69,6 +70,12 @@ class StepFunction:
         self.pipeline, self.hooks = pipeline, hooks
         self.loss_context = loss_parallel if world.dims.loss_parallel_enabled else contextlib.nullcontext
         self.pipeline_loss = pipeline_loss
+        self.feed: DocumentFeed | None = None  # block_causal attention: the batches' documents (the trainer sets it)
+
+    def documents(self, batch: tuple) -> contextlib.AbstractContextManager:
+        """The forwards inside see ``batch``'s documents (``Batch.docs``, block_causal); else nothing to do."""
+        docs = getattr(batch, "docs", None)
+        return self.feed.use(docs) if self.feed is not None and docs is not None else contextlib.nullcontext()
 
     def autocast(self) -> torch.autocast:
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan.models.documents import block_causal_mask
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -103,8 +105,9 @@ def scale_rope_freqs(freqs: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
 
 
 def apply_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of ``x`` (bs, seqlen, heads, head_dim) by ``rope`` (seqlen, head_dim)."""
-    cos, sin = rope.unsqueeze(1).chunk(2, dim=-1)  # (seqlen, 1, head_dim/2) each
+    """Rotate pairs (x[2i], x[2i+1]) of ``x`` (bs, seqlen, heads, head_dim) by ``rope`` (seqlen, head_dim),
+    or per sequence (bs, seqlen, head_dim) when positions restart at each document."""
+    cos, sin = rope.unsqueeze(-2).chunk(2, dim=-1)  # ([bs,] seqlen, 1, head_dim/2) each
     x_even, x_odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (bs, seqlen, heads, head_dim/2)
     rotated = torch.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], dim=-1)
     return rotated.flatten(-2).type_as(x)
@@ -117,12 +120,21 @@ class CausalAttention(nn.Module):
     communication, so a CP ring passes the compact tensors.
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (bs, n_heads, seqlen, head_dim); k, v (bs, n_kv_heads, seqlen, head_dim) -> like q."""
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """q (bs, n_heads, seqlen, head_dim); k, v (bs, n_kv_heads, seqlen, head_dim) -> like q.
+
+        doc_ids (bs, seqlen): block-causal attention, each token sees its own document's past only
+        (torchtitan/models/documents.py); None: plain causal.
+        """
         n_rep = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(n_rep, dim=1)  # (bs, n_heads, seqlen, head_dim)
         v = v.repeat_interleave(n_rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if doc_ids is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        mask = block_causal_mask(doc_ids, doc_ids)  # (bs, 1, seqlen, seqlen)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class Attention(nn.Module):
@@ -147,8 +159,9 @@ class Attention(nn.Module):
             if norm is not None:
                 norm.reset_parameters()
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        """x (bs, seqlen, dim); rope (>= seqlen, head_dim), row i for the i-th token of x."""
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x (bs, seqlen, dim); rope ([bs,] >= seqlen, head_dim), row i for the i-th token of x;
+        doc_ids (bs, seqlen) or None: see CausalAttention."""
         bs, seqlen, _ = x.shape
         # -1: the local head count, which tensor parallel divides by the TP degree.
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_heads, head_dim)
@@ -157,9 +170,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # Sliced here, where the sequence is whole: between blocks, sequence parallel shards it.
-        rope = rope[:seqlen]
+        rope = rope[..., :seqlen, :]
         q, k = apply_rotary_emb(q, rope), apply_rotary_emb(k, rope)
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (bs, n_heads, seqlen, head_dim)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # (bs, n_heads, seqlen, head_dim); the documents only when given (a CP kernel takes them too)
+        out = self.sdpa(q, k, v) if doc_ids is None else self.sdpa(q, k, v, doc_ids=doc_ids)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))  # (bs, seqlen, dim)
 
 
@@ -212,8 +227,8 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(self.init_std)
         self.feed_forward.init_weights(self.init_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, doc_ids)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -288,18 +303,26 @@ class Transformer(nn.Module):
             self.rope_cache = self._rope_cache()
 
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, *, return_hidden: bool = False
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        *,
+        doc_ids: torch.Tensor | None = None,
+        return_hidden: bool = False,
     ) -> torch.Tensor:
         """tokens (bs, seqlen) -> logits (bs, seqlen, vocab); on a middle pipeline stage, hidden -> hidden.
 
-        positions (seqlen,) are the tokens' positions in their sequence (default 0..seqlen-1).
+        positions (seqlen,) are the tokens' positions in their sequence (default 0..seqlen-1), or
+        (bs, seqlen) positions inside each token's document (model.positions_per_document).
+        doc_ids (bs, seqlen): block-causal attention over these documents (None: causal); the
+        trainer passes both through forward pre-hooks (torchtitan/models/documents.py).
         return_hidden: return the normed hidden state (bs, seqlen, dim) and skip ``output``, for a
         loss that applies the output projection itself (torchtitan.components.loss).
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
         rope = self.rope_cache if positions is None else self.rope_cache[positions]  # (seqlen, head_dim)
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, rope) if doc_ids is None else layer(h, rope, doc_ids=doc_ids)
         h = self.norm(h) if self.norm is not None else h
         if return_hidden:
             return h  # (bs, seqlen, dim)
