@@ -175,6 +175,7 @@ class Trainer:
         Where this rank does not hold the loss, its share is 0 (``StepFunction.reduce_loss`` sums it in).
         """
         loss_sum = torch.zeros((), device=self.device)
+        self.step_fn.count_tokens(batches)  # block_causal: every counted token weighs the same
         for batch in batches:
             with self.step_fn.documents(batch):  # block_causal: the batch's documents reach every forward
                 loss = self.step_fn.forward_backward(*batch, accum_steps=len(batches))

@@ -228,7 +228,12 @@ class TransformerBlock(nn.Module):
         self.feed_forward.init_weights(self.init_std)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, doc_ids)
+        # doc_ids as a keyword: TP's PrepareModuleInput lays out the positional (x, rope) only
+        h = x + (
+            self.attention(self.attention_norm(x), rope)
+            if doc_ids is None
+            else self.attention(self.attention_norm(x), rope, doc_ids=doc_ids)
+        )
         return h + self.feed_forward(self.ffn_norm(h))
 
 
