@@ -74,6 +74,13 @@ class Model:
     positions_per_document: bool = _f(
         False, "with block_causal: RoPE positions restart at 0 at every document (default: window positions)"
     )
+    attention_backend: Literal["auto", "sdpa", "flex"] = _f(
+        "auto",
+        "block_causal attention kernel: 'sdpa' (portable: one causal SDPA call per document, measured 7x faster "
+        "than a masked SDPA on CPU), 'flex' (FlexAttention with a block mask built once per batch; CUDA only: "
+        "torch 2.13 has no FlexAttention backward on CPU), 'auto' (flex on CUDA, sdpa elsewhere). Causal "
+        "attention always runs SDPA; context parallel runs its ring attention",
+    )
     tokenizer_path: str = _f(
         "./torchtitan/datasets/assets/tokenizer/pydocs_bpe2048.tiktoken",
         "tokenizer: a tiktoken BPE file (Llama 3's tokenizer.model), or a Hugging Face tokenizer.json or its "
