@@ -149,11 +149,8 @@ class Trainer:
         return batches
 
     def shard_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Under context parallel, this rank's sequence positions of the batch its dp rank reads.
-
-        The model gets the matching positions from the hook apply_cp installs, so RoPE rotates each
-        token by its true position.
-        """
+        """Under context parallel, this rank's sequence positions of the batch its dp rank reads (the
+        model gets the matching positions from apply_cp's hook); block_causal: with its documents."""
         labels, docs = self.step_fn.feed.prepare(inputs, labels) if self.step_fn.feed else (labels, None)
         if self.cp_positions is not None:
             inputs, labels = shard_sequence([inputs, labels], seq_dim=1, positions=self.cp_positions)
@@ -299,6 +296,7 @@ def _build_metrics(trainer: Trainer) -> StepMetrics:
         reduce_loss=trainer.step_fn.reduce_loss,
         num_params=trainer.num_flop_params,
         model_args=trainer.model_args,
+        documents=trainer.step_fn.feed.take_stats if trainer.step_fn.feed is not None else None,
     )
 
 

@@ -15,8 +15,8 @@ from torchtitan.models.documents import (
     block_causal_mask,
     document_ids,
     document_positions,
+    document_stats,
     mask_boundary_labels,
-    visible_pairs,
 )
 from torchtitan.models.llama.model import ModelArgs, Transformer
 
@@ -34,7 +34,10 @@ def test_ids_positions_labels_and_mask():
     mask = block_causal_mask(ids, ids)[0, 0]
     assert mask[3].tolist() == [False, False, False, True, False, False, False, False]
     assert mask[7].tolist() == [False] * 5 + [True] * 3
-    assert visible_pairs(ids) == 6 + 3 + 6
+    # windows, documents, visible pairs (3 + 2 + 3 tokens: 6 + 3 + 6 pairs)
+    assert document_stats(ids).tolist() == [1, 3, 6 + 3 + 6]
+    two = torch.cat([ids, torch.zeros_like(ids)])  # a second row holding one document of 8
+    assert document_stats(two).tolist() == [2, 4, 15 + 36]
 
 
 def _window(lengths: list[int], seed: int = 0) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from torchtitan.distributed.pipeline import in_shape_inference
-from torchtitan.models.documents import document_ids, document_positions, mask_boundary_labels
+from torchtitan.models.documents import document_ids, document_positions, document_stats, mask_boundary_labels
 
 
 class Batch(tuple):
@@ -40,10 +40,15 @@ class Batch(tuple):
 
 @dataclass(frozen=True)
 class Documents:
-    """One (local) batch's document ids (bs, seqlen) and, with positions_per_document, positions."""
+    """One (local) batch's document ids (bs, seqlen) and, with positions_per_document, positions.
+
+    ``stats``: (3,) int64 over the batch's whole windows (before context parallel cuts them):
+    windows, documents, and the (query, key) pairs block-causal attention computes.
+    """
 
     doc_ids: torch.Tensor
     positions: torch.Tensor | None = None
+    stats: torch.Tensor | None = None
 
     def split(self, n: int) -> list[Documents]:
         ids = torch.tensor_split(self.doc_ids, n, dim=0)
@@ -75,6 +80,7 @@ class DocumentFeed:
         self.n_microbatches, self.shard = n_microbatches, shard
         self.queues: list[deque[Documents]] = [deque() for _ in model_parts]
         self.active = False
+        self.stats: torch.Tensor | None = None  # see record / take_stats
         for part, queue in zip(model_parts, self.queues):
             part.register_forward_pre_hook(self._hook(queue), with_kwargs=True)
 
@@ -84,10 +90,25 @@ class DocumentFeed:
         ids = document_ids(inputs, self.eos_id)
         positions = document_positions(ids) if self.positions_per_document else None
         labels = mask_boundary_labels(inputs, labels, self.eos_id)
+        stats = document_stats(ids)
         if self.shard is not None:
             ids = self.shard(ids)
             positions = self.shard(positions) if positions is not None else None
-        return labels, Documents(ids, positions)
+        return labels, Documents(ids, positions, stats)
+
+    def record(self, batches: list[Batch]) -> None:
+        """Add a training step's batches to the statistics ``take_stats`` returns (validation's are not)."""
+        for batch in batches:
+            if batch.docs is not None and batch.docs.stats is not None:
+                self.stats = batch.docs.stats if self.stats is None else self.stats + batch.docs.stats
+
+    def take_stats(self) -> tuple[int, int, int] | None:
+        """(windows, documents, visible pairs) recorded since the last call (one host sync), or None."""
+        if self.stats is None:
+            return None
+        windows, documents, pairs = self.stats.tolist()
+        self.stats = None
+        return windows, documents, pairs
 
     @contextlib.contextmanager
     def use(self, documents: Documents) -> Iterator[None]:

@@ -77,8 +77,9 @@ class StepFunction:
         self.feed: DocumentFeed | None = None  # block_causal attention: the batches' documents (the trainer sets it)
         self.token_weight: float | None = None  # with a feed: see count_tokens
 
-    def count_tokens(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """block_causal: weigh each token equally over the global batch.
+    def count_tokens(self, batches: list[tuple[torch.Tensor, torch.Tensor]], *, record: bool = True) -> None:
+        """block_causal: weigh each token equally over the global batch (and, with ``record``, add the
+        batches' document statistics to the feed's, which the step metrics read; validation does not).
 
         Ignored labels (one per document) make the local batches' counted tokens differ, so the mean
         of per-rank, per-micro-batch means would not be the global batch's mean (nor one process's).
@@ -88,6 +89,8 @@ class StepFunction:
         """
         if self.feed is None:
             return
+        if record:
+            self.feed.record(batches)
         count = sum((labels != IGNORE_INDEX).sum() for _, labels in batches).float()
         group = self.world.group("dp_cp")
         if group is not None:

@@ -60,7 +60,7 @@ class Validator:
         for _ in range(self.steps):
             inputs, labels = next(data)
             batch = self.shard_batch(inputs.to(device), labels.to(device))
-            self.step_fn.count_tokens([batch])  # block_causal: as in training
+            self.step_fn.count_tokens([batch], record=False)  # block_causal: as in training
             with self.step_fn.documents(batch):
                 total += self.step_fn.forward_loss(*batch).float()
         for part in parts:

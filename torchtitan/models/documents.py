@@ -61,6 +61,12 @@ def block_causal_mask(
     return (same & causal).unsqueeze(1)
 
 
-def visible_pairs(doc_ids: torch.Tensor) -> int:
-    """Query-key pairs block-causal attention computes over a batch: sum over documents of n(n+1)/2."""
-    return sum(int((n * (n + 1) // 2).sum()) for n in (torch.bincount(row) for row in doc_ids.cpu().unbind(0)))
+def document_stats(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(bs, seqlen) document index -> (3,) int64 on its device: windows, documents, and the (query, key)
+    pairs block-causal attention computes (sum over documents of n(n+1)/2). No host sync."""
+    bs, seqlen = doc_ids.shape
+    lengths = torch.zeros(bs, seqlen, dtype=torch.int64, device=doc_ids.device)
+    lengths.scatter_add_(1, doc_ids, torch.ones_like(doc_ids))  # (bs, seqlen): tokens of document i of each row
+    pairs = (lengths * (lengths + 1) // 2).sum()
+    documents = (doc_ids[:, -1] + 1).sum()  # ids count up from 0 in each row
+    return torch.stack([torch.tensor(bs, device=doc_ids.device), documents, pairs])
