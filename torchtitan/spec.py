@@ -128,7 +128,7 @@ class ModelSpec:
         name: ``model.name`` in the config.
         model_cls: built as ``model_cls(args)`` on the meta device.
         flavors: ``model.flavor`` -> frozen args dataclass (with ``n_layers``, ``dim``, ``n_heads``,
-            ``head_dim``, ``vocab_size``, ``max_seq_len``, ``norm_type``).
+            ``head_dim``, ``vocab_size``, ``max_seq_len``, ``norm_type``, ``attention_backend``).
         parallelize_fn: ``(model, world_mesh, parallel_dims, config) -> None``: every parallelism,
             in place, in the family's documented order (default: ``distributed.parallelize``).
         pipeline_split_fn: ``(meta_model, first_layer, end_layer, is_first, is_last) -> None``:

@@ -69,7 +69,7 @@ class Trainer:
         set_determinism(config.training.seed, config.training.deterministic)
         tokenizer = b.tokenizer(config)
         self.data_loader = b.data_loader(config, tokenizer, self.world)
-        self.model_args = b.model_args(config, self.spec, tokenizer.n_words)
+        self.model_args = b.model_args(config, self.spec, tokenizer.n_words, device_type=self.device.type)
         whole = b.meta_model(self.spec, self.model_args)
         num_params = sum(p.numel() for p in whole.parameters())
         self.num_flop_params = self.spec.count_flop_params(self.model_args, whole)

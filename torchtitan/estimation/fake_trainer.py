@@ -138,8 +138,8 @@ def estimation_builders(vocab: int, *, n_layers: int | None = None) -> TrainerBu
     """
     defaults = TrainerBuilders()
 
-    def model_args(config, spec, vocab_size):
-        args = defaults.model_args(config, spec, vocab_size)
+    def model_args(config, spec, vocab_size, *, device_type=None):
+        args = defaults.model_args(config, spec, vocab_size, device_type=device_type)
         if n_layers is not None:
             args = dataclasses.replace(args, n_layers=n_layers)
         return spec.fake_tensor_args(args) if spec.fake_tensor_args is not None else args

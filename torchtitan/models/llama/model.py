@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.documents import block_causal_mask
+from torchtitan.models.attention import ATTENTION_BACKENDS, DocumentLayoutCache, block_causal_attention
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,9 @@ class ModelArgs:
     # depth_init: scale each block's output-projection init by its depth (True) or by the model depth.
     depth_init: bool = True
     norm_type: str = "rmsnorm"
+    # block_causal kernel, "sdpa" or "flex" (models/attention.py); the config's "auto" is resolved
+    # from the run's device before the model is built. Causal attention always runs SDPA.
+    attention_backend: str = "sdpa"
     # The output head reuses the embedding table (Llama 3.2 1B/3B, small Qwen3): one parameter.
     tie_word_embeddings: bool = False
 
@@ -118,7 +121,19 @@ class CausalAttention(nn.Module):
 
     Takes k and v with the (fewer) key/value heads: grouped-query heads are expanded here, after any
     communication, so a CP ring passes the compact tensors.
+
+    Args:
+        backend: the block-causal kernel, "sdpa" or "flex" (torchtitan/models/attention.py).
     """
+
+    def __init__(self, backend: str = "sdpa"):
+        super().__init__()
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend = {backend!r}: allowed are {', '.join(ATTENTION_BACKENDS)}")
+        self.backend = backend
+        # The Transformer replaces this with one cache shared by all its blocks (a plain attribute:
+        # no state_dict entry), so a batch's document layout is computed once, not once per layer.
+        self.documents = DocumentLayoutCache()
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
@@ -128,13 +143,12 @@ class CausalAttention(nn.Module):
         doc_ids (bs, seqlen): block-causal attention, each token sees its own document's past only
         (torchtitan/models/documents.py); None: plain causal.
         """
+        if doc_ids is not None:
+            return block_causal_attention(q, k, v, doc_ids, self.backend, self.documents)
         n_rep = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(n_rep, dim=1)  # (bs, n_heads, seqlen, head_dim)
         v = v.repeat_interleave(n_rep, dim=1)
-        if doc_ids is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        mask = block_causal_mask(doc_ids, doc_ids)  # (bs, 1, seqlen, seqlen)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class Attention(nn.Module):
@@ -146,7 +160,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        self.sdpa: nn.Module = CausalAttention()
+        self.sdpa: nn.Module = CausalAttention(args.attention_backend)
         # QK-norm (Qwen3): an RMSNorm over head_dim of each q and k head, before RoPE; None in Llama.
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
@@ -252,6 +266,10 @@ class Transformer(nn.Module):
         # Not persistent: recomputed by init_weights, never checkpointed.
         self.register_buffer("rope_cache", self._rope_cache(), persistent=False)
         self.layers = nn.ModuleDict({str(i): build_block(i, args) for i in range(args.n_layers)})
+        self.document_cache = DocumentLayoutCache()  # shared by every block's kernel: one layout per batch
+        for module in self.layers.modules():
+            if isinstance(module, CausalAttention):
+                module.documents = self.document_cache
         self.norm: nn.Module | None = build_norm(args.norm_type, args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
