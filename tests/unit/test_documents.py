@@ -60,6 +60,8 @@ def test_packed_losses_and_grads_equal_each_document_alone(per_document):
     positions = document_positions(ids) if per_document else None
     targets = mask_boundary_labels(inputs, labels, EOS)
     logits = model(inputs, positions, doc_ids=ids)
+    # the default backend ran: one causal SDPA call per document, lengths read once for all layers
+    assert ARGS.attention_backend == "sdpa" and model.document_cache.num_computed == 1
     packed = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")  # 0 where ignored
     packed.sum().backward()
     packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}

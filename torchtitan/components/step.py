@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -97,7 +98,11 @@ class StepFunction:
             dist.all_reduce(count, group=group)
         units = len(batches) * (self.pipeline.n_microbatches if self.pipeline is not None else 1)
         units *= dist.get_world_size(group) if group is not None else 1
-        self.token_weight = units / max(count.item(), 1.0)
+        # Under the memory estimator's fake tensors the count cannot be read; the weight's value
+        # changes no memory: every label of the global batch counted stands in.
+        ranks = dist.get_world_size(group) if group is not None else 1
+        counted = count.item() if not is_fake(count) else ranks * sum(labels.numel() for _, labels in batches)
+        self.token_weight = units / max(counted, 1.0)
         if self.pipeline_loss is not None:
             self.pipeline_loss.token_weight = self.token_weight
 

@@ -112,9 +112,11 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: 
 
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """One document: q (n, n_heads, head_dim); k, v (n, n_kv_heads, head_dim) -> like q."""
-    # SDPA wants (heads, n, head_dim); k and v keep their fewer heads: the kernel expands them (GQA)
-    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(0, 1)
+    # SDPA wants (1, heads, n, head_dim): 4-D, else CPU SDPA takes its math path, which materialises
+    # the (n, n) scores. k and v keep their fewer heads: the kernel expands them (GQA; on CUDA only
+    # FlashAttention does, so an fp32 GQA model there runs the math path per document).
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
 
 
 def document_mask_mod(doc_ids: torch.Tensor) -> Callable:
