@@ -219,11 +219,9 @@ BF16_RTOL = 5e-4
 # corpus of short documents (tests/assets/short_docs: pydocs paragraphs, ~43 tokens each) so that every
 # 64-token window holds document boundaries (the references assert it). Validation reads it too.
 SHORT_DOCS = "tests/assets/short_docs/short_docs.jsonl"
+DOCS_TRAIN = ["--model.attn_mask_type", "block_causal", "--training.dataset_path", SHORT_DOCS]
 DOCS = [
-    "--model.attn_mask_type",
-    "block_causal",
-    "--training.dataset_path",
-    SHORT_DOCS,
+    *DOCS_TRAIN,
     "--validation.dataset",
     "pydocs",
     "--validation.dataset_path",

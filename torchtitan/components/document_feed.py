@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from torchtitan.distributed.pipeline import in_shape_inference
@@ -65,6 +66,7 @@ class DocumentFeed:
         positions_per_document: RoPE positions restart at every document.
         n_microbatches: the pipeline's micro-batches per batch, or 1 without pipeline parallel.
         shard: context parallel's cut of a (bs, seqlen) tensor to this rank's positions, or None.
+        group: the data-parallel x CP group ``take_stats`` sums over, or None (one such rank).
     """
 
     def __init__(
@@ -75,12 +77,14 @@ class DocumentFeed:
         positions_per_document: bool,
         n_microbatches: int = 1,
         shard: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        group: dist.ProcessGroup | None = None,
     ):
         self.eos_id, self.positions_per_document = eos_id, positions_per_document
         self.n_microbatches, self.shard = n_microbatches, shard
         self.queues: list[deque[Documents]] = [deque() for _ in model_parts]
         self.active = False
         self.stats: torch.Tensor | None = None  # see record / take_stats
+        self.group = group  # the data-parallel x CP group the statistics are summed over
         for part, queue in zip(model_parts, self.queues):
             part.register_forward_pre_hook(self._hook(queue), with_kwargs=True)
 
@@ -103,9 +107,16 @@ class DocumentFeed:
                 self.stats = batch.docs.stats if self.stats is None else self.stats + batch.docs.stats
 
     def take_stats(self) -> tuple[int, int, int] | None:
-        """(windows, documents, visible pairs) recorded since the last call (one host sync), or None."""
+        """(windows, documents, visible pairs) recorded since the last call, summed over the data-parallel
+        (and CP) group: every rank of it must call this (the step metrics' log does). None without a record.
+
+        CP ranks of one dp rank record the same whole windows, so the sum counts each window cp times:
+        the ratios (documents per window, pairs per token) are those of the global batch.
+        """
         if self.stats is None:
             return None
+        if self.group is not None:
+            dist.all_reduce(self.stats, group=self.group)
         windows, documents, pairs = self.stats.tolist()
         self.stats = None
         return windows, documents, pairs
@@ -163,4 +174,5 @@ def build_document_feed(config, eos_id: int, step_fn, cp_positions: torch.Tensor
         positions_per_document=config.model.positions_per_document,
         n_microbatches=pipeline.n_microbatches if pipeline is not None else 1,
         shard=shard if cp_positions is not None else None,
+        group=step_fn.world.group("dp_cp"),
     )
