@@ -8,6 +8,7 @@ import pytest
 
 from tests.integration_tests import (
     BF16,
+    DOCS,
     GLOBAL_BATCH,
     MOE,
     VALIDATION,
@@ -67,3 +68,26 @@ def matrix(request, tmp_path_factory) -> MatrixLaunches:
             if isinstance(row, Row) and row not in rows:
                 rows.append(row)
     return MatrixLaunches(rows, str(tmp_path_factory.mktemp("matrix")))
+
+
+def _docs_reference(folder: str, extra: list[str]) -> dict[str, list[float]]:
+    """One process with block_causal on the short-document corpus; its losses and documents per window."""
+    result = run_train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH), *DOCS, *extra])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = [r for r in read_metrics(folder) if "loss" in r]
+    # every window holds boundaries, else block_causal would equal causal and prove nothing
+    docs = [r["documents_per_window"] for r in records]
+    assert min(docs) >= 2.0, f"windows of the short-document corpus hold too few documents: {docs}"
+    assert all(r["mfu_attention"] == "visible_pairs" for r in records)
+    assert "mfu(visible)" in result.stdout + result.stderr
+    return {**losses_of(folder), "documents_per_window": docs}
+
+
+@pytest.fixture(scope="session")
+def docs_reference(tmp_path_factory) -> dict[str, list[float]]:
+    return _docs_reference(str(tmp_path_factory.mktemp("docs_reference")), [])
+
+
+@pytest.fixture(scope="session")
+def docs_moe_reference(tmp_path_factory) -> dict[str, list[float]]:
+    return _docs_reference(str(tmp_path_factory.mktemp("docs_moe_reference")), MOE)

@@ -215,6 +215,31 @@ BF16_ROWS = [
 BF16_RTOL = 5e-4
 
 
+# Document masking (docs/attention.md): block_causal rows against one process with block_causal, on a
+# corpus of short documents (tests/assets/short_docs: pydocs paragraphs, ~43 tokens each) so that every
+# 64-token window holds document boundaries (the references assert it). Validation reads it too.
+SHORT_DOCS = "tests/assets/short_docs/short_docs.jsonl"
+DOCS_TRAIN = ["--model.attn_mask_type", "block_causal", "--training.dataset_path", SHORT_DOCS]
+DOCS = [
+    *DOCS_TRAIN,
+    "--validation.dataset",
+    "pydocs",
+    "--validation.dataset_path",
+    SHORT_DOCS,
+    *VALIDATION,
+]
+DOC_ROWS = [
+    Row("docs_fsdp2", 2, 4, DOCS),
+    Row("docs_tp2", 2, 8, DOCS, tp=2),
+    Row("docs_pp2_1f1b", 2, 8, [*DOCS, *pp_schedule("1F1B")], pp=2),
+    Row("docs_pp2_interleaved1f1b", 2, 8, [*DOCS, *pp_schedule("Interleaved1F1B")], pp=2),
+    Row("docs_cp2_allgather", 2, 8, [*DOCS, *ROTATE_ALLGATHER], cp=2),  # load-balanced (the default)
+    Row("docs_cp2_alltoall", 2, 8, [*DOCS, *ROTATE_ALLTOALL], cp=2),
+    Row("docs_fsdp2_tp2_cp2", 8, 4, [*DOCS, *ROTATE_ALLTOALL], tp=2, cp=2),
+]
+DOC_MOE_ROWS = [Row("docs_moe_ep2", 2, 4, [*DOCS, *ep(2)])]
+
+
 def job_argv(row: Row, dump_folder: str) -> list[str]:
     """A matrix row's trainer arguments: what run_llama_train.sh would pass for it."""
     return [
@@ -380,6 +405,19 @@ def test_bf16_loss_parity(row: Row, bf16_reference: list[float], reference: dict
         assert abs(got - want) <= BF16_RTOL * abs(want), f"loss #{i}: {row.name} {got} vs single-process bf16 {want}"
     gap_to_fp32 = max(abs(got - want) / abs(want) for got, want in zip(losses, reference["loss"], strict=True))
     assert gap_to_fp32 > RTOL, f"{row.name} is within fp32 parity ({gap_to_fp32:.2g}) of the fp32 run: not bf16?"
+
+
+@pytest.mark.parametrize("row", DOC_ROWS + DOC_MOE_ROWS, ids=[r.name for r in DOC_ROWS + DOC_MOE_ROWS])
+def test_block_causal_loss_parity(row: Row, docs_reference, docs_moe_reference, matrix: MatrixLaunches):
+    check_row(row)
+    losses = matrix.losses(row)
+    reference = docs_moe_reference if row in DOC_MOE_ROWS else docs_reference
+    for key in ("loss", "validation_loss"):
+        for i, (got, want) in enumerate(zip(losses[key], reference[key], strict=True)):
+            assert abs(got - want) <= RTOL * abs(want), f"{key} #{i}: {row.name} {got} vs single-process {want}"
+    # the same windows, so the same documents: a function of the global batch, not of the layout
+    docs = [r["documents_per_window"] for r in read_metrics(matrix.folder(row)) if "loss" in r]
+    assert docs == reference["documents_per_window"], (docs, reference["documents_per_window"])
 
 
 _BY_NAME = {r.name: r for r in ROWS}

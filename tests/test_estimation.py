@@ -27,7 +27,7 @@ from functools import cache
 
 import pytest
 
-from tests.integration_tests import MOE_ROWS, ROOT, ROWS, Row, job_argv
+from tests.integration_tests import DOCS_TRAIN, MOE_ROWS, ROOT, ROWS, Row, job_argv
 from tests.test_float8_runs import FLOAT8_ROWS
 from tests.test_model_family_runs import QWEN3_MOE_ROWS, QWEN3_ROWS, TIED_ROWS
 from tests.test_optimizer_in_backward_runs import IB_ROWS
@@ -43,8 +43,12 @@ NOT_PRACTICAL = {
     "ib_fsdp2_cpu_offload": "CPU offload is not modeled (NotImplementedError)",
 }
 FAMILY_ROWS = TIED_ROWS + QWEN3_ROWS + QWEN3_MOE_ROWS
+# block_causal on the short-document corpus (the estimator models the training step, not validation)
+DOC_ROWS = [Row("docs_fsdp2", 2, 4, DOCS_TRAIN), Row("docs_tp2", 2, 8, DOCS_TRAIN, tp=2)]
 ALL_ROWS = [
-    r for r in ROWS + MOE_ROWS + FLOAT8_ROWS + IB_ROWS + FAMILY_ROWS if r.name not in NOT_PRACTICAL and r.ngpu > 1
+    r
+    for r in ROWS + MOE_ROWS + FLOAT8_ROWS + IB_ROWS + FAMILY_ROWS + DOC_ROWS
+    if r.name not in NOT_PRACTICAL and r.ngpu > 1
 ]
 # CI measures one row per feature (~4 minutes); every practical row takes ~15 minutes:
 # TORCHTITAN_ESTIMATION_ALL_ROWS=1 python -m pytest -s tests/test_estimation.py
@@ -67,6 +71,8 @@ CI_ROWS = {
     "tied_fsdp2",  # one table for the embedding and the head
     "qwen3_tp2",  # Qwen3: QK-norm weights replicated over TP, head_dim of its own
     "qwen3_moe_ep2",
+    # block_causal: one causal SDPA call per document; the estimate assumes one document per row
+    "docs_fsdp2",
 }
 TRACKER_ROWS = (
     ALL_ROWS if os.environ.get("TORCHTITAN_ESTIMATION_ALL_ROWS") else [r for r in ALL_ROWS if r.name in CI_ROWS]

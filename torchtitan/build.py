@@ -31,6 +31,7 @@ from torchtitan.distributed.init import init_model_weights
 from torchtitan.distributed.mesh import WorldMesh
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline import PipelineParts, build_pipeline
+from torchtitan.models.attention import resolve_attention_backend
 from torchtitan.spec import chain_hooks, get_model_spec
 
 logger = logging.getLogger(__name__)
@@ -42,9 +43,13 @@ if TYPE_CHECKING:
     from torchtitan.spec import ModelSpec
 
 
-def build_model_args(config: JobConfig, spec: ModelSpec, vocab_size: int) -> Any:
+def build_model_args(config: JobConfig, spec: ModelSpec, vocab_size: int, *, device_type: str | None = None) -> Any:
     """The flavor's args with the tokenizer's vocab (the HF model's rows when a run starts from one, see
-    ``_hf_vocab``), the training seq_len and the norm type (a new object)."""
+    ``_hf_vocab``), the training seq_len, the norm type and the attention backend (a new object).
+
+    ``device_type``: the run's device, which ``model.attention_backend = 'auto'`` resolves against;
+    default the device this process trains on (``get_device_info``), as the trainer's.
+    """
     flavor = spec.flavors[config.model.flavor]
     ck = config.checkpoint
     if ck.initial_load_in_hf and ck.initial_load_path:
@@ -58,8 +63,13 @@ def build_model_args(config: JobConfig, spec: ModelSpec, vocab_size: int) -> Any
         )
     if config.model.norm_type == "fused_rmsnorm":
         _log_fused_rmsnorm_once()
+    device_type = device_type or get_device_info().device.type
     return dataclasses.replace(
-        flavor, vocab_size=vocab_size, max_seq_len=config.training.seq_len, norm_type=config.model.norm_type
+        flavor,
+        vocab_size=vocab_size,
+        max_seq_len=config.training.seq_len,
+        norm_type=config.model.norm_type,
+        attention_backend=resolve_attention_backend(config.model.attention_backend, device_type),
     )
 
 
@@ -116,7 +126,8 @@ class TrainerBuilders:
     Signatures (``trainer`` is the Trainer being built, complete up to the part being built):
         mesh(parallel_dims, device_type) -> DeviceMesh | None
         tokenizer(config) -> an object with ``n_words``
-        model_args(config, spec, vocab_size) -> the family's args
+        model_args(config, spec, vocab_size, *, device_type) -> the family's args (``device_type``: the run's
+            device, for ``model.attention_backend = 'auto'``)
         meta_model(spec, model_args) -> nn.Module on the meta device (called once per pipeline stage too)
         data_loader(config, tokenizer, world) -> iterable of (inputs, labels), stateful for checkpoints
         metrics(trainer) -> StepMetrics-like (``add_data_time``, ``add_step``, ``log``, ``log_validation``,

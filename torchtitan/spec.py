@@ -128,7 +128,7 @@ class ModelSpec:
         name: ``model.name`` in the config.
         model_cls: built as ``model_cls(args)`` on the meta device.
         flavors: ``model.flavor`` -> frozen args dataclass (with ``n_layers``, ``dim``, ``n_heads``,
-            ``head_dim``, ``vocab_size``, ``max_seq_len``, ``norm_type``).
+            ``head_dim``, ``vocab_size``, ``max_seq_len``, ``norm_type``, ``attention_backend``).
         parallelize_fn: ``(model, world_mesh, parallel_dims, config) -> None``: every parallelism,
             in place, in the family's documented order (default: ``distributed.parallelize``).
         pipeline_split_fn: ``(meta_model, first_layer, end_layer, is_first, is_last) -> None``:
@@ -146,6 +146,8 @@ class ModelSpec:
         layer_pattern: ``args -> (prefix, period)``: after ``prefix`` leading layers, the layers
             repeat with this period (the estimator extrapolates memory over whole periods).
         hf_model_type: the Hugging Face ``model_type`` a ``config.json`` names for this family.
+        documents: the family's forward takes ``doc_ids`` (and per-row ``positions``) and passes them to
+            every block's attention, so ``model.attn_mask_type = "block_causal"`` can run on it.
     """
 
     name: str
@@ -162,6 +164,7 @@ class ModelSpec:
     validate_fn: Callable[[JobConfig, Any], None] | None = None
     layer_pattern: Callable[[Any], tuple[int, int]] = lambda args: (0, 1)
     hf_model_type: str | None = None  # config.json's "model_type" this family imports (with state_dict_adapter)
+    documents: bool = False
 
 
 def _moe_flop_params(args: Any, model: nn.Module) -> int:
@@ -245,6 +248,7 @@ _SPECS: dict[str, ModelSpec] = {
         "llama3",
         Transformer,
         llama3_configs,
+        documents=True,
         state_dict_adapter=hf_adapter,
         validate_fn=_check_dense_config,
         hf_model_type="llama",
@@ -253,6 +257,7 @@ _SPECS: dict[str, ModelSpec] = {
         "qwen3",
         Qwen3Transformer,
         qwen3_configs,
+        documents=True,
         state_dict_adapter=qwen3_hf_adapter,
         validate_fn=_check_dense_config,
         hf_model_type="qwen3",
@@ -261,6 +266,7 @@ _SPECS: dict[str, ModelSpec] = {
         "llama3_moe",
         MoETransformer,
         moe_configs,
+        documents=True,
         count_flop_params=_moe_flop_params,
         build_step_hooks=Deferred("torchtitan.components.load_balancing:build_load_balancer"),
         fake_tensor_args=_balanced_routing,
@@ -271,6 +277,7 @@ _SPECS: dict[str, ModelSpec] = {
         "qwen3_moe",
         Qwen3MoETransformer,
         qwen3_moe_configs,
+        documents=True,
         count_flop_params=_moe_flop_params,
         build_step_hooks=Deferred("torchtitan.components.load_balancing:build_load_balancer"),
         fake_tensor_args=_balanced_routing,

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from torchtitan.build import TrainerBuilders, build_step_function, create_seed_checkpoint
 from torchtitan.checkpointing import CheckpointManager, model_info, trim_metrics
+from torchtitan.components.document_feed import Batch, build_document_feed
 from torchtitan.components.optimizer import apply_optimizer_config, build_lr_scheduler, build_optimizer
 from torchtitan.components.run_control import NonFiniteStep, RunStopped, StepGuard, StopSignals
 from torchtitan.components.step import StepFunction
@@ -68,11 +69,12 @@ class Trainer:
         set_determinism(config.training.seed, config.training.deterministic)
         tokenizer = b.tokenizer(config)
         self.data_loader = b.data_loader(config, tokenizer, self.world)
-        self.model_args = b.model_args(config, self.spec, tokenizer.n_words)
+        self.model_args = b.model_args(config, self.spec, tokenizer.n_words, device_type=self.device.type)
         whole = b.meta_model(self.spec, self.model_args)
         num_params = sum(p.numel() for p in whole.parameters())
         self.num_flop_params = self.spec.count_flop_params(self.model_args, whole)
         self.step_fn = self._build_step(whole)
+        self.step_fn.feed = build_document_feed(config, tokenizer.eos_id, self.step_fn, self.cp_positions)
         self.model_parts = self.step_fn.model_parts
         self.optimizer = build_optimizer(self.model_parts, config.optimizer)
         # optimizer.early_step_in_backward: hooks step each parameter during backward instead of optimizer.step()
@@ -147,15 +149,12 @@ class Trainer:
         return batches
 
     def shard_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Under context parallel, this rank's sequence positions of the batch its dp rank reads.
-
-        The model gets the matching positions from the hook apply_cp installs, so RoPE rotates each
-        token by its true position.
-        """
-        if self.cp_positions is None:
-            return inputs, labels
-        inputs, labels = shard_sequence([inputs, labels], seq_dim=1, positions=self.cp_positions)
-        return inputs, labels
+        """Under context parallel, this rank's sequence positions of the batch its dp rank reads (the
+        model gets the matching positions from apply_cp's hook); block_causal: with its documents."""
+        labels, docs = self.step_fn.feed.prepare(inputs, labels) if self.step_fn.feed else (labels, None)
+        if self.cp_positions is not None:
+            inputs, labels = shard_sequence([inputs, labels], seq_dim=1, positions=self.cp_positions)
+        return Batch(inputs, labels, docs)
 
     def _cp_positions(self) -> torch.Tensor | None:
         dims, exp = self.parallel_dims, self.config.experimental
@@ -173,8 +172,10 @@ class Trainer:
         Where this rank does not hold the loss, its share is 0 (``StepFunction.reduce_loss`` sums it in).
         """
         loss_sum = torch.zeros((), device=self.device)
-        for inputs, labels in batches:
-            loss = self.step_fn.forward_backward(inputs, labels, accum_steps=len(batches))
+        self.step_fn.count_tokens(batches)  # block_causal: every counted token weighs the same
+        for batch in batches:
+            with self.step_fn.documents(batch):  # block_causal: the batch's documents reach every forward
+                loss = self.step_fn.forward_backward(*batch, accum_steps=len(batches))
             if loss is not None:
                 loss_sum += loss
         # in backward, every parameter already stepped (so on_nonfinite = "skip" is refused before launch)
@@ -295,6 +296,7 @@ def _build_metrics(trainer: Trainer) -> StepMetrics:
         reduce_loss=trainer.step_fn.reduce_loss,
         num_params=trainer.num_flop_params,
         model_args=trainer.model_args,
+        documents=trainer.step_fn.feed.take_stats if trainer.step_fn.feed is not None else None,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from torchtitan.distributed.context_parallel import (
     RingAttention,
@@ -12,6 +13,7 @@ from torchtitan.distributed.context_parallel import (
     merge_attention_,
     shard_sequence,
 )
+from torchtitan.distributed.ring_attention_math import plan_document_blocks
 from torchtitan.models.llama.model import CausalAttention
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # fp32: only the order of the softmax reductions differs
@@ -95,3 +97,33 @@ def test_fully_masked_rows_merge_without_nan() -> None:
 def test_unknown_rotate_method_is_rejected() -> None:
     with pytest.raises(ValueError, match="rotate_method = 'ring'.*allgather, alltoall"):
         RingAttention(None, rotate_method="ring", load_balance=True)
+
+
+def test_document_plans_skip_empty_blocks_and_bound_the_union_over_rows() -> None:
+    # cp 2, load balanced, seq 8: this rank (0) holds positions 0, 1, 6, 7; rank 1 holds 2, 3, 4, 5.
+    q_pos, k_pos = torch.tensor([0, 1, 6, 7]), torch.tensor([[0, 1, 6, 7], [2, 3, 4, 5]])
+    all_docs = torch.tensor([[0, 0, 0, 0, 1, 1, 2, 2], [0, 0, 0, 0, 0, 0, 0, 1]])  # (bs, seq) by position
+    k_docs = torch.stack([all_docs[:, k] for k in k_pos])  # (cp, bs, 4)
+    own, other = plan_document_blocks(k_docs[0], k_docs, q_pos, k_pos)
+    assert own.rows == slice(0, 4) and own.cols == slice(0, 4) and own.mask.shape == (2, 1, 4, 4)
+    # block 1: only row 1's query at position 6 sees keys 2..5 (its document 0); union box = that row
+    assert other.rows == slice(2, 3) and other.cols == slice(0, 4) and other.mask.shape == (2, 1, 1, 4)
+    assert other.mask[:, 0, 0].tolist() == [[False] * 4, [True] * 4]
+    all_docs[1, 6] = 1  # now no query of this rank sees block 1 in any row
+    k_docs = torch.stack([all_docs[:, k] for k in k_pos])
+    assert plan_document_blocks(k_docs[0], k_docs, q_pos, k_pos)[1] is None
+
+
+def test_document_plan_of_a_fully_visible_box_has_no_mask() -> None:
+    q_pos, k_pos = torch.tensor([2, 3]), torch.tensor([[2, 3], [0, 1]])
+    docs = torch.zeros(3, 2, 2, dtype=torch.int64)  # (cp blocks, bs, s): one document everywhere
+    plan = plan_document_blocks(docs[0], docs[:2], q_pos, k_pos)[1]
+    assert plan.rows == slice(0, 2) and plan.cols == slice(0, 2) and plan.mask is None
+
+
+def test_block_causal_ring_attention_refuses_fake_document_ids() -> None:
+    ring = RingAttention(None, rotate_method="alltoall", load_balance=True)
+    with FakeTensorMode():
+        q, doc_ids = torch.randn(1, 2, 4, 8), torch.zeros(1, 4, dtype=torch.int64)
+        with pytest.raises(NotImplementedError, match="memory estimator cannot model context parallel"):
+            ring(q, q, q, doc_ids=doc_ids)

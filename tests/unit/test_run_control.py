@@ -85,6 +85,8 @@ def test_model_defining_args_are_compared():
     saved = {"name": "llama3", "args": args}
     check_model_matches(saved, {"name": "llama3", "args": {**args, "max_seq_len": 64}}, "ckpt")  # a buffer size
     check_model_matches(saved, {"name": "llama3", "args": {**args, "norm_type": "fused_rmsnorm"}}, "ckpt")
+    # a kernel choice that follows the device (a CPU seed checkpoint resumed on CUDA), absent from older markers
+    check_model_matches(saved, {"name": "llama3", "args": {**args, "attention_backend": "flex"}}, "ckpt")
     with pytest.raises(ValueError, match="norm_type: checkpoint 'rmsnorm', config 'layernorm'.*rope_theta"):
         check_model_matches(
             saved, {"name": "llama3", "args": {**args, "norm_type": "layernorm", "rope_theta": 5e5}}, "c"

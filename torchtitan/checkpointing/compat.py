@@ -14,8 +14,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 # May differ between the checkpoint and the run: a RoPE cache length (follows training.seq_len),
-# init-only choices, MoE balancing hyper-parameters, kernel choices with the same numbers, and the
-# estimator's assumed routing.
+# init-only choices, MoE balancing hyper-parameters, kernel choices with the same numbers (the
+# block-causal attention backend follows the device), and the estimator's assumed routing.
 NOT_MODEL_DEFINING = frozenset(
     {
         "max_seq_len",
@@ -24,6 +24,7 @@ NOT_MODEL_DEFINING = frozenset(
         "aux_loss_coeff",
         "bias_update_rate",
         "use_grouped_mm",
+        "attention_backend",
         "balanced_routing",
     }
 )

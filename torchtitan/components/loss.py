@@ -99,6 +99,9 @@ def _vocab_sharded(hidden: torch.Tensor, weight: DTensor, ignore_index: int):
     return hidden, chunk_loss
 
 
-def cross_entropy_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean token loss; logits are upcast to fp32 so a bf16 forward still gets an accurate loss."""
-    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+def cross_entropy_loss(
+    pred: torch.Tensor, labels: torch.Tensor, reduction: Literal["mean", "sum"] = "mean"
+) -> torch.Tensor:
+    """Mean (or summed) token loss over labels that are not -100; logits are upcast to fp32 so a bf16
+    forward still gets an accurate loss."""
+    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1), reduction=reduction)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -23,10 +24,12 @@ from torchtitan.components.loss import chunked_cross_entropy, cross_entropy_loss
 from torchtitan.components.optimizer import build_optimizer_in_backward
 from torchtitan.distributed.grad_norm import clip_grad_norm_, reduce_partial_grads_
 from torchtitan.distributed.pipeline import pipeline_eval, pipeline_step
+from torchtitan.models.documents import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from torch import nn
 
+    from torchtitan.components.document_feed import DocumentFeed
     from torchtitan.components.optimizer_in_backward import OptimizerInBackward
     from torchtitan.config.schema import Optimizer as OptimizerConfig
     from torchtitan.distributed.mesh import WorldMesh
@@ -43,9 +46,12 @@ class PipelineLoss:
 
     def __init__(self) -> None:
         self.divisor = 1
+        self.token_weight: float | None = None  # see StepFunction.count_tokens
 
     def __call__(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_loss(pred, labels) / self.divisor
+        if self.token_weight is None:
+            return cross_entropy_loss(pred, labels) / self.divisor
+        return cross_entropy_loss(pred, labels, reduction="sum") * (self.token_weight / self.divisor)
 
 
 class StepFunction:
@@ -69,6 +75,41 @@ class StepFunction:
         self.pipeline, self.hooks = pipeline, hooks
         self.loss_context = loss_parallel if world.dims.loss_parallel_enabled else contextlib.nullcontext
         self.pipeline_loss = pipeline_loss
+        self.feed: DocumentFeed | None = None  # block_causal attention: the batches' documents (the trainer sets it)
+        self.token_weight: float | None = None  # with a feed: see count_tokens
+
+    def count_tokens(self, batches: list[tuple[torch.Tensor, torch.Tensor]], *, record: bool = True) -> None:
+        """block_causal: weigh each token equally over the global batch (and, with ``record``, add the
+        batches' document statistics to the feed's, which the step metrics read; validation does not).
+
+        Ignored labels (one per document) make the local batches' counted tokens differ, so the mean
+        of per-rank, per-micro-batch means would not be the global batch's mean (nor one process's).
+        Each unit (micro-batch of a dp/cp rank, accumulation step, pipeline micro-batch) then returns
+        its summed loss x units / (counted tokens of the global batch): the averages the step already
+        takes over those units give the global mean over counted tokens, its gradient included.
+        """
+        if self.feed is None:
+            return
+        if record:
+            self.feed.record(batches)
+        count = sum((labels != IGNORE_INDEX).sum() for _, labels in batches).float()
+        group = self.world.group("dp_cp")
+        if group is not None:
+            dist.all_reduce(count, group=group)
+        units = len(batches) * (self.pipeline.n_microbatches if self.pipeline is not None else 1)
+        units *= dist.get_world_size(group) if group is not None else 1
+        # Under the memory estimator's fake tensors the count cannot be read; the weight's value
+        # changes no memory: every label of the global batch counted stands in.
+        ranks = dist.get_world_size(group) if group is not None else 1
+        counted = count.item() if not is_fake(count) else ranks * sum(labels.numel() for _, labels in batches)
+        self.token_weight = units / max(counted, 1.0)
+        if self.pipeline_loss is not None:
+            self.pipeline_loss.token_weight = self.token_weight
+
+    def documents(self, batch: tuple) -> contextlib.AbstractContextManager:
+        """The forwards inside see ``batch``'s documents (``Batch.docs``, block_causal); else nothing to do."""
+        docs = getattr(batch, "docs", None)
+        return self.feed.use(docs) if self.feed is not None and docs is not None else contextlib.nullcontext()
 
     def autocast(self) -> torch.autocast:
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
@@ -111,11 +152,21 @@ class StepFunction:
             # The output projection runs per chunk inside the loss, under the forward's autocast
             # (checkpoint replays that autocast state when it recomputes a chunk in backward).
             with self.loss_context(), self.autocast():
-                return chunked_cross_entropy(hidden, model.output, labels, chunk_size=self.loss_chunk_size)
+                return self._weighted(
+                    chunked_cross_entropy(
+                        hidden, model.output, labels, chunk_size=self.loss_chunk_size, reduction=self._reduction()
+                    )
+                )
         with self.autocast():
             pred = model(inputs)  # (bs, seqlen, vocab); vocab-sharded DTensor under loss parallel
         with self.loss_context():
-            return cross_entropy_loss(pred, labels)
+            return self._weighted(cross_entropy_loss(pred, labels, reduction=self._reduction()))
+
+    def _reduction(self) -> str:
+        return "mean" if self.token_weight is None else "sum"
+
+    def _weighted(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.token_weight is None else loss * self.token_weight
 
     def _backward(self, loss: torch.Tensor, scale: float) -> None:
         """Backward of the loss, plus the family's aux loss at the same scale (the logged loss stays the CE)."""

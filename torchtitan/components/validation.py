@@ -59,8 +59,10 @@ class Validator:
         total = torch.zeros((), device=device)
         for _ in range(self.steps):
             inputs, labels = next(data)
-            inputs, labels = self.shard_batch(inputs.to(device), labels.to(device))
-            total += self.step_fn.forward_loss(inputs, labels).float()
+            batch = self.shard_batch(inputs.to(device), labels.to(device))
+            self.step_fn.count_tokens([batch], record=False)  # block_causal: as in training
+            with self.step_fn.documents(batch):
+                total += self.step_fn.forward_loss(*batch).float()
         for part in parts:
             part.train()
         mean, _ = self.step_fn.reduce_loss(total, with_max=False)

@@ -16,6 +16,7 @@ import torch
 
 from torchtitan.components.float8 import TORCHAO_PIN, check_float8_config
 from torchtitan.components.optimizer_in_backward import check_in_backward_config
+from torchtitan.config.attention_checks import check_attention_config
 from torchtitan.config.errors import ConfigError
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_layout import resolve_stage_layout, validate_microbatches
@@ -383,8 +384,9 @@ def validate_config(config: JobConfig, world_size: int, *, check_paths: bool = T
             f"float8.enable_float8_linear = true needs torchao, which is not installed; pip install {TORCHAO_PIN}"
         )
     _check_model(config)
+    attention_warnings = check_attention_config(config, dims, check_paths=check_paths)
     if check_paths:
         _check_paths(config)
     _check_validation_and_logging(config)
     _check_checkpoint(config, world_size)
-    return _warnings(config, world_size)
+    return attention_warnings + _warnings(config, world_size)

@@ -74,10 +74,16 @@ def fake_mode_patches() -> Iterator[None]:
 
 
 class FlavorVocabTokenizer:
-    """Stands in for a tokenizer file that is not on this machine: only its vocabulary size matters."""
+    """Stands in for a tokenizer file that is not on this machine: only its vocabulary size matters.
+
+    ``eos_id`` (the trainer reads it for block_causal document boundaries) is the last id: the tokens
+    are random and, under fake tensors, the documents cannot be read anyway (attention assumes one
+    per row, which takes the same memory; torchtitan/models/attention.py).
+    """
 
     def __init__(self, n_words: int):
         self.n_words = n_words
+        self.eos_id = n_words - 1
 
 
 def resolve_vocab(config) -> tuple[int, str]:
@@ -138,8 +144,8 @@ def estimation_builders(vocab: int, *, n_layers: int | None = None) -> TrainerBu
     """
     defaults = TrainerBuilders()
 
-    def model_args(config, spec, vocab_size):
-        args = defaults.model_args(config, spec, vocab_size)
+    def model_args(config, spec, vocab_size, *, device_type=None):
+        args = defaults.model_args(config, spec, vocab_size, device_type=device_type)
         if n_layers is not None:
             args = dataclasses.replace(args, n_layers=n_layers)
         return spec.fake_tensor_args(args) if spec.fake_tensor_args is not None else args

@@ -46,7 +46,9 @@ def format_step_line(step: int, total: int, record: dict[str, float | None], eta
         f"grad_norm {c.value}{record['grad_norm']:7.4f}{c.reset}  "
         f"lr {c.value}{record['lr']:.2e}{c.reset}  "
         f"tps {c.value}{record['tps']:>9,.0f}{c.reset}  "
-        f"mfu {c.value}{mfu}{c.reset}  "
+        # block_causal: attention FLOPs of the visible pairs only (not the causal convention's full matrix)
+        + ("mfu(visible) " if record.get("mfu_attention") == "visible_pairs" else "mfu ")
+        + f"{c.value}{mfu}{c.reset}  "
         f"memory {c.value}{record['memory_gib']:6.2f} GiB{c.reset}  "
         # MoE: the worst layer's max/mean tokens per expert (per layer: metrics.jsonl)
         + (

@@ -173,11 +173,16 @@ def build_device_memory_monitor(device: torch.device) -> DeviceMemoryMonitor:
 # ---------------------------------------------------------------------------------------------
 
 
-def compute_num_flops_per_token(num_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
+def compute_num_flops_per_token(
+    num_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int, attention_pairs: float | None = None
+) -> float:
     """Training FLOPs (forward + backward) per token of a decoder-only transformer.
 
     Args:
         num_params: parameters excluding the input embedding table (a lookup, no matmul).
+        attention_pairs: the (query, key) pairs attention computes per token, where the mask decides
+            them (block_causal: the visible pairs of the step's windows over their tokens); None:
+            ``seq_len``, the full-matrix convention below.
     """
     # Dense matmuls: a weight of N params costs 2N FLOPs per token forward (multiply + add), and
     # backward costs twice that (grad w.r.t. inputs and w.r.t. weights): 6N in total.
@@ -185,7 +190,10 @@ def compute_num_flops_per_token(num_params: int, n_layers: int, n_heads: int, he
     # n_heads * head_dim forward and scores @ v the same, so 4 * L * H * D * T forward and
     # 12 * L * H * D * T with backward. This counts the full (non-causal) T x T score matrix,
     # matching the PaLM appendix-B convention that MFU numbers are usually quoted in.
-    return 6 * num_params + 12 * n_layers * n_heads * head_dim * seq_len
+    # block_causal counts only the pairs its documents leave visible (docs/attention.md): with short
+    # documents far fewer than seq_len / 2, so its MFU is not comparable with a causal run's.
+    pairs = seq_len if attention_pairs is None else attention_pairs
+    return 6 * num_params + 12 * n_layers * n_heads * head_dim * pairs
 
 
 def compute_mfu(tokens_per_second: float, flops_per_token: float, peak_flops: float) -> float:

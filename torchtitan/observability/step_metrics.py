@@ -42,8 +42,13 @@ class StepMetrics:
         num_params: int,
         model_args: ModelArgs,
         append: bool = False,
+        documents: Callable[[], tuple[int, int, int] | None] | None = None,
     ):
+        """documents (block_causal): returns the (windows, documents, visible pairs) trained on since its
+        last call; MFU then counts attention over the visible pairs only (``mfu_attention``)."""
         self.device = device
+        self.documents, self.seq_len = documents, config.training.seq_len
+        self.flop_shape = (num_params, model_args.n_layers, model_args.n_heads, model_args.head_dim)
         self.enabled = enabled
         self.reduce_loss = reduce_loss  # per-rank loss -> (global mean, max): the step function's
         self.flops_per_token = compute_num_flops_per_token(
@@ -100,17 +105,21 @@ class StepMetrics:
         loss_avg, loss_max = self.reduce_loss(loss)
         tps = self.window_tokens / elapsed
         mem = self.memory.get_peak_stats()
+        docs = self.documents() if self.documents is not None else None
         record = {
             "loss": loss_avg,
             "loss_max": loss_max,
             "grad_norm": grad_norm.item(),
             "lr": lr,
             "tps": tps,
-            "mfu": self._mfu(tps),
+            "mfu": self._mfu(tps, self._flops_per_token(docs)),
             "memory_gib": mem.max_active_gib,
             "step_time_s": elapsed / self.window_steps,
             "data_time_s": self.window_data_time / self.window_steps,
         }
+        if docs is not None:
+            windows, documents, pairs = docs
+            record.update(documents_per_window=documents / windows, mfu_attention="visible_pairs")
         tb_extra = {}
         if extra is not None:
             record.update(extra[0])
@@ -126,7 +135,15 @@ class StepMetrics:
         self._reset_window()
         return record
 
-    def _mfu(self, tps: float) -> float | None:
+    def _flops_per_token(self, docs: tuple[int, int, int] | None) -> float:
+        if docs is None:
+            return self.flops_per_token
+        windows, _, pairs = docs
+        return compute_num_flops_per_token(
+            *self.flop_shape, self.seq_len, attention_pairs=pairs / (windows * self.seq_len)
+        )
+
+    def _mfu(self, tps: float, flops_per_token: float) -> float | None:
         """MFU in %, or None (no MFU shown or written) from the first step whose MFU exceeds 100%.
 
         An MFU over 100% means the peak is too low, and then every step's MFU is too high, not
@@ -134,7 +151,7 @@ class StepMetrics:
         """
         if self.mfu_unreliable:
             return None
-        mfu = compute_mfu(tps, self.flops_per_token, self.peak.flops)
+        mfu = compute_mfu(tps, flops_per_token, self.peak.flops)
         if mfu <= 100.0:
             return mfu
         self.mfu_unreliable = True

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan.models.attention import ATTENTION_BACKENDS, DocumentLayoutCache, block_causal_attention
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -51,6 +53,9 @@ class ModelArgs:
     # depth_init: scale each block's output-projection init by its depth (True) or by the model depth.
     depth_init: bool = True
     norm_type: str = "rmsnorm"
+    # block_causal kernel, "sdpa" or "flex" (models/attention.py); the config's "auto" is resolved
+    # from the run's device before the model is built. Causal attention always runs SDPA.
+    attention_backend: str = "sdpa"
     # The output head reuses the embedding table (Llama 3.2 1B/3B, small Qwen3): one parameter.
     tie_word_embeddings: bool = False
 
@@ -103,8 +108,9 @@ def scale_rope_freqs(freqs: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
 
 
 def apply_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of ``x`` (bs, seqlen, heads, head_dim) by ``rope`` (seqlen, head_dim)."""
-    cos, sin = rope.unsqueeze(1).chunk(2, dim=-1)  # (seqlen, 1, head_dim/2) each
+    """Rotate pairs (x[2i], x[2i+1]) of ``x`` (bs, seqlen, heads, head_dim) by ``rope`` (seqlen, head_dim),
+    or per sequence (bs, seqlen, head_dim) when positions restart at each document."""
+    cos, sin = rope.unsqueeze(-2).chunk(2, dim=-1)  # ([bs,] seqlen, 1, head_dim/2) each
     x_even, x_odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (bs, seqlen, heads, head_dim/2)
     rotated = torch.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], dim=-1)
     return rotated.flatten(-2).type_as(x)
@@ -115,10 +121,30 @@ class CausalAttention(nn.Module):
 
     Takes k and v with the (fewer) key/value heads: grouped-query heads are expanded here, after any
     communication, so a CP ring passes the compact tensors.
+
+    Args:
+        backend: the block-causal kernel, "sdpa" or "flex" (torchtitan/models/attention.py).
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (bs, n_heads, seqlen, head_dim); k, v (bs, n_kv_heads, seqlen, head_dim) -> like q."""
+    def __init__(self, backend: str = "sdpa"):
+        super().__init__()
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend = {backend!r}: allowed are {', '.join(ATTENTION_BACKENDS)}")
+        self.backend = backend
+        # The Transformer replaces this with one cache shared by all its blocks (a plain attribute:
+        # no state_dict entry), so a batch's document layout is computed once, not once per layer.
+        self.documents = DocumentLayoutCache()
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """q (bs, n_heads, seqlen, head_dim); k, v (bs, n_kv_heads, seqlen, head_dim) -> like q.
+
+        doc_ids (bs, seqlen): block-causal attention, each token sees its own document's past only
+        (torchtitan/models/documents.py); None: plain causal.
+        """
+        if doc_ids is not None:
+            return block_causal_attention(q, k, v, doc_ids, self.backend, self.documents)
         n_rep = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(n_rep, dim=1)  # (bs, n_heads, seqlen, head_dim)
         v = v.repeat_interleave(n_rep, dim=1)
@@ -134,7 +160,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        self.sdpa: nn.Module = CausalAttention()
+        self.sdpa: nn.Module = CausalAttention(args.attention_backend)
         # QK-norm (Qwen3): an RMSNorm over head_dim of each q and k head, before RoPE; None in Llama.
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
@@ -147,8 +173,9 @@ class Attention(nn.Module):
             if norm is not None:
                 norm.reset_parameters()
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        """x (bs, seqlen, dim); rope (>= seqlen, head_dim), row i for the i-th token of x."""
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x (bs, seqlen, dim); rope ([bs,] >= seqlen, head_dim), row i for the i-th token of x;
+        doc_ids (bs, seqlen) or None: see CausalAttention."""
         bs, seqlen, _ = x.shape
         # -1: the local head count, which tensor parallel divides by the TP degree.
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_heads, head_dim)
@@ -157,9 +184,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # Sliced here, where the sequence is whole: between blocks, sequence parallel shards it.
-        rope = rope[:seqlen]
+        rope = rope[..., :seqlen, :]
         q, k = apply_rotary_emb(q, rope), apply_rotary_emb(k, rope)
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (bs, n_heads, seqlen, head_dim)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # (bs, n_heads, seqlen, head_dim); the documents only when given (a CP kernel takes them too)
+        out = self.sdpa(q, k, v) if doc_ids is None else self.sdpa(q, k, v, doc_ids=doc_ids)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))  # (bs, seqlen, dim)
 
 
@@ -212,8 +241,13 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(self.init_std)
         self.feed_forward.init_weights(self.init_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # doc_ids as a keyword: TP's PrepareModuleInput lays out the positional (x, rope) only
+        h = x + (
+            self.attention(self.attention_norm(x), rope)
+            if doc_ids is None
+            else self.attention(self.attention_norm(x), rope, doc_ids=doc_ids)
+        )
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -232,6 +266,10 @@ class Transformer(nn.Module):
         # Not persistent: recomputed by init_weights, never checkpointed.
         self.register_buffer("rope_cache", self._rope_cache(), persistent=False)
         self.layers = nn.ModuleDict({str(i): build_block(i, args) for i in range(args.n_layers)})
+        self.document_cache = DocumentLayoutCache()  # shared by every block's kernel: one layout per batch
+        for module in self.layers.modules():
+            if isinstance(module, CausalAttention):
+                module.documents = self.document_cache
         self.norm: nn.Module | None = build_norm(args.norm_type, args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
@@ -288,18 +326,26 @@ class Transformer(nn.Module):
             self.rope_cache = self._rope_cache()
 
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, *, return_hidden: bool = False
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        *,
+        doc_ids: torch.Tensor | None = None,
+        return_hidden: bool = False,
     ) -> torch.Tensor:
         """tokens (bs, seqlen) -> logits (bs, seqlen, vocab); on a middle pipeline stage, hidden -> hidden.
 
-        positions (seqlen,) are the tokens' positions in their sequence (default 0..seqlen-1).
+        positions (seqlen,) are the tokens' positions in their sequence (default 0..seqlen-1), or
+        (bs, seqlen) positions inside each token's document (model.positions_per_document).
+        doc_ids (bs, seqlen): block-causal attention over these documents (None: causal); the
+        trainer passes both through forward pre-hooks (torchtitan/models/documents.py).
         return_hidden: return the normed hidden state (bs, seqlen, dim) and skip ``output``, for a
         loss that applies the output projection itself (torchtitan.components.loss).
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
         rope = self.rope_cache if positions is None else self.rope_cache[positions]  # (seqlen, head_dim)
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, rope) if doc_ids is None else layer(h, rope, doc_ids=doc_ids)
         h = self.norm(h) if self.norm is not None else h
         if return_hidden:
             return h  # (bs, seqlen, dim)
