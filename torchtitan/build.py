@@ -63,14 +63,14 @@ def build_model_args(config: JobConfig, spec: ModelSpec, vocab_size: int, *, dev
         )
     if config.model.norm_type == "fused_rmsnorm":
         _log_fused_rmsnorm_once()
-    device_type = device_type or get_device_info().device.type
-    return dataclasses.replace(
-        flavor,
-        vocab_size=vocab_size,
-        max_seq_len=config.training.seq_len,
-        norm_type=config.model.norm_type,
-        attention_backend=resolve_attention_backend(config.model.attention_backend, device_type),
+    args = dataclasses.replace(
+        flavor, vocab_size=vocab_size, max_seq_len=config.training.seq_len, norm_type=config.model.norm_type
     )
+    if not spec.documents:
+        return args  # a family without document masking has no attention backend to choose
+    device_type = device_type or get_device_info().device.type
+    backend = resolve_attention_backend(config.model.attention_backend, device_type)
+    return dataclasses.replace(args, attention_backend=backend)
 
 
 def _hf_vocab(hf_dir: str, tokenizer_vocab: int, tokenizer_path: str) -> int:

@@ -147,7 +147,8 @@ class ModelSpec:
             repeat with this period (the estimator extrapolates memory over whole periods).
         hf_model_type: the Hugging Face ``model_type`` a ``config.json`` names for this family.
         documents: the family's forward takes ``doc_ids`` (and per-row ``positions``) and passes them to
-            every block's attention, so ``model.attn_mask_type = "block_causal"`` can run on it.
+            every block's attention, so ``model.attn_mask_type = "block_causal"`` can run on it; its
+            args then have an ``attention_backend`` field (``build_model_args`` sets it).
     """
 
     name: str

@@ -160,7 +160,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        self.sdpa: nn.Module = CausalAttention(args.attention_backend)
+        # families that reuse this module with args of their own (no document masking) run causal only
+        self.sdpa: nn.Module = CausalAttention(getattr(args, "attention_backend", "sdpa"))
         # QK-norm (Qwen3): an RMSNorm over head_dim of each q and k head, before RoPE; None in Llama.
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
