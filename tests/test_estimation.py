@@ -27,7 +27,7 @@ from functools import cache
 
 import pytest
 
-from tests.integration_tests import DOCS_TRAIN, MOE_ROWS, ROOT, ROWS, Row, job_argv
+from tests.integration_tests import DOC_ROWS, MOE_ROWS, ROOT, ROWS, Row, job_argv
 from tests.test_float8_runs import FLOAT8_ROWS
 from tests.test_model_family_runs import QWEN3_MOE_ROWS, QWEN3_ROWS, TIED_ROWS
 from tests.test_optimizer_in_backward_runs import IB_ROWS
@@ -43,11 +43,12 @@ NOT_PRACTICAL = {
     "ib_fsdp2_cpu_offload": "CPU offload is not modeled (NotImplementedError)",
 }
 FAMILY_ROWS = TIED_ROWS + QWEN3_ROWS + QWEN3_MOE_ROWS
-# block_causal on the short-document corpus (the estimator models the training step, not validation)
-DOC_ROWS = [Row("docs_fsdp2", 2, 4, DOCS_TRAIN), Row("docs_tp2", 2, 8, DOCS_TRAIN, tp=2)]
+# block_causal on the short-document corpus; with context parallel not modeled (its block skipping
+# depends on the data), the pipeline rows not tried
+ESTIMATED_DOC_ROWS = [r for r in DOC_ROWS if r.name in ("docs_fsdp2", "docs_tp2")]
 ALL_ROWS = [
     r
-    for r in ROWS + MOE_ROWS + FLOAT8_ROWS + IB_ROWS + FAMILY_ROWS + DOC_ROWS
+    for r in ROWS + MOE_ROWS + FLOAT8_ROWS + IB_ROWS + FAMILY_ROWS + ESTIMATED_DOC_ROWS
     if r.name not in NOT_PRACTICAL and r.ngpu > 1
 ]
 # CI measures one row per feature (~4 minutes); every practical row takes ~15 minutes:
@@ -88,7 +89,9 @@ RSS_ROWS = [
 
 
 def _argv(row: Row) -> list[str]:
-    return job_argv(row, "unused")[:-2]  # no dump folder: the estimator writes nothing
+    # no dump folder: the estimator writes nothing; no validation: the estimate covers the training step
+    # (the matrix's own Row objects are used, so the matrix fixture does not launch them a second time)
+    return [*job_argv(row, "unused")[:-2], "--validation.enabled", "false"]
 
 
 @pytest.fixture(scope="module")
