@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.pipeline import in_shape_inference
 from torchtitan.models.documents import document_ids, document_positions, document_stats, mask_boundary_labels
 
@@ -166,7 +167,7 @@ def build_document_feed(config, eos_id: int, step_fn, cp_positions: torch.Tensor
     pipeline = step_fn.pipeline
 
     def shard(t: torch.Tensor) -> torch.Tensor:
-        return t.index_select(1, cp_positions.to(t.device)).contiguous()
+        return shard_sequence([t], seq_dim=1, positions=cp_positions)[0]  # as the trainer cuts inputs
 
     return DocumentFeed(
         step_fn.model_parts,

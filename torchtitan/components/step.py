@@ -96,11 +96,10 @@ class StepFunction:
         group = self.world.group("dp_cp")
         if group is not None:
             dist.all_reduce(count, group=group)
-        units = len(batches) * (self.pipeline.n_microbatches if self.pipeline is not None else 1)
-        units *= dist.get_world_size(group) if group is not None else 1
+        ranks = dist.get_world_size(group) if group is not None else 1
+        units = len(batches) * (self.pipeline.n_microbatches if self.pipeline is not None else 1) * ranks
         # Under the memory estimator's fake tensors the count cannot be read; the weight's value
         # changes no memory: every label of the global batch counted stands in.
-        ranks = dist.get_world_size(group) if group is not None else 1
         counted = count.item() if not is_fake(count) else ranks * sum(labels.numel() for _, labels in batches)
         self.token_weight = units / max(counted, 1.0)
         if self.pipeline_loss is not None:
