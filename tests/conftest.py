@@ -1,28 +1,37 @@
-"""Fixtures shared by the integration modules (one single-process reference run per session)."""
+"""Fixtures shared by the integration modules (one single-process reference run per session), the
+worker pools' lifetime (tests/pool.py), and the time report CI prints (docs/testing.md)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import time
+from collections import defaultdict
 
 import pytest
 
+from tests import pool
 from tests.integration_tests import (
     BF16,
     DOCS,
     GLOBAL_BATCH,
     MOE,
     VALIDATION,
+    Launch,
     MatrixLaunches,
     Row,
     losses_of,
     read_metrics,
     run_train,
+    train,
 )
 
 
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory) -> tuple[str, subprocess.CompletedProcess]:
-    """One process, the whole global batch: (dump folder, the launcher's completed process)."""
+    """One process, the whole global batch: (dump folder, the launcher's completed process).
+
+    Through run_llama_train.sh (not the pool): tests/test_run_experience.py reads what the launcher printed."""
     folder = str(tmp_path_factory.mktemp("reference"))
     result = run_train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH), *VALIDATION])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -44,37 +53,29 @@ def reference(reference_run) -> dict[str, list[float]]:
 def bf16_reference(tmp_path_factory) -> list[float]:
     """The bf16 rows' reference: one process (so the trainer autocasts), the whole global batch."""
     folder = str(tmp_path_factory.mktemp("bf16_reference"))
-    result = run_train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH), *BF16])
+    result = train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH), *BF16])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return losses_of(folder)["loss"]
 
 
 @pytest.fixture(scope="session")
-def moe_reference_run(tmp_path_factory) -> tuple[str, subprocess.CompletedProcess]:
-    """The MoE debug model on one process, the whole global batch: (dump folder, completed process)."""
+def moe_reference_run(tmp_path_factory) -> tuple[str, Launch]:
+    """The MoE debug model on one process (a 1-rank pool job), the whole global batch: (dump folder, its run)."""
     folder = str(tmp_path_factory.mktemp("moe_reference"))
-    result = run_train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH), *MOE])
+    result = train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH), *MOE])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return folder, result
 
 
 @pytest.fixture(scope="session")
-def matrix(request, tmp_path_factory) -> MatrixLaunches:
-    """The loss-parity rows selected in this session, launched one world size at a time."""
-    rows = []
-    for item in request.session.items:
-        if "matrix" not in item.fixturenames:
-            continue  # e.g. the estimator's seq_len-1024 rows: measured by its own launch, not trained here
-        params = item.callspec.params if hasattr(item, "callspec") else {}
-        for row in (params.get("row"), params.get("twin")):  # twin: a row another row is compared with
-            if isinstance(row, Row) and row not in rows:
-                rows.append(row)
-    return MatrixLaunches(rows, str(tmp_path_factory.mktemp("matrix")))
+def matrix(tmp_path_factory) -> MatrixLaunches:
+    """The loss-parity rows: each runs in the worker pool of its world size when a test first asks."""
+    return MatrixLaunches(str(tmp_path_factory.mktemp("matrix")))
 
 
 def _docs_reference(folder: str, extra: list[str]) -> dict[str, list[float]]:
     """One process with block_causal on the short-document corpus; its losses and documents per window."""
-    result = run_train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH), *DOCS, *extra])
+    result = train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH), *DOCS, *extra])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = [r for r in read_metrics(folder) if "loss" in r]
     # every window holds boundaries, else block_causal would equal causal and prove nothing
@@ -93,3 +94,98 @@ def docs_reference(tmp_path_factory) -> dict[str, list[float]]:
 @pytest.fixture(scope="session")
 def docs_moe_reference(tmp_path_factory) -> dict[str, list[float]]:
     return _docs_reference(str(tmp_path_factory.mktemp("docs_moe_reference")), MOE)
+
+
+# ---- worker pools: a world size is shut down once no collected test after this one needs it ----
+
+
+def _world_sizes(item: pytest.Item) -> set[int]:
+    """The pools a test uses, as far as its parameters and ``pool`` marker say.
+
+    Only a hint for shutting pools down early: a pool a test uses without saying so is started on
+    demand and closed after the next test that does not need it."""
+    sizes: set[int] = set()
+    if any(name.endswith(("reference", "reference_run")) for name in getattr(item, "fixturenames", ())):
+        sizes.add(1)  # the single-process references are 1-rank pool jobs
+    for marker in item.iter_markers("pool"):
+        sizes.update(marker.args)
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    for name, value in params.items():
+        if isinstance(value, Row):
+            sizes.add(value.ngpu)
+        elif name in ("world", "world_size", "ngpu") and isinstance(value, int):
+            sizes.add(value)
+    return sizes
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    last: dict[int, int] = {}
+    for index, item in enumerate(items):
+        for size in _world_sizes(item):
+            last[size] = index
+    config.stash[_LAST_USE] = last
+    config.stash[_INDEX] = {item.nodeid: i for i, item in enumerate(items)}
+
+
+_LAST_USE = pytest.StashKey[dict]()
+_INDEX = pytest.StashKey[dict]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if nextitem is None:
+        return  # the session's end closes every pool
+    index = item.config.stash[_INDEX].get(item.nodeid, -1)
+    last = item.config.stash[_LAST_USE]
+    for size in pool.live_world_sizes():
+        if last.get(size, -1) <= index:
+            pool.close_pool(size, wait=False)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    pool.close_all()
+
+
+# ---- the time report: seconds per test file and per pool (what CI spends, docs/testing.md) ----
+
+_FILE_SECONDS: dict[str, float] = defaultdict(float)
+_FILE_TESTS: dict[str, int] = defaultdict(int)
+_SESSION_START = time.perf_counter()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] += report.duration  # setup (shared fixtures land on their first user), call, teardown
+    if report.when == "call" or (report.when == "setup" and report.skipped):
+        _FILE_TESTS[path] += 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if not _FILE_SECONDS:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section("time per test file (setup + call + teardown)")
+    total = time.perf_counter() - _SESSION_START
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1]):
+        write(f"{seconds:8.1f} s  {_FILE_TESTS[path]:4d} tests  {path}")
+    write(f"{sum(_FILE_SECONDS.values()):8.1f} s  {sum(_FILE_TESTS.values()):4d} tests  in tests ({total:.1f} s wall)")
+    stats = pool.STATS
+    if not stats.jobs:
+        return
+    terminalreporter.section("worker pools (tests/pool.py): jobs and starts per world size")
+    for size in sorted({j.world_size for j in stats.jobs} | set(stats.starts)):
+        jobs = [j for j in stats.jobs if j.world_size == size]
+        train = [j for j in jobs if j.name.startswith("train ")]
+        write(
+            f"world {size:2d}: {len(jobs):4d} jobs {sum(j.seconds for j in jobs):8.1f} s "
+            f"({len(train)} trainer jobs {sum(j.seconds for j in train):7.1f} s), "
+            f"{stats.starts.get(size, 0)} start(s) {stats.start_seconds.get(size, 0.0):5.1f} s, "
+            f"{sum(size * j.seconds for j in jobs):8.1f} rank-seconds"
+        )
+    slowest = sorted(stats.jobs, key=lambda j: -j.seconds)[:15]
+    write("slowest jobs: " + ", ".join(f"{j.name}@{j.world_size} {j.seconds:.1f}s" for j in slowest))
+    if os.environ.get("TORCHTITAN_POOL_REPORT"):
+        import json
+
+        with open(os.environ["TORCHTITAN_POOL_REPORT"], "w") as f:
+            json.dump([vars(j) for j in stats.jobs], f)

@@ -14,10 +14,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from dataclasses import dataclass, field
 
 import pytest
+
+from tests.pool import run_train_job
 
 pytestmark = pytest.mark.integration
 
@@ -27,16 +28,22 @@ VAL_FREQ = 3
 GLOBAL_BATCH = 8
 RTOL = 1e-5
 VALIDATION = ["--validation.enabled", "--validation.freq", str(VAL_FREQ), "--validation.steps", "2"]
+# The parity flavor of every family (dim 64, 4 layers; MoE: 4 experts, top 2): layouts are compared
+# on it. The debug flavor (dim 256, 8 layers) stays for the golden loss, memory options and RSS rows.
+PARITY_FLAVOR = "debugmodel_tiny"
 COMMON = [
+    "--model.flavor",
+    PARITY_FLAVOR,
     "--training.steps",
     str(STEPS),
     "--training.seq_len",
     "64",
     "--training.warmup_steps",
     "2",
-    # a higher peak lr than the debug config's, so the loss visibly falls within the few steps
+    # a higher peak lr than the debug config's, so the tiny flavor's loss visibly falls within the
+    # few steps (measured, one process: 8.27 -> 7.54 at 1e-2; at 3e-3 only 8.27 -> 8.10)
     "--optimizer.lr",
-    "3e-3",
+    "1e-2",
     "--training.mixed_precision_param",
     "float32",
     "--training.seed",
@@ -207,11 +214,12 @@ BF16_ROWS = [
     Row("pp2_bf16", 2, 8, [*BF16, *pp_schedule("1F1B")], pp=2),
     Row("cp2_bf16", 2, 8, [*BF16, *ROTATE_ALLTOALL], cp=2),
 ]
-# Measured max relative gap to the bf16 reference over the 6 steps: 1.9e-4 for fsdp2, fsdp2_tp2 and
-# cp2 (at step 2: the policy runs the whole forward in bf16, autocast only the matmuls), 3.7e-5 tp2,
-# 2.1e-5 pp2; with AVX2 kernels 1.8e-4, 3.3e-5 and 4.3e-5. 5e-4 is 2.6x the largest. bf16 moves
-# these losses by little (3e-5 to 2e-4), so a row must also miss the fp32 reference by more than
-# RTOL (measured: 5.1e-5 at least): a row that silently trained in fp32 fails.
+# Measured max relative gap to the bf16 reference over the 6 steps, on the tiny parity flavor: 1.6e-4
+# cp2, 1.3e-4 fsdp2, 1.1e-4 fsdp2_tp2 (the policy runs the whole forward in bf16, autocast only the
+# matmuls), 5.4e-5 pp2, 5.0e-5 tp2; 5e-4 is 3.1x the largest (on the debug flavor: 1.9e-4 at most).
+# bf16 moves these losses by little (the bf16 reference is 5.4e-5 from the fp32 one), so a row must
+# also miss the fp32 reference by more than RTOL (measured on the tiny flavor: 4.2e-5 at least, pp2;
+# on the debug flavor 5.1e-5): a row that silently trained in fp32 fails.
 BF16_RTOL = 5e-4
 
 
@@ -255,67 +263,63 @@ def job_argv(row: Row, dump_folder: str) -> list[str]:
 
 
 class MatrixLaunches:
-    """The session's selected matrix rows, run in one torchrun launch per world size.
+    """The session's matrix rows, each run in the worker pool of its world size (tests/pool.py).
 
-    A launch costs more than a 6-step debug run (see tests/batch_runs.py), so every selected row
-    of one world size runs in the same worker processes, each with its own dump folder and status
-    file; ``losses(row)`` launches the row's world size on first use.
+    A row runs when a test first asks for it, so a row that fails fails its own test by name and the
+    pool goes on with the next. Compile rows restart their pool afterwards: inductor keeps state.
     """
 
-    def __init__(self, rows: list[Row], base: str):
-        self.rows, self.base = rows, base
-        self.launched: dict[int, subprocess.CompletedProcess] = {}
+    def __init__(self, base: str):
+        self.base = base
+        self.status: dict[str, dict] = {}
 
     def folder(self, row: Row) -> str:
         return os.path.join(self.base, row.name)
 
-    def _launch(self, ngpu: int) -> None:
-        # compile rows last: inductor state stays in the process after them
-        rows = sorted((r for r in self.rows if r.ngpu == ngpu), key=lambda r: "--training.compile" in r.overrides)
-        self.launched[ngpu] = launch_jobs(
-            ngpu, [job_argv(r, self.folder(r)) for r in rows], os.path.join(self.base, f"jobs_{ngpu}.json")
-        )
+    def run(self, row: Row) -> str:
+        """Run the row once; returns its rank-0 log (the test fails if the row failed)."""
+        if row.name not in self.status:
+            compiled = "--training.compile" in row.overrides
+            self.status[row.name] = run_train_job(row.ngpu, job_argv(row, self.folder(row)), restart_after=compiled)
+        return check_job(row.name, self.folder(row))
 
     def losses(self, row: Row) -> dict[str, list[float]]:
-        if row.ngpu not in self.launched:
-            self._launch(row.ngpu)
-        check_job(row.name, self.folder(row), self.launched[row.ngpu])
+        self.run(row)
         return losses_of(self.folder(row))
 
 
-def launch_jobs(ngpu: int, jobs: list[list[str] | dict], spec_path: str) -> subprocess.CompletedProcess:
-    """Run trainer jobs (argument lists, each with its --job.dump_folder, or tests.batch_runs job dicts) in one launch."""
+@dataclass(frozen=True)
+class Launch:
+    """What a series of pooled trainer jobs gave: 0 when every job ran as expected."""
+
+    returncode: int
+    stdout: str = ""
+    stderr: str = ""
+
+
+def launch_jobs(ngpu: int, jobs: list[list[str] | dict], spec_path: str) -> Launch:
+    """Trainer jobs (argument lists with their --job.dump_folder, or ``{"argv", "expect_error"}`` dicts), in order,
+    in the pool of ``ngpu`` workers; stops at the first that fails (the later ones get no status file).
+
+    ``spec_path`` keeps the list of jobs beside their folders, for reading a failure afterwards."""
+    specs = [job if isinstance(job, dict) else {"argv": job} for job in jobs]
     with open(spec_path, "w") as f:
-        json.dump([job if isinstance(job, dict) else {"argv": job} for job in jobs], f)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={ngpu}",
-        "--rdzv_backend",
-        "c10d",
-        "--rdzv_endpoint=localhost:0",
-        "--local-ranks-filter",
-        "0",
-        "--role",
-        "rank",
-        "--tee",
-        "3",
-        "-m",
-        "tests.batch_runs",
-        spec_path,
-    ]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300 + 120 * len(jobs))
+        json.dump(specs, f)
+    for spec in specs:
+        status = run_train_job(ngpu, spec["argv"], expect_error=spec.get("expect_error"))
+        if not status["ok"]:
+            return Launch(1, stderr=status["error"] or "")
+    return Launch(0)
 
 
-def check_job(name: str, folder: str, launch: subprocess.CompletedProcess) -> str:
+def check_job(name: str, folder: str, launch: Launch | None = None) -> str:
     """Fail unless the job whose dump folder is ``folder`` ran and succeeded; returns its rank-0 log."""
     status_path = os.path.join(folder, "job_status.json")
     if not os.path.isfile(status_path):
-        pytest.fail(
-            f"{name} was not run: its launch exited with {launch.returncode} before it\n"
-            f"{launch.stdout[-2000:]}{launch.stderr[-3000:]}"
+        why = (
+            "" if launch is None else f": its launch exited with {launch.returncode} before it\n{launch.stderr[-3000:]}"
         )
+        pytest.fail(f"{name} was not run{why}")
     with open(status_path) as f:
         status = json.load(f)
     assert status["ok"], f"{name} failed:\n{status['error']}\n{_log_tails(folder)}"
@@ -336,6 +340,24 @@ def run_train(ngpu: int, dump_folder: str, overrides: list[str], timeout: int = 
     env = dict(os.environ, NGPU=str(ngpu), LOG_RANK="0", CONFIG_FILE="./train_configs/debug_model.toml", PREFLIGHT="0")
     cmd = ["bash", "./run_llama_train.sh", *COMMON, *overrides, "--job.dump_folder", dump_folder]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def train(ngpu: int, dump_folder: str, overrides: list[str]) -> Launch:
+    """``run_train``'s run (the same arguments) as a job in the worker pool; its stderr is rank 0's log.
+
+    For checks of what a run computes; what the launcher prints or how it exits needs ``run_train``."""
+    argv = [
+        "--job.config_file",
+        "./train_configs/debug_model.toml",
+        *COMMON,
+        *overrides,
+        "--job.dump_folder",
+        dump_folder,
+    ]
+    status = run_train_job(ngpu, argv)
+    log_path = os.path.join(dump_folder, "rank0.log")
+    log = open(log_path).read() if os.path.isfile(log_path) else ""
+    return Launch(0 if status["ok"] else 1, stderr=log + ("" if status["ok"] else status["error"] or ""))
 
 
 def read_metrics(dump_folder: str) -> list[dict]:
@@ -377,13 +399,17 @@ def test_moe_reference_learns_and_logs_expert_load(moe_reference_run):
     records = read_metrics(folder)
     losses = [r["loss"] for r in records]
     assert losses[-1] < losses[0] - 0.3, f"MoE loss did not fall: {losses}"
-    moe_layers = [f"layers.{i}" for i in range(1, 8)]  # debugmodel: layer 0 dense, 1..7 MoE
-    tokens_per_step = GLOBAL_BATCH * 64 * 2  # every token picks top_k = 2 experts
+    from torchtitan.models.moe import moe_configs
+
+    args = moe_configs[PARITY_FLAVOR]
+    moe_layers = [f"layers.{i}" for i in range(args.first_k_dense, args.n_layers)]  # layer 0 dense, the rest MoE
+    assert len(moe_layers) >= 3 and args.num_experts >= 4
+    tokens_per_step = GLOBAL_BATCH * 64 * args.top_k  # every token picks top_k experts
     for r in records:
         assert sorted(r["expert_load"]) == sorted(moe_layers)
         for name, load in r["expert_load"].items():
-            assert len(load) == 8 and sum(load) == tokens_per_step, (name, load)
-            assert r["expert_imbalance"][name] == pytest.approx(max(load) / (sum(load) / 8))
+            assert len(load) == args.num_experts and sum(load) == tokens_per_step, (name, load)
+            assert r["expert_imbalance"][name] == pytest.approx(max(load) / (sum(load) / args.num_experts))
         assert r["expert_imbalance_max"] == max(r["expert_imbalance"].values())
     assert "moe_imbalance" in result.stdout + result.stderr  # the step line's short mention
 
@@ -438,7 +464,7 @@ def test_spellings_train_identically(row: Row, twin: Row, matrix: MatrixLaunches
 
 def test_fused_rmsnorm_one_process_equals_rmsnorm(reference: dict[str, list[float]], tmp_path):
     folder = str(tmp_path / "fused_rmsnorm")
-    result = run_train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH), *VALIDATION, *FUSED_RMSNORM])
+    result = train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH), *VALIDATION, *FUSED_RMSNORM])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "aten::_fused_rms_norm" in result.stdout + result.stderr  # the one line saying what it runs
     assert losses_of(folder)["loss"] == reference["loss"]

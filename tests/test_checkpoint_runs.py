@@ -1,4 +1,4 @@
-"""Checkpoint runs through run_llama_train.sh: bit-exact resume, resharded resume, a killed save.
+"""Checkpoint runs through the trainer (worker-pool jobs; the killed save through run_llama_train.sh): bit-exact resume, resharded resume, a killed save.
 
 Runs are shared between checks to keep the file short (6 steps, seq 64, the matrix's settings):
 
@@ -35,10 +35,10 @@ from tests.integration_tests import (
     launch_jobs,
     pp_schedule,
     read_metrics,
-    run_train,
 )
+from tests.integration_tests import train as pooled_train
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2, 4)]
 
 CKPT = ["--checkpoint.enable_checkpoint"]
 
@@ -48,7 +48,8 @@ def losses(folder: str) -> dict[int, float]:
 
 
 def train(ngpu: int, folder: str, args: list[str]) -> str:
-    result = run_train(ngpu, folder, [*CKPT, *args])
+    """A checkpointing run in the worker pool (tests/pool.py); returns rank 0's log."""
+    result = pooled_train(ngpu, folder, [*CKPT, *args])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout + result.stderr
 

@@ -82,7 +82,12 @@ TRACKER_ROWS = (
 CI_RSS_ROWS = {"fsdp2", "tp2", "pp2_1f1b"}
 ALL_RSS_ROWS = CI_RSS_ROWS | {"ddp2", "hsdp_2x2", "fsdp2_ac_full", "fsdp2_tp2", "cp2_alltoall", "moe_ep2"}
 RSS_ROWS = [
-    dataclasses.replace(r, name=f"{r.name}_seq1024", overrides=[*r.overrides, "--training.seq_len", "1024"])
+    dataclasses.replace(
+        r,
+        name=f"{r.name}_seq1024",
+        # the debug flavor, not the matrix's tiny one: activations must dominate the process's memory
+        overrides=[*r.overrides, "--model.flavor", "debugmodel", "--training.seq_len", "1024"],
+    )
     for r in ROWS + MOE_ROWS
     if r.name in (ALL_RSS_ROWS if os.environ.get("TORCHTITAN_ESTIMATION_ALL_ROWS") else CI_RSS_ROWS)
 ]

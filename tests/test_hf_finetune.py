@@ -29,7 +29,7 @@ from tests.integration_tests import RTOL
 from torchtitan.config.manager import JobConfig
 from torchtitan.train import run_job
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.pool(2, 4)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 20

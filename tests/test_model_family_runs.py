@@ -18,7 +18,7 @@ from tests.integration_tests import GLOBAL_BATCH, ROTATE_ALLTOALL, RTOL, MatrixL
 
 pytestmark = pytest.mark.integration
 
-TIED = ["--model.flavor", "debugmodel_tied"]
+TIED = ["--model.flavor", "debugmodel_tied_tiny"]
 TIED_REFERENCE = Row("tied_1proc", 1, GLOBAL_BATCH, TIED)
 TIED_ROWS = [
     Row("tied_fsdp2", 2, 4, TIED),

@@ -34,7 +34,7 @@ from tests.integration_tests import (
 from tests.test_checkpoint_runs import losses as step_losses
 from tests.test_float8_runs import _metadata
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.pool(2)]
 
 NO_CLIP = ["--training.max_norm", "0"]
 IB = [*NO_CLIP, "--optimizer.early_step_in_backward"]
@@ -70,7 +70,7 @@ def test_in_backward_loss_parity(row: Row, twin: Row, matrix: MatrixLaunches):
     assert max(gaps) <= RTOL, f"{row.name}: {losses} vs regular {ref}"
     for g, w in zip(got, want, strict=True):
         assert abs(g["grad_norm"] - w["grad_norm"]) <= GRAD_NORM_RTOL * w["grad_norm"], (g, w)
-    log = check_job(row.name, matrix.folder(row), matrix.launched[row.ngpu])
+    log = matrix.run(row)
     assert "optimizer steps in backward" in log, "the run did not say it steps in backward"
 
 

@@ -21,7 +21,7 @@ import pytest
 from tests.integration_tests import COMMON, ROOT, check_job, launch_jobs, read_metrics, run_train
 from tests.test_checkpoint_runs import complete_steps, losses
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.pool(2)]
 
 CKPT = ["--checkpoint.enable_checkpoint"]
 # A warmup longer than any run here: the LR at a step (and so the losses) then does not depend on
@@ -114,7 +114,7 @@ def runs(tmp_path_factory) -> dict:
             "--checkpoint.load_step",
             "4",
             "--optimizer.lr",
-            "1e-2",
+            "3e-2",
             "--optimizer.weight_decay",
             "0.3",
             "--optimizer.beta2",
@@ -171,10 +171,10 @@ def test_optimizer_config_changed_on_resume_takes_effect(runs):
     for key in ("optimizer.lr", "optimizer.weight_decay", "optimizer.betas"):
         assert key in log, log[-2000:]
     lr = {r["step"]: r["lr"] for r in read_metrics(d["config"]) if "lr" in r}
-    # the lr logged at step s is the one set for step s + 1, (s + 1) / (WARMUP + 1) of the new peak 1e-2
-    # (the checkpoint's run had 3e-3)
+    # the lr logged at step s is the one set for step s + 1, (s + 1) / (WARMUP + 1) of the new peak 3e-2
+    # (the checkpoint's run had COMMON's 1e-2)
     for s in (5, 6):
-        assert lr[s] == pytest.approx(1e-2 * (s + 1) / (WARMUP + 1), rel=1e-9), lr
+        assert lr[s] == pytest.approx(3e-2 * (s + 1) / (WARMUP + 1), rel=1e-9), lr
 
 
 def test_sigterm_saves_the_step_in_flight_and_resumes_bit_exact(runs):

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from tests.integration_tests import ROOT, RTOL, STEPS, VAL_FREQ, VALIDATION, read_metrics, run_train
+from tests.integration_tests import ROOT, RTOL, STEPS, VAL_FREQ, VALIDATION, read_metrics, train
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]
 
 
 def test_validation_logged_at_its_frequency_with_perplexity(reference_run):
@@ -65,7 +65,7 @@ def test_rerun_from_dump_folder_reproduces_losses(reference_run, tmp_path):
     ids=["fsdp2", "tp2"],
 )
 def test_validation_loss_is_layout_invariant(reference_run, ngpu, batch, extra, tmp_path):
-    result = run_train(ngpu, str(tmp_path), ["--training.batch_size", str(batch), *VALIDATION, *extra])
+    result = train(ngpu, str(tmp_path), ["--training.batch_size", str(batch), *VALIDATION, *extra])
     assert result.returncode == 0, result.stderr[-3000:]
     want = [r["validation_loss"] for r in read_metrics(reference_run[0]) if "validation_loss" in r]
     got = [r["validation_loss"] for r in read_metrics(str(tmp_path)) if "validation_loss" in r]

@@ -15,7 +15,7 @@ from torchtitan.distributed.grad_norm import clip_grad_norm_, reduce_partial_gra
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models import ModelArgs
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.pool(2)]
 
 ARGS = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=16)
 GLOBAL_BATCH, SEQ, STEPS = 8, 16, 3

@@ -21,7 +21,7 @@ from tests.test_estimation import TRACKER_RTOL
 from torchtitan.config.manager import JobConfig
 from torchtitan.train import run_job
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.pool(2)]
 
 STEPS = 4
 BASE = [

@@ -17,7 +17,7 @@ from torchtitan.config.schema import Optimizer as OptimizerConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models import ModelArgs
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.pool(2)]
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=128, multiple_of=32, max_seq_len=16)
 BATCH, SEQ, STEPS = 4, 16, 5

@@ -18,7 +18,7 @@ from torchtitan.distributed.pipeline import build_pipeline, pipeline_step, prune
 from torchtitan.models import ModelArgs
 from torchtitan.models.llama.model import Transformer
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.pool(2)]
 
 ARGS = ModelArgs(dim=32, n_layers=8, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32, max_seq_len=8)
 BATCH, SEQ, N_MB, STEPS, SEED = 8, 8, 4, 2, 7

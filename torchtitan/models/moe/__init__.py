@@ -6,6 +6,8 @@ recipe: sigmoid scores, normalised top-k weights and the aux-loss-free expert bi
 no extra loss term, so it works the same under pipeline parallel (where middle stages cannot add
 to the loss) and under activation checkpointing; the trainer only calls ``update_expert_bias``.
 
+debugmodel_tiny: the loss-parity tests' size (dim 64, 4 layers, 4 experts of width 64, top 2).
+
 debugmodel_aux_loss: the same shape with softmax scores and the switch-style aux loss, which the
 trainer adds to each micro-batch's loss (not under pipeline parallel).
 """
@@ -43,6 +45,10 @@ moe_configs = {
         load_balance="bias",
     ),
 }
+# The loss-parity tests' size: dim 64, 4 layers (layer 0 dense), 4 experts of width 64, top 2.
+moe_configs["debugmodel_tiny"] = dataclasses.replace(
+    moe_configs["debugmodel"], dim=64, n_layers=4, n_heads=4, num_experts=4, moe_hidden_dim=64
+)
 # The same shape balanced with the switch-style aux loss instead (softmax scores, no bias).
 moe_configs["debugmodel_aux_loss"] = dataclasses.replace(
     moe_configs["debugmodel"], score_func="softmax", route_norm=False, load_balance="aux_loss"
