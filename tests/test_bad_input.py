@@ -126,18 +126,33 @@ def _one_error_line(result: subprocess.CompletedProcess, expected: str, code: in
         "initial-load-in-hf",
     ],
 )
-def test_launcher_rejects_bad_input_in_one_line(args, config, expected, tmp_path):
+def test_prelaunch_check_rejects_bad_input_in_one_line(args, config, expected, tmp_path, capsys, monkeypatch):
+    """The check run_llama_train.sh runs before torchrun (``python -m torchtitan.config``), called in process:
+    the same one line and exit code 2 (the script exits with it, set -e); the script's own plumbing of it
+    is the subprocess case below."""
+    from torchtitan.config.__main__ import main
+
     if config == "BAD_TOML":
         bad = tmp_path / "bad.toml"
         bad.write_text("[training\nsteps = 1\n")
         config = str(bad)
     (tmp_path / "a_file").write_text("not a folder")
     args = [a.replace("A_FILE", str(tmp_path / "a_file")) for a in args]
-    result = launch(args, config=config or "./train_configs/debug_model.toml")
-    assert result.returncode != 0
-    lines = _error_lines(result.stderr)
-    assert len(lines) == 1 and expected in lines[0], result.stderr
-    assert "Traceback" not in result.stderr
+    monkeypatch.chdir(ROOT)
+    code = main(["--world_size", "2", "--job.config_file", config or "./train_configs/debug_model.toml", *args])
+    out = capsys.readouterr()
+    assert code == 2, out.err
+    lines = _error_lines(out.err + out.out)
+    assert len(lines) == 1 and expected in lines[0], out.err
+    assert "Traceback" not in out.err + out.out
+
+
+def test_launcher_stops_on_the_prelaunch_check_in_one_line():
+    """Through run_llama_train.sh: the check's one line and exit code reach the user, and torchrun never starts."""
+    result = launch(["--training.tensor_paralel_degree", "2"])
+    line = _one_error_line(result, "did you mean 'training.tensor_parallel_degree'?")
+    assert line.startswith("error: unknown config key")
+    assert "torchrun" not in result.stdout + result.stderr and "rank" not in line
 
 
 @pytest.mark.parametrize(
