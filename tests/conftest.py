@@ -50,12 +50,12 @@ def reference(reference_run) -> dict[str, list[float]]:
 
 
 @pytest.fixture(scope="session")
-def bf16_reference(tmp_path_factory) -> list[float]:
+def bf16_reference(tmp_path_factory) -> dict[str, list[float]]:
     """The bf16 rows' reference: one process (so the trainer autocasts), the whole global batch."""
     folder = str(tmp_path_factory.mktemp("bf16_reference"))
     result = train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH), *BF16])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return losses_of(folder)["loss"]
+    return losses_of(folder)
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ from tests.integration_tests import (
     RTOL,
     MatrixLaunches,
     Row,
+    check_grad_norms,
     check_job,
     check_row,
     job_argv,
@@ -55,21 +56,21 @@ MOE_FLOAT8_ROWS = [Row("moe_float8_fsdp2", 2, 4, [*MOE, *FSDP_FLOAT8])]
 FLOAT8_RTOL = 1e-3
 
 
-def _single_process(tmp_path_factory, name: str, overrides: list[str]) -> list[float]:
+def _single_process(tmp_path_factory, name: str, overrides: list[str]) -> dict[str, list[float]]:
     folder = str(tmp_path_factory.mktemp(name))
     result = train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH), *overrides])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "linears converted" in result.stdout + result.stderr  # the conversion's log line
-    return losses_of(folder)["loss"]
+    return losses_of(folder)
 
 
 @pytest.fixture(scope="session")
-def float8_reference(tmp_path_factory) -> list[float]:
+def float8_reference(tmp_path_factory) -> dict[str, list[float]]:
     return _single_process(tmp_path_factory, "float8_reference", FLOAT8)
 
 
 @pytest.fixture(scope="session")
-def moe_float8_reference(tmp_path_factory) -> list[float]:
+def moe_float8_reference(tmp_path_factory) -> dict[str, list[float]]:
     return _single_process(tmp_path_factory, "moe_float8_reference", [*MOE, *FLOAT8])
 
 
@@ -78,12 +79,14 @@ def _gaps(got: list[float], want: list[float]) -> list[float]:
 
 
 @pytest.mark.parametrize("row", FLOAT8_ROWS, ids=[r.name for r in FLOAT8_ROWS])
-def test_float8_loss_parity(row: Row, float8_reference: list[float], reference: dict, matrix: MatrixLaunches):
+def test_float8_loss_parity(row: Row, float8_reference: dict, reference: dict, matrix: MatrixLaunches):
     check_row(row)
-    losses = matrix.losses(row)["loss"]
-    gaps = _gaps(losses, float8_reference)
+    records = matrix.losses(row)
+    losses = records["loss"]
+    gaps = _gaps(losses, float8_reference["loss"])
     print(row.name, "gap to float8 reference", [f"{g:.2e}" for g in gaps])
-    assert max(gaps) <= FLOAT8_RTOL, f"{row.name}: {losses} vs single-process float8 {float8_reference}"
+    assert max(gaps) <= FLOAT8_RTOL, f"{row.name}: {losses} vs single-process float8 {float8_reference['loss']}"
+    check_grad_norms(row.name, records["grad_norm"], float8_reference["grad_norm"], FLOAT8_RTOL)
     _check_converted(matrix, row, reference["loss"], losses)
 
 
@@ -94,12 +97,14 @@ def _check_converted(matrix: MatrixLaunches, row: Row, fp32: list[float], losses
 
 
 @pytest.mark.parametrize("row", MOE_FLOAT8_ROWS, ids=[r.name for r in MOE_FLOAT8_ROWS])
-def test_moe_float8_loss_parity(row: Row, moe_float8_reference: list[float], matrix: MatrixLaunches):
+def test_moe_float8_loss_parity(row: Row, moe_float8_reference: dict, matrix: MatrixLaunches):
     check_row(row)
-    losses = matrix.losses(row)["loss"]
-    gaps = _gaps(losses, moe_float8_reference)
+    records = matrix.losses(row)
+    losses = records["loss"]
+    gaps = _gaps(losses, moe_float8_reference["loss"])
     print(row.name, "gap to float8 reference", [f"{g:.2e}" for g in gaps])
-    assert max(gaps) <= FLOAT8_RTOL, f"{row.name}: {losses} vs single-process float8 {moe_float8_reference}"
+    assert max(gaps) <= FLOAT8_RTOL, f"{row.name}: {losses} vs single-process float8 {moe_float8_reference['loss']}"
+    check_grad_norms(row.name, records["grad_norm"], moe_float8_reference["grad_norm"], FLOAT8_RTOL)
     assert "linears converted" in matrix.run(row)
 
 

@@ -14,7 +14,17 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration_tests import GLOBAL_BATCH, ROTATE_ALLTOALL, RTOL, MatrixLaunches, Row, check_row, pp_schedule
+from tests.integration_tests import (
+    GLOBAL_BATCH,
+    GRAD_NORM_RTOL,
+    ROTATE_ALLTOALL,
+    RTOL,
+    MatrixLaunches,
+    Row,
+    check_grad_norms,
+    check_row,
+    pp_schedule,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -35,10 +45,12 @@ TIED_ROWS = [
 @pytest.mark.parametrize(("row", "twin"), [(r, TIED_REFERENCE) for r in TIED_ROWS], ids=[r.name for r in TIED_ROWS])
 def test_tied_embedding_loss_parity(row: Row, twin: Row, matrix: MatrixLaunches):
     check_row(row)
-    losses, ref = matrix.losses(row)["loss"], matrix.losses(twin)["loss"]
+    got, want = matrix.losses(row), matrix.losses(twin)
+    losses, ref = got["loss"], want["loss"]
     gaps = [abs(g - w) / abs(w) for g, w in zip(losses, ref, strict=True)]
     print(row.name, "gap to one process", [f"{g:.2e}" for g in gaps])
     assert max(gaps) <= RTOL, f"{row.name}: {losses} vs single-process {ref}"
+    check_grad_norms(row.name, got["grad_norm"], want["grad_norm"], GRAD_NORM_RTOL)
 
 
 QWEN3 = ["--model.name", "qwen3"]

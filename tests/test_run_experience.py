@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.integration_tests import ROOT, RTOL, STEPS, VAL_FREQ, VALIDATION, read_metrics, train
+from tests.integration_tests import RTOL, STEPS, VAL_FREQ, VALIDATION, read_metrics, train
+from tests.pool import run_train_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]
 
@@ -38,22 +37,10 @@ def test_rerun_from_dump_folder_reproduces_losses(reference_run, tmp_path):
     info = json.load(open(os.path.join(folder, "run_info.json")))
     assert info["world_size"] == 1 and info["torch"].startswith("2.13")
     rerun = str(tmp_path / "rerun")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torchtitan.train",
-            "--job.config_file",
-            os.path.join(folder, "config.toml"),
-            "--job.dump_folder",
-            rerun,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    # what `python -m torchtitan.train --job.config_file <dump>/config.toml` runs, as a 1-rank pool job
+    # (the command itself runs in tests/unit/test_plot_metrics.py)
+    status = run_train_job(1, ["--job.config_file", os.path.join(folder, "config.toml"), "--job.dump_folder", rerun])
+    assert status["ok"], status["error"]
     original, again = read_metrics(folder), read_metrics(rerun)
     for key in ("loss", "validation_loss"):
         assert [r[key] for r in again if key in r] == [r[key] for r in original if key in r]

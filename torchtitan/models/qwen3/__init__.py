@@ -35,7 +35,9 @@ def _published(dim: int, n_layers: int, n_heads: int, ffn_dim: int, tied: bool) 
 qwen3_configs = {
     "debugmodel": Qwen3Args(dim=256, n_layers=8, n_heads=16, n_kv_heads=8, head_dim=32, ffn_dim=768, max_seq_len=2048),
     # the loss-parity tests' size, still with head_dim (32) != dim / n_heads (16)
-    "debugmodel_tiny": Qwen3Args(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=192, max_seq_len=2048),
+    "debugmodel_tiny": Qwen3Args(
+        dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=192, max_seq_len=2048
+    ),
     "0.6B": _published(1024, 28, 16, 3072, tied=True),
     "1.7B": _published(2048, 28, 16, 6144, tied=True),
     "4B": _published(2560, 36, 32, 9728, tied=True),

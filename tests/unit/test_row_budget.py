@@ -1,0 +1,73 @@
+"""The rank-row budget: what the parity rows cost, so the suite stops growing linearly (docs/testing.md).
+
+A rank-row is one rank training one row (a 2-rank row is 2). Counted: every distinct row (by name) in a
+module-level list of ``Row`` in the test modules (the matrix, the references as 1-rank rows, family,
+float8, in-backward, document rows; a list added by a new feature is found without registering it), plus
+the estimator's accuracy rows, which its own measure launch trains again. The 8- and 16-rank rows are
+4-8x oversubscribed on 2 cores: a rank-row there costs as much as one at 2 ranks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import tests
+from tests.integration_tests import Row
+
+# 2026-11 (issue "tests that scale"): 273 rank-rows (74 rows: 229; the estimator's launch: 44) after the
+# option and spelling rows were merged; before, 299 (86 rows: 255; the estimator: 44). The headroom is six
+# 2-rank rows. A feature adds rows only where its code path differs (docs/testing.md); raise this with the
+# rows it adds, in the same commit, and say why there.
+RANK_ROW_BUDGET = 285
+
+
+def _row_lists() -> dict[str, list[Row]]:
+    found = {}
+    for info in pkgutil.iter_modules(tests.__path__):
+        if not info.name.startswith(("test_", "integration_tests")) or info.name == "test_estimation":
+            continue  # the estimator's rows are counted as its launch trains them, below
+        module = importlib.import_module(f"tests.{info.name}")
+        for name, value in vars(module).items():
+            if isinstance(value, (list, tuple)) and value and all(isinstance(r, Row) for r in value):
+                found[f"{info.name}.{name}"] = list(value)
+    return found
+
+
+def rank_rows() -> tuple[int, dict[str, int]]:
+    """(total rank-rows, per distinct row name its ranks) as the budget counts them."""
+    rows: dict[str, int] = {}
+    for values in _row_lists().values():
+        for row in values:
+            rows[row.name] = row.ngpu
+    from tests.test_estimation import RSS_ROWS, TRACKER_ROWS
+
+    measured = sum(r.ngpu for r in TRACKER_ROWS + RSS_ROWS)
+    return sum(rows.values()) + measured, rows
+
+
+def test_rank_rows_stay_within_the_budget():
+    total, rows = rank_rows()
+    print(f"\n{len(rows)} rows, {total} rank-rows (budget {RANK_ROW_BUDGET})")
+    assert total <= RANK_ROW_BUDGET, (
+        f"{total} rank-rows > the budget {RANK_ROW_BUDGET}: a new feature adds rows only where its code path "
+        "differs, and options ride on existing layout rows (docs/testing.md); raise the budget only with a reason"
+    )
+
+
+def test_the_budget_counts_a_new_row_list(monkeypatch):
+    """A Row list a new feature adds to a test module is counted, and past the budget the test fails."""
+    import tests.integration_tests as matrix
+
+    before, _ = rank_rows()
+    extra = [Row(f"budget_probe_{i}", 8, 1) for i in range(3)]
+    monkeypatch.setattr(matrix, "PROBE_ROWS", extra, raising=False)
+    after, _ = rank_rows()
+    assert after == before + 24
+    monkeypatch.setattr(matrix, "PROBE_ROWS", [Row(f"budget_probe_{i}", 16, 1) for i in range(20)], raising=False)
+    try:
+        test_rank_rows_stay_within_the_budget()
+    except AssertionError as e:
+        assert "rank-rows > the budget" in str(e)
+    else:
+        raise AssertionError("320 more rank-rows did not fail the budget test")
