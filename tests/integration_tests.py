@@ -225,6 +225,11 @@ BF16_ROWS = [
 # also miss the fp32 reference by more than RTOL (measured on the tiny flavor: 4.2e-5 at least, pp2;
 # on the debug flavor 5.1e-5): a row that silently trained in fp32 fails.
 BF16_RTOL = 5e-4
+# Grad norms (new with the tiny flavor's rows): measured max relative gap to the bf16 reference 1.2e-3
+# (fsdp2, cp2, fsdp2_tp2: FSDP's policy runs the whole forward in bf16), 2.4e-4 at most under autocast
+# (tp2, pp2); 3e-3 is 2.6x the largest. It catches a norm counted twice (41 %) or a shard left out; the
+# loss checks above catch a run in the wrong precision (the fp32 run's norms are 4.4e-4 from bf16's).
+BF16_GRAD_NORM_RTOL = 3e-3
 
 
 # Document masking (docs/attention.md): block_causal rows against one process with block_causal, on a
@@ -443,7 +448,7 @@ def test_bf16_loss_parity(row: Row, bf16_reference: dict, reference: dict, matri
     check_row(row)
     records = matrix.losses(row)
     losses = records["loss"]
-    check_grad_norms(row.name, records["grad_norm"], bf16_reference["grad_norm"], BF16_RTOL)
+    check_grad_norms(row.name, records["grad_norm"], bf16_reference["grad_norm"], BF16_GRAD_NORM_RTOL)
     for i, (got, want) in enumerate(zip(losses, bf16_reference["loss"], strict=True)):
         assert abs(got - want) <= BF16_RTOL * abs(want), f"loss #{i}: {row.name} {got} vs single-process bf16 {want}"
     gap_to_fp32 = max(abs(got - want) / abs(want) for got, want in zip(losses, reference["loss"], strict=True))

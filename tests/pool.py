@@ -383,11 +383,9 @@ def run_train_job(
     else:
         errors = [None if r is None else r.error for r in results]
         failed = [e for e in errors if e is not None]
-        if expect_error is not None:
+        if expect_error is not None:  # the status keeps the error the job was expected to raise
             ok = len(failed) == world_size and all(expect_error in e for e in failed)
-            error = (
-                None if ok else f"expected every rank to fail with {expect_error!r}; {len(failed)} failed: {failed[:1]}"
-            )
+            error = failed[0] if ok else f"expected every rank to fail with {expect_error!r}; {len(failed)} failed"
         else:
             ok = not failed
             error = (

@@ -54,6 +54,9 @@ MOE_FLOAT8_ROWS = [Row("moe_float8_fsdp2", 2, 4, [*MOE, *FSDP_FLOAT8])]
 # 2.6e-5, async_tp2 5.7e-6, tp2 6.8e-7 (on the debug flavor: 3.5e-4 at most). 1e-3 is ~7x the largest;
 # each row must also miss the fp32 run by more than RTOL (measured: 1.9e-4 at least, fsdp2).
 FLOAT8_RTOL = 1e-3
+# Grad norms: measured max relative gap to the float8 reference 1.4e-3 (fsdp2_tp2), 1.3e-3 fsdp2, 1.1e-3
+# moe_fsdp2, 2.9e-4 pp2, 1.8e-4 tp2; 4e-3 is 2.9x the largest (a norm counted twice is 41 % off).
+FLOAT8_GRAD_NORM_RTOL = 4e-3
 
 
 def _single_process(tmp_path_factory, name: str, overrides: list[str]) -> dict[str, list[float]]:
@@ -86,7 +89,7 @@ def test_float8_loss_parity(row: Row, float8_reference: dict, reference: dict, m
     gaps = _gaps(losses, float8_reference["loss"])
     print(row.name, "gap to float8 reference", [f"{g:.2e}" for g in gaps])
     assert max(gaps) <= FLOAT8_RTOL, f"{row.name}: {losses} vs single-process float8 {float8_reference['loss']}"
-    check_grad_norms(row.name, records["grad_norm"], float8_reference["grad_norm"], FLOAT8_RTOL)
+    check_grad_norms(row.name, records["grad_norm"], float8_reference["grad_norm"], FLOAT8_GRAD_NORM_RTOL)
     _check_converted(matrix, row, reference["loss"], losses)
 
 
@@ -104,7 +107,7 @@ def test_moe_float8_loss_parity(row: Row, moe_float8_reference: dict, matrix: Ma
     gaps = _gaps(losses, moe_float8_reference["loss"])
     print(row.name, "gap to float8 reference", [f"{g:.2e}" for g in gaps])
     assert max(gaps) <= FLOAT8_RTOL, f"{row.name}: {losses} vs single-process float8 {moe_float8_reference['loss']}"
-    check_grad_norms(row.name, records["grad_norm"], moe_float8_reference["grad_norm"], FLOAT8_RTOL)
+    check_grad_norms(row.name, records["grad_norm"], moe_float8_reference["grad_norm"], FLOAT8_GRAD_NORM_RTOL)
     assert "linears converted" in matrix.run(row)
 
 

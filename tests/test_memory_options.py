@@ -74,10 +74,15 @@ def test_bf16_states_track_fp32_states_over_50_steps(tmp_path, fp32):
     assert max(gaps) < 3e-2 and sum(gaps) / len(gaps) < 5e-3 and gaps[-1] < 3e-3, gaps
 
 
-# recipe -> limits on the (max, mean, final) relative loss gap to the fp32 run. Measured here (loss 8.18 ->
-# 5.67): tensorwise 1.96e-2 (step 14, a loss spike both runs take), 2.46e-3, 2.00e-3; rowwise 3.23e-2
-# (step 14), 2.54e-3, 3.33e-3. Limits ~2-3x those; bf16 optimizer states above move the curve as much.
-FLOAT8_CURVE = {"tensorwise": (6e-2, 7.5e-3, 1e-2), "rowwise": (6e-2, 7.5e-3, 1e-2)}
+# recipe -> limits on the (max, mean, final) relative loss gap to the fp32 run. Measured on an Intel Xeon
+# with AMX (loss 8.18 -> 5.67): tensorwise 1.96e-2 (step 14, a loss spike both runs take), 2.46e-3,
+# 2.00e-3; rowwise 3.23e-2 (step 14), 2.54e-3, 3.33e-3. On an AMD EPYC (no AMX; the CI machine since
+# 2026-11) the fp32 curve is the same to 4 digits and torch._scaled_mm equals an fp32 matmul of the
+# dequantized operands within 3e-7, but tensorwise takes the spike at steps 11-15 on another branch
+# (gap 7e-4 at most up to step 10, 4.2e-2 at step 15) and stays ~1.5 % above fp32: 4.23e-2, 1.37e-2,
+# 1.49e-2 (rowwise 1.0e-2, 3.0e-3, 3.5e-3). Limits ~2x the larger of the two machines' measurements; a
+# run without float8 fails the last check (mean gap > 1e-5), the float8 math itself is tests/unit/test_float8.py.
+FLOAT8_CURVE = {"tensorwise": (8e-2, 3e-2, 3e-2), "rowwise": (6e-2, 7.5e-3, 1e-2)}
 
 
 @pytest.mark.parametrize("recipe", list(FLOAT8_CURVE))
