@@ -187,7 +187,7 @@ def _job(folder: str, local_batch: int, layout: list[str], *extra: str) -> list[
 def resumes(tmp_path_factory) -> dict[str, dict]:
     """Per layout: the uninterrupted losses, the same-layout resume's and the resharded resume's.
 
-    Three launches instead of twelve (tests/batch_runs.py): every layout's full run, then every
+    Jobs in the 2-rank worker pool (tests/pool.py), in this order: every layout's full run, then every
     same-layout resume and 2-process resharded resume together, then the 1-process one.
     """
     base = tmp_path_factory.mktemp("resume")

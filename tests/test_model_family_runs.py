@@ -1,12 +1,12 @@
 """Model families and flavors beyond the plain debug model, through the trainer: loss parity per layout.
 
-* Tied embeddings (``debugmodel_tied``: Llama 3.2's head tied to the embedding, RoPE scaled from a
+* Tied embeddings (``debugmodel_tied_tiny``: Llama 3.2's head tied to the embedding, RoPE scaled from a
   64-token original context): FSDP2, TP2 (both shard the one table over the vocab: Shard(0)) and
-  DDP against the single-process run of the same flavor, within the matrix's RTOL. These rows join
-  the shared launches (the reference joins the 1-process one).
-* Qwen3 (``model.name = "qwen3"``, debugmodel: QK-norm, head_dim 32 != dim / n_heads): FSDP2, TP2 (the
+  DDP against the single-process run of the same flavor, within the matrix's RTOL (and the grad norm
+  within GRAD_NORM_RTOL). These rows are worker-pool jobs (the reference a 1-rank one).
+* Qwen3 (``model.name = "qwen3"``, debugmodel_tiny: QK-norm, head_dim 32 != dim / n_heads): FSDP2, TP2 (the
   q/k norms' replicated weights on each rank's heads), PP2 1F1B and CP2 against its single-process run.
-* Qwen3-MoE (``model.name = "qwen3_moe"``, debugmodel: 8 experts, top 2, softmax renormalised, expert-
+* Qwen3-MoE (``model.name = "qwen3_moe"``, debugmodel_tiny: 4 experts, top 2, softmax renormalised, expert-
   bias balancing): EP2 and FSDP2 x EP2 against its single-process run.
 """
 

@@ -1,7 +1,7 @@
 """Runs that used to lose work (issue: "a run that loses nothing"), each through the real trainer at 2 ranks.
 
-Launches are shared to keep CI short: one batch launch saves the checkpoints the others start
-from, two real runs are killed or signalled mid-way, and one final batch launch runs every check
+Runs are shared to keep CI short: a pool job (tests/pool.py) saves the checkpoints the others start
+from, two real runs are killed or signalled mid-way, and a final series of pool jobs runs every check
 that resumes (a model change refused, a changed optimizer config, a plain resume after a
 rollback, the resume after SIGTERM and its uninterrupted reference).
 """

@@ -341,7 +341,7 @@ def _with_trainer_defaults(builders: TrainerBuilders) -> TrainerBuilders:
 def run_job(config: JobConfig, *, world_size: int, rank: int) -> None:
     """Validate, build, train. Joins the process group if none exists and leaves it as it is.
 
-    A launcher that runs several jobs in one set of processes (tests/batch_runs.py) calls this
+    A launcher that runs several jobs in one set of processes (the tests' worker pool, tests/pool.py) calls this
     once per job under one process group.
     """
     for warning in config.validate(world_size):

@@ -5,6 +5,8 @@ The trainer replaces ``vocab_size`` with its tokenizer's size and ``max_seq_len`
 context the flavor supports.
 """
 
+import dataclasses
+
 from torchtitan.models.llama.model import ModelArgs, RopeScaling, Transformer
 
 __all__ = ["ModelArgs", "RopeScaling", "Transformer", "llama3_configs"]
@@ -30,15 +32,6 @@ llama3_configs = {
     # The loss-parity tests' size (tests/integration_tests.py): 4 layers, so 2 pipeline ranks can hold
     # 2 stages each, 4 heads for TP 2 x CP 2; ~20x less compute per step than debugmodel on CPU.
     "debugmodel_tiny": ModelArgs(dim=64, n_layers=4, n_heads=4, rope_theta=500000, max_seq_len=2048),
-    "debugmodel_tied_tiny": ModelArgs(
-        dim=64,
-        n_layers=4,
-        n_heads=4,
-        rope_theta=500000,
-        rope_scaling=RopeScaling(factor=32.0, original_max_seq_len=64),
-        max_seq_len=2048,
-        tie_word_embeddings=True,
-    ),
     # Llama 3.2 1B and 3B: RoPE scaling with factor 32, the output head tied to the embedding.
     "1B": ModelArgs(
         dim=2048,
@@ -98,3 +91,7 @@ llama3_configs = {
         max_seq_len=131072,
     ),
 }
+# debugmodel_tied at the parity size (its RoPE scaling and tied head kept)
+llama3_configs["debugmodel_tied_tiny"] = dataclasses.replace(
+    llama3_configs["debugmodel_tied"], dim=64, n_layers=4, n_heads=4
+)

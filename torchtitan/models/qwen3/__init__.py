@@ -75,20 +75,11 @@ qwen3_moe_configs = {
         max_seq_len=2048,
         load_balance="bias",
     ),
-    # the loss-parity tests' size: 4 experts of width 64, top 2, head_dim 32 != dim / n_heads
-    "debugmodel_tiny": Qwen3MoEArgs(
-        dim=64,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=32,
-        num_experts=4,
-        top_k=2,
-        moe_hidden_dim=64,
-        max_seq_len=2048,
-        load_balance="bias",
-    ),
     "30B-A3B": _published_moe(2048, 48, 32, 768),
     "235B-A22B": _published_moe(4096, 94, 64, 1536),
 }
 qwen3_moe_configs["debugmodel_aux_loss"] = dataclasses.replace(qwen3_moe_configs["debugmodel"], load_balance="aux_loss")
+# the loss-parity tests' size: 4 experts of width 64, top 2, head_dim 32 != dim / n_heads
+qwen3_moe_configs["debugmodel_tiny"] = dataclasses.replace(
+    qwen3_moe_configs["debugmodel"], dim=64, n_layers=4, n_heads=4, n_kv_heads=2, num_experts=4, moe_hidden_dim=64
+)
