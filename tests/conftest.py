@@ -3,6 +3,7 @@ worker pools' lifetime (tests/pool.py), and the time report CI prints (docs/test
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -185,7 +186,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     slowest = sorted(stats.jobs, key=lambda j: -j.seconds)[:15]
     write("slowest jobs: " + ", ".join(f"{j.name}@{j.world_size} {j.seconds:.1f}s" for j in slowest))
     if os.environ.get("TORCHTITAN_POOL_REPORT"):
-        import json
-
         with open(os.environ["TORCHTITAN_POOL_REPORT"], "w") as f:
             json.dump([vars(j) for j in stats.jobs], f)

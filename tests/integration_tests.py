@@ -257,18 +257,21 @@ DOC_ROWS = [
 DOC_MOE_ROWS = [Row("docs_moe_ep2", 2, 4, [*DOCS, *ep(2)])]
 
 
-def job_argv(row: Row, dump_folder: str) -> list[str]:
-    """A matrix row's trainer arguments: what run_llama_train.sh would pass for it."""
+def trainer_argv(overrides: list[str], dump_folder: str) -> list[str]:
+    """The trainer's arguments for a run with ``overrides``: what run_llama_train.sh would pass."""
     return [
         "--job.config_file",
         "./train_configs/debug_model.toml",
         *COMMON,
-        "--training.batch_size",
-        str(row.local_batch),
-        *row.args(),
+        *overrides,
         "--job.dump_folder",
         dump_folder,
     ]
+
+
+def job_argv(row: Row, dump_folder: str) -> list[str]:
+    """A matrix row's trainer arguments."""
+    return trainer_argv(["--training.batch_size", str(row.local_batch), *row.args()], dump_folder)
 
 
 class MatrixLaunches:
@@ -280,16 +283,17 @@ class MatrixLaunches:
 
     def __init__(self, base: str):
         self.base = base
-        self.status: dict[str, dict] = {}
+        self.ran: set[str] = set()
 
     def folder(self, row: Row) -> str:
         return os.path.join(self.base, row.name)
 
     def run(self, row: Row) -> str:
         """Run the row once; returns its rank-0 log (the test fails if the row failed)."""
-        if row.name not in self.status:
+        if row.name not in self.ran:
             compiled = "--training.compile" in row.overrides
-            self.status[row.name] = run_train_job(row.ngpu, job_argv(row, self.folder(row)), restart_after=compiled)
+            run_train_job(row.ngpu, job_argv(row, self.folder(row)), restart_after=compiled)
+            self.ran.add(row.name)
         return check_job(row.name, self.folder(row))
 
     def losses(self, row: Row) -> dict[str, list[float]]:
@@ -355,18 +359,13 @@ def train(ngpu: int, dump_folder: str, overrides: list[str]) -> Launch:
     """``run_train``'s run (the same arguments) as a job in the worker pool; its stderr is rank 0's log.
 
     For checks of what a run computes; what the launcher prints or how it exits needs ``run_train``."""
-    argv = [
-        "--job.config_file",
-        "./train_configs/debug_model.toml",
-        *COMMON,
-        *overrides,
-        "--job.dump_folder",
-        dump_folder,
-    ]
-    status = run_train_job(ngpu, argv)
+    status = run_train_job(ngpu, trainer_argv(overrides, dump_folder))
     log_path = os.path.join(dump_folder, "rank0.log")
-    log = open(log_path).read() if os.path.isfile(log_path) else ""
-    return Launch(0 if status["ok"] else 1, stderr=log + ("" if status["ok"] else status["error"] or ""))
+    log = ""
+    if os.path.isfile(log_path):
+        with open(log_path) as f:
+            log = f.read()
+    return Launch(0 if status["ok"] else 1, stderr=log + ("" if status["ok"] else status["error"]))
 
 
 def read_metrics(dump_folder: str) -> list[dict]:

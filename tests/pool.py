@@ -8,12 +8,11 @@ sequence, each ``fn(rank, world_size, *args)`` with ``fn`` importable by name:
 * a harness function of tests/distributed (``run_distributed``),
 * a trainer job: ``train_job`` runs ``torchtitan.train.run_job``, the trainer's own entry, with its
   own dump folder and per-rank log (the matrix rows, the single-process references as 1-rank jobs,
-  resume pairs: train, stage, resume),
-* an estimator measurement (``torchtitan.estimation.measure``).
+  resume pairs: train, stage, resume).
 
 Isolation between jobs: determinism off, default dtype fp32, the once-per-process warnings and
 DTensor's sharding caches cleared, dynamo reset, garbage collected; the process groups a job made
-(meshes) are destroyed, the default group stays. A job that fails on every rank is reported and the
+(meshes) are destroyed, the default group stays. A job that fails on any rank is reported and the
 pool goes on once a ping (an all-reduce of the job's number) shows the ranks are still in step; a
 rank that dies, a job past its deadline, or a failed ping kills the pool, and the next job starts a
 fresh one. ``restart_after`` (compile jobs) restarts it after the job, since inductor keeps state.
@@ -30,6 +29,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -111,7 +111,7 @@ def _reset_between_jobs() -> None:
         from torch.distributed.tensor import DTensor
 
         DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache.clear()
-    if "torch._dynamo" in __import__("sys").modules:
+    if "torch._dynamo" in sys.modules:
         torch._dynamo.reset()
     # groups a job made (its meshes) hold sockets to every peer; the default group stays
     world = dist.group.WORLD
@@ -205,13 +205,12 @@ class WorkerPool:
             q.put((self._seq, fn, args))
         replies = self._collect(self._seq, timeout_s)
         errors = [f"rank {r}:\n{value}" for r, (status, value) in sorted(replies.items()) if status == "error"]
-        STATS.jobs.append(
-            JobRecord(
-                self.world_size, name or getattr(fn, "__qualname__", str(fn)), time.perf_counter() - start, not errors
-            )
-        )
-        if errors:
+        failed = errors or any(isinstance(value, JobFailed) for _, value in replies.values())
+        seconds = time.perf_counter() - start
+        STATS.jobs.append(JobRecord(self.world_size, name or fn.__qualname__, seconds, not failed))
+        if failed:  # a rank stopped early: are the others still in step with it?
             self._check_in_step()
+        if errors:
             raise RuntimeError("distributed run failed\n" + "\n".join(errors))
         return [replies[r][1] for r in range(self.world_size)]
 
@@ -386,19 +385,11 @@ def run_train_job(
         if expect_error is not None:  # the status keeps the error the job was expected to raise
             ok = len(failed) == world_size and all(expect_error in e for e in failed)
             error = failed[0] if ok else f"expected every rank to fail with {expect_error!r}; {len(failed)} failed"
+        elif failed:
+            ok, error = False, failed[0] + f"\n({len(failed)} of {world_size} ranks failed; see rank*.log)"
         else:
-            ok = not failed
-            error = (
-                None
-                if ok
-                else failed[0]
-                + ("" if errors[0] is not None else f"\n({len(failed)} other rank(s) failed; see rank*.log)")
-            )
+            ok, error = True, None
         status = {"ok": ok, "error": error}
-        if failed and len(failed) < world_size:  # a rank finished while another failed: still in step?
-            live = _POOLS.get(world_size)
-            if live is not None:
-                live._check_in_step()
     status["seconds"] = time.perf_counter() - start
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, STATUS_FILE), "w") as f:
