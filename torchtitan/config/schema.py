@@ -60,7 +60,11 @@ class Metrics:
 @dataclass
 class Model:
     name: str = _f("llama3", "model family: llama3")
-    flavor: str = _f("debugmodel", "model size: debugmodel, 8B, 70B, 405B")
+    flavor: str = _f(
+        "debugmodel",
+        "model size, per model.name (docs/models.md): debugmodel, debugmodel_tiny (the parity tests' size) and "
+        "the published sizes, e.g. llama3 1B, 3B, 8B, 70B, 405B",
+    )
     norm_type: str = _f(
         "rmsnorm",
         "normalization layer: rmsnorm, fused_rmsnorm (the same nn.RMSNorm: torch 2.13 runs its fused kernel "
