@@ -41,7 +41,7 @@ done
 
 # Check the config in one process first: a bad key or layout is one clear line, not N tracebacks.
 if [ "${PREFLIGHT:-1}" != "0" ]; then
-  "$PYTHON" -m torchtitan.config --world_size "$NGPU" --job.config_file "$CONFIG_FILE" "$@"
+  "$PYTHON" -m torchtitan.preflight --world_size "$NGPU" --job.config_file "$CONFIG_FILE" "$@"
 fi
 
 exec "$PYTHON" -m torchtitan.launch \

@@ -19,9 +19,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from torchtitan.checkpointing import MARKER, CheckpointInfo, load_model_weights, read_marker  # noqa: E402
-from torchtitan.checkpointing.folders import verify_files  # noqa: E402
+from torchtitan.checkpointing.common import load_model_weights  # noqa: E402
+from torchtitan.checkpointing.folders import (
+    CheckpointInfo,  # noqa: E402
+    verify_files,  # noqa: E402
+)
 from torchtitan.checkpointing.integrity import load_whole_checkpoint  # noqa: E402
+from torchtitan.checkpointing.marker import MARKER, read_marker  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

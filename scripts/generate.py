@@ -45,7 +45,7 @@ def load_model(checkpoint: str | None, hf: str | None, max_len: int, n_words: in
 
 def _weights_and_model(checkpoint: str | None, hf: str | None, max_len: int):
     """(whole-model weights, model spec, ModelArgs) from a checkpoint folder or an HF folder."""
-    from torchtitan.checkpointing import load_model_weights
+    from torchtitan.checkpointing.common import load_model_weights
     from torchtitan.spec import get_model_spec, spec_for_hf_model_type
 
     if hf:

@@ -127,10 +127,10 @@ def _one_error_line(result: subprocess.CompletedProcess, expected: str, code: in
     ],
 )
 def test_prelaunch_check_rejects_bad_input_in_one_line(args, config, expected, tmp_path, capsys, monkeypatch):
-    """The check run_llama_train.sh runs before torchrun (``python -m torchtitan.config``), called in process:
+    """The check run_llama_train.sh runs before torchrun (``python -m torchtitan.preflight``), called in process:
     the same one line and exit code 2 (the script exits with it, set -e); the script's own plumbing of it
     is the subprocess case below."""
-    from torchtitan.config.__main__ import main
+    from torchtitan.preflight.__main__ import main
 
     if config == "BAD_TOML":
         bad = tmp_path / "bad.toml"

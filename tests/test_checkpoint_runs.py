@@ -1,4 +1,4 @@
-"""Checkpoint runs through the trainer (worker-pool jobs; the killed save through run_llama_train.sh): bit-exact resume, resharded resume, a killed save.
+"""Checkpoint runs through the trainer (worker-pool jobs; the killed save through the launcher): bit-exact resume, resharded resume, a killed save.
 
 Runs are shared between checks to keep the file short (6 steps, seq 64, the matrix's settings):
 
@@ -26,6 +26,7 @@ import time
 
 import pytest
 
+from tests.held_marker_train import popen_held_marker
 from tests.integration_tests import (
     COMMON,
     ROOT,
@@ -113,22 +114,8 @@ def test_killed_save_resumes_from_previous_complete(seeded_fsdp2, tmp_path):
     _, seeded, _ = seeded_fsdp2
     folder = str(tmp_path)
     args = [*CKPT, "--training.batch_size", "4", "--training.seed", "7", "--checkpoint.interval", "2"]
-    env = dict(
-        os.environ,
-        NGPU="2",
-        LOG_RANK="0",
-        CONFIG_FILE="./train_configs/debug_model.toml",
-        PREFLIGHT="0",
-        TORCHTITAN_TEST_CHECKPOINT_MARKER_DELAY="4:120",
-    )
-    proc = subprocess.Popen(
-        ["bash", "./run_llama_train.sh", *COMMON, *args, "--job.dump_folder", folder],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    # step-4's marker held back 120 s (tests/held_marker_train.py)
+    proc = popen_held_marker(4, 120, [*COMMON, *args, "--job.dump_folder", folder], stdout=subprocess.DEVNULL)
     step4 = os.path.join(folder, "checkpoint", "step-4")
     deadline = time.monotonic() + 300
     while not os.path.isfile(os.path.join(step4, ".metadata")) and proc.poll() is None and time.monotonic() < deadline:

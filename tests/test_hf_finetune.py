@@ -145,8 +145,8 @@ def _first_batch(family: str) -> tuple[torch.Tensor, torch.Tensor]:
 
     config = JobConfig.parse_args([*_base(family), "--training.steps", "1", "--training.batch_size", "4"])
     trainer = Trainer(config, world_size=1, rank=0)
-    (inputs, labels) = trainer.next_batches(iter(trainer.data_loader))[0]
-    return inputs, labels
+    batch = trainer.next_batches(iter(trainer.data_loader))[0]
+    return batch.inputs, batch.labels
 
 
 def _hf_loss(folder: str, inputs: torch.Tensor, labels: torch.Tensor) -> float:
@@ -162,7 +162,7 @@ def _hf_loss(folder: str, inputs: torch.Tensor, labels: torch.Tensor) -> float:
 def test_hf_model_fine_tuned_under_fsdp2_and_exported_back(tmp_path):
     from safetensors.torch import load_file
 
-    from torchtitan.checkpointing import load_model_weights
+    from torchtitan.checkpointing.common import load_model_weights
     from torchtitan.models.llama import hf_adapter
 
     os.chdir(ROOT)

@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from tests.held_marker_train import popen_held_marker
 from tests.integration_tests import COMMON, ROOT, check_job, launch_jobs, read_metrics, run_train
 from tests.test_checkpoint_runs import complete_steps, losses
 
@@ -37,14 +38,21 @@ def job(folder: str, *args: str, expect_error: str | None = None) -> dict:
     return spec
 
 
-def popen_train(folder: str, args: list[str], **env: str) -> subprocess.Popen:
-    """run_llama_train.sh in the background; its output goes to ``<folder>.out`` (read with ``output``)."""
+def popen_train(folder: str, args: list[str], *, hold_marker: tuple[int, float] | None = None) -> subprocess.Popen:
+    """run_llama_train.sh in the background; its output goes to ``<folder>.out`` (read with ``output``).
+
+    ``hold_marker``: (step, seconds) that step's checkpoint marker is held back, through the launcher
+    (tests/held_marker_train.py) instead of the script.
+    """
+    overrides = [*COMMON, *CKPT, *BATCH, *args, "--job.dump_folder", folder]
     environ = dict(os.environ, NGPU="2", LOG_RANK="0", CONFIG_FILE="./train_configs/debug_model.toml", PREFLIGHT="0")
     with open(folder + ".out", "w") as out:
+        if hold_marker is not None:
+            return popen_held_marker(*hold_marker, overrides, stdout=out)
         return subprocess.Popen(
-            ["bash", "./run_llama_train.sh", *COMMON, *CKPT, *BATCH, *args, "--job.dump_folder", folder],
+            ["bash", "./run_llama_train.sh", *overrides],
             cwd=ROOT,
-            env={**environ, **env},
+            env=environ,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -79,7 +87,7 @@ def runs(tmp_path_factory) -> dict:
 
     # Rollback to step 2 with keep_latest_k 1, killed while step-4 is being saved again.
     rollback = ["--checkpoint.load_step", "2", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "1"]
-    proc = popen_train(d["rollback"], rollback, TORCHTITAN_TEST_CHECKPOINT_MARKER_DELAY="4:120")
+    proc = popen_train(d["rollback"], rollback, hold_marker=(4, 120))
     root = os.path.join(d["rollback"], "checkpoint")
     step4 = os.path.join(root, "step-4")
 
@@ -128,7 +136,7 @@ def runs(tmp_path_factory) -> dict:
 
 
 def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
-    from torchtitan.checkpointing import load_model_weights
+    from torchtitan.checkpointing.common import load_model_weights
 
     folder = str(tmp_path)
     args = [*CKPT, "--training.batch_size", "4", "--optimizer.lr", "1e6", "--training.warmup_steps", "1"]

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from torchtitan.components.document_feed import Batch
 from torchtitan.config.manager import JobConfig
 from torchtitan.train import Trainer
 
@@ -42,7 +43,7 @@ def test_validation_runs_under_the_training_autocast(tmp_path, monkeypatch):
         validator = trainer.validator
         inputs, labels = next(iter(validator.loader))
         validation_loss = validator.run()["validation_loss"]
-        train_loss = trainer.step_fn.forward_backward(inputs, labels, accum_steps=1).item()
+        train_loss = trainer.step_fn.forward_backward(Batch(inputs, labels), accum_steps=1, token_weight=None).item()
         assert validation_loss == train_loss
         with torch.no_grad():
             fp32_loss = torch.nn.functional.cross_entropy(

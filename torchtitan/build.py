@@ -21,11 +21,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from torchtitan.checkpointing import model_info, read_marker, save_model_weights, step_folder
+from torchtitan.checkpointing.common import model_info, save_model_weights
+from torchtitan.checkpointing.marker import read_marker, step_folder
 from torchtitan.checkpointing.state import ModelState
 from torchtitan.components.float8 import Float8ScalePrecompute, apply_float8, check_float8_runs
 from torchtitan.components.step import PipelineLoss, StepFunction
-from torchtitan.datasets import build_hf_data_loader, build_tokenizer, compute_stream_groups
+from torchtitan.datasets.hf_datasets import build_hf_data_loader, compute_stream_groups
+from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.distributed.device import get_device_info
 from torchtitan.distributed.init import init_model_weights
 from torchtitan.distributed.mesh import WorldMesh
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from torchtitan.config.manager import JobConfig
+    from torchtitan.config.schema import Model, Training
     from torchtitan.spec import ModelSpec
 
 
@@ -102,9 +105,9 @@ def build_meta_model(spec: ModelSpec, model_args: Any) -> nn.Module:
         return spec.model_cls(model_args)
 
 
-def build_data_loader(config: JobConfig, tokenizer: Any, world: WorldMesh) -> Iterable:
+def build_data_loader(training: Training, tokenizer: Any, world: WorldMesh) -> Iterable:
     """This data-parallel rank's slice of every global batch (see docs/data.md)."""
-    t = config.training
+    t = training
     dp_rank, dp_degree = world.local_rank("dp"), world.dims.dp_degree
     groups = compute_stream_groups(dp_rank, dp_degree, t.batch_size, t.gradient_accumulation_steps)
     num_streams = dp_degree * t.batch_size * t.gradient_accumulation_steps
@@ -115,8 +118,8 @@ def _build_world_mesh(parallel_dims: ParallelDims, device_type: str) -> DeviceMe
     return parallel_dims.build_mesh(device_type)
 
 
-def _build_tokenizer(config: JobConfig) -> Any:
-    return build_tokenizer(config.model.tokenizer_path)
+def _build_tokenizer(model: Model) -> Any:
+    return build_tokenizer(model.tokenizer_path)
 
 
 @dataclass(frozen=True)
@@ -125,11 +128,11 @@ class TrainerBuilders:
 
     Signatures (``trainer`` is the Trainer being built, complete up to the part being built):
         mesh(parallel_dims, device_type) -> DeviceMesh | None
-        tokenizer(config) -> an object with ``n_words``
+        tokenizer(model) -> an object with ``n_words`` (``model``: the ``[model]`` section)
         model_args(config, spec, vocab_size, *, device_type) -> the family's args (``device_type``: the run's
             device, for ``model.attention_backend = 'auto'``)
         meta_model(spec, model_args) -> nn.Module on the meta device (called once per pipeline stage too)
-        data_loader(config, tokenizer, world) -> iterable of (inputs, labels), stateful for checkpoints
+        data_loader(training, tokenizer, world) -> iterable of (inputs, labels), stateful for checkpoints
         metrics(trainer) -> StepMetrics-like (``add_data_time``, ``add_step``, ``log``, ``log_validation``,
             ``end_summary``, ``close``)
         checkpointer(trainer) -> CheckpointManager-like (``load``, ``maybe_save``, ``summary``, ``close``)
@@ -157,7 +160,15 @@ def finish_model_part(
     if config.float8.enable_float8_linear:
         check_float8_runs(device)
         apply_float8(part, config.float8)
-    spec.parallelize_fn(part, world.mesh, world.dims, config)
+    spec.parallelize_fn(
+        part,
+        world_mesh=world.mesh,
+        parallel_dims=world.dims,
+        training=config.training,
+        experimental=config.experimental,
+        activation_checkpoint=config.activation_checkpoint,
+        float8=config.float8,
+    )
     # With FSDP CPU offload the sharded parameters live in CPU memory; FSDP copies them to the
     # device for each block's compute. Buffers (the RoPE table) stay on the device.
     offload = config.training.enable_cpu_offload and world.dims.fsdp_enabled
@@ -252,7 +263,13 @@ def create_seed_checkpoint(config: JobConfig) -> str:
         raise ValueError(f"checkpoint.create_seed_checkpoint: {path} already exists; delete it to make a new seed")
     spec = get_model_spec(config.model.name)
     args = build_model_args(config, spec, build_tokenizer(config.model.tokenizer_path).n_words)
-    model = build_model(config, args, ParallelDims.from_config(config, 1), None, get_device_info().device)
-    save_model_weights(ModelState(model).state_dict(), path, model_info(config, args))
+    model = build_model(
+        config,
+        args,
+        ParallelDims.from_sections(training=config.training, experimental=config.experimental, world_size=1),
+        None,
+        get_device_info().device,
+    )
+    save_model_weights(ModelState(model).state_dict(), path, model_info(model=config.model, model_args=args))
     logger.info("seed checkpoint written to %s", path)
     return path

@@ -2,16 +2,17 @@
 
 The trainer, metrics, validation, checkpointing, the conversion scripts and the memory estimator
 reach a family only through its spec (``get_model_spec(config.model.name)``), so nothing outside
-``models/<family>/`` and this registry asks ``isinstance(args, SomeArgs)``. A new family is its
-folder under ``models/`` (pure nn.Modules, flavors, an optional Hugging Face adapter) plus one
-entry in ``_SPECS`` below; families that keep llama's module layout (``tok_embeddings``,
-``layers``, ``norm``, ``output``; the TP plan's names) use the default parallelize and pipeline
-split. ``models/`` stays pure torch: the wiring to distributed code lives here.
+``models/<family>/`` asks ``isinstance(args, SomeArgs)``. A family is its folder under ``models/``:
+pure nn.Modules, flavors, an optional Hugging Face adapter, and ``spec.py``, which holds its
+``ModelSpec`` (``SPEC``, or ``SPECS`` by name when the module holds two) and its own checks. This
+module holds only the protocol and the registry, one line per family naming that module (``_FAMILIES``),
+imported on the family's first ``get_model_spec``: the family modules import this one, and the config
+check reads only the family it runs. Families that keep llama's module layout (``tok_embeddings``,
+``layers``, ``norm``, ``output``; the TP plan's names) use the default parallelize and pipeline split.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -20,18 +21,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 from torch import nn
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.models.llama import Transformer, hf_adapter, llama3_configs
-from torchtitan.models.llama.model import ffn_hidden_dim
-from torchtitan.models.moe import MoETransformer, moe_configs, num_active_params
-from torchtitan.models.qwen3 import Qwen3MoETransformer, Qwen3Transformer, qwen3_configs, qwen3_moe_configs
-from torchtitan.models.qwen3 import hf_adapter as qwen3_hf_adapter
-from torchtitan.models.qwen3 import hf_moe_adapter as qwen3_moe_hf_adapter
+from torchtitan.distributed.pipeline_layout import check_pipeline
+from torchtitan.distributed.tp_checks import check_tp_shapes
 
 if TYPE_CHECKING:
     import torch
-    from torch.distributed.device_mesh import DeviceMesh
 
     from torchtitan.config.manager import JobConfig
+    from torchtitan.config.schema import Model
     from torchtitan.distributed.mesh import WorldMesh
     from torchtitan.distributed.parallel_dims import ParallelDims
 
@@ -39,7 +36,7 @@ if TYPE_CHECKING:
 class Deferred:
     """A function named by ``"module:attribute"``, imported on its first call.
 
-    The registry is read by the pre-launch config check (``python -m torchtitan.config``, before
+    The registry is read by the pre-launch config check (``python -m torchtitan.preflight``, before
     every launch), which needs the flavors, not the distributed stack a family's wiring imports
     (``torch.distributed.pipelining`` alone pulls in dynamo: seconds per launch).
     """
@@ -129,7 +126,8 @@ class ModelSpec:
         model_cls: built as ``model_cls(args)`` on the meta device.
         flavors: ``model.flavor`` -> frozen args dataclass (with ``n_layers``, ``dim``, ``n_heads``,
             ``head_dim``, ``vocab_size``, ``max_seq_len``, ``norm_type``, ``attention_backend``).
-        parallelize_fn: ``(model, world_mesh, parallel_dims, config) -> None``: every parallelism,
+        parallelize_fn: ``(model, *, world_mesh, parallel_dims, training, experimental,
+            activation_checkpoint, float8) -> None`` (the config sections it reads): every parallelism,
             in place, in the family's documented order (default: ``distributed.parallelize``).
         pipeline_split_fn: ``(meta_model, first_layer, end_layer, is_first, is_last) -> None``:
             prune a fresh meta model to one pipeline stage in place (default: llama-style
@@ -141,8 +139,10 @@ class ModelSpec:
             data-dependent choices replaced by a fixed assumption; None: the args as they are.
         state_dict_adapter: the Hugging Face conversion of the family (``to_hf_state_dict``,
             ``from_hf_state_dict``, ``hf_config``, ``model_args_from_hf``), or None.
-        validate_fn: ``(config, args) -> None``: the family's own pre-launch checks (raise
-            ConfigError / NotImplementedError naming the key), beside the generic ones.
+        check_fn: ``(args, *, model, training, experimental) -> list[str]``: the family's own
+            pre-launch checks of the flavor's ``args`` against the config sections (``Model``,
+            ``Training``, ``Experimental``), beside the generic ones: raise ConfigError /
+            NotImplementedError naming the key; return warnings.
         layer_pattern: ``args -> (prefix, period)``: after ``prefix`` leading layers, the layers
             repeat with this period (the estimator extrapolates memory over whole periods).
         hf_model_type: the Hugging Face ``model_type`` a ``config.json`` names for this family.
@@ -154,7 +154,7 @@ class ModelSpec:
     name: str
     model_cls: type[nn.Module]
     flavors: Mapping[str, Any]
-    parallelize_fn: Callable[[nn.Module, DeviceMesh | None, ParallelDims, JobConfig], None] = PARALLELIZE
+    parallelize_fn: Callable[..., None] = PARALLELIZE
     count_flop_params: Callable[[Any, nn.Module], int] = count_non_embedding_params
     pipeline_split_fn: Callable[[nn.Module, int, int, bool, bool], None] | None = PRUNE_TO_STAGE
     build_step_hooks: Callable[[Any, nn.Module, list[nn.Module], WorldMesh, torch.device], StepHooks | None] | None = (
@@ -162,155 +162,105 @@ class ModelSpec:
     )
     fake_tensor_args: Callable[[Any], Any] | None = None
     state_dict_adapter: Any = None
-    validate_fn: Callable[[JobConfig, Any], None] | None = None
+    check_fn: Callable[..., list[str]] | None = None
     layer_pattern: Callable[[Any], tuple[int, int]] = lambda args: (0, 1)
     hf_model_type: str | None = None  # config.json's "model_type" this family imports (with state_dict_adapter)
     documents: bool = False
 
 
-def _moe_flop_params(args: Any, model: nn.Module) -> int:
-    return num_active_params(args, model)  # top_k of the routed experts
-
-
-def _balanced_routing(args: Any) -> Any:
-    # Routing is data-dependent; under fake tensors every expert gets an equal share of the tokens.
-    return dataclasses.replace(args, balanced_routing=True)
-
-
-def _check_dense_config(config: JobConfig, args: Any) -> None:
-    """The FFN width under TP (llama's formula, or a family's ``ffn_dim``); no expert parallel without experts."""
-    tp, ep = config.training.tensor_parallel_degree, config.experimental.expert_parallel_degree
-    hidden = getattr(args, "ffn_dim", None) or ffn_hidden_dim(args)
-    if hidden % tp:
-        raise ConfigError(
-            f"model {config.model.flavor}: ffn hidden size = {hidden} is not divisible by "
-            f"training.tensor_parallel_degree = {tp}; choose a TP degree that divides it"
-        )
-    if ep > 1 and not hasattr(args, "num_experts"):
-        raise ConfigError(
-            f"experimental.expert_parallel_degree = {ep} but model.name = {config.model.name!r} (flavor "
-            f"{config.model.flavor!r}) has no experts; use an MoE family (llama3_moe) or set expert_parallel_degree = 1"
-        )
-
-
-def _check_moe_config(config: JobConfig, args: Any) -> None:
-    """Expert parallel and the MoE model (the EP/TP/dp_shard divisibility is checked by ParallelDims)."""
-    _check_dense_config(config, args)
-    exp, t = config.experimental, config.training
-    ep, tp = exp.expert_parallel_degree, t.tensor_parallel_degree
-    model = f"model.name = {config.model.name!r} (flavor {config.model.flavor!r})"
-    if ep < 1:
-        raise ConfigError(f"experimental.expert_parallel_degree must be >= 1, got {ep}")
-    if not 1 <= args.top_k <= args.num_experts:
-        raise ConfigError(f"{model}: top_k = {args.top_k} must be between 1 and num_experts = {args.num_experts}")
-    if args.num_experts % ep:
-        raise ConfigError(
-            f"{model} has num_experts = {args.num_experts}, not divisible by "
-            f"experimental.expert_parallel_degree = {ep}; choose an EP degree that divides it"
-        )
-    unsupported = [
-        (
-            tp > 1 and ep == 1,
-            f"training.tensor_parallel_degree = {tp} with experimental.expert_parallel_degree = 1: "
-            "the routed experts are not tensor-parallel; set expert_parallel_degree to a multiple of tp (EP contains "
-            "the TP ranks)",
-        ),
-        (
-            exp.context_parallel_degree > 1 and ep > 1,
-            f"experimental.expert_parallel_degree = {ep} with "
-            f"experimental.context_parallel_degree = {exp.context_parallel_degree}: expert parallel does not include "
-            "CP ranks yet; set one of them to 1",
-        ),
-        (
-            t.compile,
-            f"training.compile = true with {model}: the routed experts' fp32 grouped matmul and the EP "
-            "all-to-all (data-dependent splits) do not compile under fullgraph; turn training.compile off",
-        ),
-        (
-            exp.enable_async_tensor_parallel,
-            f"experimental.enable_async_tensor_parallel with {model}: the async TP "
-            "plan has no MoE block; turn async TP off",
-        ),
-        (
-            args.load_balance == "aux_loss" and exp.pipeline_parallel_degree > 1,
-            f"{model} balances with an aux "
-            f"loss, and under experimental.pipeline_parallel_degree = {exp.pipeline_parallel_degree} the middle "
-            "stages cannot add to the loss; use a flavor with load_balance = 'bias' or pipeline_parallel_degree = 1",
-        ),
-    ]
-    for bad, message in unsupported:
-        if bad:
-            raise NotImplementedError(message)
-
-
-# One entry per family.
-_SPECS: dict[str, ModelSpec] = {
-    "llama3": ModelSpec(
-        "llama3",
-        Transformer,
-        llama3_configs,
-        documents=True,
-        state_dict_adapter=hf_adapter,
-        validate_fn=_check_dense_config,
-        hf_model_type="llama",
-    ),
-    "qwen3": ModelSpec(
-        "qwen3",
-        Qwen3Transformer,
-        qwen3_configs,
-        documents=True,
-        state_dict_adapter=qwen3_hf_adapter,
-        validate_fn=_check_dense_config,
-        hf_model_type="qwen3",
-    ),
-    "llama3_moe": ModelSpec(
-        "llama3_moe",
-        MoETransformer,
-        moe_configs,
-        documents=True,
-        count_flop_params=_moe_flop_params,
-        build_step_hooks=Deferred("torchtitan.components.load_balancing:build_load_balancer"),
-        fake_tensor_args=_balanced_routing,
-        validate_fn=_check_moe_config,
-        layer_pattern=lambda args: (args.first_k_dense, args.moe_every),
-    ),
-    "qwen3_moe": ModelSpec(
-        "qwen3_moe",
-        Qwen3MoETransformer,
-        qwen3_moe_configs,
-        documents=True,
-        count_flop_params=_moe_flop_params,
-        build_step_hooks=Deferred("torchtitan.components.load_balancing:build_load_balancer"),
-        fake_tensor_args=_balanced_routing,
-        state_dict_adapter=qwen3_moe_hf_adapter,
-        validate_fn=_check_moe_config,
-        layer_pattern=lambda args: (args.first_k_dense, args.moe_every),
-        hf_model_type="qwen3_moe",
-    ),
+# One line per family: model.name -> the module whose ``SPEC`` (or ``SPECS[name]``) is its ModelSpec.
+# Imported on first use (the family modules import this one).
+_FAMILIES: dict[str, str] = {
+    "llama3": "torchtitan.models.llama.spec",
+    "llama3_moe": "torchtitan.models.moe.spec",
+    "qwen3": "torchtitan.models.qwen3.spec",
+    "qwen3_moe": "torchtitan.models.qwen3.spec",
 }
+_SPECS: dict[str, ModelSpec] = {}  # loaded from _FAMILIES, or registered with register_model_spec
+
+
+def register_model_family(name: str, module: str) -> None:
+    """Add a family by the module holding its spec (imported on first use), as a ``_FAMILIES`` line does."""
+    if name in model_names() and _FAMILIES.get(name) != module:
+        raise ValueError(f"a model family named {name!r} is already registered")
+    _FAMILIES[name] = module
 
 
 def register_model_spec(spec: ModelSpec) -> None:
     """Add a family (e.g. one defined outside the package); a name is registered once."""
-    if spec.name in _SPECS and _SPECS[spec.name] is not spec:
+    if spec.name in model_names() and get_model_spec(spec.name) is not spec:
         raise ValueError(f"a model family named {spec.name!r} is already registered")
     _SPECS[spec.name] = spec
 
 
 def model_names() -> list[str]:
-    return list(_SPECS)
+    """Every registered family's name (imports none of them)."""
+    return list(dict.fromkeys([*_FAMILIES, *_SPECS]))
 
 
-def spec_for_hf_model_type(model_type: str) -> ModelSpec:
-    """The family that imports a Hugging Face ``config.json`` of this ``model_type``."""
-    for spec in _SPECS.values():
-        if spec.hf_model_type == model_type:
-            return spec
-    known = sorted(s.hf_model_type for s in _SPECS.values() if s.hf_model_type)
-    raise ValueError(f"Hugging Face model_type {model_type!r} has no model family here; known: {known}")
+def _load(name: str) -> ModelSpec:
+    module_name = _FAMILIES[name]
+    module = importlib.import_module(module_name)
+    specs = getattr(module, "SPECS", None)
+    if specs is None and hasattr(module, "SPEC"):
+        specs = {module.SPEC.name: module.SPEC}
+    spec = (specs or {}).get(name)
+    if spec is None or spec.name != name:
+        raise ValueError(
+            f"model family {name!r} is registered as {module_name}, which defines no ModelSpec named {name!r}; "
+            "give it SPEC = ModelSpec(name, ...) (or SPECS = {name: ModelSpec(name, ...)})"
+        )
+    return spec
 
 
 def get_model_spec(name: str) -> ModelSpec:
+    """The family's spec (importing its module the first time)."""
     if name not in _SPECS:
-        raise ValueError(f"model.name = {name!r} is unknown; registered families: {model_names()}")
+        if name not in _FAMILIES:
+            raise ValueError(f"model.name = {name!r} is unknown; registered families: {model_names()}")
+        _SPECS[name] = _load(name)
     return _SPECS[name]
+
+
+def flavor_args(model: Model) -> Any:
+    """The args ``model.flavor`` names in ``model.name``'s family, as listed (before ``build_model_args``).
+
+    Raises:
+        ConfigError: an unknown family or flavor, naming the key and what is allowed.
+    """
+    try:
+        flavors = get_model_spec(model.name).flavors
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if model.flavor not in flavors:
+        raise ConfigError(f"model.flavor = {model.flavor!r} is not a {model.name} flavor; allowed are {list(flavors)}")
+    return flavors[model.flavor]
+
+
+def spec_for_hf_model_type(model_type: str) -> ModelSpec:
+    """The family that imports a Hugging Face ``config.json`` of this ``model_type`` (imports every family)."""
+    specs = [get_model_spec(name) for name in model_names()]
+    for spec in specs:
+        if spec.hf_model_type == model_type:
+            return spec
+    known = sorted(s.hf_model_type for s in specs if s.hf_model_type)
+    raise ValueError(f"Hugging Face model_type {model_type!r} has no model family here; known: {known}")
+
+
+def check_model(config: JobConfig, dims: ParallelDims) -> list[str]:
+    """Pre-launch: ``model.name`` and ``model.flavor`` exist; the flavor's shapes against the layout (heads under
+    TP: distributed/tp_checks.py; stages under PP: distributed/pipeline_layout.py); the family's own check (FFN
+    width under TP, experts); ``training.seq_len`` fits the flavor."""
+    args = flavor_args(config.model)
+    spec = get_model_spec(config.model.name)
+    check_tp_shapes(args, model=config.model, training=config.training)
+    check_pipeline(args, model=config.model, training=config.training, experimental=config.experimental)
+    warnings = []
+    if spec.check_fn is not None:
+        warnings += spec.check_fn(args, model=config.model, training=config.training, experimental=config.experimental)
+    if config.training.seq_len > args.max_seq_len:
+        raise ConfigError(
+            f"training.seq_len = {config.training.seq_len} does not fit model {config.model.flavor}, whose "
+            f"max_seq_len is {args.max_seq_len}; lower training.seq_len"
+        )
+    return warnings

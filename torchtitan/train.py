@@ -13,14 +13,15 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from torchtitan.build import TrainerBuilders, build_step_function, create_seed_checkpoint
-from torchtitan.checkpointing import CheckpointManager, model_info, trim_metrics
-from torchtitan.components.document_feed import Batch, build_document_feed
+from torchtitan.checkpointing.common import model_info
+from torchtitan.checkpointing.manager import CheckpointManager, trim_metrics
+from torchtitan.components.document_feed import Batch
 from torchtitan.components.optimizer import apply_optimizer_config, build_lr_scheduler, build_optimizer
 from torchtitan.components.run_control import NonFiniteStep, RunStopped, StepGuard, StopSignals
 from torchtitan.components.step import StepFunction
@@ -39,13 +40,13 @@ from torchtitan.observability.logging import init_logger
 from torchtitan.observability.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.observability.run_records import write_run_records
 from torchtitan.observability.step_metrics import StepMetrics
+from torchtitan.preflight import run_preflight
 from torchtitan.spec import get_model_spec
 
 logger = logging.getLogger(__name__)
 
-# What a user can get wrong: one line (printed by the launcher, with the ranks that raised it), exit
-# code 2; so are storage errors (disk full, read-only folder). Anything else is a bug and keeps its
-# traceback.
+# What a user can get wrong: one line (printed by the launcher, with the ranks that raised it), exit code 2;
+# so are storage errors (disk full, read-only folder). Anything else is a bug and keeps its traceback.
 USER_ERRORS = (ValueError, NotImplementedError, FileNotFoundError)
 
 
@@ -63,25 +64,24 @@ class Trainer:
         if world_size > 1 and not dist.is_initialized():  # the memory estimator brings its own (fake) group
             init_distributed(get_device_info(), config.comm.init_timeout_seconds, config.comm.trace_buf_size)
         self.spec = get_model_spec(config.model.name)
-        self.parallel_dims = ParallelDims.from_config(config, world_size)
+        self.parallel_dims = ParallelDims.from_sections(
+            training=config.training, experimental=config.experimental, world_size=world_size
+        )
         self.world = WorldMesh(self.parallel_dims, b.mesh(self.parallel_dims, self.device.type))
         self.cp_positions = self._cp_positions()
         set_determinism(config.training.seed, config.training.deterministic)
-        tokenizer = b.tokenizer(config)
-        self.data_loader = b.data_loader(config, tokenizer, self.world)
+        tokenizer = b.tokenizer(config.model)
+        self.data_loader = b.data_loader(config.training, tokenizer, self.world)
         self.model_args = b.model_args(config, self.spec, tokenizer.n_words, device_type=self.device.type)
         whole = b.meta_model(self.spec, self.model_args)
         num_params = sum(p.numel() for p in whole.parameters())
         self.num_flop_params = self.spec.count_flop_params(self.model_args, whole)
-        self.step_fn = self._build_step(whole)
-        self.step_fn.feed = build_document_feed(config, tokenizer.eos_id, self.step_fn, self.cp_positions)
+        self.step_fn = self._build_step(whole, tokenizer.eos_id)
         self.model_parts = self.step_fn.model_parts
         self.optimizer = build_optimizer(self.model_parts, config.optimizer)
-        # optimizer.early_step_in_backward: hooks step each parameter during backward instead of optimizer.step()
-        in_backward = config.optimizer.early_step_in_backward
-        self.in_backward = (
-            self.step_fn.build_optimizer_in_backward(self.optimizer, config.optimizer) if in_backward else None
-        )
+        self.in_backward = None  # optimizer.early_step_in_backward: hooks step each parameter during backward
+        if config.optimizer.early_step_in_backward:
+            self.in_backward = self.step_fn.build_optimizer_in_backward(self.optimizer, config.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.training)
         self.step = 0
         self.checkpointer = b.checkpointer(self)
@@ -101,10 +101,11 @@ class Trainer:
         if rank == 0:
             logger.info("\n%s", self._start_summary(num_params))
 
-    def _build_step(self, whole: torch.nn.Module) -> StepFunction:
-        """Parallelize and materialise the model parts, then the one step function over them."""
+    def _build_step(self, whole: torch.nn.Module, eos_id: int) -> StepFunction:
+        """Parallelize and materialise the model parts, then the one step function over them (block_causal:
+        with the feed of each batch's documents, ``eos_id`` the tokenizer's end of document)."""
         meta_model = self.builders.meta_model
-        return build_step_function(
+        step_fn = build_step_function(
             whole,
             lambda: meta_model(self.spec, self.model_args),
             self.spec,
@@ -114,6 +115,7 @@ class Trainer:
             self.device,
             amp_dtype=self._autocast_dtype(),
         )
+        return step_fn.with_document_feed(model=self.config.model, eos_id=eos_id, cp_positions=self.cp_positions)
 
     def _start_summary(self, num_params: int) -> str:
         cfg, dims = self.config, self.parallel_dims
@@ -130,9 +132,6 @@ class Trainer:
             dump_folder=cfg.job.dump_folder,
         )
 
-    def parameters(self) -> list[torch.nn.Parameter]:
-        return [p for part in self.model_parts for p in part.parameters()]
-
     def _autocast_dtype(self) -> torch.dtype | None:
         """FSDP applies mixed precision itself; without FSDP, autocast gives the same compute dtype."""
         dtype = to_dtype(self.config.training.mixed_precision_param)
@@ -140,7 +139,7 @@ class Trainer:
             return None
         return dtype
 
-    def next_batches(self, data_iter: Iterator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def next_batches(self, data_iter: Iterator) -> list[Batch]:
         """One optimizer step's micro-batches, on the device, sharded for context parallel."""
         batches = []
         for _ in range(self.config.training.gradient_accumulation_steps):
@@ -148,7 +147,7 @@ class Trainer:
             batches.append(self.shard_batch(inputs.to(self.device), labels.to(self.device)))
         return batches
 
-    def shard_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def shard_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> Batch:
         """Under context parallel, this rank's sequence positions of the batch its dp rank reads (the
         model gets the matching positions from apply_cp's hook); block_causal: with its documents."""
         labels, docs = self.step_fn.feed.prepare(inputs, labels) if self.step_fn.feed else (labels, None)
@@ -157,25 +156,21 @@ class Trainer:
         return Batch(inputs, labels, docs)
 
     def _cp_positions(self) -> torch.Tensor | None:
-        dims, exp = self.parallel_dims, self.config.experimental
+        dims, balance = self.parallel_dims, self.config.experimental.context_parallel_load_balance
         if not dims.cp_enabled:
             return None
-        cp_rank = self.world.local_rank("cp")
-        positions = compute_cp_positions(
-            self.config.training.seq_len, dims.cp, cp_rank, exp.context_parallel_load_balance
-        )
+        positions = compute_cp_positions(self.config.training.seq_len, dims.cp, self.world.local_rank("cp"), balance)
         return positions.to(self.device)
 
-    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward/backward every micro-batch, clip, step. Returns (this rank's mean loss, grad norm), unsynced.
 
         Where this rank does not hold the loss, its share is 0 (``StepFunction.reduce_loss`` sums it in).
         """
         loss_sum = torch.zeros((), device=self.device)
-        self.step_fn.count_tokens(batches)  # block_causal: every counted token weighs the same
+        token_weight = self.step_fn.count_tokens(batches)  # block_causal: every counted token weighs the same
         for batch in batches:
-            with self.step_fn.documents(batch):  # block_causal: the batch's documents reach every forward
-                loss = self.step_fn.forward_backward(*batch, accum_steps=len(batches))
+            loss = self.step_fn.forward_backward(batch, accum_steps=len(batches), token_weight=token_weight)
             if loss is not None:
                 loss_sum += loss
         # in backward, every parameter already stepped (so on_nonfinite = "skip" is refused before launch)
@@ -275,11 +270,9 @@ class Trainer:
     def _stop(self) -> None:
         """A stop signal reached some rank during this step: save it (if not just saved) and stop."""
         saved = self.checkpointer.save_now(self.step)
-        where = (
-            f"checkpoint step-{self.step} saved; run the same command to resume"
-            if saved
-            else "checkpointing is off (checkpoint.enable_checkpoint), nothing saved"
-        )
+        where = "checkpointing is off (checkpoint.enable_checkpoint), nothing saved"
+        if saved:
+            where = f"checkpoint step-{self.step} saved; run the same command to resume"
         raise RunStopped(f"stopped by a signal after step {self.step}: {where}")
 
     def close(self) -> None:
@@ -288,8 +281,14 @@ class Trainer:
 
 
 def _build_metrics(trainer: Trainer) -> StepMetrics:
+    cfg = trainer.config
     return StepMetrics(
-        trainer.config,
+        metrics=cfg.metrics,
+        training=cfg.training,
+        float8=cfg.float8,
+        cp_degree=trainer.parallel_dims.cp,
+        dump_folder=cfg.job.dump_folder,
+        wandb_config=cfg.to_dict(),
         append=trainer.step > 0,
         device=trainer.device,
         enabled=trainer.rank == 0,
@@ -300,7 +299,8 @@ def _build_metrics(trainer: Trainer) -> StepMetrics:
     )
 
 
-def _build_checkpointer(trainer: Trainer) -> CheckpointManager:
+def build_checkpointer(trainer: Trainer, *, before_marker: Callable[[int], None] | None = None) -> CheckpointManager:
+    """The trainer's default ``TrainerBuilders.checkpointer``; ``before_marker``: see ``CheckpointManager``."""
     cfg = trainer.config
     return CheckpointManager(
         cfg.checkpoint,
@@ -312,15 +312,17 @@ def _build_checkpointer(trainer: Trainer) -> CheckpointManager:
         dp_rank=trainer.world.local_rank("dp"),
         rank=trainer.rank,
         device=trainer.device,
-        model_info=model_info(cfg, trainer.model_args),
+        model_info=model_info(model=cfg.model, model_args=trainer.model_args),
         data_info={"dataset": cfg.training.dataset, "dataset_path": cfg.training.dataset_path},
+        before_marker=before_marker,
     )
 
 
 def _build_validator(trainer: Trainer, tokenizer) -> Validator:
     return Validator(
-        trainer.config,
         tokenizer,
+        validation=trainer.config.validation,
+        training=trainer.config.training,
         world=trainer.world,
         step_fn=trainer.step_fn,
         shard_batch=trainer.shard_batch,
@@ -333,18 +335,18 @@ def _build_guard(trainer: Trainer) -> StepGuard:
 
 
 def _with_trainer_defaults(builders: TrainerBuilders) -> TrainerBuilders:
-    defaults = {"metrics": _build_metrics, "checkpointer": _build_checkpointer, "validator": _build_validator}
+    defaults = {"metrics": _build_metrics, "checkpointer": build_checkpointer, "validator": _build_validator}
     defaults["guard"] = _build_guard
     return dataclasses.replace(builders, **{k: v for k, v in defaults.items() if getattr(builders, k) is None})
 
 
-def run_job(config: JobConfig, *, world_size: int, rank: int) -> None:
+def run_job(config: JobConfig, *, world_size: int, rank: int, builders: TrainerBuilders | None = None) -> None:
     """Validate, build, train. Joins the process group if none exists and leaves it as it is.
 
     A launcher that runs several jobs in one set of processes (the tests' worker pool, tests/pool.py) calls this
-    once per job under one process group.
+    once per job under one process group. ``builders``: the trainer's (default: a real training run).
     """
-    for warning in config.validate(world_size):
+    for warning in run_preflight(config, world_size):
         if rank == 0:
             logger.warning(warning)
     os.makedirs(config.job.dump_folder, exist_ok=True)
@@ -357,23 +359,24 @@ def run_job(config: JobConfig, *, world_size: int, rank: int) -> None:
         if config.checkpoint.create_seed_checkpoint:
             create_seed_checkpoint(config)
             return
-        trainer = Trainer(config, world_size=world_size, rank=rank)
+        trainer = Trainer(config, world_size=world_size, rank=rank, builders=builders)
         try:
             trainer.train()
         finally:
             trainer.close()
 
 
-def run(config: JobConfig, *, world_size: int, rank: int) -> None:
+def run(config: JobConfig, *, world_size: int, rank: int, builders: TrainerBuilders | None = None) -> None:
     """``run_job``, then always leave the process group destroyed."""
     try:
-        run_job(config, world_size=world_size, rank=rank)
+        run_job(config, world_size=world_size, rank=rank, builders=builders)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, builders: TrainerBuilders | None = None) -> int:
+    """The entry point of every rank; ``builders``: see ``run_job``. Returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if wants_help(argv):
         print(format_help())
@@ -383,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     init_logger()
     watch_parent()  # under torchrun: stop when the launcher dies
     try:
-        run(JobConfig.parse_args(argv), world_size=world_size, rank=rank)
+        run(JobConfig.parse_args(argv), world_size=world_size, rank=rank, builders=builders)
     except (RunStopped, NonFiniteStep) as e:  # every rank agreed on it: one line
         return report_failure(rank, "stopped" if isinstance(e, RunStopped) else "error", str(e), e.exit_code)
     except BaseException as e:  # DCP's CheckpointException is a BaseException; told once (launch/failures.py)

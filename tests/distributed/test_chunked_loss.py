@@ -38,7 +38,7 @@ def _data():
 
 def _build(extra: list[str], world: int):
     config = JobConfig.parse_args(["--training.mixed_precision_param", "float32", "--training.seed", "3", *extra])
-    dims = ParallelDims.from_config(config, world)
+    dims = ParallelDims.from_sections(training=config.training, experimental=config.experimental, world_size=world)
     model = build_model(config, ARGS, dims, dims.build_mesh("cpu"), torch.device("cpu"))
     single = ParallelDims(1, 1, 1, 1, 1, world_size=1, enable_loss_parallel=True)
     return model, build_model(config, ARGS, single, None, torch.device("cpu"))

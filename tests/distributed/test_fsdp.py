@@ -79,7 +79,7 @@ def _check_against_reference(rank: int, world: int, dp_replicate: int, dp_shard:
     import torch.distributed as dist
 
     config = _config(dp_replicate, dp_shard, ac_mode, extra)
-    dims = ParallelDims.from_config(config, world)
+    dims = ParallelDims.from_sections(training=config.training, experimental=config.experimental, world_size=world)
     mesh = dims.build_mesh("cpu")
     model = build_model(config, ARGS, dims, mesh, torch.device("cpu"))
     single = ParallelDims(1, 1, 1, 1, 1, world_size=1, enable_loss_parallel=True)

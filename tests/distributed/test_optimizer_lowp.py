@@ -55,7 +55,7 @@ def _check(rank: int, world: int) -> list[float]:
             str(world),
         ]
     )
-    dims = ParallelDims.from_config(config, world)
+    dims = ParallelDims.from_sections(training=config.training, experimental=config.experimental, world_size=world)
     model = build_model(config, ARGS, dims, dims.build_mesh("cpu"), torch.device("cpu"))
     ref = build_model(
         config, ARGS, ParallelDims(1, 1, 1, 1, 1, world_size=1, enable_loss_parallel=True), None, torch.device("cpu")

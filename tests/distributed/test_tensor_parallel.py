@@ -83,7 +83,7 @@ def _check(rank: int, world: int, tp: int, loss_parallel_on: bool, async_tp: boo
     import torch.distributed as dist
 
     config = _config(tp, world // tp, loss_parallel_on, async_tp)
-    dims = ParallelDims.from_config(config, world)
+    dims = ParallelDims.from_sections(training=config.training, experimental=config.experimental, world_size=world)
     mesh = dims.build_mesh("cpu")
     model = build_model(config, ARGS, dims, mesh, torch.device("cpu"))
     single = ParallelDims(1, 1, 1, 1, 1, world_size=1, enable_loss_parallel=False)

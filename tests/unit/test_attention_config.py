@@ -1,4 +1,4 @@
-"""Pre-launch checks of the attention keys (torchtitan/config/attention_checks.py) and the MFU of
+"""Pre-launch checks of the attention keys (torchtitan/components/attention_checks.py) and the MFU of
 block_causal (attention FLOPs of the visible pairs only, labelled)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 import torchtitan.spec as spec_module
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import JobConfig
-from torchtitan.config.validation import validate_config
 from torchtitan.observability.console import format_step_line
 from torchtitan.observability.metrics import compute_num_flops_per_token
+from torchtitan.preflight import run_preflight
 from torchtitan.spec import ModelSpec, get_model_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,7 +27,7 @@ def _repo_cwd(monkeypatch):
 
 def _validate(args: list[str], world_size: int = 1, check_paths: bool = False) -> list[str]:
     config = JobConfig.parse_args(["--job.config_file", "train_configs/debug_model.toml", *args])
-    return validate_config(config, world_size, check_paths=check_paths)
+    return run_preflight(config, world_size, this_machine=check_paths)
 
 
 def test_block_causal_runs_on_every_layout_it_supports():

@@ -11,26 +11,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan.checkpointing import (
-    EXPORT,
-    FULL,
-    SEED,
-    CheckpointManager,
-    SaveSchedule,
-    find_resume_checkpoint,
-    list_checkpoints,
-    load_model_weights,
-    purge_stale,
-    save_model_weights,
-    step_folder,
-    trim_metrics,
-    write_marker,
-)
+from torchtitan.checkpointing.common import load_model_weights, save_model_weights
+from torchtitan.checkpointing.folders import SaveSchedule, find_resume_checkpoint, list_checkpoints, purge_stale
 from torchtitan.checkpointing.hf import export_to_hf, import_from_hf
+from torchtitan.checkpointing.manager import CheckpointManager, trim_metrics
+from torchtitan.checkpointing.marker import EXPORT, FULL, SEED, step_folder, write_marker
 from torchtitan.checkpointing.state import ModelPartsView
 from torchtitan.config.schema import Checkpoint as CheckpointConfig
 from torchtitan.models.llama import ModelArgs, Transformer
 from torchtitan.models.llama.hf_adapter import from_hf_state_dict, to_hf_state_dict
+from torchtitan.preflight import run_preflight
 
 ARGS = ModelArgs(
     dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16, rope_theta=500000
@@ -147,7 +137,7 @@ class _Loader:
         self.state = state
 
 
-def _manager(tmp_path, model: torch.nn.Module, clock=None, **config) -> CheckpointManager:
+def _manager(tmp_path, model: torch.nn.Module, clock=None, before_marker=None, **config) -> CheckpointManager:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
     cfg = CheckpointConfig(enable_checkpoint=True, folder="ckpt", **{"interval": 2, **config})
@@ -163,6 +153,7 @@ def _manager(tmp_path, model: torch.nn.Module, clock=None, **config) -> Checkpoi
         device=torch.device("cpu"),
         model_info={"args": dataclasses.asdict(ARGS)},
         **({"clock": clock} if clock else {}),
+        before_marker=before_marker,
     )
 
 
@@ -296,6 +287,23 @@ def test_async_save_copies_the_state_before_training_continues(tmp_path):
     assert all(torch.equal(weights[k], before[k]) for k in before)
 
 
+def test_before_marker_runs_once_the_data_is_written_and_before_the_marker(tmp_path):
+    """The injected hook (tests hold a marker back there to kill a job mid-save) sees the data, no marker."""
+    seen = []
+
+    def before_marker(step: int) -> None:
+        path = step_folder(str(tmp_path / "ckpt"), step)
+        data, marker = os.path.join(path, ".metadata"), os.path.join(path, ".complete")
+        seen.append((step, os.path.isfile(data), os.path.exists(marker)))
+
+    manager = _manager(tmp_path, _model(0), before_marker=before_marker)
+    for step in (1, 2, 3):
+        manager.maybe_save(step, last=step == 3)
+    manager.close()
+    assert seen == [(2, True, False), (3, True, False)]
+    assert [c.step for c in list_checkpoints(str(tmp_path / "ckpt")) if c.complete] == [2, 3]
+
+
 def test_parts_view_names_parameters_with_whole_model_fqns():
     whole = _model(0)
     first, last = _model(0), _model(0)
@@ -392,13 +400,13 @@ def test_config_errors(args, world_size, match):
         pytest.skip("the CPU-only message")
     config = JobConfig.parse_args(["--checkpoint.enable_checkpoint", *args])
     with pytest.raises(ValueError, match=match):
-        config.validate(world_size)
+        run_preflight(config, world_size)
 
 
 def test_checkpoint_knobs_without_checkpointing_warn():
     from torchtitan.config.manager import JobConfig
 
-    warnings = JobConfig.parse_args(["--checkpoint.keep_latest_k", "2"]).validate(1)
+    warnings = run_preflight(JobConfig.parse_args(["--checkpoint.keep_latest_k", "2"]), 1)
     assert any("no effect without checkpoint.enable_checkpoint" in w for w in warnings)
 
 
@@ -425,4 +433,4 @@ def test_exclude_from_loading_refuses_the_model():
 
     config = JobConfig.parse_args(["--checkpoint.enable_checkpoint", "--checkpoint.exclude_from_loading", "model"])
     with pytest.raises(ValueError, match=r"'model' cannot be excluded; allowed are \['optimizer', 'lr_scheduler'"):
-        config.validate(1)
+        run_preflight(config, 1)

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from tests.unit.test_checkpoint import ARGS, _manager, _model, _train_step
-from torchtitan.checkpointing import load_model_weights, step_folder
+from torchtitan.checkpointing.common import load_model_weights
+from torchtitan.checkpointing.marker import step_folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

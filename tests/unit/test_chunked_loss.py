@@ -135,10 +135,10 @@ def test_chunked_loss_peak_memory_is_at_most_half():
 def test_config_rejects_negative_chunk_and_pipeline_parallel():
     from torchtitan.config.errors import ConfigError
     from torchtitan.config.manager import JobConfig
-    from torchtitan.config.validation import validate_config
+    from torchtitan.preflight import run_preflight
 
     with pytest.raises(ConfigError, match=r"training.loss_chunk_size must be >= 0 .*got -2"):
-        validate_config(JobConfig.parse_args(["--training.loss_chunk_size", "-2"]), world_size=1)
+        run_preflight(JobConfig.parse_args(["--training.loss_chunk_size", "-2"]), 1)
     config = JobConfig.parse_args(["--training.loss_chunk_size", "64", "--experimental.pipeline_parallel_degree", "2"])
     with pytest.raises(NotImplementedError, match=r"training.loss_chunk_size = 64 with .*pipeline_parallel_degree = 2"):
-        validate_config(config, world_size=2)
+        run_preflight(config, 2)

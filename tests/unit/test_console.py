@@ -8,6 +8,7 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import JobConfig
 from torchtitan.observability.console import COLOURS, PLAIN, build_palette, format_duration, format_step_line
 from torchtitan.observability.metrics import build_metric_logger
+from torchtitan.preflight import run_preflight
 
 RECORD = {"loss": 7.123456, "grad_norm": 0.5, "lr": 8e-4, "tps": 12345.6, "mfu": 41.25, "memory_gib": 1.5}
 
@@ -75,11 +76,11 @@ def test_wandb_missing_is_a_clear_config_error(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     config = JobConfig.parse_args(["--job.config_file", "train_configs/debug_model.toml", "--metrics.enable_wandb"])
     with pytest.raises(ConfigError, match="pip install wandb"):
-        config.validate(1)
+        run_preflight(config, 1)
 
 
 def test_validation_keys_checked():
     with pytest.raises(ConfigError, match="validation.freq must be >= 1"):
-        JobConfig.parse_args(
-            ["--job.config_file", "train_configs/debug_model.toml", "--validation.freq", "0"]
-        ).validate(1)
+        run_preflight(
+            JobConfig.parse_args(["--job.config_file", "train_configs/debug_model.toml", "--validation.freq", "0"]), 1
+        )

@@ -12,8 +12,9 @@ import pytest
 from datasets import Dataset
 
 from torchtitan.config.schema import DatasetName
-from torchtitan.datasets import DEFAULT_TOKENIZER_PATH, HuggingFaceDataset, build_tokenizer
+from torchtitan.datasets.hf_datasets import HuggingFaceDataset
 from torchtitan.datasets.registry import DATASETS, load_text_dataset
+from torchtitan.datasets.tokenizer import DEFAULT_TOKENIZER_PATH, build_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GOOD = json.dumps({"text": "a document of a few words " * 4})

@@ -12,16 +12,14 @@ import pytest
 import torch
 from datasets import Dataset
 
-from torchtitan.datasets import (
-    DEFAULT_TOKENIZER_PATH,
+from torchtitan.datasets import registry
+from torchtitan.datasets.hf_datasets import (
     HuggingFaceDataset,
     build_hf_data_loader,
-    build_tokenizer,
     compute_stream_groups,
     merge_data_states,
-    registry,
 )
-from torchtitan.datasets.tokenizer import Tokenizer
+from torchtitan.datasets.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, build_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SEQ_LEN = 16

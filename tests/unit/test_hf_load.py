@@ -19,6 +19,7 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import JobConfig
 from torchtitan.models.llama import hf_adapter
 from torchtitan.models.llama.model import ModelArgs, Transformer
+from torchtitan.preflight import run_preflight
 from torchtitan.spec import get_model_spec
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=64)
@@ -123,4 +124,4 @@ def test_config_checks(tmp_path, args, error):
     _hf_folder(str(tmp_path), _model(1), 10**9)
     config = JobConfig.parse_args([a.format(tmp=tmp_path) for a in args])
     with pytest.raises((ConfigError, ValueError), match=error):
-        config.validate(1)
+        run_preflight(config, 1)

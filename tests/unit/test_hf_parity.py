@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from torchtitan.checkpointing import load_model_weights
+from torchtitan.checkpointing.common import load_model_weights
 from torchtitan.checkpointing.hf import export_to_hf, import_from_hf
 from torchtitan.models.llama.hf_adapter import model_args_from_hf
 from torchtitan.models.llama.model import RopeScaling, Transformer

@@ -38,7 +38,11 @@ def _build_metrics(dump: Path, *args: str) -> StepMetrics:
         ["--job.dump_folder", str(dump), "--training.batch_size", "4", "--training.seq_len", "32", *args]
     )
     return StepMetrics(
-        config,
+        metrics=config.metrics,
+        training=config.training,
+        float8=config.float8,
+        cp_degree=1,
+        dump_folder=config.job.dump_folder,
         device=CPU,
         enabled=True,
         reduce_loss=lambda loss: (loss.item(), loss.item()),

@@ -118,7 +118,10 @@ def test_models_import_nothing_distributed():
     offenders = []
     for path in root.rglob("*.py"):
         text = path.read_text()
-        if re.search(r"torch\.distributed|os\.environ|\.cuda\(|import os\b|from torchtitan\.(?!models)", text):
+        if re.search(r"torch\.distributed|os\.environ|\.cuda\(|import os\b", text):
+            offenders.append(str(path))
+        # a family's spec.py wires it to the trainer: it may import torchtitan.spec and the config's errors
+        if path.name != "spec.py" and re.search(r"from torchtitan\.(?!models)", text):
             offenders.append(str(path))
     assert offenders == []
 

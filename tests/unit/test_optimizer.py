@@ -14,8 +14,8 @@ from torchtitan.components.optimizer import build_optimizer
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import JobConfig
 from torchtitan.config.schema import Optimizer as OptimizerConfig
-from torchtitan.config.validation import validate_config
 from torchtitan.models.llama.model import ModelArgs, Transformer
+from torchtitan.preflight import run_preflight
 
 TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=256, max_seq_len=64)
 
@@ -142,7 +142,7 @@ def test_50_steps_bf16_states_track_fp32_states(one_thread):
 def test_fused_with_bf16_states_is_rejected():
     config = JobConfig.parse_args(["--optimizer.state_dtype", "bfloat16", "--optimizer.fused", "true"])
     with pytest.raises(ConfigError, match=r"optimizer.fused = true with optimizer.state_dtype = 'bfloat16'"):
-        validate_config(config, world_size=1)
+        run_preflight(config, world_size=1)
 
 
 def test_max_norm_zero_turns_clipping_off_but_keeps_the_norm():
@@ -155,6 +155,6 @@ def test_max_norm_zero_turns_clipping_off_but_keeps_the_norm():
     assert norm.item() == pytest.approx(72**0.5) and all(torch.equal(p.grad, torch.full((4,), 3.0)) for p in params)
     clip_grad_norm_(params, 1.0)
     assert sum(p.grad.pow(2).sum() for p in params).sqrt().item() == pytest.approx(1.0, rel=1e-5)
-    JobConfig.parse_args(["--training.max_norm", "0"]).validate(world_size=1)
+    run_preflight(JobConfig.parse_args(["--training.max_norm", "0"]), 1)
     with pytest.raises(ConfigError, match=r"training.max_norm must be >= 0 \(0 turns clipping off\), got -1"):
-        JobConfig.parse_args(["--training.max_norm", "-1"]).validate(world_size=1)
+        run_preflight(JobConfig.parse_args(["--training.max_norm", "-1"]), 1)

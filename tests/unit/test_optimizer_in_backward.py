@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torchtitan.components.optimizer import build_lr_scheduler, build_optimizer, build_optimizer_in_backward
 from torchtitan.config.manager import JobConfig
 from torchtitan.config.schema import Optimizer as OptimizerConfig
-from torchtitan.config.validation import validate_config
 from torchtitan.models.llama.model import ModelArgs, Transformer
+from torchtitan.preflight import run_preflight
 
 TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=256, max_seq_len=64)
 
@@ -130,7 +130,7 @@ def test_what_cannot_compose_is_refused_before_launch(args, world, match, monkey
     args = [str(split) if a == "SPLIT_CSV" else a for a in args]
     config = JobConfig.parse_args(["--job.config_file", "train_configs/debug_model.toml", *args])
     with pytest.raises(NotImplementedError, match=match):
-        validate_config(config, world, check_paths=False)
+        run_preflight(config, world, this_machine=False)
 
 
 def test_what_composes_passes(monkeypatch):
@@ -141,7 +141,7 @@ def test_what_composes_passes(monkeypatch):
         ([*IB, "--training.data_parallel_replicate_degree", "2", "--training.data_parallel_shard_degree", "2"], 4),
         ([*IB, "--training.tensor_parallel_degree", "2"], 4),
     ):
-        validate_config(JobConfig.parse_args(["--job.config_file", "train_configs/debug_model.toml", *args]), world)
+        run_preflight(JobConfig.parse_args(["--job.config_file", "train_configs/debug_model.toml", *args]), world)
 
 
 _ROOT = __file__.rsplit("/tests/", 1)[0]

@@ -1,6 +1,10 @@
 """Structure checks on the torchtitan source, read with ``ast``/``tokenize`` (nothing is imported).
 
-- no import circles (function-local imports count, ``if TYPE_CHECKING:`` imports do not);
+- no import circles, with function-local and ``if TYPE_CHECKING:`` imports counted (a type named in a
+  signature is a dependency too);
+- ``config/`` is a leaf: it imports nothing from torchtitan outside itself, type-only imports included;
+- the pre-launch preflight imports no DTensor / DCP / pipelining / data machinery (it runs before every
+  launch; each feature's check lives in a light module beside it);
 - files <= 400 lines, functions <= 60 lines, unless marked ``# declarative table``;
 - the trainer, metrics, validation and checkpointing code reach MoE / pipeline specifics only
   through the model spec (they never name them);
@@ -188,8 +192,9 @@ def _inside(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
-def build_import_graph(root: Path) -> tuple[dict[str, dict[str, Edge]], dict[str, Path]]:
-    """``graph[src][dst] = Edge`` over the modules of the package at ``root`` (runtime imports only).
+def build_import_graph(root: Path, *, type_only: bool = False) -> tuple[dict[str, dict[str, Edge]], dict[str, Path]]:
+    """``graph[src][dst] = Edge`` over the modules of the package at ``root`` (runtime imports, and with
+    ``type_only`` the ``if TYPE_CHECKING:`` ones too).
 
     Importing ``pkg.a.b.c`` runs the ``pkg.a`` and ``pkg.a.b`` inits first, so the edge to it comes
     with edges to those inits, except to packages the importer is itself inside (their init has
@@ -201,7 +206,7 @@ def build_import_graph(root: Path) -> tuple[dict[str, dict[str, Edge]], dict[str
     graph: dict[str, dict[str, Edge]] = {m: {} for m in modules}
     for src, path in paths.items():
         for imp in _imports(path, root):
-            target = None if imp.type_only else _target(imp, modules)
+            target = None if imp.type_only and not type_only else _target(imp, modules)
             if target is None:
                 continue
             parts = target.split(".")
@@ -285,8 +290,8 @@ def _describe_cycle(cycle: list[str], graph: dict[str, dict[str, Edge]], paths: 
     return "\n".join(lines)
 
 
-def find_cycles(root: Path) -> list[str]:
-    graph, paths = build_import_graph(root)
+def find_cycles(root: Path, *, type_only: bool = False) -> list[str]:
+    graph, paths = build_import_graph(root, type_only=type_only)
     found = []
     for component in strongly_connected_components(graph):
         if len(component) > 1:
@@ -317,6 +322,13 @@ def test_import_graph_checker_on_a_synthetic_package(tmp_path):
     assert set(graph["pkg.a.z"]) == {"pkg.b", "pkg.b.y"}
     assert set(graph["pkg.b.y"]) == {"pkg.a", "pkg.a.x"}
     assert find_cycles(pkg) == []
+    # Counted, the type-only import closes a circle: a.x -> b.y (type) -> a (init) -> a.x.
+    typed, _ = build_import_graph(pkg, type_only=True)
+    assert set(typed["pkg.a.x"]) == {"pkg.b", "pkg.b.y"}
+    assert [c.splitlines()[0] for c in find_cycles(pkg, type_only=True)] == [
+        "pkg.a -> pkg.a.x -> pkg.b.y -> pkg.a",
+        "pkg.a.x -> pkg.b.y -> pkg.a.x",
+    ]
     (pkg / "a/x.py").write_text("import pkg.a.z\n")  # z -> b.y -> a (init) -> x -> z
     assert [c.splitlines()[0] for c in find_cycles(pkg)] == [
         "pkg.a -> pkg.a.x -> pkg.a.z -> pkg.b.y -> pkg.a",
@@ -325,10 +337,86 @@ def test_import_graph_checker_on_a_synthetic_package(tmp_path):
 
 
 def test_no_import_cycles():
-    graph, _ = build_import_graph(PACKAGE_ROOT)
+    graph, _ = build_import_graph(PACKAGE_ROOT, type_only=True)
     assert sum(map(len, graph.values())) > 50, "import graph suspiciously small; is the checker broken?"
-    cycles = find_cycles(PACKAGE_ROOT)
+    cycles = find_cycles(PACKAGE_ROOT, type_only=True)
     assert not cycles, f"{len(cycles)} import circle(s); break each at one of its listed imports:\n" + "\n".join(cycles)
+
+
+def config_leaf_violations(root: Path) -> list[str]:
+    """Imports of ``<pkg>.config`` modules that reach the rest of the package (type-only ones included)."""
+    package = root.name
+    found = []
+    for path in _python_files(root / "config"):
+        for imp in _imports(path, root):
+            full = f"{imp.module}.{imp.name}" if imp.name else imp.module
+            if _inside(full, package) and not _inside(full, f"{package}.config") and full != package:
+                found.append(f"{_rel(path)}:{imp.line}: imports {full}")
+    return found
+
+
+def test_config_is_a_leaf():
+    assert _python_files(PACKAGE_ROOT / "config"), "no config files found"
+    found = config_leaf_violations(PACKAGE_ROOT)
+    assert not found, (
+        "config/ may import only itself (the schema knows fields, not features); move the check to the "
+        "feature's light module and list it in torchtitan/preflight/checks.py:\n" + "\n".join(found)
+    )
+
+
+def test_config_leaf_checker_on_a_synthetic_package(tmp_path):
+    pkg = tmp_path / "pkg"
+    files = {
+        "__init__.py": "",
+        "config/__init__.py": "",
+        "config/a.py": "from pkg.config.b import X\n",
+        "config/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.feature import Y\n",
+        "feature.py": "from pkg.config.a import X\n",
+    }
+    for name, text in files.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    assert [v.rsplit(": ", 1)[1] for v in config_leaf_violations(pkg)] == ["imports pkg.feature.Y"]
+
+
+# Modules the pre-launch check must not load: it runs before every launch, in one process.
+HEAVY_MODULES = (
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch.distributed.pipelining",
+    "torch.distributed.checkpoint",
+    "torch._dynamo",
+    "datasets",
+    "transformers",
+)
+
+_PREFLIGHT_PROBE = """
+import sys
+from torchtitan.config.manager import JobConfig
+from torchtitan.preflight import run_preflight
+args = ["--job.config_file", "train_configs/debug_model.toml", "--training.tensor_parallel_degree", "2",
+        "--experimental.pipeline_parallel_degree", "2", "--experimental.context_parallel_degree", "2",
+        "--model.attn_mask_type", "block_causal", "--checkpoint.enable_checkpoint",
+        "--optimizer.early_step_in_backward", "--training.max_norm", "0", "--float8.enable_float8_linear"]
+run_preflight(JobConfig.parse_args(args), 16)
+heavy = sys.argv[1:]
+print(sorted({h for h in heavy for m in sys.modules if m == h or m.startswith(h + ".")}))
+"""
+
+
+def test_preflight_is_light():
+    """Run the whole preflight on a config that turns on TP, PP, CP, documents, checkpoints, float8 and the
+    in-backward step, in a fresh process: none of the heavy stacks gets imported."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", _PREFLIGHT_PROBE, *HEAVY_MODULES],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "[]", f"the preflight imported {out.stdout.strip()}: {out.stderr[-2000:]}"
 
 
 # --------------------------------------------------------------------------- 2. file and function lengths
@@ -477,3 +565,71 @@ def test_models_are_pure_modules():
         "models/ may import only torch (not torch.distributed), the stdlib and torchtitan.models; "
         "move the rest to the family's spec.py or to distributed/:\n" + "\n".join(found)
     )
+
+
+# --------------------------------------------------------------------------- 5. the floors docs/design.md draws
+
+DESIGN_DOC = REPO / "docs" / "design.md"
+FLOORS_BEGIN = "<!-- floors: tests/unit/test_structure.py writes this block; do not edit by hand -->"
+FLOORS_END = "<!-- end of floors -->"
+
+
+def _unit(module: str) -> str | None:
+    """The floor plan's unit of a module: a top-level file, a folder, and models/ split into the pure
+    modules and the families' spec.py files (the one models/ file allowed to import the rest)."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return f"{parts[0]}.py" if (PACKAGE_ROOT / f"{parts[0]}.py").is_file() else f"{parts[0]}/"
+    if parts[0] == "models" and parts[-1] == "spec":
+        return "models/*/spec.py"
+    return f"{parts[0]}/"
+
+
+def floor_plan(root: Path = PACKAGE_ROOT) -> tuple[dict[str, int], list[str]]:
+    """(unit -> floor, units on a cycle). Floor 1 imports no other unit; each unit sits one floor above the
+    highest unit it imports (type-only imports included)."""
+    graph, _ = build_import_graph(root, type_only=True)
+    units: dict[str, set[str]] = {}
+    for src, dsts in graph.items():
+        u = _unit(src)
+        if u is not None:
+            units.setdefault(u, set()).update(d for d in map(_unit, dsts) if d is not None and d != u)
+    cyclic = [
+        u
+        for c in strongly_connected_components({u: dict.fromkeys(d) for u, d in units.items()})
+        if len(c) > 1
+        for u in c
+    ]
+    floors: dict[str, int] = {}
+    remaining = {u for u in units if u not in cyclic}
+    while remaining:
+        ready = sorted(u for u in remaining if all(d in floors for d in units[u] if d not in cyclic))
+        if not ready:
+            break
+        for u in ready:
+            floors[u] = 1 + max((floors[d] for d in units[u] if d in floors), default=0)
+        remaining -= set(ready)
+    return floors, sorted(cyclic)
+
+
+def render_floor_plan(floors: dict[str, int]) -> str:
+    top = max(floors.values())
+    lines = [FLOORS_BEGIN, "```"]
+    for f in range(top, 0, -1):
+        lines.append(f"floor {f}  " + "  ".join(sorted(u for u, n in floors.items() if n == f)))
+    lines += ["```", FLOORS_END]
+    return "\n".join(lines)
+
+
+def test_design_doc_draws_the_floors_as_they_are():
+    floors, cyclic = floor_plan()
+    assert not cyclic, f"these folders import each other, so they have no floor: {cyclic}"
+    assert floors["config/"] == 1, f"config/ must be on the ground floor (a leaf), it is on floor {floors['config/']}"
+    text = DESIGN_DOC.read_text(encoding="utf-8")
+    start, end = text.find(FLOORS_BEGIN), text.find(FLOORS_END)
+    assert start >= 0 and end > start, f"docs/design.md lost its floor plan block ({FLOORS_BEGIN!r})"
+    drawn = text[start : end + len(FLOORS_END)]
+    expected = render_floor_plan(floors)
+    assert drawn == expected, "docs/design.md's floor plan is stale; replace its block with:\n" + expected

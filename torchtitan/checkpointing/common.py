@@ -16,10 +16,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 import torchtitan.checkpointing.integrity as integrity
-from torchtitan.checkpointing.folders import SEED, CheckpointInfo, list_files, read_marker, verify_files, write_marker
+from torchtitan.checkpointing.folders import CheckpointInfo, list_files, verify_files
+from torchtitan.checkpointing.marker import SEED, read_marker, write_marker
 
 if TYPE_CHECKING:
-    from torchtitan.config.manager import JobConfig
+    from torchtitan.config.schema import Model
 
 
 def agree(decide: Callable[[], Any], group: dist.ProcessGroup | None = None) -> Any:
@@ -63,9 +64,9 @@ def short_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def model_info(config: JobConfig, model_args: Any) -> dict[str, Any]:
+def model_info(*, model: Model, model_args: Any) -> dict[str, Any]:
     """What a marker records about the model (read by the conversion scripts)."""
-    return {"name": config.model.name, "flavor": config.model.flavor, "args": dataclasses.asdict(model_args)}
+    return {"name": model.name, "flavor": model.flavor, "args": dataclasses.asdict(model_args)}
 
 
 def save_model_weights(state_dict: dict[str, torch.Tensor], path: str, info: dict[str, Any]) -> None:

@@ -10,7 +10,6 @@ it is a save that was interrupted: ignored on resume, never loaded, purged once 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -21,17 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchtitan.checkpointing.integrity import DATA_SUFFIX, SIDECAR_SUFFIX, crc32_of_file, read_sidecar
+from torchtitan.checkpointing.marker import EXPORT, FULL, MARKER, SEED, read_marker, step_folder
 
 logger = logging.getLogger(__name__)
 
-MARKER = ".complete"
 SET_ASIDE = "set-aside"  # abandoned branches and replaced checkpoints, out of discovery
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-
-# What a complete checkpoint holds ("kind" in its marker).
-FULL = "full"  # model, optimizer, lr scheduler, data loader, train state: a resume point
-SEED = "seed"  # step 0, model weights only: the initial weights a run starts from
-EXPORT = "export"  # model weights only (checkpoint.model_weights_only), maybe cast: not a resume point
 
 
 @dataclass(frozen=True)
@@ -47,21 +41,6 @@ class CheckpointInfo:
     @property
     def kind(self) -> str | None:
         return None if self.marker is None else self.marker.get("kind", FULL)
-
-
-def step_folder(root: str, step: int) -> str:
-    return os.path.join(root, f"step-{step}")
-
-
-def write_marker(path: str, step: int, kind: str, **extra: Any) -> None:
-    """Mark ``path`` complete. Atomic: readers see no marker or the whole marker."""
-    body = {"step": step, "kind": kind, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **extra}
-    tmp = os.path.join(path, MARKER + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(body, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(path, MARKER))
 
 
 def list_files(path: str) -> dict[str, list[int]]:
@@ -130,17 +109,6 @@ def verify_files(c: CheckpointInfo, *, checksums: bool = True) -> None:
             f"checkpoint {c.path} is corrupted: {'; '.join(problems)}; resume from another step "
             "(checkpoint.load_step) or restore the folder"
         )
-
-
-def read_marker(path: str) -> dict[str, Any] | None:
-    try:
-        with open(os.path.join(path, MARKER), encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, json.JSONDecodeError) as e:
-        logger.warning("checkpoint %s: unreadable marker (%s); treating it as incomplete", path, e)
-        return None
 
 
 def list_checkpoints(root: str) -> list[CheckpointInfo]:

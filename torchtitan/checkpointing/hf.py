@@ -14,13 +14,13 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from torchtitan.checkpointing.common import (
     load_model_weights,
     save_model_weights,
 )
+from torchtitan.checkpointing.hf_files import hf_weight_files, read_hf_config
 from torchtitan.spec import get_model_spec, spec_for_hf_model_type
 
 if TYPE_CHECKING:
@@ -112,47 +112,6 @@ def _marker_args(marker: dict[str, Any], path: str) -> dict[str, Any]:
     if not args:
         raise ValueError(f"{path}: its marker records no model args; it was not written by this trainer")
     return args
-
-
-def read_hf_config(hf_dir: str) -> dict[str, Any]:
-    """An HF model folder's ``config.json``.
-
-    Raises:
-        ValueError: no such folder, or no ``config.json`` in it.
-    """
-    path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(path):
-        what = "has no config.json" if os.path.isdir(hf_dir) else "does not exist"
-        raise ValueError(
-            f"Hugging Face folder {hf_dir!r} {what}; pass a folder written by save_pretrained "
-            f"(config.json + *.safetensors)"
-        )
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def hf_weight_files(hf_dir: str) -> dict[str, str]:
-    """Every weight of an HF folder -> the safetensors file holding it (index file or all ``*.safetensors``).
-
-    Raises:
-        ValueError: no safetensors files (a PyTorch ``.bin`` checkpoint is not read: re-save it with
-            ``save_pretrained(..., safe_serialization=True)``).
-    """
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            return {k: os.path.join(hf_dir, v) for k, v in json.load(f)["weight_map"].items()}
-    names = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
-    if not names:
-        raise ValueError(
-            f"Hugging Face folder {hf_dir!r} has no *.safetensors files; re-save the model with "
-            f"save_pretrained(..., safe_serialization=True)"
-        )
-    files = {}
-    for name in names:
-        with safe_open(os.path.join(hf_dir, name), framework="pt") as f:
-            files.update(dict.fromkeys(f.keys(), os.path.join(hf_dir, name)))
-    return files
 
 
 def check_hf_matches(hf_dir: str, model_name: str, args: dict[str, Any]) -> None:

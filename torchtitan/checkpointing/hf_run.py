@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -25,13 +24,12 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 import torchtitan.checkpointing.integrity as integrity
 from torchtitan.checkpointing.common import agree, one_process_quiet, read_metadata, short_error
 from torchtitan.checkpointing.compat import check_model_matches
-from torchtitan.checkpointing.folders import SEED, CheckpointInfo, read_marker, verify_files
-from torchtitan.checkpointing.hf import adapter_of, check_hf_matches, export_to_hf, hf_weight_files, read_hf_config
+from torchtitan.checkpointing.folders import CheckpointInfo, verify_files
+from torchtitan.checkpointing.hf import adapter_of, check_hf_matches, export_to_hf, hf_weight_files
+from torchtitan.checkpointing.marker import SEED, read_marker
 from torchtitan.dtypes import to_dtype
-from torchtitan.spec import get_model_spec
 
 if TYPE_CHECKING:
-    from torchtitan.config.manager import JobConfig
     from torchtitan.config.schema import Checkpoint as CheckpointConfig
 
 logger = logging.getLogger(__name__)
@@ -173,60 +171,3 @@ def export_last_in_hf(config: CheckpointConfig, path: str, out: str) -> None:
         agree(export, group=group)
     finally:
         dist.destroy_process_group(group)
-
-
-def check_initial_load(config: JobConfig) -> None:
-    """Pre-launch: ``checkpoint.initial_load_path`` is what ``initial_load_in_hf`` says it is.
-
-    Raises:
-        ConfigError: another family's HF folder, or a folder that is not a complete checkpoint.
-        ValueError: an HF folder without config.json or safetensors.
-    """
-    from torchtitan.config.errors import ConfigError
-
-    ck = config.checkpoint
-    path = ck.initial_load_path
-    if not path:
-        return
-    if ck.initial_load_in_hf:
-        hf = read_hf_config(path)
-        hf_weight_files(path)
-        want = get_model_spec(config.model.name).hf_model_type
-        if hf.get("model_type") != want:
-            raise ConfigError(
-                f"checkpoint.initial_load_path = '{path}' holds a {hf.get('model_type')!r} model and model.name = "
-                f"{config.model.name!r} reads {want!r}; set model.name to that model's family"
-            )
-    elif read_marker(path) is None:
-        hint = (
-            "; it looks like a Hugging Face folder: set checkpoint.initial_load_in_hf = true"
-            if os.path.isfile(os.path.join(path, "config.json"))
-            else "; pass a complete step-N folder of a checkpoint"
-        )
-        raise ConfigError(f"checkpoint.initial_load_path = '{path}' is not a complete checkpoint{hint}")
-
-
-def check_hf_keys(config: JobConfig) -> None:
-    """Pre-launch: the Hugging Face checkpoint keys' combinations (no file is read).
-
-    Raises:
-        ConfigError: ``initial_load_in_hf`` without a path, ``last_save_in_hf`` without checkpointing.
-        NotImplementedError: a family without an HF adapter.
-    """
-    from torchtitan.config.errors import ConfigError
-
-    ck = config.checkpoint
-    if ck.initial_load_in_hf and not ck.initial_load_path:
-        raise ConfigError(
-            "checkpoint.initial_load_in_hf = true needs checkpoint.initial_load_path (the Hugging Face folder to start from)"
-        )
-    if ck.last_save_in_hf and not ck.enable_checkpoint:
-        raise ConfigError(
-            "checkpoint.last_save_in_hf = true converts the last step's checkpoint, and checkpoint.enable_checkpoint "
-            "is false; set it to true"
-        )
-    if (ck.initial_load_in_hf or ck.last_save_in_hf) and get_model_spec(config.model.name).state_dict_adapter is None:
-        raise NotImplementedError(
-            f"checkpoint.initial_load_in_hf / last_save_in_hf: model family {config.model.name!r} has no Hugging "
-            f"Face adapter (its spec's state_dict_adapter)"
-        )

@@ -30,19 +30,15 @@ import torchtitan.checkpointing.integrity as integrity
 from torchtitan.checkpointing.common import agree, one_process_quiet, read_metadata, short_error
 from torchtitan.checkpointing.compat import check_model_matches, warn_if_data_changed
 from torchtitan.checkpointing.folders import (
-    EXPORT,
-    FULL,
     CheckpointInfo,
     SaveSchedule,
     find_resume_checkpoint,
     later_branch,
     list_files,
     purge_stale,
-    read_marker,
     set_aside,
-    step_folder,
-    write_marker,
 )
+from torchtitan.checkpointing.marker import EXPORT, FULL, read_marker, step_folder, write_marker
 from torchtitan.checkpointing.state import (
     DataLoaderState,
     ModelState,
@@ -62,15 +58,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Test hook only (tests/test_checkpoint_runs.py): "STEP:SECONDS" sleeps on rank 0 after step STEP's data
-# is written and before its marker, so a test can kill the job mid-save. Not a configuration channel.
-_TEST_DELAY_ENV = "TORCHTITAN_TEST_CHECKPOINT_MARKER_DELAY"
-
 
 class CheckpointManager:
     """Saves and resumes the trainer's state. Built by the trainer after the optimizer and scheduler.
 
     Every rank calls every public method (they run collectives) with the same arguments.
+
+    ``clock``: the seconds clock of ``checkpoint.interval_type = "seconds"``. ``before_marker``: called
+    on rank 0 with the step once its data is written, just before its ``.complete`` marker (tests hold
+    the marker back there to kill a job mid-save); None: nothing.
     """
 
     def __init__(
@@ -88,6 +84,7 @@ class CheckpointManager:
         model_info: dict[str, Any],
         data_info: dict[str, Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        before_marker: Callable[[int], None] | None = None,
     ):
         self.config = config
         self.enabled = config.enable_checkpoint
@@ -110,6 +107,7 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self.loaded: str | None = None
         self.last_saved: tuple[int, float] | None = None  # (step, seconds)
+        self.before_marker = before_marker
 
     # ---- loading -------------------------------------------------------------------------------
 
@@ -263,7 +261,8 @@ class CheckpointManager:
         with self._lock:
             if step in self._finished:
                 return
-            _maybe_test_delay(step)
+            if self.before_marker is not None:
+                self.before_marker(step)
             extra = {"dtype": self.config.export_dtype} if kind == EXPORT else {}
             path = step_folder(self.root, step)
             write_marker(
@@ -306,13 +305,6 @@ class CheckpointManager:
         if self.last_saved is not None:
             parts.append(f"last saved step-{self.last_saved[0]} in {self.root}")
         return ", ".join(parts)
-
-
-def _maybe_test_delay(step: int) -> None:
-    spec = os.environ.get(_TEST_DELAY_ENV)
-    if spec and int(spec.split(":")[0]) == step:
-        logger.warning("%s: sleeping before marking step-%d complete", _TEST_DELAY_ENV, step)
-        time.sleep(float(spec.split(":")[1]))
 
 
 def trim_metrics(dump_folder: str, last_step: int) -> None:

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.datasets import merge_data_states
+from torchtitan.datasets.hf_datasets import merge_data_states
 
 # Optimizer state as flat "state.<fqn>.<name>" / "param_groups.<fqn>.<name>" keys: per parameter,
 # so a rank holding other stages' parameters after a PP change still finds its own.

@@ -19,6 +19,7 @@ import contextlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,16 +29,8 @@ from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.pipeline import in_shape_inference
 from torchtitan.models.documents import document_ids, document_positions, document_stats, mask_boundary_labels
 
-
-class Batch(tuple):
-    """(inputs, labels) as before, unpacking to those two, with the batch's ``docs`` (or None)."""
-
-    docs: Documents | None
-
-    def __new__(cls, inputs: torch.Tensor, labels: torch.Tensor, docs: Documents | None = None) -> Batch:
-        batch = super().__new__(cls, (inputs, labels))
-        batch.docs = docs
-        return batch
+if TYPE_CHECKING:
+    from torchtitan.config.schema import Model as ModelConfig
 
 
 @dataclass(frozen=True)
@@ -56,6 +49,19 @@ class Documents:
         ids = torch.tensor_split(self.doc_ids, n, dim=0)
         pos = torch.tensor_split(self.positions, n, dim=0) if self.positions is not None else [None] * n
         return [Documents(i, p) for i, p in zip(ids, pos)]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One micro-batch on the device, as this rank computes on it (cut for context parallel).
+
+    ``inputs``, ``labels``: (bs, local seqlen). ``docs``: its documents under block_causal attention
+    (``DocumentFeed.prepare``), else None.
+    """
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    docs: Documents | None = None
 
 
 class DocumentFeed:
@@ -160,20 +166,31 @@ class DocumentFeed:
         return add_documents
 
 
-def build_document_feed(config, eos_id: int, step_fn, cp_positions: torch.Tensor | None) -> DocumentFeed | None:
-    """The feed for ``model.attn_mask_type = "block_causal"`` over ``step_fn``'s model parts, else None."""
-    if config.model.attn_mask_type != "block_causal":
+def build_document_feed(
+    model_parts: list[nn.Module],
+    *,
+    model: ModelConfig,
+    eos_id: int,
+    n_microbatches: int,
+    cp_positions: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+) -> DocumentFeed | None:
+    """The feed for ``model.attn_mask_type = "block_causal"`` over ``model_parts``, else None.
+
+    ``cp_positions``: context parallel's positions of this rank (it cuts the documents as the trainer
+    cuts inputs), or None; the other arguments as ``DocumentFeed``'s.
+    """
+    if model.attn_mask_type != "block_causal":
         return None
-    pipeline = step_fn.pipeline
 
     def shard(t: torch.Tensor) -> torch.Tensor:
         return shard_sequence([t], seq_dim=1, positions=cp_positions)[0]  # as the trainer cuts inputs
 
     return DocumentFeed(
-        step_fn.model_parts,
+        model_parts,
         eos_id=eos_id,
-        positions_per_document=config.model.positions_per_document,
-        n_microbatches=pipeline.n_microbatches if pipeline is not None else 1,
+        positions_per_document=model.positions_per_document,
+        n_microbatches=n_microbatches,
         shard=shard if cp_positions is not None else None,
-        group=step_fn.world.group("dp_cp"),
+        group=group,
     )

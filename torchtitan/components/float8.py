@@ -20,6 +20,7 @@ prototype, so they stay in high precision, and the log says so.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 from typing import TYPE_CHECKING
 
@@ -29,7 +30,9 @@ from torch import nn
 from torchtitan.config.errors import ConfigError
 
 if TYPE_CHECKING:
+    from torchtitan.config.manager import JobConfig
     from torchtitan.config.schema import Float8
+    from torchtitan.distributed.parallel_dims import ParallelDims
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,25 @@ DIM_MULTIPLE = 16  # _scaled_mm needs both GEMM dims of the weight divisible by 
 ALWAYS_HIGH_PRECISION = ("output",)
 # CUDA float8 GEMMs need Ada (8.9) or Hopper (9.0) tensor cores or newer.
 MIN_CUDA_CAPABILITY = (8, 9)
+
+
+def check_float8(config: JobConfig, dims: ParallelDims) -> list[str]:
+    """Pre-launch: the float8 keys against each other and the layout (no torchao import)."""
+    exp = config.experimental
+    ring = dims.tp_enabled and exp.enable_async_tensor_parallel and exp.async_tensor_parallel_impl != "compiler"
+    check_float8_config(
+        config.float8, fsdp_enabled=dims.fsdp_enabled, ring_async_tp=ring and not config.training.compile
+    )
+    return []
+
+
+def check_torchao_installed(config: JobConfig, dims: ParallelDims) -> list[str]:
+    """This machine: float8 needs torchao installed (found, not imported: it is slow to import)."""
+    if config.float8.enable_float8_linear and importlib.util.find_spec("torchao") is None:
+        raise NotImplementedError(
+            f"float8.enable_float8_linear = true needs torchao, which is not installed; pip install {TORCHAO_PIN}"
+        )
+    return []
 
 
 def check_float8_config(cfg: Float8, *, fsdp_enabled: bool, ring_async_tp: bool = False) -> None:

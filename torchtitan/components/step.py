@@ -11,6 +11,8 @@ knows losses live on one pipeline rank.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,6 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from torchtitan.components.document_feed import Batch, DocumentFeed, build_document_feed
 from torchtitan.components.loss import chunked_cross_entropy, cross_entropy_loss
 from torchtitan.components.optimizer import build_optimizer_in_backward
 from torchtitan.distributed.grad_norm import clip_grad_norm_, reduce_partial_grads_
@@ -29,29 +32,56 @@ from torchtitan.models.documents import IGNORE_INDEX
 if TYPE_CHECKING:
     from torch import nn
 
-    from torchtitan.components.document_feed import DocumentFeed
     from torchtitan.components.optimizer_in_backward import OptimizerInBackward
+    from torchtitan.config.schema import Model as ModelConfig
     from torchtitan.config.schema import Optimizer as OptimizerConfig
     from torchtitan.distributed.mesh import WorldMesh
     from torchtitan.distributed.pipeline import PipelineParts
     from torchtitan.spec import StepHooks
 
 
+@dataclass(frozen=True)
+class LossScale:
+    """How one pipeline schedule call weighs its micro-batches' losses.
+
+    ``divisor``: the gradient-accumulation steps while training (so accumulated gradients are those
+    of the mean), 1 while evaluating. ``token_weight``: see ``StepFunction.count_tokens`` (None: the
+    plain mean loss).
+    """
+
+    divisor: int
+    token_weight: float | None
+
+
 class PipelineLoss:
     """The loss a pipeline schedule runs on its last stage (the schedule averages over its micro-batches).
 
-    ``divisor``: the gradient-accumulation steps while training (so accumulated gradients are those
-    of the mean), 1 while evaluating; set by ``StepFunction`` before each schedule call.
+    The schedule takes its loss function once, when it is built, and its ``step`` / ``eval`` pass
+    nothing through to it; so each call's ``LossScale`` reaches it through ``scaled``, for that
+    call only. Outside ``scaled`` the loss refuses to run.
     """
 
     def __init__(self) -> None:
-        self.divisor = 1
-        self.token_weight: float | None = None  # see StepFunction.count_tokens
+        self._scale: LossScale | None = None
+
+    @contextlib.contextmanager
+    def scaled(self, scale: LossScale) -> Iterator[None]:
+        """The schedule calls inside weigh their losses by ``scale``."""
+        self._scale = scale
+        try:
+            yield
+        finally:
+            self._scale = None
 
     def __call__(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.token_weight is None:
-            return cross_entropy_loss(pred, labels) / self.divisor
-        return cross_entropy_loss(pred, labels, reduction="sum") * (self.token_weight / self.divisor)
+        scale = self._scale
+        if scale is None:
+            raise RuntimeError(
+                "PipelineLoss ran outside PipelineLoss.scaled: a trainer bug, not a configuration problem"
+            )
+        if scale.token_weight is None:
+            return cross_entropy_loss(pred, labels) / scale.divisor
+        return cross_entropy_loss(pred, labels, reduction="sum") * (scale.token_weight / scale.divisor)
 
 
 class StepFunction:
@@ -68,19 +98,50 @@ class StepFunction:
         pipeline: PipelineParts | None = None,
         pipeline_loss: PipelineLoss | None = None,
         hooks: StepHooks | None = None,
+        feed: DocumentFeed | None = None,
     ):
-        """``amp_dtype``: autocast's dtype, or None (FSDP's mixed precision or fp32 computes without it)."""
+        """``amp_dtype``: autocast's dtype, or None (FSDP's mixed precision or fp32 computes without it).
+        ``feed``: block_causal attention's feed of each batch's documents to the forwards (built over
+        these model parts, see ``with_document_feed``), else None."""
         self.model_parts, self.world, self.device = model_parts, world, device
         self.amp_dtype, self.loss_chunk_size = amp_dtype, loss_chunk_size
         self.pipeline, self.hooks = pipeline, hooks
         self.loss_context = loss_parallel if world.dims.loss_parallel_enabled else contextlib.nullcontext
         self.pipeline_loss = pipeline_loss
-        self.feed: DocumentFeed | None = None  # block_causal attention: the batches' documents (the trainer sets it)
-        self.token_weight: float | None = None  # with a feed: see count_tokens
+        self.feed = feed
 
-    def count_tokens(self, batches: list[tuple[torch.Tensor, torch.Tensor]], *, record: bool = True) -> None:
-        """block_causal: weigh each token equally over the global batch (and, with ``record``, add the
-        batches' document statistics to the feed's, which the step metrics read; validation does not).
+    def with_document_feed(self, *, model: ModelConfig, eos_id: int, cp_positions: torch.Tensor | None) -> StepFunction:
+        """This step function over the same parts, with (``model.attn_mask_type = "block_causal"``) the
+        feed of each batch's documents to their forwards; the feed hooks the parts, so it comes after them.
+
+        ``eos_id``: the tokenizer's end of document; ``cp_positions``: context parallel's positions of
+        this rank, or None.
+        """
+        feed = build_document_feed(
+            self.model_parts,
+            model=model,
+            eos_id=eos_id,
+            n_microbatches=self.pipeline.n_microbatches if self.pipeline is not None else 1,
+            cp_positions=cp_positions,
+            group=self.world.group("dp_cp"),
+        )
+        return StepFunction(
+            self.model_parts,
+            world=self.world,
+            device=self.device,
+            amp_dtype=self.amp_dtype,
+            loss_chunk_size=self.loss_chunk_size,
+            pipeline=self.pipeline,
+            pipeline_loss=self.pipeline_loss,
+            hooks=self.hooks,
+            feed=feed,
+        )
+
+    def count_tokens(self, batches: list[Batch], *, record: bool = True) -> float | None:
+        """block_causal: the token weight that weighs each token equally over the global batch, for
+        ``forward_backward`` / ``forward_loss`` of these batches; None without a feed (the plain mean).
+        With ``record``, also adds the batches' document statistics to the feed's, which the step
+        metrics read (validation's are not recorded).
 
         Ignored labels (one per document) make the local batches' counted tokens differ, so the mean
         of per-rank, per-micro-batch means would not be the global batch's mean (nor one process's).
@@ -89,10 +150,10 @@ class StepFunction:
         takes over those units give the global mean over counted tokens, its gradient included.
         """
         if self.feed is None:
-            return
+            return None
         if record:
             self.feed.record(batches)
-        count = sum((labels != IGNORE_INDEX).sum() for _, labels in batches).float()
+        count = sum((batch.labels != IGNORE_INDEX).sum() for batch in batches).float()
         group = self.world.group("dp_cp")
         if group is not None:
             dist.all_reduce(count, group=group)
@@ -100,46 +161,51 @@ class StepFunction:
         units = len(batches) * (self.pipeline.n_microbatches if self.pipeline is not None else 1) * ranks
         # Under the memory estimator's fake tensors the count cannot be read; the weight's value
         # changes no memory: every label of the global batch counted stands in.
-        counted = count.item() if not is_fake(count) else ranks * sum(labels.numel() for _, labels in batches)
-        self.token_weight = units / max(counted, 1.0)
-        if self.pipeline_loss is not None:
-            self.pipeline_loss.token_weight = self.token_weight
+        counted = count.item() if not is_fake(count) else ranks * sum(batch.labels.numel() for batch in batches)
+        return units / max(counted, 1.0)
 
-    def documents(self, batch: tuple) -> contextlib.AbstractContextManager:
-        """The forwards inside see ``batch``'s documents (``Batch.docs``, block_causal); else nothing to do."""
-        docs = getattr(batch, "docs", None)
-        return self.feed.use(docs) if self.feed is not None and docs is not None else contextlib.nullcontext()
+    def _documents(self, batch: Batch) -> contextlib.AbstractContextManager:
+        """The forwards inside see ``batch``'s documents (block_causal); else nothing to do."""
+        if self.feed is None or batch.docs is None:
+            return contextlib.nullcontext()
+        return self.feed.use(batch.docs)
 
     def autocast(self) -> torch.autocast:
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, *, accum_steps: int) -> torch.Tensor | None:
+    def forward_backward(self, batch: Batch, *, accum_steps: int, token_weight: float | None) -> torch.Tensor | None:
         """Train on one micro-batch of ``accum_steps``; the gradient is that of the mean over them.
 
-        Returns the detached plain loss scaled by 1/accum_steps, or None where it is not known (a
-        pipeline rank without the last stage).
+        ``token_weight``: ``count_tokens`` of the step's batches. Returns the detached plain loss
+        scaled by 1/accum_steps, or None where it is not known (a pipeline rank without the last stage).
         """
-        if self.pipeline is not None:
-            self.pipeline_loss.divisor = accum_steps
-            with self.autocast(), self.loss_context():  # the schedule runs the loss and its backward inside
-                loss = pipeline_step(self.pipeline, inputs, labels)
-            return None if loss is None else _plain(loss)
-        loss = self._loss(inputs, labels) * (1.0 / accum_steps)
-        with self.loss_context():
-            self._backward(loss, 1.0 / accum_steps)
-        return _plain(loss)
+        with self._documents(batch):  # block_causal: the batch's documents reach every forward
+            if self.pipeline is not None:
+                scale = LossScale(accum_steps, token_weight)
+                # the schedule runs the loss and its backward inside
+                with self.pipeline_loss.scaled(scale), self.autocast(), self.loss_context():
+                    loss = pipeline_step(self.pipeline, batch.inputs, batch.labels)
+                return None if loss is None else _plain(loss)
+            loss = self._loss(batch, token_weight) * (1.0 / accum_steps)
+            with self.loss_context():
+                self._backward(loss, 1.0 / accum_steps)
+            return _plain(loss)
 
     @torch.no_grad()
-    def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Evaluate one batch: the plain mean loss (0 where a pipeline rank does not hold it)."""
-        if self.pipeline is not None:
-            self.pipeline_loss.divisor = 1
-            with self.autocast(), self.loss_context():
-                loss = pipeline_eval(self.pipeline, inputs, labels)
-            return torch.zeros((), device=self.device) if loss is None else _plain(loss)
-        return _plain(self._loss(inputs, labels))
+    def forward_loss(self, batch: Batch, *, token_weight: float | None) -> torch.Tensor:
+        """Evaluate one batch (``token_weight``: its ``count_tokens``): the plain mean loss (0 where a
+        pipeline rank does not hold it)."""
+        with self._documents(batch):
+            if self.pipeline is not None:
+                with self.pipeline_loss.scaled(LossScale(1, token_weight)), self.autocast(), self.loss_context():
+                    loss = pipeline_eval(self.pipeline, batch.inputs, batch.labels)
+                return torch.zeros((), device=self.device) if loss is None else _plain(loss)
+            return _plain(self._loss(batch, token_weight))
 
-    def _loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _loss(self, batch: Batch, token_weight: float | None) -> torch.Tensor:
+        """The micro-batch's mean loss, or with a ``token_weight`` its summed loss times the weight."""
+        inputs, labels = batch.inputs, batch.labels
+        reduction = "mean" if token_weight is None else "sum"
         model = self.model_parts[0]
         if self.loss_chunk_size > 0:
             with self.autocast():
@@ -151,21 +217,15 @@ class StepFunction:
             # The output projection runs per chunk inside the loss, under the forward's autocast
             # (checkpoint replays that autocast state when it recomputes a chunk in backward).
             with self.loss_context(), self.autocast():
-                return self._weighted(
-                    chunked_cross_entropy(
-                        hidden, model.output, labels, chunk_size=self.loss_chunk_size, reduction=self._reduction()
-                    )
+                loss = chunked_cross_entropy(
+                    hidden, model.output, labels, chunk_size=self.loss_chunk_size, reduction=reduction
                 )
+                return loss if token_weight is None else loss * token_weight
         with self.autocast():
             pred = model(inputs)  # (bs, seqlen, vocab); vocab-sharded DTensor under loss parallel
         with self.loss_context():
-            return self._weighted(cross_entropy_loss(pred, labels, reduction=self._reduction()))
-
-    def _reduction(self) -> str:
-        return "mean" if self.token_weight is None else "sum"
-
-    def _weighted(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss if self.token_weight is None else loss * self.token_weight
+            loss = cross_entropy_loss(pred, labels, reduction=reduction)
+            return loss if token_weight is None else loss * token_weight
 
     def _backward(self, loss: torch.Tensor, scale: float) -> None:
         """Backward of the loss, plus the family's aux loss at the same scale (the logged loss stays the CE)."""

@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torchtitan.datasets import build_hf_data_loader, compute_stream_groups
+from torchtitan.components.document_feed import Batch
+from torchtitan.datasets.hf_datasets import build_hf_data_loader, compute_stream_groups
 
 if TYPE_CHECKING:
     from torchtitan.components.step import StepFunction
-    from torchtitan.config.manager import JobConfig
-    from torchtitan.datasets import Tokenizer
+    from torchtitan.config.schema import Training, Validation
+    from torchtitan.datasets.tokenizer import Tokenizer
     from torchtitan.distributed.mesh import WorldMesh
 
 
@@ -27,26 +28,28 @@ class Validator:
 
     def __init__(
         self,
-        config: JobConfig,
         tokenizer: Tokenizer,
         *,
+        validation: Validation,
+        training: Training,
         world: WorldMesh,
         step_fn: StepFunction,
-        shard_batch: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        shard_batch: Callable[[torch.Tensor, torch.Tensor], Batch] = Batch,
     ):
-        v = config.validation
+        """``shard_batch``: a device batch -> this rank's ``Batch`` (the trainer's: context parallel's
+        slice, block_causal's documents); default the batch as it is."""
         dp_rank, dp_degree = world.local_rank("dp"), world.dims.dp_degree
         # Default: one training step's worth of samples per rank, so the global validation batch
         # (and so the number) does not depend on how training splits its batch into micro-batches.
-        batch_size = v.batch_size or config.training.batch_size * config.training.gradient_accumulation_steps
+        batch_size = validation.batch_size or training.batch_size * training.gradient_accumulation_steps
         groups = compute_stream_groups(dp_rank, dp_degree, batch_size, 1)
         self.loader = build_hf_data_loader(
-            v.dataset, v.dataset_path, tokenizer, config.training.seq_len, groups, dp_degree * batch_size
+            validation.dataset, validation.dataset_path, tokenizer, training.seq_len, groups, dp_degree * batch_size
         )
         self.initial_state = self.loader.state_dict()
-        self.steps = v.steps
+        self.steps = validation.steps
         self.step_fn = step_fn
-        self.shard_batch = shard_batch or (lambda inputs, labels: (inputs, labels))  # context parallel's slice
+        self.shard_batch = shard_batch
 
     @torch.no_grad()
     def run(self) -> dict[str, float]:
@@ -60,9 +63,8 @@ class Validator:
         for _ in range(self.steps):
             inputs, labels = next(data)
             batch = self.shard_batch(inputs.to(device), labels.to(device))
-            self.step_fn.count_tokens([batch], record=False)  # block_causal: as in training
-            with self.step_fn.documents(batch):
-                total += self.step_fn.forward_loss(*batch).float()
+            token_weight = self.step_fn.count_tokens([batch], record=False)  # block_causal: as in training
+            total += self.step_fn.forward_loss(batch, token_weight=token_weight).float()
         for part in parts:
             part.train()
         mean, _ = self.step_fn.reduce_loss(total, with_max=False)

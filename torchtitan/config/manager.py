@@ -1,7 +1,7 @@
 """Load the job config: defaults < TOML file < ``--section.key value`` flags; strict about keys and types.
 
-``python -m torchtitan.config [--world_size N] ARGS`` checks a config without training (see
-``__main__.py``; the launchers run it before starting any process).
+``python -m torchtitan.preflight [--world_size N] ARGS`` checks a config without training (the
+launchers run it before starting any process); the checks themselves live beside their features.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 from torchtitan.config.errors import ConfigError  # also importable from here, as before
 from torchtitan.config.schema import NEGATED_ALIASES, JobConfigTree
-from torchtitan.config.validation import validate_config
 
 try:
     import tomllib
@@ -223,10 +222,6 @@ class JobConfig(JobConfigTree):
         """Whether loss parallel is asked for (it takes effect only with TP; see ParallelDims)."""
         return self.training.enable_loss_parallel
 
-    def validate(self, world_size: int) -> list[str]:
-        """Check the whole config once, before any process group exists. Returns warnings to log."""
-        return validate_config(self, world_size)
-
 
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
@@ -249,6 +244,18 @@ def dump_toml(data: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _limits(f: dataclasses.Field) -> str:
+    """The field's range or allowed values as ``--help`` shows them (config/bounds.py checks them)."""
+    out = ""
+    if "bound" in f.metadata:
+        out += f", {f.metadata['bound'].describe()}"
+    if "choices" in f.metadata:
+        out += f", one of {', '.join(f.metadata['choices'])}"
+    if "not_built" in f.metadata:
+        out += ", not built yet: only the default is accepted"
+    return out
+
+
 def format_help() -> str:
     defaults = JobConfigTree()
     alias_of = {canonical: alias for alias, canonical in NEGATED_ALIASES.items()}
@@ -262,7 +269,7 @@ def format_help() -> str:
         for f in dataclasses.fields(cls):
             default = getattr(getattr(defaults, section), f.name)
             tp = _type_name(_field_types(cls)[f.name])
-            out.append(f"  --{section}.{f.name} ({tp}, default {default!r})")
+            out.append(f"  --{section}.{f.name} ({tp}, default {default!r}{_limits(f)})")
             out.append(f"      {f.metadata.get('help', '')}")
             if f"{section}.{f.name}" in alias_of:
                 out.append(f"  --{alias_of[f'{section}.{f.name}']} (bool, deprecated)")
@@ -278,4 +285,4 @@ def wants_help(argv: list[str]) -> bool:
 
 
 if __name__ == "__main__":  # the check moved; fail rather than exit 0 without checking anything
-    sys.exit("the config check is now: python -m torchtitan.config [--world_size N] ARGS")
+    sys.exit("the config check is now: python -m torchtitan.preflight [--world_size N] ARGS")

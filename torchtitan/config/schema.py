@@ -9,16 +9,35 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from torchtitan.config.bounds import Bound
+
 # The names of torchtitan/datasets/registry.py's DATASETS (tests/unit/test_data_errors.py keeps them equal),
 # spelled out here so that the config check knows them without importing the data stack.
 DatasetName = Literal["pydocs", "pydocs_val", "c4", "c4_test", "fineweb"]
 
 
-def _f(default: Any, help: str) -> Any:
-    """A dataclass field with a help string (a list default gets its own copy per instance)."""
+# The names of models/llama/model.py's NORM_TYPES (tests/unit/test_config.py keeps them equal).
+NORM_TYPES = ("rmsnorm", "fused_rmsnorm", "layernorm", "np_layernorm")
+
+_POSITIVE = Bound(ge=1)
+
+
+def _f(
+    default: Any,
+    help: str,
+    *,
+    bound: Bound | None = None,
+    choices: tuple[Any, ...] | None = None,
+    not_built: str | None = None,
+) -> Any:
+    """A dataclass field with a help string and, for ``--help`` and the range check (config/bounds.py), its
+    numeric ``bound``, its allowed ``choices`` (a str key that is not a Literal), or the feature it would turn on
+    that is ``not_built`` yet. A list default gets its own copy per instance."""
+    metadata = {"help": help, "bound": bound, "choices": choices, "not_built": not_built}
+    metadata = {k: v for k, v in metadata.items() if v is not None}
     if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -34,7 +53,7 @@ class Job:
 class Profiling:
     enable_profiling: bool = _f(False, "record torch.profiler traces")
     save_traces_folder: str = _f("profile_traces", "trace folder, relative to job.dump_folder")
-    profile_freq: int = _f(10, "record one step every N steps")
+    profile_freq: int = _f(10, "record one step every N steps", bound=_POSITIVE)
     enable_memory_snapshot: bool = _f(
         False, "dump CUDA memory snapshots (CUDA only; refused on a machine without CUDA)"
     )
@@ -43,7 +62,7 @@ class Profiling:
 
 @dataclass
 class Metrics:
-    log_freq: int = _f(10, "log metrics every N steps (each log syncs the device once)")
+    log_freq: int = _f(10, "log metrics every N steps (each log syncs the device once)", bound=_POSITIVE)
     enable_tensorboard: bool = _f(False, "also write TensorBoard scalars")
     enable_color_printing: bool = _f(True, "colour the step log lines on a terminal")
     save_tb_folder: str = _f("tb", "TensorBoard folder, relative to job.dump_folder")
@@ -69,6 +88,7 @@ class Model:
         "rmsnorm",
         "normalization layer: rmsnorm, fused_rmsnorm (the same nn.RMSNorm: torch 2.13 runs its fused kernel "
         "aten::_fused_rms_norm for both), layernorm, np_layernorm (no affine)",
+        choices=NORM_TYPES,
     )
     attn_mask_type: Literal["causal", "block_causal"] = _f(
         "causal",
@@ -95,7 +115,7 @@ class Model:
 @dataclass
 class Optimizer:
     name: Literal["AdamW", "Adam"] = _f("AdamW", "optimizer")
-    lr: float = _f(8e-4, "peak learning rate")
+    lr: float = _f(8e-4, "peak learning rate", bound=Bound(gt=0))
     eps: float = _f(1e-8, "Adam epsilon")
     beta1: float = _f(0.9, "Adam beta1")
     beta2: float = _f(0.95, "Adam beta2")
@@ -117,13 +137,19 @@ class Optimizer:
 class Training:
     dataset: DatasetName = _f("pydocs", "dataset name: pydocs (shipped, offline), c4, c4_test, fineweb")
     dataset_path: str | None = _f(None, "local file/folder (or hub id) to read the dataset from")
-    batch_size: int = _f(8, "samples per data-parallel rank per micro-batch")
-    seq_len: int = _f(2048, "tokens per sample")
-    warmup_steps: int = _f(200, "linear warmup steps of the learning rate (then linear decay to 0 at `steps`)")
-    max_norm: float = _f(1.0, "gradient-norm clipping threshold (total 2-norm over all parameters); 0 = no clipping")
-    steps: int = _f(10000, "optimizer steps to train")
-    gradient_accumulation_steps: int = _f(1, "micro-batches accumulated per optimizer step")
-    data_parallel_replicate_degree: int = _f(1, "replicas (DDP, or the replicate axis of HSDP)")
+    batch_size: int = _f(8, "samples per data-parallel rank per micro-batch", bound=_POSITIVE)
+    seq_len: int = _f(2048, "tokens per sample", bound=_POSITIVE)
+    warmup_steps: int = _f(
+        200, "linear warmup steps of the learning rate (then linear decay to 0 at `steps`)", bound=Bound(ge=0)
+    )
+    max_norm: float = _f(
+        1.0,
+        "gradient-norm clipping threshold (total 2-norm over all parameters); 0 = no clipping",
+        bound=Bound(ge=0, text=">= 0 (0 turns clipping off)"),
+    )
+    steps: int = _f(10000, "optimizer steps to train", bound=_POSITIVE)
+    gradient_accumulation_steps: int = _f(1, "micro-batches accumulated per optimizer step", bound=_POSITIVE)
+    data_parallel_replicate_degree: int = _f(1, "replicas (DDP, or the replicate axis of HSDP)", bound=_POSITIVE)
     data_parallel_shard_degree: int = _f(-1, "FSDP shard degree; -1 = whatever the other degrees leave")
     enable_cpu_offload: bool = _f(
         False, "FSDP CPU offload: sharded parameters, gradients and optimizer state live in CPU memory"
@@ -133,20 +159,25 @@ class Training:
         "free each block's gathered parameters after forward: always; never (keep them for backward: fewer "
         "all-gathers, more memory); default = always except the last block",
     )
-    fsdp_prefetch_depth: int = _f(1, "blocks FSDP all-gathers ahead of the one computing (forward and backward)")
-    tensor_parallel_degree: int = _f(1, "tensor-parallel degree")
+    fsdp_prefetch_depth: int = _f(
+        1, "blocks FSDP all-gathers ahead of the one computing (forward and backward)", bound=_POSITIVE
+    )
+    tensor_parallel_degree: int = _f(1, "tensor-parallel degree", bound=_POSITIVE)
     enable_loss_parallel: bool = _f(True, "with TP, keep logits vocab-sharded and compute the loss in parallel")
     loss_chunk_size: int = _f(
         0,
         "sequence positions per chunk of the output projection + cross-entropy (each chunk's logits are "
         "recomputed in backward, never all held); 0 = one chunk (the full logits)",
+        bound=Bound(ge=0, text=">= 0 (0 = one chunk, the full logits)"),
     )
     mixed_precision_param: Literal["bfloat16", "float32"] = _f(
         "bfloat16", "parameter dtype in forward/backward (FSDP MixedPrecisionPolicy, else autocast)"
     )
     mixed_precision_reduce: Literal["float32", "bfloat16"] = _f("float32", "gradient reduction dtype under FSDP")
     compile: bool = _f(False, "torch.compile each transformer block")
-    gc_freq: int = _f(50, "run Python garbage collection every N steps (automatic GC is off while training)")
+    gc_freq: int = _f(
+        50, "run Python garbage collection every N steps (automatic GC is off while training)", bound=_POSITIVE
+    )
     seed: int | None = _f(None, "seed for weights init; None = 0. Weights depend only on it, not on the layout")
     deterministic: bool = _f(False, "use deterministic algorithms (slower)")
     on_nonfinite: Literal["stop", "skip"] = _f(
@@ -154,24 +185,32 @@ class Training:
         "a step whose loss or grad norm is NaN/inf (checked on every rank before the optimizer step): stop "
         "(exit 4 naming the step; the last good checkpoint is kept) or skip (drop its update)",
     )
-    max_nonfinite_skips: int = _f(3, "with on_nonfinite = 'skip': stop after this many skipped steps in a row")
+    max_nonfinite_skips: int = _f(
+        3, "with on_nonfinite = 'skip': stop after this many skipped steps in a row", bound=_POSITIVE
+    )
 
 
 @dataclass
 class Validation:
     enabled: bool = _f(False, "compute the loss on held-out data every `freq` steps and at the last step")
-    freq: int = _f(10, "validate every N training steps")
-    steps: int = _f(2, "batches per validation (the same batches every time, so values compare over time)")
+    freq: int = _f(10, "validate every N training steps", bound=_POSITIVE)
+    steps: int = _f(
+        2, "batches per validation (the same batches every time, so values compare over time)", bound=_POSITIVE
+    )
     dataset: DatasetName = _f("pydocs_val", "validation dataset name (pydocs_val = held out of pydocs)")
     dataset_path: str | None = _f(None, "local file/folder (or hub id) to read the validation data from")
     batch_size: int | None = _f(
-        None, "samples per data-parallel rank per batch; None = batch_size x gradient_accumulation_steps"
+        None,
+        "samples per data-parallel rank per batch; None = batch_size x gradient_accumulation_steps",
+        bound=Bound(ge=1, text=">= 1 (or unset)"),
     )
 
 
 @dataclass
 class Experimental:
-    context_parallel_degree: int = _f(1, "context-parallel degree: ranks that split each sequence (ring attention)")
+    context_parallel_degree: int = _f(
+        1, "context-parallel degree: ranks that split each sequence (ring attention)", bound=_POSITIVE
+    )
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = _f(
         "allgather",
         "how ring attention gets the other ranks' keys/values: allgather (all at once; K/V memory x cp) or "
@@ -187,7 +226,9 @@ class Experimental:
         "for its CPU kernel; private torch names, pinned to torch 2.13)",
     )
     pipeline_parallel_degree: int = _f(
-        1, "pipeline-parallel degree: ranks the layers are split over as stages (the outermost mesh axis); 1 = off"
+        1,
+        "pipeline-parallel degree: ranks the layers are split over as stages (the outermost mesh axis); 1 = off",
+        bound=_POSITIVE,
     )
     pipeline_parallel_split_points: list[str] = _f([], "layer names where stages start, e.g. layers.4,layers.8")
     pipeline_parallel_schedule: str = _f(
@@ -212,8 +253,11 @@ class Experimental:
         1,
         "expert-parallel degree (MoE models): ranks that split each MoE layer's experts; taken from "
         "data_parallel_shard_degree and, with TP, contains the TP ranks (ep = tp x k, k dividing dp_shard)",
+        bound=_POSITIVE,
     )
-    enable_compiled_autograd: bool = _f(False, "compile the backward graph too (not built yet)")
+    enable_compiled_autograd: bool = _f(
+        False, "compile the backward graph too (not built yet)", not_built="compiled autograd"
+    )
 
 
 @dataclass
@@ -221,7 +265,7 @@ class Checkpoint:
     enable_checkpoint: bool = _f(False, "save DCP checkpoints and resume from the newest complete one")
     folder: str = _f("checkpoint", "checkpoint folder, relative to job.dump_folder")
     interval_type: Literal["steps", "seconds"] = _f("steps", "unit of `interval` (seconds: rank 0's clock decides)")
-    interval: int = _f(500, "save every N steps or seconds")
+    interval: int = _f(500, "save every N steps or seconds", bound=Bound(ge=1, text=">= 1 ({interval_type})"))
     model_weights_only: bool = _f(False, "the final save holds the model weights only (an export, not a resume point)")
     export_dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "dtype of a weights-only export")
     create_seed_checkpoint: bool = _f(False, "initialise on one process, save step-0 (weights only) and exit")
@@ -231,8 +275,13 @@ class Checkpoint:
     keep_latest_k: int = _f(
         0,
         "keep only the newest K complete full checkpoints (the step-0 seed and weights-only exports are kept); 0 = all",
+        bound=Bound(ge=0, text=">= 0 (0 keeps every checkpoint)"),
     )
-    load_step: int = _f(-1, "step to resume from; -1 = the newest complete checkpoint")
+    load_step: int = _f(
+        -1,
+        "step to resume from; -1 = the newest complete checkpoint",
+        bound=Bound(ge=-1, text="-1 (the newest complete checkpoint) or a step >= 0"),
+    )
     verify_checksums: bool = _f(
         True,
         "before loading, compare every file's CRC32 with the one recorded when it was written (rank 0 reads the "
@@ -295,8 +344,10 @@ class Float8:
 
 @dataclass
 class Comm:
-    init_timeout_seconds: int = _f(300, "timeout of process-group init and the first step's collectives")
-    train_timeout_seconds: int = _f(100, "timeout of collectives after the first step")
+    init_timeout_seconds: int = _f(
+        300, "timeout of process-group init and the first step's collectives", bound=_POSITIVE
+    )
+    train_timeout_seconds: int = _f(100, "timeout of collectives after the first step", bound=_POSITIVE)
     trace_buf_size: int = _f(
         20000, "NCCL flight-recorder entries for post-mortem dumps, 0 = off (NCCL only; no effect on gloo/CPU)"
     )
@@ -304,7 +355,11 @@ class Comm:
 
 @dataclass
 class MemoryEstimation:
-    enabled: bool = _f(False, "estimate memory before training (not built yet; use estimation.py)")
+    enabled: bool = _f(
+        False,
+        "estimate memory before training (not built yet; use estimation.py)",
+        not_built="memory estimation in the trainer",
+    )
 
 
 # Older spellings that still load: alias -> the canonical key it negates (``disable_x = true`` means

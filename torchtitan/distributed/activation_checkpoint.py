@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.schema import ActivationCheckpoint
+
+if TYPE_CHECKING:
+    from torchtitan.config.manager import JobConfig
+    from torchtitan.distributed.parallel_dims import ParallelDims
 
 # Ops whose outputs are expensive to recompute and cheap to keep: attention (every backend's
 # variant, the CPU one included) and reductions; matmuls are handled separately below.
@@ -73,3 +79,15 @@ def apply_ac(model: nn.Module, config: ActivationCheckpoint) -> None:
     for i, (name, block) in enumerate(list(model.layers.items())):
         if i % every == 0:
             model.layers[name] = _wrap(block, op_selective=op_selective)
+
+
+def check_activation_checkpoint(config: JobConfig, dims: ParallelDims) -> list[str]:
+    """Pre-launch: ``selective_ac_option`` is 'op' or a positive integer N (checkpoint every N-th block)."""
+    ac = config.activation_checkpoint
+    if ac.mode == "selective" and ac.selective_ac_option != "op":
+        if not ac.selective_ac_option.isdigit() or int(ac.selective_ac_option) < 1:
+            raise ConfigError(
+                f"activation_checkpoint.selective_ac_option = {ac.selective_ac_option!r}: "
+                "allowed are 'op' or a positive integer N (checkpoint every N-th block)"
+            )
+    return []

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from torchtitan.config.manager import JobConfig
+    from torchtitan.config.schema import Experimental, Training
 
 
 @dataclass(frozen=True)
@@ -37,23 +38,23 @@ class ParallelDims:
     ep: int = 1
 
     @classmethod
-    def from_config(cls, config: JobConfig, world_size: int) -> ParallelDims:
-        t = config.training
+    def from_sections(cls, *, training: Training, experimental: Experimental, world_size: int) -> ParallelDims:
+        """The degrees of ``[training]`` and ``[experimental]`` over ``world_size`` processes."""
         return cls(
-            dp_replicate=t.data_parallel_replicate_degree,
-            dp_shard=t.data_parallel_shard_degree,
-            cp=config.experimental.context_parallel_degree,
-            tp=t.tensor_parallel_degree,
-            pp=config.experimental.pipeline_parallel_degree,
+            dp_replicate=training.data_parallel_replicate_degree,
+            dp_shard=training.data_parallel_shard_degree,
+            cp=experimental.context_parallel_degree,
+            tp=training.tensor_parallel_degree,
+            pp=experimental.pipeline_parallel_degree,
             world_size=world_size,
-            enable_loss_parallel=config.loss_parallel,
-            ep=config.experimental.expert_parallel_degree,
+            enable_loss_parallel=training.enable_loss_parallel,
+            ep=experimental.expert_parallel_degree,
         )
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} degree must be >= 1, got {getattr(self, name)}")
+            # The config's bounds (config/bounds.py) refuse these first, naming the key.
+            assert getattr(self, name) >= 1, f"{name} degree must be >= 1, got {getattr(self, name)}"
         others = self.dp_replicate * self.cp * self.tp * self.pp
         if self.dp_shard == -1:
             if self.world_size % others:
@@ -221,3 +222,15 @@ def clear_dtensor_caches() -> None:
     _redistribute._gen_transform_infos.cache_clear()
     _redistribute.clear_redistribute_planner_cache()
     _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
+
+
+def check_data_parallel(config: JobConfig, dims: ParallelDims) -> list[str]:
+    """Pre-launch: the FSDP knobs without FSDP have no effect (a warning)."""
+    t = config.training
+    fsdp_knobs = t.enable_cpu_offload or t.fsdp_reshard_after_forward != "default" or t.fsdp_prefetch_depth != 1
+    if fsdp_knobs and not dims.fsdp_enabled:
+        return [
+            "training.enable_cpu_offload / fsdp_reshard_after_forward / fsdp_prefetch_depth have no effect "
+            "without FSDP (data_parallel_shard_degree > 1)"
+        ]
+    return []

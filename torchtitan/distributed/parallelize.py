@@ -15,12 +15,13 @@ from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import apply_tp
 from torchtitan.distributed.torch_context_parallel import apply_torch_cp
+from torchtitan.distributed.tp_checks import resolve_async_tp
 from torchtitan.dtypes import to_dtype
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from torchtitan.config.manager import JobConfig
+    from torchtitan.config.schema import ActivationCheckpoint, Experimental, Float8, Training
 
 logger = logging.getLogger(__name__)
 
@@ -55,23 +56,6 @@ def pass_positions(model: nn.Module, positions: torch.Tensor) -> None:
     model.register_forward_pre_hook(add_positions, with_kwargs=True)
 
 
-def resolve_async_tp(config: JobConfig, device_type: str) -> str | None:
-    """None (sync TP), "ring" (ours, any backend) or "compiler" (torch's, CUDA + compile)."""
-    exp = config.experimental
-    if not exp.enable_async_tensor_parallel:
-        return None
-    impl = exp.async_tensor_parallel_impl
-    if impl == "auto":
-        impl = "compiler" if device_type == "cuda" and config.training.compile else "ring"  # device-choice
-    if impl == "ring" and config.training.compile:
-        raise NotImplementedError(
-            "ring async TP (experimental.async_tensor_parallel_impl = 'ring', or 'auto' without CUDA) runs "
-            "eager point-to-point code that full-graph compile cannot trace; turn training.compile off or "
-            "use 'compiler' on CUDA"
-        )
-    return impl
-
-
 def enable_compiler_async_tp(tp_mesh: DeviceMesh) -> None:
     """torch's async TP: symmetric memory for the TP group + inductor's micro-pipeline TP pass."""
     from torch.distributed import _symmetric_memory as symm_mem
@@ -94,7 +78,14 @@ def _experts_fsdp_mesh(world_mesh: DeviceMesh, parallel_dims: ParallelDims) -> D
 
 
 def parallelize(
-    model: nn.Module, world_mesh: DeviceMesh | None, parallel_dims: ParallelDims, config: JobConfig
+    model: nn.Module,
+    *,
+    world_mesh: DeviceMesh | None,
+    parallel_dims: ParallelDims,
+    training: Training,
+    experimental: Experimental,
+    activation_checkpoint: ActivationCheckpoint,
+    float8: Float8,
 ) -> None:
     """Apply, in place and in this order: TP, EP, CP, activation checkpointing, compile, then FSDP/HSDP or DDP.
 
@@ -110,42 +101,49 @@ def parallelize(
     their own FSDP unit over dp_shard_mod_ep, giving (dp_shard_mod_ep, ep) parameters.
     """
     if parallel_dims.tp_enabled:
-        _apply_tp(model, world_mesh["tp"], parallel_dims, config)
+        _apply_tp(model, world_mesh["tp"], parallel_dims, experimental=experimental, training=training, float8=float8)
     if parallel_dims.ep_enabled:
         apply_ep(model, world_mesh[parallel_dims.axis_name("ep")], tp=parallel_dims.tp)
         logger.info("applied expert parallel over %d ranks (%d of them TP ranks)", parallel_dims.ep, parallel_dims.tp)
     if parallel_dims.cp_enabled:
-        _apply_cp(model, world_mesh["cp"], parallel_dims, config)
-    apply_ac(model, config.activation_checkpoint)
-    if config.training.compile:
+        _apply_cp(model, world_mesh["cp"], parallel_dims, experimental=experimental, seq_len=training.seq_len)
+    apply_ac(model, activation_checkpoint)
+    if training.compile:
         apply_compile(model, tp_enabled=parallel_dims.tp_enabled)
     if parallel_dims.fsdp_enabled:
-        _apply_fsdp(model, world_mesh, parallel_dims, config)
+        _apply_fsdp(model, world_mesh, parallel_dims, training=training)
     elif parallel_dims.dp_replicate_enabled:
         apply_ddp(model, world_mesh["dp_replicate"])
 
 
-def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, parallel_dims: ParallelDims, config: JobConfig) -> None:
-    async_tp = resolve_async_tp(config, tp_mesh.device_type)
+def _apply_tp(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    parallel_dims: ParallelDims,
+    *,
+    experimental: Experimental,
+    training: Training,
+    float8: Float8,
+) -> None:
+    async_tp = resolve_async_tp(experimental=experimental, compile=training.compile, device_type=tp_mesh.device_type)
     apply_tp(
         model,
         tp_mesh,
         loss_parallel=parallel_dims.loss_parallel_enabled,
         ring_async=async_tp == "ring",
-        float8=_float8_tp_styles(config, tp_mesh),
+        float8=_float8_tp_styles(float8, tp_mesh, param_dtype=training.mixed_precision_param),
     )
     if async_tp == "compiler":
         enable_compiler_async_tp(tp_mesh)
     logger.info("applied tensor parallel over %d ranks (async: %s)", parallel_dims.tp, async_tp or "off")
 
 
-def _float8_tp_styles(config: JobConfig, tp_mesh: DeviceMesh) -> bool:
+def _float8_tp_styles(f8: Float8, tp_mesh: DeviceMesh, *, param_dtype: str) -> bool:
     """Whether TP uses torchao's float8 styles (all-gathers in float8): tensorwise linears, a float8-capable backend.
 
     Rowwise-scaled linears take the plain styles (torchao's float8 styles are tensorwise); gloo has no
     float8 dtypes, so there the all-gathers move high precision and the GEMMs are still float8.
     """
-    f8 = config.float8
     if not f8.enable_float8_linear or f8.recipe_name != "tensorwise":
         return False
     backend = torch.distributed.get_backend(tp_mesh.get_group())
@@ -153,20 +151,22 @@ def _float8_tp_styles(config: JobConfig, tp_mesh: DeviceMesh) -> bool:
         logger.info(
             "float8 with TP on gloo: its collectives have no float8 dtypes, so TP's all-gathers move %s "
             "(the GEMMs are float8); on NCCL torchao's float8 styles all-gather float8",
-            config.training.mixed_precision_param,
+            param_dtype,
         )
         return False
     return True
 
 
-def _apply_cp(model: nn.Module, cp_mesh: DeviceMesh, parallel_dims: ParallelDims, config: JobConfig) -> None:
-    exp = config.experimental
+def _apply_cp(
+    model: nn.Module, cp_mesh: DeviceMesh, parallel_dims: ParallelDims, *, experimental: Experimental, seq_len: int
+) -> None:
+    exp = experimental
     apply = apply_torch_cp if exp.context_parallel_impl == "torch" else apply_cp
     apply(
         model, cp_mesh, rotate_method=exp.context_parallel_rotate_method, load_balance=exp.context_parallel_load_balance
     )
     positions = compute_cp_positions(
-        config.training.seq_len, parallel_dims.cp, cp_mesh.get_local_rank(), exp.context_parallel_load_balance
+        seq_len, parallel_dims.cp, cp_mesh.get_local_rank(), exp.context_parallel_load_balance
     )
     pass_positions(model, positions)
     logger.info(
@@ -178,22 +178,22 @@ def _apply_cp(model: nn.Module, cp_mesh: DeviceMesh, parallel_dims: ParallelDims
     )
 
 
-def _apply_fsdp(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: ParallelDims, config: JobConfig) -> None:
+def _apply_fsdp(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: ParallelDims, *, training: Training) -> None:
     shard_axis = parallel_dims.axis_name("dp_shard_cp")
     dims = ("dp_replicate", shard_axis) if parallel_dims.dp_replicate_enabled else (shard_axis,)
     apply_fsdp(
         model,
         world_mesh[dims],
-        param_dtype=to_dtype(config.training.mixed_precision_param),
-        reduce_dtype=to_dtype(config.training.mixed_precision_reduce),
-        reshard_after_forward=config.training.fsdp_reshard_after_forward,
-        prefetch_depth=config.training.fsdp_prefetch_depth,
-        cpu_offload=config.training.enable_cpu_offload,
+        param_dtype=to_dtype(training.mixed_precision_param),
+        reduce_dtype=to_dtype(training.mixed_precision_reduce),
+        reshard_after_forward=training.fsdp_reshard_after_forward,
+        prefetch_depth=training.fsdp_prefetch_depth,
+        cpu_offload=training.enable_cpu_offload,
         # pinned host memory speeds up host<->device copies; there are none on a CPU device
         pin_memory=world_mesh.device_type != "cpu",
         experts_mesh=_experts_fsdp_mesh(world_mesh, parallel_dims),
     )
-    if config.training.enable_cpu_offload and world_mesh.device_type == "cpu":
+    if training.enable_cpu_offload and world_mesh.device_type == "cpu":
         logger.warning(
             "training.enable_cpu_offload on a CPU device: parameters already live in CPU memory, "
             "so offloading saves nothing here (it applies on accelerators)"

@@ -19,10 +19,12 @@ from __future__ import annotations
 import csv
 import os
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import _Action
+
+    from torchtitan.config.schema import Experimental, Model, Training
 
 SINGLE_STAGE_SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B")
 MULTI_STAGE_SCHEDULES: tuple[str, ...] = (
@@ -242,3 +244,30 @@ def validate_microbatches(schedule: str, n_microbatches: int, local_batch_size: 
                 f"max(1, {n_microbatches} // {pp}) = {rounds} rounds, which must divide them; use a multiple "
                 f"of {pp} or fewer than {pp}"
             )
+
+
+def check_pipeline(args: Any, *, model: Model, training: Training, experimental: Experimental) -> None:
+    """Pre-launch: the flavor's stage split and the micro-batches, checked here so the user sees our message, not
+    torch's. Called by the model check (spec.check_model), which knows the flavor's ``args``."""
+    exp = experimental
+    pp = exp.pipeline_parallel_degree
+    if pp == 1:
+        return
+    if getattr(args, "tie_word_embeddings", False):
+        raise NotImplementedError(
+            f"model.flavor = {model.flavor!r} ties the output head to the embedding table, and "
+            f"{_K_DEGREE} = {pp} puts them on different stages (the first and the "
+            "last), where one parameter cannot get both gradients; use pipeline_parallel_degree = 1 with this "
+            "flavor"
+        )
+    if exp.pipeline_parallel_schedule_csv and not os.path.isfile(exp.pipeline_parallel_schedule_csv):
+        raise FileNotFoundError(f"{_K_CSV} = '{exp.pipeline_parallel_schedule_csv}' does not exist")
+    stages = resolve_stage_layout(
+        args.n_layers,
+        pp,
+        exp.pipeline_parallel_schedule,
+        exp.pipeline_parallel_split_points,
+        exp.pipeline_parallel_schedule_csv,
+    )
+    n_microbatches = exp.pipeline_parallel_microbatches or pp
+    validate_microbatches(exp.pipeline_parallel_schedule, n_microbatches, training.batch_size, len(stages), pp)

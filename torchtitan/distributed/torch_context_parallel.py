@@ -7,7 +7,7 @@ head + mirrored-tail load balancing as ours). It only registers ring handlers fo
 kernels (flash, efficient, cuDNN). On CPU, SDPA dispatches to
 ``_scaled_dot_product_flash_attention_for_cpu``, for which this module registers the two missing
 handlers (forward and backward), written against the same private templates. Everything here rests
-on private torch names, so it is pinned to torch 2.13 (``check_supported``) and tested on CPU
+on private torch names, so it is pinned to torch 2.13 (``cp_checks.check_torch_cp_supported``) and tested on CPU
 against one process (tests/distributed/test_context_parallel.py, the ``cp2_torch`` matrix row).
 Our own ring (context_parallel.py) stays the portable default.
 
@@ -25,23 +25,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from torchtitan.distributed.cp_checks import check_torch_cp_supported
 from torchtitan.distributed.dtensor import local_shard
 
-PINNED_TORCH = "2.13."
 _SEQ_DIM = 2  # (bs, heads, seqlen, head_dim)
 _aten = torch.ops.aten
 _CPU_FORWARD = _aten._scaled_dot_product_flash_attention_for_cpu.default
 _CPU_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-
-
-def check_supported() -> None:
-    """Raise NotImplementedError unless this torch is the one the private names were checked against."""
-    if not torch.__version__.startswith(PINNED_TORCH):
-        raise NotImplementedError(
-            f"experimental.context_parallel_impl = 'torch' uses private names of torch {PINNED_TORCH}x "
-            f"(torch.distributed.tensor.experimental._context_parallel), and this is torch {torch.__version__}; "
-            "use context_parallel_impl = 'portable' (our ring attention, any torch)"
-        )
 
 
 def _cp_attention():
@@ -105,7 +95,7 @@ def _cpu_backward_handler(op_call, args, kwargs):
 
 def enable_torch_cp_dispatcher() -> None:
     """Route SDPA on DTensors to torch's ring handlers, plus ours for the CPU kernel (idempotent)."""
-    check_supported()
+    check_torch_cp_supported()
     attention = _cp_attention()
     attention.custom_ops[_CPU_FORWARD] = _cpu_forward_handler
     attention.custom_ops[_CPU_BACKWARD] = _cpu_backward_handler

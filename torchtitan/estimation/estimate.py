@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.build import build_model_args
-from torchtitan.config.validation import validate_config
 from torchtitan.distributed.device import get_device_info
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_layout import resolve_stage_layout, stage_ids_for_rank
@@ -28,6 +27,7 @@ from torchtitan.estimation.fake_trainer import (
     resolve_vocab,
 )
 from torchtitan.estimation.tracker import DDP_BUCKETS, StepMemory, track_steps, use_per_parameter_step
+from torchtitan.preflight import run_preflight
 from torchtitan.spec import get_model_spec
 from torchtitan.train import Trainer
 
@@ -154,7 +154,7 @@ def _backend_patches():
 
 def _pipeline_patches(config, world_size: int, vocab: int):
     """Under PP: the stage-boundary tensor a neighbour stage would describe (see pipeline_patches)."""
-    dims = ParallelDims.from_config(config, world_size)
+    dims = ParallelDims.from_sections(training=config.training, experimental=config.experimental, world_size=world_size)
     if not dims.pp_enabled:
         return contextlib.nullcontext()
     t = config.training
@@ -267,11 +267,11 @@ def estimate_role(
 def estimate_memory(config, world_size: int, *, full_depth: bool = False, pp_ranks: str = "all") -> Estimate:
     """Validate (as the trainer does, minus file checks), then estimate every role's peak."""
     start = time.perf_counter()
-    warnings = validate_config(config, world_size, check_paths=False)
+    warnings = run_preflight(config, world_size, this_machine=False)
     check_estimable(config, world_size)
     if dist.is_initialized():
         raise RuntimeError("estimate_memory creates its own fake process group; call it without one")
-    dims = ParallelDims.from_config(config, world_size)
+    dims = ParallelDims.from_sections(training=config.training, experimental=config.experimental, world_size=world_size)
     vocab, source = resolve_vocab(config)
     args = build_model_args(config, get_model_spec(config.model.name), vocab)
     reduction = plan_depth(config, args, dims, full_depth)

@@ -19,8 +19,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from torchtitan.build import TrainerBuilders
 from torchtitan.components.run_control import Verdict
-from torchtitan.datasets import build_tokenizer
-from torchtitan.datasets.tokenizer import find_tokenizer_file
+from torchtitan.datasets.tokenizer import build_tokenizer, find_tokenizer_file
 from torchtitan.spec import get_model_spec
 
 
@@ -153,13 +152,13 @@ def estimation_builders(vocab: int, *, n_layers: int | None = None) -> TrainerBu
     return TrainerBuilders(
         # DeviceMesh reads rank coordinates with .item(), which fake tensors cannot answer.
         mesh=_outside_fake_mode(defaults.mesh),
-        tokenizer=lambda config: FlavorVocabTokenizer(vocab),
+        tokenizer=lambda model: FlavorVocabTokenizer(vocab),
         model_args=model_args,
         # Plain meta tensors, as in a real run (to_empty then materialises them, here as fake tensors);
         # a meta model built under fake mode would hold fake-meta tensors that cannot be materialised.
         meta_model=_outside_fake_mode(defaults.meta_model),
-        data_loader=lambda config, tokenizer, world: _RandomTokens(
-            config.training.batch_size, config.training.seq_len, tokenizer.n_words
+        data_loader=lambda training, tokenizer, world: _RandomTokens(
+            training.batch_size, training.seq_len, tokenizer.n_words
         ),
         metrics=lambda trainer: _NoMetrics(),
         checkpointer=lambda trainer: _NoCheckpoint(),

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torchtitan.config.manager import JobConfig
 from torchtitan.estimation.estimate import check_estimable, estimate_rank
 from torchtitan.estimation.fake_trainer import resolve_vocab
+from torchtitan.preflight import run_preflight
 
 
 def _status_kib(field: str) -> int:
@@ -38,7 +39,7 @@ def _release_and_reset_peak() -> int:
 
 def measure_case(argv: list[str], world_size: int, rank: int) -> dict:
     config = JobConfig.parse_args(argv)
-    config.validate(world_size)
+    run_preflight(config, world_size)
     check_estimable(config, world_size)
     vocab, _ = resolve_vocab(config)
     dist.barrier()

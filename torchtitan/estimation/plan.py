@@ -33,12 +33,12 @@ import time
 from dataclasses import dataclass, field
 
 from torchtitan.build import build_meta_model, build_model_args
-from torchtitan.config.validation import validate_config
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.estimation.estimate import estimate_memory
 from torchtitan.estimation.fake_trainer import resolve_vocab
 from torchtitan.observability.flops import GPU_PEAK_FLOPS
 from torchtitan.observability.metrics import compute_num_flops_per_token
+from torchtitan.preflight import run_preflight
 from torchtitan.spec import get_model_spec
 
 GIB = 2**30
@@ -110,7 +110,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def _global_batch(config, world_size: int) -> int:
-    dims = ParallelDims.from_config(config, world_size)
+    dims = ParallelDims.from_sections(training=config.training, experimental=config.experimental, world_size=world_size)
     return dims.dp_degree * config.training.batch_size * config.training.gradient_accumulation_steps
 
 
@@ -285,7 +285,7 @@ def make_plan(config, world_size: int, memory_gib: float, hw: Hardware, *, top: 
             break
         candidate = _with_overrides(config, row.layout, local_batch)
         try:
-            validate_config(candidate, world_size, check_paths=False)
+            run_preflight(candidate, world_size, this_machine=False)
         except (ValueError, NotImplementedError) as e:
             reject(f"invalid: {str(e).split(';')[0][:70]}")
             continue

@@ -276,7 +276,7 @@ def track_steps(trainer, *, foreach_temp: int = 0, steps: int = 2) -> StepMemory
             for i in range(steps):
                 batches = trainer.next_batches(iter(trainer.data_loader))
                 if isinstance(tracker, FSDPMemTracker):
-                    tracker.track_inputs(tuple(t for b in batches for t in b))
+                    tracker.track_inputs(tuple(t for b in batches for t in (b.inputs, b.labels)))
                 if i == steps - 1:
                     # The all-activations snapshot must read the last step only (see StepMemory):
                     # restart the tracker's running peak, and keep the earlier steps' peak aside.

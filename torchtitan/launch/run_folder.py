@@ -23,8 +23,14 @@ import logging
 import os
 import socket
 import time
+from typing import TYPE_CHECKING
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.launch.parent_watch import GRACE_SECONDS, POLL_SECONDS, under_launcher
+
+if TYPE_CHECKING:
+    from torchtitan.config.manager import JobConfig
+    from torchtitan.distributed.parallel_dims import ParallelDims
 
 logger = logging.getLogger(__name__)
 
@@ -216,3 +222,11 @@ class RunLock:
             os.unlink(self.path)
         except (OSError, ValueError):
             pass
+
+
+def check_dump_folder(config: JobConfig, dims: ParallelDims) -> list[str]:
+    """This machine: the dump folder can be created and written (found before launch, nothing written)."""
+    problem = folder_problem(config.job.dump_folder)
+    if problem is not None:
+        raise ConfigError(f"job.dump_folder = '{config.job.dump_folder}' cannot be written: {problem}")
+    return []

@@ -1,5 +1,6 @@
-"""Model families as pure nn.Modules (torch only). Each family's folder holds its modules and
-flavors; the registry that wires a family to the trainer is ``torchtitan/spec.py``."""
+"""Model families as pure nn.Modules (torch only). Each family's folder holds its modules, flavors,
+Hugging Face adapter and ``spec.py``: the family's ``ModelSpec`` and checks, the one file that wires it
+to the trainer (it may import ``torchtitan.spec``); ``torchtitan/spec.py`` names it in the registry."""
 
 from torchtitan.models.llama import ModelArgs, Transformer
 

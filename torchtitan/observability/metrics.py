@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -10,11 +11,16 @@ import sys
 import time
 from dataclasses import dataclass
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.observability.flops import LinearShape, PeakFlops, get_peak_flops, measure_matmul_flops
+
+if TYPE_CHECKING:
+    from torchtitan.config.manager import JobConfig
+    from torchtitan.distributed.parallel_dims import ParallelDims
 
 __all__ = [
     "DeviceMemStats",
@@ -328,3 +334,12 @@ def _build_tb_writer(dump_folder: str, save_tb_folder: str) -> Any:
     log_dir = os.path.join(dump_folder, save_tb_folder, time.strftime("%Y%m%d-%H%M%S"))
     logger.info("writing TensorBoard events to %s", log_dir)
     return SummaryWriter(log_dir=log_dir)
+
+
+def check_metrics(config: JobConfig, dims: ParallelDims) -> list[str]:
+    """Pre-launch: wandb installed when asked for (found, not imported); keys with no effect warned."""
+    if config.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("metrics.enable_wandb = true but the wandb package is not installed; `pip install wandb`")
+    if config.metrics.rank_0_only is False:
+        return ["metrics.rank_0_only = false has no effect: only the logging rank writes metrics"]
+    return []

@@ -12,9 +12,17 @@ import os
 import pickle
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.distributed.device import get_device_info
+
+if TYPE_CHECKING:
+    from torchtitan.config.manager import JobConfig
+    from torchtitan.distributed.parallel_dims import ParallelDims
 
 logger = logging.getLogger(__name__)
 
@@ -169,3 +177,24 @@ def maybe_enable_memory_snapshot(
         yield MemorySnapshotter(snapshot_dir, profile_freq, device, global_step, rank)
     finally:
         torch.cuda.memory._record_memory_history(enabled=None, device=device)
+
+
+def check_profiling(config: JobConfig, dims: ParallelDims) -> list[str]:
+    """Pre-launch: a trace needs a warmup step before the recorded one (see ``build_profiler``'s schedule)."""
+    p = config.profiling
+    if p.enable_profiling and p.profile_freq < 2:
+        raise ConfigError(
+            f"profiling.profile_freq = {p.profile_freq} with profiling.enable_profiling = true: each trace needs a "
+            "warmup step before the recorded one; set profile_freq >= 2"
+        )
+    return []
+
+
+def check_memory_snapshot_device(config: JobConfig, dims: ParallelDims) -> list[str]:
+    """This machine: memory snapshots are CUDA's allocator history."""
+    if config.profiling.enable_memory_snapshot and get_device_info(0).device.type != "cuda":
+        raise NotImplementedError(
+            "profiling.enable_memory_snapshot = true: memory snapshots are CUDA's allocator history and this "
+            "machine has no CUDA device; set it to false (profiling.enable_profiling traces CPU memory)"
+        )
+    return []

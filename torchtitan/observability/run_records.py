@@ -30,7 +30,7 @@ def _git_commit() -> str | None:
 
 
 def run_info(config: JobConfig, world_size: int) -> dict:
-    dims = ParallelDims.from_config(config, world_size)
+    dims = ParallelDims.from_sections(training=config.training, experimental=config.experimental, world_size=world_size)
     return {
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "host": socket.gethostname(),

@@ -25,7 +25,7 @@ from torchtitan.observability.metrics import (
 )
 
 if TYPE_CHECKING:
-    from torchtitan.config.manager import JobConfig
+    from torchtitan.config.schema import Float8, Metrics, Training
     from torchtitan.models import ModelArgs
 
 logger = logging.getLogger(__name__)
@@ -34,42 +34,51 @@ logger = logging.getLogger(__name__)
 class StepMetrics:
     def __init__(
         self,
-        config: JobConfig,
         *,
+        metrics: Metrics,
+        training: Training,
+        float8: Float8,
+        cp_degree: int,
+        dump_folder: str,
         device: torch.device,
         enabled: bool,
         reduce_loss: Callable[[torch.Tensor], tuple[float, float]],
         num_params: int,
         model_args: ModelArgs,
         append: bool = False,
+        wandb_config: dict[str, Any] | None = None,
         documents: Callable[[], tuple[int, int, int] | None] | None = None,
     ):
-        """documents (block_causal): returns the (windows, documents, visible pairs) trained on since its
+        """cp_degree: the context-parallel degree (each rank's micro-batch holds 1/cp of its tokens).
+        wandb_config: the run's resolved config, recorded by Weights & Biases (metrics.enable_wandb).
+        documents (block_causal): returns the (windows, documents, visible pairs) trained on since its
         last call; MFU then counts attention over the visible pairs only (``mfu_attention``)."""
         self.device = device
-        self.documents, self.seq_len = documents, config.training.seq_len
+        self.documents, self.seq_len = documents, training.seq_len
         self.flop_shape = (num_params, model_args.n_layers, model_args.n_heads, model_args.head_dim)
         self.enabled = enabled
         self.reduce_loss = reduce_loss  # per-rank loss -> (global mean, max): the step function's
         self.flops_per_token = compute_num_flops_per_token(
-            num_params, model_args.n_layers, model_args.n_heads, model_args.head_dim, config.training.seq_len
+            num_params, model_args.n_layers, model_args.n_heads, model_args.head_dim, training.seq_len
         )
-        self.peak = build_peak_flops(config, device, model_args)
-        if enabled and config.float8.enable_float8_linear:
+        self.peak = build_peak_flops(
+            device, model_args, training=training, metrics=metrics, float8=float8, cp_degree=cp_degree
+        )
+        if enabled and float8.enable_float8_linear:
             logger.info("float8 run: MFU divides by the peak a run without float8 uses (%s)", self.peak.source)
         self.mfu_unreliable = False  # set once an MFU exceeds 100%: the peak is too low for every step
         self.memory = build_device_memory_monitor(device)
         self.logger = build_metric_logger(
-            config.job.dump_folder,
+            dump_folder,
             enabled=enabled,
-            enable_tensorboard=config.metrics.enable_tensorboard,
-            save_tb_folder=config.metrics.save_tb_folder,
+            enable_tensorboard=metrics.enable_tensorboard,
+            save_tb_folder=metrics.save_tb_folder,
             append=append,
-            enable_wandb=config.metrics.enable_wandb,
-            wandb_config=config.to_dict(),
+            enable_wandb=metrics.enable_wandb,
+            wandb_config=wandb_config,
         )
-        self.total_steps = config.training.steps
-        self.palette = build_palette(config.metrics.enable_color_printing)
+        self.total_steps = training.steps
+        self.palette = build_palette(metrics.enable_color_printing)
         self.run_start = time.perf_counter()
         self.tps_history: list[float] = []
         self.best: tuple[float, int] | None = None
@@ -189,15 +198,17 @@ class StepMetrics:
         self.logger.close()
 
 
-def build_peak_flops(config: JobConfig, device: torch.device, model_args: ModelArgs) -> PeakFlops:
+def build_peak_flops(
+    device: torch.device, model_args: ModelArgs, *, training: Training, metrics: Metrics, float8: Float8, cp_degree: int
+) -> PeakFlops:
     """The MFU denominator: the compute dtype's peak, the same with float8 on (labelled so; docs/metrics.md)."""
-    tokens = config.training.batch_size * config.training.seq_len // config.experimental.context_parallel_degree
+    tokens = training.batch_size * training.seq_len // cp_degree
     return get_peak_flops(
         device,
-        to_dtype(config.training.mixed_precision_param),
-        config.metrics.device_peak_flops,
+        to_dtype(training.mixed_precision_param),
+        metrics.device_peak_flops,
         linears=build_linear_shapes(model_args, tokens),
-        float8=config.float8.enable_float8_linear,
+        float8=float8.enable_float8_linear,
     )
 
 

@@ -1,13 +1,13 @@
 """Pre-launch checks of the attention keys: ``model.attn_mask_type``, ``positions_per_document`` and
-``attention_backend`` (docs/attention.md), against the layout and the model family."""
+``attention_backend`` (docs/attention.md), against the layout and the model family. Light: the
+preflight runs them; the masks themselves are models/documents.py and components/document_feed.py."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 from torchtitan.config.errors import ConfigError
+from torchtitan.distributed.device import get_device_info
 from torchtitan.spec import get_model_spec
 
 if TYPE_CHECKING:
@@ -15,11 +15,8 @@ if TYPE_CHECKING:
     from torchtitan.distributed.parallel_dims import ParallelDims
 
 
-def check_attention_config(config: JobConfig, dims: ParallelDims, *, check_paths: bool) -> list[str]:
-    """Raise on attention settings that cannot run as asked; return warnings for ones with no effect.
-
-    check_paths=False (the memory estimator, planning for another machine) skips the device check.
-    """
+def check_attention(config: JobConfig, dims: ParallelDims) -> list[str]:
+    """Raise on attention settings that cannot run as asked; return warnings for ones with no effect."""
     m, exp = config.model, config.experimental
     if m.attn_mask_type == "causal":
         if m.positions_per_document:
@@ -46,14 +43,21 @@ def check_attention_config(config: JobConfig, dims: ParallelDims, *, check_paths
             "context parallel has no document mask; use context_parallel_impl = 'portable' (our ring attention "
             "skips the blocks the documents mask out)"
         )
-    if m.attention_backend == "flex" and check_paths and not torch.cuda.is_available():
-        raise NotImplementedError(
-            "model.attention_backend = 'flex' needs CUDA: torch 2.13 has no FlexAttention backward on CPU; "
-            "use 'sdpa' or 'auto' (auto picks sdpa here)"
-        )
     if m.attention_backend != "auto" and dims.cp_enabled:
         return [
             f"model.attention_backend = {m.attention_backend!r} has no effect under context parallel: "
             "the ring attention computes the document mask itself"
         ]
+    return []
+
+
+def check_attention_device(config: JobConfig, dims: ParallelDims) -> list[str]:
+    """This machine: FlexAttention trains on CUDA only."""
+    m = config.model
+    if m.attn_mask_type == "block_causal" and m.attention_backend == "flex":
+        if get_device_info(0).device.type != "cuda":
+            raise NotImplementedError(
+                "model.attention_backend = 'flex' needs CUDA: torch 2.13 has no FlexAttention backward on CPU; "
+                "use 'sdpa' or 'auto' (auto picks sdpa here)"
+            )
     return []

@@ -1,0 +1,72 @@
+"""The trainer with rank 0 holding back one checkpoint's ``.complete`` marker, for the killed-save tests.
+
+``python -m torchtitan.launch ... -m tests.held_marker_train STEP SECONDS --job.config_file FILE [--section.key value ...]``
+runs ``torchtitan.train.main`` on the rest of the arguments; its checkpointer is the trainer's own
+(``train.build_checkpointer``) with an injected ``before_marker`` that sleeps SECONDS once step STEP's
+data is written and before its marker, so a test can SIGKILL the job mid-save. ``popen_held_marker``
+launches it on 2 ranks the way run_llama_train.sh launches the trainer.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import subprocess
+import sys
+import time
+from typing import IO
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# run_llama_train.sh's launch with NGPU=2, LOG_RANK=0 (and no pre-launch check: every rank checks anyway)
+LAUNCH = [
+    sys.executable,
+    "-m",
+    "torchtitan.launch",
+    "--nproc_per_node=2",
+    "--rdzv_backend",
+    "c10d",
+    "--rdzv_endpoint=localhost:0",
+    "--local-ranks-filter",
+    "0",
+    "--role",
+    "rank",
+    "--tee",
+    "3",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def popen_held_marker(step: int, seconds: float, overrides: list[str], *, stdout: int | IO) -> subprocess.Popen:
+    """The trainer on 2 ranks (debug_model.toml plus ``overrides``), step ``step``'s marker held back
+    ``seconds``; in a session of its own, so a test kills the whole job with ``os.killpg``."""
+    argv = [str(step), str(seconds), "--job.config_file", "./train_configs/debug_model.toml", *overrides]
+    return subprocess.Popen(
+        [*LAUNCH, "-m", "tests.held_marker_train", *argv],
+        cwd=ROOT,
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def hold_marker(held_step: int, seconds: float, step: int) -> None:
+    """``CheckpointManager``'s ``before_marker``: sleep before step ``held_step``'s marker only."""
+    if step == held_step:
+        logger.warning("holding back step-%d's marker for %.0f s", step, seconds)
+        time.sleep(seconds)
+
+
+def main(argv: list[str]) -> int:
+    from torchtitan.build import TrainerBuilders
+    from torchtitan.train import build_checkpointer
+    from torchtitan.train import main as train_main
+
+    before_marker = functools.partial(hold_marker, int(argv[0]), float(argv[1]))
+    builders = TrainerBuilders(checkpointer=functools.partial(build_checkpointer, before_marker=before_marker))
+    return train_main(argv[2:], builders=builders)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,49 @@
+"""Llama 3 ("llama3") wired to the trainer: its ModelSpec and the dense families' own pre-launch check.
+
+Not part of the pure model: this module may import ``torchtitan.spec`` and the config's errors.
+``torchtitan.spec`` loads it on the first ``get_model_spec("llama3")``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.models.llama import Transformer, hf_adapter, llama3_configs
+from torchtitan.models.llama.model import ffn_hidden_dim
+from torchtitan.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from torchtitan.config.schema import Experimental, Model, Training
+
+
+def check_dense_config(args: Any, *, model: Model, training: Training, experimental: Experimental) -> list[str]:
+    """The FFN width under TP (llama's formula, or a family's ``ffn_dim``); no expert parallel without experts.
+
+    Returns:
+        warnings (none so far); raises ConfigError naming the key.
+    """
+    tp, ep = training.tensor_parallel_degree, experimental.expert_parallel_degree
+    hidden = getattr(args, "ffn_dim", None) or ffn_hidden_dim(args)
+    if hidden % tp:
+        raise ConfigError(
+            f"model {model.flavor}: ffn hidden size = {hidden} is not divisible by "
+            f"training.tensor_parallel_degree = {tp}; choose a TP degree that divides it"
+        )
+    if ep > 1 and not hasattr(args, "num_experts"):
+        raise ConfigError(
+            f"experimental.expert_parallel_degree = {ep} but model.name = {model.name!r} (flavor "
+            f"{model.flavor!r}) has no experts; use an MoE family (llama3_moe) or set expert_parallel_degree = 1"
+        )
+    return []
+
+
+SPEC = ModelSpec(
+    "llama3",
+    Transformer,
+    llama3_configs,
+    documents=True,
+    state_dict_adapter=hf_adapter,
+    check_fn=check_dense_config,
+    hf_model_type="llama",
+)

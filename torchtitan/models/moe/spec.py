@@ -1,0 +1,106 @@
+"""Llama 3 MoE ("llama3_moe") wired to the trainer: its ModelSpec, and what every MoE family shares:
+the expert-parallel check, the active-parameter count (MFU's N), balanced routing under fake tensors,
+the layer period and the load balancer's step hooks.
+
+Not part of the pure model: this module may import ``torchtitan.spec`` and the config's errors.
+``torchtitan.spec`` loads it on the first ``get_model_spec("llama3_moe")``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.models.llama.spec import check_dense_config
+from torchtitan.models.moe import MoETransformer, moe_configs, num_active_params
+from torchtitan.spec import Deferred, ModelSpec
+
+if TYPE_CHECKING:
+    from torchtitan.config.schema import Experimental, Model, Training
+
+# MoE load balancing (aux loss, expert bias, expert-load metrics) beside forward/backward.
+BUILD_LOAD_BALANCER = Deferred("torchtitan.components.load_balancing:build_load_balancer")
+
+
+def moe_flop_params(args: Any, model: nn.Module) -> int:
+    return num_active_params(args, model)  # top_k of the routed experts
+
+
+def balanced_routing(args: Any) -> Any:
+    # Routing is data-dependent; under fake tensors every expert gets an equal share of the tokens.
+    return dataclasses.replace(args, balanced_routing=True)
+
+
+def moe_layer_pattern(args: Any) -> tuple[int, int]:
+    return args.first_k_dense, args.moe_every
+
+
+def check_moe_config(args: Any, *, model: Model, training: Training, experimental: Experimental) -> list[str]:
+    """Expert parallel and the MoE model (the EP/TP/dp_shard divisibility is checked by ParallelDims).
+
+    Returns:
+        warnings (none so far); raises ConfigError / NotImplementedError naming the key.
+    """
+    warnings = check_dense_config(args, model=model, training=training, experimental=experimental)
+    exp, t = experimental, training
+    ep, tp = exp.expert_parallel_degree, t.tensor_parallel_degree
+    named = f"model.name = {model.name!r} (flavor {model.flavor!r})"
+    if ep < 1:
+        raise ConfigError(f"experimental.expert_parallel_degree must be >= 1, got {ep}")
+    if not 1 <= args.top_k <= args.num_experts:
+        raise ConfigError(f"{named}: top_k = {args.top_k} must be between 1 and num_experts = {args.num_experts}")
+    if args.num_experts % ep:
+        raise ConfigError(
+            f"{named} has num_experts = {args.num_experts}, not divisible by "
+            f"experimental.expert_parallel_degree = {ep}; choose an EP degree that divides it"
+        )
+    unsupported = [
+        (
+            tp > 1 and ep == 1,
+            f"training.tensor_parallel_degree = {tp} with experimental.expert_parallel_degree = 1: "
+            "the routed experts are not tensor-parallel; set expert_parallel_degree to a multiple of tp (EP contains "
+            "the TP ranks)",
+        ),
+        (
+            exp.context_parallel_degree > 1 and ep > 1,
+            f"experimental.expert_parallel_degree = {ep} with "
+            f"experimental.context_parallel_degree = {exp.context_parallel_degree}: expert parallel does not include "
+            "CP ranks yet; set one of them to 1",
+        ),
+        (
+            t.compile,
+            f"training.compile = true with {named}: the routed experts' fp32 grouped matmul and the EP "
+            "all-to-all (data-dependent splits) do not compile under fullgraph; turn training.compile off",
+        ),
+        (
+            exp.enable_async_tensor_parallel,
+            f"experimental.enable_async_tensor_parallel with {named}: the async TP "
+            "plan has no MoE block; turn async TP off",
+        ),
+        (
+            args.load_balance == "aux_loss" and exp.pipeline_parallel_degree > 1,
+            f"{named} balances with an aux "
+            f"loss, and under experimental.pipeline_parallel_degree = {exp.pipeline_parallel_degree} the middle "
+            "stages cannot add to the loss; use a flavor with load_balance = 'bias' or pipeline_parallel_degree = 1",
+        ),
+    ]
+    for bad, message in unsupported:
+        if bad:
+            raise NotImplementedError(message)
+    return warnings
+
+
+SPEC = ModelSpec(
+    "llama3_moe",
+    MoETransformer,
+    moe_configs,
+    documents=True,
+    count_flop_params=moe_flop_params,
+    build_step_hooks=BUILD_LOAD_BALANCER,
+    fake_tensor_args=balanced_routing,
+    check_fn=check_moe_config,
+    layer_pattern=moe_layer_pattern,
+)
