@@ -1,12 +1,15 @@
-"""Convert one of our checkpoints (a complete ``step-N`` folder) to Hugging Face Llama format.
+"""Convert one of our checkpoints (a complete ``step-N`` folder) to its family's Hugging Face format.
 
     python scripts/convert_to_hf.py outputs/debug_model/checkpoint/step-30 outputs/hf_debug [--dtype bfloat16]
 
-Writes ``model.safetensors`` and ``config.json`` (``LlamaForCausalLM``), which
-``transformers.AutoModelForCausalLM.from_pretrained(outputs/hf_debug)`` loads. q/k projection rows
-are permuted from our interleaved RoPE to HF's rotate-half layout. The tokenizer is not converted.
-The folder is checked against its marker (sizes, CRC32s) and its pickles are read restricted to
-plain checkpoint data (docs/checkpoint.md, Integrity).
+Writes safetensors and ``config.json`` (``LlamaForCausalLM``, ``Qwen3ForCausalLM`` or
+``Qwen3MoeForCausalLM``, from the family its marker names), which
+``transformers.AutoModelForCausalLM.from_pretrained(outputs/hf_debug)`` loads with our logits. q/k
+projection rows are permuted from our interleaved RoPE to HF's rotate-half layout. Weights with no
+Hugging Face counterpart (``llama3_moe``; a ``qwen3_moe`` flavor balanced with an expert bias) are
+refused with one line saying why and what to train instead (docs/models.md). The tokenizer is not
+converted. The folder is checked against its marker (sizes, CRC32s) and its pickles are read
+restricted to plain checkpoint data (docs/checkpoint.md, Integrity).
 """
 
 from __future__ import annotations

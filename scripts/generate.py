@@ -1,6 +1,7 @@
 """Sample text from a trained checkpoint: the quickest look at what a model learned.
 
-    python scripts/generate.py outputs/debug_model/checkpoint/step-200 --prompt "def main(" \\
+    ./run_llama_train.sh --checkpoint.enable_checkpoint     # the default run saves no checkpoint; this one does
+    python scripts/generate.py outputs/debug_model/checkpoint/step-30 --prompt "def main(" \\
         [--max_new_tokens 64] [--temperature 0.8 --top_k 40] [--seed 0] [--no_cache]
     python scripts/generate.py --hf HF_DIR --prompt "..."          # a Hugging Face folder
     NGPU=2 torchrun --nproc_per_node 2 scripts/generate.py CKPT ...  # tensor parallel over the ranks

@@ -354,7 +354,7 @@ def train_job(rank: int, world_size: int, argv: list[str]) -> JobFailed | None:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
     logging.getLogger().addHandler(handler)
     try:
-        run_job(JobConfig.parse_args(argv), world_size=world_size, rank=rank)
+        run_job(JobConfig.parse_args(argv, world_size=world_size), world_size=world_size, rank=rank)
         return None
     except BaseException:  # noqa: BLE001 - the parent decides (a job may be expected to fail)
         error = traceback.format_exc()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -17,6 +19,7 @@ from tests.integration_tests import (
     ASYNC,
     GLOBAL_BATCH,
     MOE,
+    ROOT,
     RTOL,
     MatrixLaunches,
     Row,
@@ -162,3 +165,25 @@ def test_float8_resume_is_bit_exact_and_interchanges_with_bf16(tmp_path):
             losses[source],
         )
         assert losses[name][5] != losses[source][5], f"{name}: the precision did not change"
+
+
+def test_torchao_import_leaves_the_users_output_alone():
+    """Importing torchao (the first float8 run of a process) logs nothing the user did not ask about: not its
+    CUDA kernels failing to load, "no triton", or torch's deprecation of its enums. A fresh process: torchao
+    says these once, at its first import. Another torchao warning still gets through."""
+    code = (
+        "import logging, sys, torch\n"
+        "from torchtitan.observability.logging import init_logger\n"
+        "init_logger()\n"
+        "from torchtitan.components.float8 import check_float8_runs\n"
+        "check_float8_runs(torch.device('cpu'))\n"
+        "import torchao.prototype.moe_training\n"
+        "assert 'torchao.float8' in sys.modules\n"
+        "logging.getLogger('torchao').warning('a torchao warning of its own')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    output = done.stdout + done.stderr
+    for noise in ("Failed to load", "Detected no triton", "register_constant"):
+        assert noise not in output, output[-3000:]
+    assert "a torchao warning of its own" in output

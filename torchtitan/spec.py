@@ -146,6 +146,9 @@ class ModelSpec:
         layer_pattern: ``args -> (prefix, period)``: after ``prefix`` leading layers, the layers
             repeat with this period (the estimator extrapolates memory over whole periods).
         hf_model_type: the Hugging Face ``model_type`` a ``config.json`` names for this family.
+        hf_refusal: ``args -> str | None`` (``args`` a dict: a flavor's, or a checkpoint marker's): why
+            such weights have no Hugging Face counterpart, one line ending in the fix; None where they
+            convert. Read through ``hf_conversion_refusal`` (the pre-launch check and the converters).
         documents: the family's forward takes ``doc_ids`` (and per-row ``positions``) and passes them to
             every block's attention, so ``model.attn_mask_type = "block_causal"`` can run on it; its
             args then have an ``attention_backend`` field (``build_model_args`` sets it).
@@ -165,7 +168,18 @@ class ModelSpec:
     check_fn: Callable[..., list[str]] | None = None
     layer_pattern: Callable[[Any], tuple[int, int]] = lambda args: (0, 1)
     hf_model_type: str | None = None  # config.json's "model_type" this family imports (with state_dict_adapter)
+    hf_refusal: Callable[[Mapping[str, Any]], str | None] | None = None
     documents: bool = False
+
+
+def hf_conversion_refusal(spec: ModelSpec, args: Mapping[str, Any], *, export: bool = True) -> str | None:
+    """Why weights of ``spec``'s family with ``args`` (a dict) do not convert to (``export``) or from
+    Hugging Face, in one line ending in the fix; None when they do."""
+    why = spec.hf_refusal(args) if spec.hf_refusal is not None else None
+    if spec.state_dict_adapter is None:
+        return why or f"model.name = {spec.name!r} has no Hugging Face conversion (its spec has no state_dict_adapter)"
+    # An import is exact whatever this says: a buffer HF has no weight for starts at its initial value.
+    return why if export else None
 
 
 # One line per family: model.name -> the module whose ``SPEC`` (or ``SPECS[name]``) is its ModelSpec.

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from torchtitan.build import TrainerBuilders, build_step_function, create_seed_checkpoint
 from torchtitan.checkpointing.common import model_info
-from torchtitan.checkpointing.manager import CheckpointManager, trim_metrics
+from torchtitan.checkpointing.manager import CheckpointManager, resumes_from
 from torchtitan.components.document_feed import Batch
 from torchtitan.components.optimizer import apply_optimizer_config, build_lr_scheduler, build_optimizer
 from torchtitan.components.run_control import NonFiniteStep, RunStopped, StepGuard, StopSignals
@@ -34,11 +34,11 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.dtypes import to_dtype
 from torchtitan.launch.failures import report_exception, report_failure
 from torchtitan.launch.parent_watch import watch_parent
-from torchtitan.launch.run_folder import RunLock
+from torchtitan.launch.run_folder import RunLock, set_aside_earlier_run
 from torchtitan.observability.console import format_layout, format_start_summary
 from torchtitan.observability.logging import init_logger
 from torchtitan.observability.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
-from torchtitan.observability.run_records import write_run_records
+from torchtitan.observability.run_records import run_record_names, write_run_records
 from torchtitan.observability.step_metrics import StepMetrics
 from torchtitan.preflight import run_preflight
 from torchtitan.spec import get_model_spec
@@ -85,14 +85,12 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.training)
         self.step = 0
         self.checkpointer = b.checkpointer(self)
-        # A resumed run continues at checkpoint step + 1; metrics.jsonl keeps the records up to it.
+        # A resumed run continues at checkpoint step + 1 (metrics.jsonl keeps the records up to it).
         self.step = self.start_step = self.checkpointer.load()
         if self.step > 0:
             changed = apply_optimizer_config(self.optimizer, self.lr_scheduler, config.optimizer)
             if rank == 0 and changed:
                 logger.info("resume: the config's optimizer settings replace the checkpoint's: %s", "; ".join(changed))
-        if rank == 0 and self.step > 0:
-            trim_metrics(config.job.dump_folder, self.step)
         self.metrics = b.metrics(self)
         self.validator = b.validator(self, tokenizer) if config.validation.enabled else None
         self.signals = StopSignals()
@@ -289,7 +287,7 @@ def _build_metrics(trainer: Trainer) -> StepMetrics:
         cp_degree=trainer.parallel_dims.cp,
         dump_folder=cfg.job.dump_folder,
         wandb_config=cfg.to_dict(),
-        append=trainer.step > 0,
+        start_step=trainer.step,
         device=trainer.device,
         enabled=trainer.rank == 0,
         reduce_loss=trainer.step_fn.reduce_loss,
@@ -350,10 +348,13 @@ def run_job(config: JobConfig, *, world_size: int, rank: int, builders: TrainerB
         if rank == 0:
             logger.warning(warning)
     os.makedirs(config.job.dump_folder, exist_ok=True)
-    # One live run per folder: rank 0 holds run.lock from before anything is written there until exit.
+    # One run per folder: rank 0 holds run.lock until exit, and a run that does not resume sets the earlier one aside.
     with RunLock(config.job.dump_folder) if rank == 0 else contextlib.nullcontext():
         if rank == 0:
-            write_run_records(config, world_size)
+            resumed = resumes_from(config.checkpoint, config.job.dump_folder)
+            if resumed is None:
+                set_aside_earlier_run(config.job.dump_folder, run_record_names(config))
+            write_run_records(config, world_size, resumed_from=resumed)
             if config.job.print_args:
                 logger.info("resolved config:\n%s", config.to_toml())
         if config.checkpoint.create_seed_checkpoint:
@@ -381,12 +382,11 @@ def main(argv: list[str] | None = None, *, builders: TrainerBuilders | None = No
     if wants_help(argv):
         print(format_help())
         return 0
-    rank = int(os.environ.get("RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     init_logger()
     watch_parent()  # under torchrun: stop when the launcher dies
     try:
-        run(JobConfig.parse_args(argv), world_size=world_size, rank=rank, builders=builders)
+        run(JobConfig.parse_args(argv, world_size=world_size), world_size=world_size, rank=rank, builders=builders)
     except (RunStopped, NonFiniteStep) as e:  # every rank agreed on it: one line
         return report_failure(rank, "stopped" if isinstance(e, RunStopped) else "error", str(e), e.exit_code)
     except BaseException as e:  # DCP's CheckpointException is a BaseException; told once (launch/failures.py)

@@ -174,7 +174,9 @@ def test_shipped_default_dataset_loads(tokenizer: Tokenizer) -> None:
 
 
 def test_errors(tmp_path: Path, jsonl: str, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ValueError, match=r"unknown dataset 'c5'.*'c4', 'c4_test', 'fineweb', 'pydocs'"):
+    with pytest.raises(
+        ValueError, match=r"unknown dataset 'c5'.*'c4', 'c4_test', 'c4_validation', 'fineweb', 'pydocs'"
+    ):
         build_hf_data_loader("c5", None, tokenizer, SEQ_LEN, [[0]], 1)
     missing = str(tmp_path / "missing.jsonl")
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):

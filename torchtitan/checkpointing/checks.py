@@ -3,14 +3,15 @@ before every launch, so neither DCP nor the conversion machinery is imported her
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import TYPE_CHECKING
 
 from torchtitan.checkpointing.hf_files import hf_weight_files, read_hf_config
-from torchtitan.checkpointing.marker import read_marker
+from torchtitan.checkpointing.marker import read_marker, why_not_loadable
 from torchtitan.config.errors import ConfigError
 from torchtitan.distributed.device import get_device_info
-from torchtitan.spec import get_model_spec
+from torchtitan.spec import flavor_args, get_model_spec, hf_conversion_refusal
 
 if TYPE_CHECKING:
     from torchtitan.config.manager import JobConfig
@@ -64,7 +65,7 @@ def _check_hf_keys(ck: Checkpoint, *, model: Model) -> None:
 
     Raises:
         ConfigError: ``initial_load_in_hf`` without a path, ``last_save_in_hf`` without checkpointing.
-        NotImplementedError: a family without an HF adapter.
+        NotImplementedError: weights the family says have no HF counterpart (its spec's ``hf_refusal``).
     """
     if ck.initial_load_in_hf and not ck.initial_load_path:
         raise ConfigError(
@@ -75,18 +76,19 @@ def _check_hf_keys(ck: Checkpoint, *, model: Model) -> None:
             "checkpoint.last_save_in_hf = true converts the last step's checkpoint, and checkpoint.enable_checkpoint "
             "is false; set it to true"
         )
-    if (ck.initial_load_in_hf or ck.last_save_in_hf) and get_model_spec(model.name).state_dict_adapter is None:
-        raise NotImplementedError(
-            f"checkpoint.initial_load_in_hf / last_save_in_hf: model family {model.name!r} has no Hugging "
-            f"Face adapter (its spec's state_dict_adapter)"
-        )
+    for key, export in (("initial_load_in_hf", False), ("last_save_in_hf", True)):
+        if getattr(ck, key):
+            args = dataclasses.asdict(flavor_args(model))
+            why = hf_conversion_refusal(get_model_spec(model.name), args, export=export)
+            if why is not None:
+                raise NotImplementedError(f"checkpoint.{key} = true: {why}")
 
 
 def check_initial_load(config: JobConfig, dims: ParallelDims) -> list[str]:
     """This machine: ``checkpoint.initial_load_path`` is what ``initial_load_in_hf`` says it is.
 
     Raises:
-        ConfigError: another family's HF folder, or a folder that is not a complete checkpoint.
+        ConfigError: another family's HF folder, or a folder that does not exist or is not a complete checkpoint.
         ValueError: an HF folder without config.json or safetensors.
     """
     ck = config.checkpoint
@@ -94,6 +96,7 @@ def check_initial_load(config: JobConfig, dims: ParallelDims) -> list[str]:
     if not path:
         return []
     if ck.initial_load_in_hf:
+        _check_hf_keys(ck, model=config.model)  # a family with no conversion: its reason, before any file is read
         hf = read_hf_config(path)
         hf_weight_files(path)
         want = get_model_spec(config.model.name).hf_model_type
@@ -103,10 +106,8 @@ def check_initial_load(config: JobConfig, dims: ParallelDims) -> list[str]:
                 f"{config.model.name!r} reads {want!r}; set model.name to that model's family"
             )
     elif read_marker(path) is None:
-        hint = (
-            "; it looks like a Hugging Face folder: set checkpoint.initial_load_in_hf = true"
-            if os.path.isfile(os.path.join(path, "config.json"))
-            else "; pass a complete step-N folder of a checkpoint"
-        )
-        raise ConfigError(f"checkpoint.initial_load_path = '{path}' is not a complete checkpoint{hint}")
+        why = why_not_loadable(path)
+        if os.path.isfile(os.path.join(path, "config.json")):
+            why = "is not a complete checkpoint; it looks like a Hugging Face folder: set checkpoint.initial_load_in_hf = true"
+        raise ConfigError(f"checkpoint.initial_load_path = '{path}' {why}")
     return []

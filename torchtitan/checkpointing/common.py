@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import torchtitan.checkpointing.integrity as integrity
 from torchtitan.checkpointing.folders import CheckpointInfo, list_files, verify_files
-from torchtitan.checkpointing.marker import SEED, read_marker, write_marker
+from torchtitan.checkpointing.marker import SEED, read_marker, why_not_loadable, write_marker
 
 if TYPE_CHECKING:
     from torchtitan.config.schema import Model
@@ -82,12 +82,12 @@ def load_model_weights(path: str, *, verify_checksums: bool = True) -> tuple[dic
     """One process, no process group: a checkpoint's whole-model weights as plain tensors, and its marker.
 
     Raises:
-        ValueError: ``path`` is not a complete checkpoint, is corrupted (``verify_files``; CRC32s with
+        ValueError: ``path`` does not exist or is not a complete checkpoint, is corrupted (``verify_files``; CRC32s with
             ``verify_checksums``) or holds a foreign pickle.
     """
     marker = read_marker(path)
     if marker is None:
-        raise ValueError(f"{path} is not a complete checkpoint (no .complete marker); pass a step-N folder")
+        raise ValueError(f"{path} {why_not_loadable(path)}")
     verify_files(CheckpointInfo(marker.get("step", -1), path, marker), checksums=verify_checksums)
     metadata = read_metadata(path)
     weights = {

@@ -158,6 +158,22 @@ def find_resume_checkpoint(root: str, load_step: int, verify_checksums: bool = T
     return newest
 
 
+def resume_point(root: str, *, enabled: bool, load_step: int) -> CheckpointInfo | None:
+    """The checkpoint a run with these ``checkpoint`` keys would resume from, found from the markers alone
+    (nothing verified or logged: ``find_resume_checkpoint`` does that at the load); None: it starts fresh.
+
+    With ``load_step`` >= 0 the run resumes (or fails to) from that step's folder whenever ``root`` holds any
+    checkpoint, so a wrong step is reported next to the checkpoints that are there.
+    """
+    found = list_checkpoints(root) if enabled else []
+    if load_step >= 0 and found:
+        return next(
+            (c for c in found if c.step == load_step), CheckpointInfo(load_step, step_folder(root, load_step), None)
+        )
+    resumable = [c for c in found if c.kind in (FULL, SEED)]
+    return resumable[-1] if resumable else None
+
+
 def _check_loadable(c: CheckpointInfo, what: str) -> None:
     if not c.complete:
         raise ValueError(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -21,29 +21,41 @@ from torchtitan.checkpointing.common import (
     save_model_weights,
 )
 from torchtitan.checkpointing.hf_files import hf_weight_files, read_hf_config
-from torchtitan.spec import get_model_spec, spec_for_hf_model_type
-
-if TYPE_CHECKING:
-    pass
+from torchtitan.checkpointing.marker import read_marker
+from torchtitan.spec import get_model_spec, hf_conversion_refusal, spec_for_hf_model_type
 
 logger = logging.getLogger(__name__)
 
 
 def adapter_of(model_name: str) -> Any:
-    adapter = get_model_spec(model_name).state_dict_adapter
-    if adapter is None:
-        raise ValueError(f"model family {model_name!r} has no Hugging Face conversion (its spec's state_dict_adapter)")
-    return adapter
+    """The family's adapter, for an import (HF -> ours).
+
+    Raises:
+        NotImplementedError: the family has none (its one-line reason, ``hf_conversion_refusal``).
+    """
+    spec = get_model_spec(model_name)
+    if spec.state_dict_adapter is None:
+        raise NotImplementedError(hf_conversion_refusal(spec, {}, export=False))
+    return spec.state_dict_adapter
 
 
 def export_to_hf(checkpoint_path: str, output_dir: str, dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Write ``model.safetensors`` + ``config.json`` for a complete checkpoint folder; returns the config.
 
     ``dtype`` defaults to the checkpoint's own (an export may be bf16/fp16).
+
+    Raises:
+        NotImplementedError: weights the family says have no HF counterpart (refused before any is read).
+        ValueError: not a complete checkpoint of this trainer.
     """
+    info = (read_marker(checkpoint_path) or {}).get("model") or {}
+    spec = get_model_spec(info.get("name") or "llama3")
+    why = hf_conversion_refusal(spec, info["args"]) if info.get("args") else None
+    if why is not None:
+        raise NotImplementedError(why)
     weights, marker = load_model_weights(checkpoint_path)
     args = _marker_args(marker, checkpoint_path)
-    adapter = adapter_of((marker.get("model") or {}).get("name") or "llama3")
+    adapter = spec.state_dict_adapter
     dtype = dtype or next(iter(weights.values())).dtype
     hf = {k: v.to(dtype) for k, v in adapter.to_hf_state_dict(weights, args).items()}
     config = adapter.hf_config(args, weights, dtype=dtype)
@@ -82,8 +94,15 @@ def save_hf_folder(
         total = sum(w.numel() * w.element_size() for w in hf.values())
         with open(os.path.join(output_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    with open(os.path.join(output_dir, "config.json"), "w", encoding="utf-8") as f:
+    config_path = os.path.join(output_dir, "config.json")
+    with open(config_path, "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
+    # safetensors writes through a private temporary file (mode 0600); give the weights the mode every
+    # other file here gets (0666 less the umask: config.json's), as save_pretrained's do.
+    mode = os.stat(config_path).st_mode & 0o777
+    for name in os.listdir(output_dir):
+        if name.endswith(".safetensors"):
+            os.chmod(os.path.join(output_dir, name), mode)
 
 
 def import_from_hf(hf_dir: str, output_path: str, model_name: str | None = None) -> None:

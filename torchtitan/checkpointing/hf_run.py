@@ -26,7 +26,7 @@ from torchtitan.checkpointing.common import agree, one_process_quiet, read_metad
 from torchtitan.checkpointing.compat import check_model_matches
 from torchtitan.checkpointing.folders import CheckpointInfo, verify_files
 from torchtitan.checkpointing.hf import adapter_of, check_hf_matches, export_to_hf, hf_weight_files
-from torchtitan.checkpointing.marker import SEED, read_marker
+from torchtitan.checkpointing.marker import SEED, read_marker, why_not_loadable
 from torchtitan.dtypes import to_dtype
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ def initial_load(
         def checked() -> CheckpointInfo:
             marker = read_marker(path)
             if marker is None:
-                raise ValueError(f"checkpoint.initial_load_path = {path!r} is not a complete checkpoint")
+                raise ValueError(f"checkpoint.initial_load_path = {path!r} {why_not_loadable(path)}")
             found = CheckpointInfo(marker.get("step", 0), path, marker)
             verify_files(found, checksums=config.verify_checksums)
             return found

@@ -36,6 +36,7 @@ from torchtitan.checkpointing.folders import (
     later_branch,
     list_files,
     purge_stale,
+    resume_point,
     set_aside,
 )
 from torchtitan.checkpointing.marker import EXPORT, FULL, read_marker, step_folder, write_marker
@@ -88,7 +89,7 @@ class CheckpointManager:
     ):
         self.config = config
         self.enabled = config.enable_checkpoint
-        self.root = os.path.join(dump_folder, config.folder)
+        self.dump_folder, self.root = dump_folder, os.path.join(dump_folder, config.folder)
         self.hf_root = os.path.join(dump_folder, "hf")  # checkpoint.last_save_in_hf writes step-N here
         self.view = build_model_view(model_parts)
         self.optimizer, self.lr_scheduler, self.data_loader = optimizer, lr_scheduler, data_loader
@@ -146,6 +147,7 @@ class CheckpointManager:
         self.loaded = f"step-{info.step}"
         if self.rank == 0:  # before anything new is saved; every rank's next save starts with a barrier
             set_aside(self.root, later_branch(self.root, info.step), f"abandoned-after-resume-from-step-{info.step}")
+            trim_metrics(self.dump_folder, step)  # the run continues after ``step``: it logs the later ones again
         if self.rank == 0:
             what = "resumed from step" if info.kind == FULL else "loaded seed weights (model only) from step"
             logger.info("%s %d (%s) in %.2f s", what, info.step, info.path, seconds)
@@ -305,6 +307,15 @@ class CheckpointManager:
         if self.last_saved is not None:
             parts.append(f"last saved step-{self.last_saved[0]} in {self.root}")
         return ", ".join(parts)
+
+
+def resumes_from(config: CheckpointConfig, dump_folder: str) -> int | None:
+    """The step of the checkpoint a run with this ``[checkpoint]`` section resumes from, or None (it starts
+    fresh): from the markers alone, before any process group exists (``load`` verifies and loads it)."""
+    found = resume_point(
+        os.path.join(dump_folder, config.folder), enabled=config.enable_checkpoint, load_step=config.load_step
+    )
+    return None if found is None else found.step
 
 
 def trim_metrics(dump_folder: str, last_step: int) -> None:

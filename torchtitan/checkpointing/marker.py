@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from typing import Any
 
@@ -45,3 +46,21 @@ def read_marker(path: str) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError) as e:
         logger.warning("checkpoint %s: unreadable marker (%s); treating it as incomplete", path, e)
         return None
+
+
+def why_not_loadable(path: str) -> str:
+    """Why ``path``, which has no marker, is not a complete checkpoint: the end of a one-line error naming it."""
+    if not os.path.exists(path):
+        return "does not exist; pass a complete step-N folder of a checkpoint (<dump_folder>/checkpoint/step-N)"
+    if not os.path.isdir(path):
+        return "is a file, not a checkpoint folder; pass a complete step-N folder of a checkpoint"
+    steps = sorted(
+        (int(m.group(1)), name)
+        for name in os.listdir(path)
+        if (m := re.fullmatch(r"step-(\d+)", name)) and read_marker(os.path.join(path, name)) is not None
+    )
+    if steps:
+        return f"holds checkpoints, it is not one; pass one of its step-N folders (the newest complete: {steps[-1][1]})"
+    return (
+        f"is not a complete checkpoint (no {MARKER} marker: its save did not finish, or it is not a checkpoint folder)"
+    )

@@ -124,7 +124,25 @@ class DataLoaderState(Stateful):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         merged = merge_data_states([json.loads(text) for text in state_dict.values()])
+        check_data_state(merged, self.data_loader.state_dict())
         self.data_loader.load_state_dict(merged)
+
+
+def check_data_state(saved: dict[str, Any], mine: dict[str, Any]) -> None:
+    """The saved data position fits this run: the same global batch (one stream per sample of it) and seq_len.
+
+    Raises:
+        ValueError: naming the config keys that set them, both values, and how to resume anyway.
+    """
+    (batch, seq), (my_batch, my_seq) = ((s["num_streams"], s["seq_len"]) for s in (saved, mine))
+    if (batch, seq) == (my_batch, my_seq):
+        return
+    raise ValueError(
+        f"the checkpoint's data position is for a global batch of {batch} samples x training.seq_len {seq}, this "
+        f"run has {my_batch} x {my_seq} (global batch = data-parallel degree x training.batch_size x "
+        "training.gradient_accumulation_steps); resume with the same global batch and training.seq_len, or "
+        'start the data from the beginning with checkpoint.exclude_from_loading = ["dataloader"]'
+    )
 
 
 class TrainState(Stateful):

@@ -1,4 +1,4 @@
-"""Optimizer and learning-rate schedule."""
+"""Optimizer and learning-rate schedule (the schedules' math: components/lr_schedule.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from torchtitan.components.lr_schedule import lr_factor_fn
 from torchtitan.components.optim_lowp import LowPrecisionAdamW
 from torchtitan.components.optimizer_in_backward import OptimizerInBackward
 from torchtitan.config.schema import Optimizer as OptimizerConfig
@@ -74,20 +75,9 @@ def _optimizer_over(params: list[nn.Parameter], config: OptimizerConfig) -> torc
     )
 
 
-def compute_lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
-    """LR multiplier before optimizer step ``step + 1``: linear warmup, then linear decay toward 0.
-
-    Warmup: (step+1)/(warmup+1), so the first step already moves. Decay: from 1 down to
-    1/(decay_steps+1) at the last step (never exactly 0, which would waste the step).
-    """
-    if step < warmup_steps:
-        return (step + 1) / (warmup_steps + 1)
-    decay_steps = max(1, total_steps - warmup_steps)
-    return 1.0 - (step - warmup_steps) / (decay_steps + 1)
-
-
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: Training) -> LambdaLR:
-    return LambdaLR(optimizer, lambda step: compute_lr_factor(step, config.warmup_steps, config.steps))
+    """The ``training.lr_schedule`` (components/lr_schedule.py) over ``optimizer``'s groups."""
+    return LambdaLR(optimizer, lr_factor_fn(config))
 
 
 def apply_optimizer_config(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, config: OptimizerConfig) -> list[str]:

@@ -9,20 +9,20 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import sys
-import types
 import typing
-from typing import Any, Literal
+from typing import Any
 
+from torchtitan.config.compat_2025 import RULES, SECTIONS_2025
 from torchtitan.config.errors import ConfigError  # also importable from here, as before
+from torchtitan.config.resolve_2025 import resolve
 from torchtitan.config.schema import NEGATED_ALIASES, JobConfigTree
+from torchtitan.config.spellings import Alias, Given, describe, translate
+from torchtitan.config.values import coerce, toml_value, type_name
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
-
-_TRUE = {"true", "1", "yes", "on"}
-_FALSE = {"false", "0", "no", "off"}
 
 
 def _sections() -> dict[str, type]:
@@ -39,74 +39,22 @@ def all_keys() -> list[str]:
     return [f"{s}.{k}" for s, cls in _sections().items() for k in _field_types(cls)]
 
 
+def _field_type(key: str) -> Any:
+    """The type of canonical key ``section.key``, or None when there is no such key."""
+    section, _, name = key.partition(".")
+    cls = _sections().get(section)
+    return None if cls is None else _field_types(cls).get(name)
+
+
 def _unknown_key_error(key: str) -> ConfigError:
-    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
+    # this schema's keys first (as before), then torchtitan 2025's; both at once in a section only 2025 has
+    if key.partition(".")[0] in SECTIONS_2025:
+        close = difflib.get_close_matches(key, [*RULES, *all_keys()], n=1, cutoff=0.6)
+    else:
+        close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
+        close = close or difflib.get_close_matches(key, list(RULES), n=1, cutoff=0.6)
     hint = f" (did you mean '{close[0]}'?)" if close else " (run with --help to list the keys)"
     return ConfigError(f"unknown config key '{key}'{hint}")
-
-
-def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) is list:
-        return "list[str] (comma-separated on the CLI)"
-    return "None" if tp is type(None) else getattr(tp, "__name__", str(tp))
-
-
-def coerce(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
-    """Check (TOML) or parse (CLI string) ``value`` as type ``tp``; raise ConfigError naming ``key``."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None or (from_cli and str(value).lower() in ("none", "null")):
-            if type(None) in args:
-                return None
-        return coerce(key, value, next(a for a in args if a is not type(None)), from_cli=from_cli)
-    try:
-        return _coerce_plain(value, tp, from_cli)
-    except (TypeError, ValueError):
-        raise ConfigError(
-            f"config key '{key}': got {value!r} ({type(value).__name__}), expected {_type_name(tp)}"
-        ) from None
-
-
-def _coerce_plain(value: Any, tp: Any, from_cli: bool) -> Any:
-    if typing.get_origin(tp) is Literal:
-        if value not in typing.get_args(tp):
-            raise ValueError
-        return value
-    if typing.get_origin(tp) is list:
-        if from_cli or isinstance(value, str):
-            return [v.strip() for v in str(value).split(",") if v.strip()]
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise TypeError
-        return list(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if from_cli and str(value).lower() in _TRUE | _FALSE:
-            return str(value).lower() in _TRUE
-        raise TypeError
-    if tp is int:
-        if from_cli:
-            return int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError
-        return value
-    if tp is float:
-        if from_cli:
-            return float(value)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError
-        return float(value)
-    if tp is str:
-        # A bare number in TOML for a string key (e.g. selective_ac_option = 2) is unambiguous.
-        if isinstance(value, (str, int)) and not isinstance(value, bool):
-            return str(value)
-        raise TypeError
-    raise TypeError(f"unsupported config field type {tp}")
 
 
 def _split_cli(argv: list[str]) -> list[tuple[str, str | None]]:
@@ -118,6 +66,7 @@ def _split_cli(argv: list[str]) -> list[tuple[str, str | None]]:
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument '{arg}': flags look like --section.key value")
         key, eq, value = arg[2:].partition("=")
+        key = key.replace("-", "_")  # torchtitan 2025's CLI (tyro) also spells keys with hyphens
         if eq:
             pairs.append((key, value))
         elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
@@ -129,8 +78,28 @@ def _split_cli(argv: list[str]) -> list[tuple[str, str | None]]:
     return pairs
 
 
+def _is_bool_key(key: str) -> bool:
+    rule = RULES.get(key)
+    if isinstance(rule, Alias):
+        return (rule.tp or _field_type(rule.target)) is bool
+    return (rule.tp if rule is not None else _field_type(key)) is bool or key in NEGATED_ALIASES
+
+
+def _negated_flags(pairs: list[tuple[str, str | None]]) -> list[tuple[str, str | None]]:
+    """torchtitan 2025's bare ``--section.no_key`` (tyro's spelling of ``key = false``) -> ``(section.key, "false")``."""
+    out = []
+    for key, value in pairs:
+        section, _, name = key.partition(".")
+        plain = f"{section}.{name.removeprefix('no_')}"
+        if value is None and name.startswith("no_") and not _is_bool_key(key) and _is_bool_key(plain):
+            key, value = plain, "false"
+        out.append((key, value))
+    return out
+
+
 def _toml_pairs(data: dict[str, Any]) -> list[tuple[str, Any]]:
-    """A parsed TOML file -> [(section.key, value)], in file order."""
+    """A parsed TOML file -> [(section.key, value)], in file order; nested tables (torchtitan 2025's
+    ``[quantize.linear.float8]``) give dotted keys."""
     pairs = []
     for section, values in data.items():
         if not isinstance(values, dict):
@@ -139,7 +108,15 @@ def _toml_pairs(data: dict[str, Any]) -> list[tuple[str, Any]]:
                 if section not in _sections()
                 else ConfigError(f"config section '[{section}]' must be a table of keys, got {values!r}")
             )
-        pairs += [(f"{section}.{key}", value) for key, value in values.items()]
+        pairs += _flatten(section, values)
+    return pairs
+
+
+def _flatten(prefix: str, values: dict[str, Any]) -> list[tuple[str, Any]]:
+    pairs = []
+    for key, value in values.items():
+        full = f"{prefix}.{key}"
+        pairs += _flatten(full, value) if isinstance(value, dict) else [(full, value)]
     return pairs
 
 
@@ -162,7 +139,7 @@ def _resolve_aliases(pairs: list[tuple[str, Any]], *, from_cli: bool) -> list[tu
             if spelling != key and earlier != value:
                 alias = key if key != canonical else spelling
                 raise ConfigError(
-                    f"{spelling} = {_toml_value(earlier_written)} and {key} = {_toml_value(written)} contradict each "
+                    f"{spelling} = {toml_value(earlier_written)} and {key} = {toml_value(written)} contradict each "
                     f"other ({alias} is the older spelling of {canonical} = false); keep only {canonical}"
                 )
             seen[canonical] = (key, written, value)
@@ -186,16 +163,29 @@ class JobConfig(JobConfigTree):
     """The resolved config of one run. Build with ``JobConfig.parse_args(argv)``."""
 
     @classmethod
-    def parse_args(cls, argv: list[str] | None = None) -> JobConfig:
+    def parse_args(cls, argv: list[str] | None = None, *, world_size: int | None = None) -> JobConfig:
+        """Defaults < the TOML file < the flags, in this schema's keys or torchtitan 2025's (config/compat_2025.py).
+
+        ``world_size``: the number of processes of the run; only ``training.global_batch_size`` (2025) needs it,
+        to find the data-parallel degree when ``data_parallel_shard_degree = -1``.
+        """
         argv = list(sys.argv[1:] if argv is None else argv)
-        cli = _split_cli(argv)
+        cli = _negated_flags(_split_cli(argv))
         config = cls()
+        given = Given()
         config_file = next((v for k, v in cli if k == "job.config_file"), None)
+        sources = [(cli, True)]
         if config_file is not None:
-            for key, value in _resolve_aliases(_toml_pairs(load_toml(config_file)), from_cli=False):
-                config.set(key, value, from_cli=False)
-        for key, value in _resolve_aliases(cli, from_cli=True):
-            config.set(key, value, from_cli=True)
+            file_pairs = _toml_pairs(load_toml(config_file))
+            given.file_keys = [key for key, _ in file_pairs]
+            sources.insert(0, (file_pairs, False))
+        for pairs, from_cli in sources:
+            pairs = _resolve_aliases(pairs, from_cli=from_cli)
+            for key, value, as_text in translate(
+                pairs, from_cli=from_cli, rules=RULES, field_type=_field_type, given=given
+            ):
+                config.set(key, value, from_cli=as_text)
+        resolve(config, given, world_size=world_size, config_file=config_file)
         return config
 
     def set(self, dotted_key: str, value: Any, *, from_cli: bool) -> None:
@@ -207,7 +197,7 @@ class JobConfig(JobConfigTree):
         tp = _field_types(sections[section])[key]
         if value is None and from_cli:  # a bare flag
             if tp is not bool:
-                raise ConfigError(f"flag --{dotted_key} needs a value ({_type_name(tp)})")
+                raise ConfigError(f"flag --{dotted_key} needs a value ({type_name(tp)})")
             value = "true"
         setattr(getattr(self, section), key, coerce(dotted_key, value, tp, from_cli=from_cli))
 
@@ -223,23 +213,12 @@ class JobConfig(JobConfigTree):
         return self.training.enable_loss_parallel
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    s = str(v).replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{s}"'
-
-
 def dump_toml(data: dict[str, dict[str, Any]]) -> str:
     """Write the config tree as TOML (None values are omitted: absent means None)."""
     lines: list[str] = []
     for section, values in data.items():
         lines.append(f"[{section}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None]
+        lines += [f"{k} = {toml_value(v)}" for k, v in values.items() if v is not None]
         lines.append("")
     return "\n".join(lines)
 
@@ -259,6 +238,10 @@ def _limits(f: dataclasses.Field) -> str:
 def format_help() -> str:
     defaults = JobConfigTree()
     alias_of = {canonical: alias for alias, canonical in NEGATED_ALIASES.items()}
+    spelled_as: dict[str, list[tuple[str, Alias]]] = {}
+    for key, rule in RULES.items():
+        if isinstance(rule, Alias):
+            spelled_as.setdefault(rule.target, []).append((key, rule))
     out = [
         "usage: python -m torchtitan.train [--job.config_file FILE] [--section.key VALUE ...]",
         "",
@@ -268,7 +251,7 @@ def format_help() -> str:
         out += ["", f"[{section}]"]
         for f in dataclasses.fields(cls):
             default = getattr(getattr(defaults, section), f.name)
-            tp = _type_name(_field_types(cls)[f.name])
+            tp = type_name(_field_types(cls)[f.name])
             out.append(f"  --{section}.{f.name} ({tp}, default {default!r}{_limits(f)})")
             out.append(f"      {f.metadata.get('help', '')}")
             if f"{section}.{f.name}" in alias_of:
@@ -277,7 +260,22 @@ def format_help() -> str:
                     f"      older spelling of {section}.{f.name} = false, mapped onto it when parsed "
                     "(giving both with opposite meanings is an error)"
                 )
-    return "\n".join(out)
+            for spelling, rule in spelled_as.get(f"{section}.{f.name}", []):
+                out.append(f"  --{spelling} (torchtitan 2025): {describe(rule)}")
+    return "\n".join(out + _help_2025_only())
+
+
+def _help_2025_only() -> list[str]:
+    """torchtitan 2025's keys with no key of their own here (docs/compatibility.md, the 2025 table)."""
+    out = [
+        "",
+        "[torchtitan 2025 keys without a key here] (TOML tables such as [quantize.linear.float8] give dotted keys;",
+        " --section.key-name and a bare --section.no_key = false are accepted as torchtitan 2025 spells them)",
+    ]
+    for key, rule in RULES.items():
+        if not isinstance(rule, Alias):
+            out.append(f"  --{key}: {describe(rule)}")
+    return out
 
 
 def wants_help(argv: list[str]) -> bool:

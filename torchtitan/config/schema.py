@@ -1,43 +1,27 @@
 """The typed config tree: one dataclass per TOML section, a help string per field.
 
 The field help strings are what ``--help`` prints. Field names and sections accept the
-late-2024 torchtitan schema so its published TOML files load unchanged.
+late-2024 torchtitan schema so its published TOML files load unchanged; torchtitan's 2025 spellings are
+translated onto these keys as they are read (config/compat_2025.py), so the tree has only these.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from torchtitan.config.bounds import Bound
+from torchtitan.config.fields import POSITIVE as _POSITIVE
+from torchtitan.config.fields import config_field as _f
+from torchtitan.config.schema_checkpoint import Checkpoint
 
 # The names of torchtitan/datasets/registry.py's DATASETS (tests/unit/test_data_errors.py keeps them equal),
 # spelled out here so that the config check knows them without importing the data stack.
-DatasetName = Literal["pydocs", "pydocs_val", "c4", "c4_test", "fineweb"]
+DatasetName = Literal["pydocs", "pydocs_val", "c4", "c4_test", "c4_validation", "fineweb"]
 
 
 # The names of models/llama/model.py's NORM_TYPES (tests/unit/test_config.py keeps them equal).
 NORM_TYPES = ("rmsnorm", "fused_rmsnorm", "layernorm", "np_layernorm")
-
-_POSITIVE = Bound(ge=1)
-
-
-def _f(
-    default: Any,
-    help: str,
-    *,
-    bound: Bound | None = None,
-    choices: tuple[Any, ...] | None = None,
-    not_built: str | None = None,
-) -> Any:
-    """A dataclass field with a help string and, for ``--help`` and the range check (config/bounds.py), its
-    numeric ``bound``, its allowed ``choices`` (a str key that is not a Literal), or the feature it would turn on
-    that is ``not_built`` yet. A list default gets its own copy per instance."""
-    metadata = {"help": help, "bound": bound, "choices": choices, "not_built": not_built}
-    metadata = {k: v for k, v in metadata.items() if v is not None}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -140,8 +124,24 @@ class Training:
     batch_size: int = _f(8, "samples per data-parallel rank per micro-batch", bound=_POSITIVE)
     seq_len: int = _f(2048, "tokens per sample", bound=_POSITIVE)
     warmup_steps: int = _f(
-        200, "linear warmup steps of the learning rate (then linear decay to 0 at `steps`)", bound=Bound(ge=0)
+        200, "linear warmup steps of the learning rate (then what lr_schedule says)", bound=Bound(ge=0)
     )
+    lr_schedule: Literal["linear", "wsd"] = _f(
+        "linear",
+        "the learning-rate schedule (components/lr_schedule.py): 'linear' = warmup (step+1)/(warmup_steps+1), then "
+        "linear decay toward 0 at `steps` (torchtitan late 2024); 'wsd' = torchtitan 2025's warmup-stable-decay "
+        "([lr_scheduler]): warmup (step+1)/warmup_steps, constant, then the last lr_decay_ratio of the steps decay "
+        "(lr_decay_type) to lr_min_factor x optimizer.lr",
+    )
+    lr_decay_ratio: float | None = _f(
+        None,
+        "wsd: the fraction of `steps` that decay (warmup-stable-decay); None = every step after warmup",
+        bound=Bound(ge=0, text=">= 0 (or unset)"),
+    )
+    lr_decay_type: Literal["linear", "sqrt", "cosine"] = _f(
+        "linear", "wsd: the decay's shape: linear, sqrt (1 - sqrt(progress)) or cosine (half a period)"
+    )
+    lr_min_factor: float = _f(0.0, "wsd: the decay ends at lr_min_factor x optimizer.lr", bound=Bound(ge=0))
     max_norm: float = _f(
         1.0,
         "gradient-norm clipping threshold (total 2-norm over all parameters); 0 = no clipping",
@@ -257,55 +257,6 @@ class Experimental:
     )
     enable_compiled_autograd: bool = _f(
         False, "compile the backward graph too (not built yet)", not_built="compiled autograd"
-    )
-
-
-@dataclass
-class Checkpoint:
-    enable_checkpoint: bool = _f(False, "save DCP checkpoints and resume from the newest complete one")
-    folder: str = _f("checkpoint", "checkpoint folder, relative to job.dump_folder")
-    interval_type: Literal["steps", "seconds"] = _f("steps", "unit of `interval` (seconds: rank 0's clock decides)")
-    interval: int = _f(500, "save every N steps or seconds", bound=Bound(ge=1, text=">= 1 ({interval_type})"))
-    model_weights_only: bool = _f(False, "the final save holds the model weights only (an export, not a resume point)")
-    export_dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "dtype of a weights-only export")
-    create_seed_checkpoint: bool = _f(False, "initialise on one process, save step-0 (weights only) and exit")
-    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = _f(
-        "disabled", "write checkpoints in a background thread (the final save is synchronous)"
-    )
-    keep_latest_k: int = _f(
-        0,
-        "keep only the newest K complete full checkpoints (the step-0 seed and weights-only exports are kept); 0 = all",
-        bound=Bound(ge=0, text=">= 0 (0 keeps every checkpoint)"),
-    )
-    load_step: int = _f(
-        -1,
-        "step to resume from; -1 = the newest complete checkpoint",
-        bound=Bound(ge=-1, text="-1 (the newest complete checkpoint) or a step >= 0"),
-    )
-    verify_checksums: bool = _f(
-        True,
-        "before loading, compare every file's CRC32 with the one recorded when it was written (rank 0 reads the "
-        "whole checkpoint once); false skips that for huge checkpoints (file sizes are still checked)",
-    )
-    initial_load_path: str = _f(
-        "",
-        "weights to start from when the checkpoint folder has nothing to resume: a complete step-N folder (DCP; "
-        "model weights only) or, with initial_load_in_hf, a Hugging Face folder (config.json + *.safetensors)",
-    )
-    initial_load_in_hf: bool = _f(
-        False,
-        "initial_load_path is a Hugging Face folder: each rank reads only its shards, one layer at a time, "
-        "through the family's adapter; model.flavor must match its config.json",
-    )
-    last_save_in_hf: bool = _f(
-        False,
-        "after the last step's checkpoint, also write the model in Hugging Face format (safetensors + config.json) "
-        "to <dump_folder>/hf/step-N (rank 0 converts the saved checkpoint)",
-    )
-    exclude_from_loading: list[str] = _f(
-        [],
-        "parts of a full checkpoint not to restore on resume: any of optimizer, lr_scheduler, dataloader (they "
-        "start fresh; the model weights, step and RNG are restored)",
     )
 
 

@@ -30,6 +30,7 @@ class DatasetSpec:
 
     hub_id: str | None = None  # streamed from the hub; None: local only
     hub_config: str | None = None
+    hub_split: str = "train"
     default_path: Path | None = None  # local default, read map-style
     text_field: str = "text"
 
@@ -41,6 +42,8 @@ DATASETS: dict[str, DatasetSpec] = {
     "pydocs_val": DatasetSpec(default_path=_REPO_ROOT / "torchtitan/datasets/assets/pydocs/pydocs_val.jsonl"),
     "c4": DatasetSpec(hub_id="allenai/c4", hub_config="en"),
     "c4_test": DatasetSpec(default_path=_REPO_ROOT / "tests/assets/c4_test"),
+    # torchtitan 2025's validation set: c4's validation split, streamed
+    "c4_validation": DatasetSpec(hub_id="allenai/c4", hub_config="en", hub_split="validation"),
     "fineweb": DatasetSpec(hub_id="HuggingFaceFW/fineweb"),
 }
 DEFAULT_DATASET = "pydocs"
@@ -97,9 +100,9 @@ def load_local(path: Path, text_field: str) -> Dataset:
     return data
 
 
-def load_from_hub(hub_id: str, hub_config: str | None) -> IterableDataset:
-    logger.info("streaming %s (config %s) from the Hugging Face hub", hub_id, hub_config)
-    return load_dataset(hub_id, name=hub_config, split="train", streaming=True)
+def load_from_hub(hub_id: str, hub_config: str | None, split: str = "train") -> IterableDataset:
+    logger.info("streaming %s (config %s, split %s) from the Hugging Face hub", hub_id, hub_config, split)
+    return load_dataset(hub_id, name=hub_config, split=split, streaming=True)
 
 
 def load_text_dataset(dataset_name: str, dataset_path: str | None) -> tuple[HFDataset, str]:
@@ -115,7 +118,7 @@ def load_text_dataset(dataset_name: str, dataset_path: str | None) -> tuple[HFDa
         if path.exists():
             return load_local(path, spec.text_field), spec.text_field
         if spec.hub_id is not None and _looks_like_hub_id(dataset_path):
-            return load_from_hub(dataset_path, spec.hub_config), spec.text_field
+            return load_from_hub(dataset_path, spec.hub_config, spec.hub_split), spec.text_field
         raise FileNotFoundError(
             f"dataset_path {dataset_path!r} for dataset {dataset_name!r} does not exist; pass an existing "
             f".json/.jsonl/.parquet/.txt file or folder" + (" or a hub id 'owner/name'" if spec.hub_id else "")
@@ -128,4 +131,4 @@ def load_text_dataset(dataset_name: str, dataset_path: str | None) -> tuple[HFDa
             )
         return load_local(spec.default_path, spec.text_field), spec.text_field
     assert spec.hub_id is not None, f"registry entry {dataset_name!r} has neither a hub id nor a local path"
-    return load_from_hub(spec.hub_id, spec.hub_config), spec.text_field
+    return load_from_hub(spec.hub_id, spec.hub_config, spec.hub_split), spec.text_field

@@ -59,7 +59,7 @@ def _run(argv: list[str]) -> int:
     gpus_per_node = _pop_option(argv, "--gpus_per_node")
     top = _pop_option(argv, "--top")
     world_size = _positive("--world_size", world if world is not None else os.environ.get("NGPU", "1"))
-    config = JobConfig.parse_args(argv)
+    config = JobConfig.parse_args(argv, world_size=world_size)
     title = f"{config.model.name} {config.model.flavor}"
     if plan:
         if memory_gib is None:

@@ -38,7 +38,7 @@ def _release_and_reset_peak() -> int:
 
 
 def measure_case(argv: list[str], world_size: int, rank: int) -> dict:
-    config = JobConfig.parse_args(argv)
+    config = JobConfig.parse_args(argv, world_size=world_size)
     run_preflight(config, world_size)
     check_estimable(config, world_size)
     vocab, _ = resolve_vocab(config)

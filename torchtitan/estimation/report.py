@@ -40,12 +40,18 @@ def format_table(est: Estimate, title: str) -> str:
     layout = " ".join(f"{k}={v}" for k, v in est.layout.items())
     out = [f"{title}: world_size {est.world_size} ({layout}); vocabulary: {est.vocab_source}"]
     roles = est.roles
-    out.append(f"{'GiB per rank at the peak':<26}" + "".join(f"{r.role:>16}" for r in roles))
+    # each column as wide as its widest cell, and two spaces apart ("forward/backward" fills 16 characters)
+    widths = [2 + max(10, len(r.role), len(r.memory.peak_phase)) for r in roles]
+
+    def line(label: str, cells: list[str]) -> str:
+        return f"{label:<26}" + "".join(f"{cell:>{w}}" for cell, w in zip(cells, widths))
+
+    out.append(line("GiB per rank at the peak", [r.role for r in roles]))
     for row in ROWS:
         if any(row in r.memory.breakdown for r in roles):
-            out.append(f"  {row:<24}" + "".join(f"{r.memory.breakdown.get(row, 0) / GIB:>16.2f}" for r in roles))
-    out.append(f"{'peak':<26}" + "".join(f"{r.memory.peak / GIB:>16.2f}" for r in roles))
-    out.append(f"{'peak falls in':<26}" + "".join(f"{r.memory.peak_phase:>16}" for r in roles))
+            out.append(line(f"  {row}", [f"{r.memory.breakdown.get(row, 0) / GIB:.2f}" for r in roles]))
+    out.append(line("peak", [f"{r.memory.peak / GIB:.2f}" for r in roles]))
+    out.append(line("peak falls in", [r.memory.peak_phase for r in roles]))
     for r in roles:
         out += [f"note ({r.role}): {n}" for n in r.memory.notes]
     out += [f"warning: {w}" for w in est.warnings]

@@ -14,6 +14,11 @@ read-only file system, no permission), found without writing: the pre-launch che
 
 ``read_json_lines``: the records of a JSON-lines file a killed run may have cut mid-line
 (metrics.jsonl on resume).
+
+``set_aside_earlier_run``: one run per folder. A run that does not resume from the folder's checkpoint
+finds the records of the run before it (metrics, checkpoints, config.toml, ...) moved into
+``<folder>/earlier_runs/<when that run started>/``, said in one log line, so two runs never mix and
+none is lost; a resume appends to its own records.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from torchtitan.config.errors import ConfigError
@@ -79,6 +86,65 @@ def read_json_lines(path: str) -> list[tuple[str, dict]]:
             continue
         out.append((line.rstrip("\n") + "\n", record))
     return out
+
+
+EARLIER_RUNS = "earlier_runs"
+# What every launch writes first: alone (a start that failed before logging a step), they are replaced.
+LAUNCH_RECORDS = ("config.toml", "command.txt", "run_info.json")
+
+
+def set_aside_earlier_run(folder: str, names: Sequence[str]) -> str | None:
+    """Move the earlier run's records (those of ``names`` that ``folder`` holds) into
+    ``<folder>/earlier_runs/<its start>/``; returns that folder, or None when there was nothing to keep.
+
+    ``names`` are single path components inside ``folder`` (anything else is skipped: the folder may be a
+    home directory, and only what a run writes is ever moved); a symbolic link is the user's (a checkpoint
+    folder on another disk, a log sent elsewhere) and stays. A run that left only ``LAUNCH_RECORDS`` (it
+    logged no step and saved nothing) keeps nothing worth a folder: its records are overwritten.
+    """
+    present = [n for n in dict.fromkeys(names) if _own_name(n) and _written(os.path.join(folder, n))]
+    if not any(n not in LAUNCH_RECORDS and not _empty(os.path.join(folder, n)) for n in present):
+        return None
+    started = _started(folder, present)
+    name = "run-" + re.sub(r"[^0-9A-Za-z_-]", "-", started)
+    dest, i = os.path.join(folder, EARLIER_RUNS, name), 1
+    while os.path.lexists(dest):  # an earlier run of the same second: a folder of its own
+        i += 1
+        dest = os.path.join(folder, EARLIER_RUNS, f"{name}-{i}")
+    os.makedirs(dest)
+    for record in present:
+        os.replace(os.path.join(folder, record), os.path.join(dest, record))
+    logger.warning(
+        "job.dump_folder %s holds an earlier run (started %s), which this run does not resume: moved its %s into %s",
+        folder,
+        started,
+        ", ".join(present),
+        dest,
+    )
+    return dest
+
+
+def _own_name(name: str) -> bool:
+    return bool(name) and name not in (".", "..", EARLIER_RUNS, LOCK_FILE) and os.path.basename(name) == name
+
+
+def _written(path: str) -> bool:
+    """A file or folder a run wrote (not a link someone made)."""
+    return not os.path.islink(path) and (os.path.isfile(path) or os.path.isdir(path))
+
+
+def _empty(path: str) -> bool:
+    return not os.listdir(path) if os.path.isdir(path) else os.path.getsize(path) == 0
+
+
+def _started(folder: str, present: list[str]) -> str:
+    """When the earlier run started: its run_info.json's time, else its oldest record's."""
+    try:
+        with open(os.path.join(folder, "run_info.json"), encoding="utf-8") as f:
+            return str(json.load(f)["started"])[:19]
+    except (OSError, ValueError, KeyError, TypeError):
+        oldest = min(os.lstat(os.path.join(folder, n)).st_mtime for n in present)
+        return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(oldest))
 
 
 def _proc_stat(pid: int) -> list[str]:

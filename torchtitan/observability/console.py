@@ -91,7 +91,8 @@ def format_start_summary(
     tokens = global_batch * seq_len
     return "\n".join(
         [
-            f"model       {model}: {params:,} parameters ({flop_params:,} without the embedding)",
+            # flop_params: what each token is multiplied by: no embedding lookup, and only the active experts
+            f"model       {model}: {params:,} parameters, {flop_params:,} of them multiply each token (MFU's N)",
             f"layout      {layout} ({world_size} process{'es' if world_size > 1 else ''}, device {device})",
             f"batch       {global_batch} samples x {seq_len} tokens = {tokens:,} tokens per step, {steps} steps",
             f"outputs     {dump_folder} (metrics.jsonl, config.toml, command.txt, run_info.json)",
@@ -102,6 +103,7 @@ def format_start_summary(
 def format_end_summary(
     *,
     steps: int,
+    start_step: int = 0,
     wall_s: float,
     mean_tps: float,
     best_loss: float | None,
@@ -109,9 +111,14 @@ def format_end_summary(
     last_validation: float | None,
     checkpoint: str,
 ) -> str:
+    """``steps``: the run's last step; ``start_step``: the step a resumed run continued after (its time, tokens/s
+    and best loss are this run's)."""
     best = "n/a" if best_loss is None else f"{best_loss:.4f} (step {best_step})"
     val = "" if last_validation is None else f", last validation loss {last_validation:.4f}"
+    done = f"{steps} steps"
+    if start_step:
+        done += f" ({steps - start_step} this run, resumed after step {start_step})"
     return (
-        f"done: {steps} steps in {format_duration(wall_s)}, mean {mean_tps:,.0f} tokens/s per rank, "
+        f"done: {done} in {format_duration(wall_s)}, mean {mean_tps:,.0f} tokens/s per rank, "
         f"best logged loss {best}{val}; checkpoint: {checkpoint}"
     )

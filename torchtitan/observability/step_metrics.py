@@ -45,11 +45,13 @@ class StepMetrics:
         reduce_loss: Callable[[torch.Tensor], tuple[float, float]],
         num_params: int,
         model_args: ModelArgs,
-        append: bool = False,
+        start_step: int = 0,
         wandb_config: dict[str, Any] | None = None,
         documents: Callable[[], tuple[int, int, int] | None] | None = None,
     ):
         """cp_degree: the context-parallel degree (each rank's micro-batch holds 1/cp of its tokens).
+        start_step: the step a resumed run continues after (0: a new run): metrics.jsonl is appended to, and
+        the end summary counts this run's steps apart.
         wandb_config: the run's resolved config, recorded by Weights & Biases (metrics.enable_wandb).
         documents (block_causal): returns the (windows, documents, visible pairs) trained on since its
         last call; MFU then counts attention over the visible pairs only (``mfu_attention``)."""
@@ -73,11 +75,11 @@ class StepMetrics:
             enabled=enabled,
             enable_tensorboard=metrics.enable_tensorboard,
             save_tb_folder=metrics.save_tb_folder,
-            append=append,
+            append=start_step > 0,
             enable_wandb=metrics.enable_wandb,
             wandb_config=wandb_config,
         )
-        self.total_steps = training.steps
+        self.total_steps, self.start_step = training.steps, start_step
         self.palette = build_palette(metrics.enable_color_printing)
         self.run_start = time.perf_counter()
         self.tps_history: list[float] = []
@@ -186,6 +188,7 @@ class StepMetrics:
         mean_tps = sum(self.tps_history) / len(self.tps_history) if self.tps_history else 0.0
         return format_end_summary(
             steps=steps,
+            start_step=self.start_step,
             wall_s=time.perf_counter() - self.run_start,
             mean_tps=mean_tps,
             best_loss=self.best[0] if self.best else None,

@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         world_size, argv = _pop_world_size(argv)
-        config = JobConfig.parse_args(argv)
+        config = JobConfig.parse_args(argv, world_size=world_size)
         for warning in run_preflight(config, world_size):
             print(f"warning: {warning}", file=sys.stderr)
     except (ValueError, NotImplementedError, FileNotFoundError) as e:

@@ -10,6 +10,7 @@ from torchtitan.checkpointing.checks import check_checkpoint, check_initial_load
 from torchtitan.components.attention_checks import check_attention, check_attention_device
 from torchtitan.components.float8 import check_float8, check_torchao_installed
 from torchtitan.components.in_backward_checks import check_in_backward
+from torchtitan.components.lr_schedule import check_lr_schedule
 from torchtitan.components.memory_checks import check_memory_options
 from torchtitan.config.bounds import check_not_built, check_ranges
 from torchtitan.datasets.checks import check_data_paths
@@ -46,6 +47,7 @@ CHECKS: tuple[Check, ...] = (
     Check(check_memory_options),
     Check(check_data_parallel),
     Check(check_in_backward),
+    Check(check_lr_schedule),
     Check(check_float8),
     Check(check_torchao_installed, this_machine=True),
     # The family and flavor exist; the flavor's shapes under TP and PP; the family's own check (FFN width, experts).

@@ -38,6 +38,16 @@ def moe_layer_pattern(args: Any) -> tuple[int, int]:
     return args.first_k_dense, args.moe_every
 
 
+def llama3_moe_hf_refusal(args: Any) -> str:
+    """Every llama3_moe flavor: its layers match no Hugging Face architecture (the converters refuse with this)."""
+    return (
+        "model.name = 'llama3_moe' has no Hugging Face counterpart: no transformers architecture has its layers "
+        "(Llama's attention with routed experts beside an ungated shared expert, the first layer dense; Mixtral has "
+        "no shared expert, Qwen2-MoE gates it, DeepSeek-V3 has its own attention); train model.name = 'qwen3_moe' "
+        "(flavor debugmodel_aux_loss at the debug size) for a mixture of experts that exports"
+    )
+
+
 def check_moe_config(args: Any, *, model: Model, training: Training, experimental: Experimental) -> list[str]:
     """Expert parallel and the MoE model (the EP/TP/dp_shard divisibility is checked by ParallelDims).
 
@@ -103,4 +113,5 @@ SPEC = ModelSpec(
     fake_tensor_args=balanced_routing,
     check_fn=check_moe_config,
     layer_pattern=moe_layer_pattern,
+    hf_refusal=llama3_moe_hf_refusal,
 )

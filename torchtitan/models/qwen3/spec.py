@@ -8,6 +8,9 @@ on the first ``get_model_spec`` of either name.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from torchtitan.models.llama.spec import check_dense_config
 from torchtitan.models.moe.spec import (
     BUILD_LOAD_BALANCER,
@@ -25,6 +28,20 @@ from torchtitan.models.qwen3 import (
     qwen3_moe_configs,
 )
 from torchtitan.spec import ModelSpec
+
+
+def qwen3_moe_hf_refusal(args: Mapping[str, Any]) -> str | None:
+    """Qwen3-MoE balances its experts with an aux loss; HF's router has no place for our expert bias."""
+    if args.get("load_balance") != "bias":
+        return None
+    aux_loss = [name for name, flavor in qwen3_moe_configs.items() if flavor.load_balance == "aux_loss"]
+    return (
+        "qwen3_moe weights balanced with an expert bias (load_balance = 'bias') have no Hugging Face counterpart: "
+        "Qwen3-MoE's router has no bias, and folding it into the router is not exact (the bias only picks the "
+        "experts, their weights come from the unbiased scores); set model.flavor to one balanced by the aux loss, "
+        f"as Qwen3-MoE is: {', '.join(aux_loss[:-1])} or {aux_loss[-1]}"
+    )
+
 
 SPECS = {
     "qwen3": ModelSpec(
@@ -48,5 +65,6 @@ SPECS = {
         check_fn=check_moe_config,
         layer_pattern=moe_layer_pattern,
         hf_model_type="qwen3_moe",
+        hf_refusal=qwen3_moe_hf_refusal,
     ),
 }
