@@ -12,27 +12,13 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
 
+from tests.held_marker_train import LAUNCH  # run_llama_train.sh's launch: NGPU=2, the user watches rank 0
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAUNCH = [
-    sys.executable,
-    "-m",
-    "torchtitan.launch",
-    "--nproc_per_node=2",
-    "--rdzv_backend",
-    "c10d",
-    "--rdzv_endpoint=localhost:0",
-    "--local-ranks-filter",
-    "0",  # the user watches rank 0 only; rank 1 fails
-    "--role",
-    "rank",
-    "--tee",
-    "3",
-]
 
 
 def _launch_failing(mode: str) -> tuple[int, str]:
