@@ -24,6 +24,7 @@ from torch import nn
 from torchtitan.checkpointing.common import model_info, save_model_weights
 from torchtitan.checkpointing.marker import read_marker, step_folder
 from torchtitan.checkpointing.state import ModelState
+from torchtitan.components.document_feed import build_document_feed
 from torchtitan.components.float8 import Float8ScalePrecompute, apply_float8, check_float8_runs
 from torchtitan.components.step import PipelineLoss, StepFunction
 from torchtitan.datasets.hf_datasets import build_hf_data_loader, compute_stream_groups
@@ -225,8 +226,12 @@ def build_step_function(
     device: torch.device,
     *,
     amp_dtype: torch.dtype | None,
+    eos_id: int,
+    cp_positions: torch.Tensor | None,
 ) -> StepFunction:
-    """This rank's finished model parts, the family's step hooks, and the one step function over them."""
+    """This rank's finished model parts, the family's step hooks, and the one step function over them
+    (block_causal: with the feed of each batch's documents over the parts; ``eos_id``: the tokenizer's end
+    of document, ``cp_positions``: context parallel's positions of this rank, or None)."""
     pipeline_loss = PipelineLoss()
     parts, pipeline = build_model_parts(whole, build_stage_model, spec, config, world, device, pipeline_loss)
     hooks = None
@@ -243,6 +248,14 @@ def build_step_function(
         pipeline=pipeline,
         pipeline_loss=pipeline_loss,
         hooks=hooks,
+        feed=build_document_feed(
+            parts,
+            model=config.model,
+            eos_id=eos_id,
+            n_microbatches=pipeline.n_microbatches if pipeline is not None else 1,
+            cp_positions=cp_positions,
+            group=world.group("dp_cp"),
+        ),
     )
 
 

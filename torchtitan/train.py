@@ -100,10 +100,9 @@ class Trainer:
             logger.info("\n%s", self._start_summary(num_params))
 
     def _build_step(self, whole: torch.nn.Module, eos_id: int) -> StepFunction:
-        """Parallelize and materialise the model parts, then the one step function over them (block_causal:
-        with the feed of each batch's documents, ``eos_id`` the tokenizer's end of document)."""
+        """The model parts, parallelized and materialised, and the one step function over them (build.py)."""
         meta_model = self.builders.meta_model
-        step_fn = build_step_function(
+        return build_step_function(
             whole,
             lambda: meta_model(self.spec, self.model_args),
             self.spec,
@@ -112,8 +111,9 @@ class Trainer:
             self.world,
             self.device,
             amp_dtype=self._autocast_dtype(),
+            eos_id=eos_id,
+            cp_positions=self.cp_positions,
         )
-        return step_fn.with_document_feed(model=self.config.model, eos_id=eos_id, cp_positions=self.cp_positions)
 
     def _start_summary(self, num_params: int) -> str:
         cfg, dims = self.config, self.parallel_dims

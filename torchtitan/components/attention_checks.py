@@ -55,7 +55,7 @@ def check_attention_device(config: JobConfig, dims: ParallelDims) -> list[str]:
     """This machine: FlexAttention trains on CUDA only."""
     m = config.model
     if m.attn_mask_type == "block_causal" and m.attention_backend == "flex":
-        if get_device_info(0).device.type != "cuda":
+        if get_device_info(0).device.type != "cuda":  # device-choice: the device the trainer will pick
             raise NotImplementedError(
                 "model.attention_backend = 'flex' needs CUDA: torch 2.13 has no FlexAttention backward on CPU; "
                 "use 'sdpa' or 'auto' (auto picks sdpa here)"

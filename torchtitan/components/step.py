@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torchtitan.components.document_feed import Batch, DocumentFeed, build_document_feed
+from torchtitan.components.document_feed import Batch, DocumentFeed
 from torchtitan.components.loss import chunked_cross_entropy, cross_entropy_loss
 from torchtitan.components.optimizer import build_optimizer_in_backward
 from torchtitan.distributed.grad_norm import clip_grad_norm_, reduce_partial_grads_
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from torch import nn
 
     from torchtitan.components.optimizer_in_backward import OptimizerInBackward
-    from torchtitan.config.schema import Model as ModelConfig
     from torchtitan.config.schema import Optimizer as OptimizerConfig
     from torchtitan.distributed.mesh import WorldMesh
     from torchtitan.distributed.pipeline import PipelineParts
@@ -102,40 +101,13 @@ class StepFunction:
     ):
         """``amp_dtype``: autocast's dtype, or None (FSDP's mixed precision or fp32 computes without it).
         ``feed``: block_causal attention's feed of each batch's documents to the forwards (built over
-        these model parts, see ``with_document_feed``), else None."""
+        these model parts, built with them by ``build.build_step_function``), else None."""
         self.model_parts, self.world, self.device = model_parts, world, device
         self.amp_dtype, self.loss_chunk_size = amp_dtype, loss_chunk_size
         self.pipeline, self.hooks = pipeline, hooks
         self.loss_context = loss_parallel if world.dims.loss_parallel_enabled else contextlib.nullcontext
         self.pipeline_loss = pipeline_loss
         self.feed = feed
-
-    def with_document_feed(self, *, model: ModelConfig, eos_id: int, cp_positions: torch.Tensor | None) -> StepFunction:
-        """This step function over the same parts, with (``model.attn_mask_type = "block_causal"``) the
-        feed of each batch's documents to their forwards; the feed hooks the parts, so it comes after them.
-
-        ``eos_id``: the tokenizer's end of document; ``cp_positions``: context parallel's positions of
-        this rank, or None.
-        """
-        feed = build_document_feed(
-            self.model_parts,
-            model=model,
-            eos_id=eos_id,
-            n_microbatches=self.pipeline.n_microbatches if self.pipeline is not None else 1,
-            cp_positions=cp_positions,
-            group=self.world.group("dp_cp"),
-        )
-        return StepFunction(
-            self.model_parts,
-            world=self.world,
-            device=self.device,
-            amp_dtype=self.amp_dtype,
-            loss_chunk_size=self.loss_chunk_size,
-            pipeline=self.pipeline,
-            pipeline_loss=self.pipeline_loss,
-            hooks=self.hooks,
-            feed=feed,
-        )
 
     def count_tokens(self, batches: list[Batch], *, record: bool = True) -> float | None:
         """block_causal: the token weight that weighs each token equally over the global batch, for

@@ -192,6 +192,7 @@ def check_profiling(config: JobConfig, dims: ParallelDims) -> list[str]:
 
 def check_memory_snapshot_device(config: JobConfig, dims: ParallelDims) -> list[str]:
     """This machine: memory snapshots are CUDA's allocator history."""
+    # device-choice: the device the trainer will pick
     if config.profiling.enable_memory_snapshot and get_device_info(0).device.type != "cuda":
         raise NotImplementedError(
             "profiling.enable_memory_snapshot = true: memory snapshots are CUDA's allocator history and this "

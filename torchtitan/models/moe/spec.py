@@ -103,15 +103,14 @@ def check_moe_config(args: Any, *, model: Model, training: Training, experimenta
     return warnings
 
 
-SPEC = ModelSpec(
-    "llama3_moe",
-    MoETransformer,
-    moe_configs,
-    documents=True,
-    count_flop_params=moe_flop_params,
-    build_step_hooks=BUILD_LOAD_BALANCER,
-    fake_tensor_args=balanced_routing,
-    check_fn=check_moe_config,
-    layer_pattern=moe_layer_pattern,
-    hf_refusal=llama3_moe_hf_refusal,
-)
+# What every MoE family built on these modules shares (qwen3_moe too).
+MOE_WIRING: dict[str, Any] = {
+    "documents": True,
+    "count_flop_params": moe_flop_params,
+    "build_step_hooks": BUILD_LOAD_BALANCER,
+    "fake_tensor_args": balanced_routing,
+    "check_fn": check_moe_config,
+    "layer_pattern": moe_layer_pattern,
+}
+
+SPEC = ModelSpec("llama3_moe", MoETransformer, moe_configs, **MOE_WIRING, hf_refusal=llama3_moe_hf_refusal)

@@ -12,13 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtitan.models.llama.spec import check_dense_config
-from torchtitan.models.moe.spec import (
-    BUILD_LOAD_BALANCER,
-    balanced_routing,
-    check_moe_config,
-    moe_flop_params,
-    moe_layer_pattern,
-)
+from torchtitan.models.moe.spec import MOE_WIRING
 from torchtitan.models.qwen3 import (
     Qwen3MoETransformer,
     Qwen3Transformer,
@@ -57,13 +51,8 @@ SPECS = {
         "qwen3_moe",
         Qwen3MoETransformer,
         qwen3_moe_configs,
-        documents=True,
-        count_flop_params=moe_flop_params,
-        build_step_hooks=BUILD_LOAD_BALANCER,
-        fake_tensor_args=balanced_routing,
+        **MOE_WIRING,
         state_dict_adapter=hf_moe_adapter,
-        check_fn=check_moe_config,
-        layer_pattern=moe_layer_pattern,
         hf_model_type="qwen3_moe",
         hf_refusal=qwen3_moe_hf_refusal,
     ),
