@@ -4,22 +4,34 @@
     python scripts/generate.py outputs/debug_model/checkpoint/step-30 --prompt "def main(" \\
         [--max_new_tokens 64] [--temperature 0.8 --top_k 40] [--seed 0] [--no_cache]
     python scripts/generate.py --hf HF_DIR --prompt "..."          # a Hugging Face folder
+    python scripts/generate.py CKPT --tokenizer tests/assets/sft/tokenizer --chat \\
+        --prompt "What is 12 plus 7?" [--system "Answer with the number only."]   # a chat model
     NGPU=2 torchrun --nproc_per_node 2 scripts/generate.py CKPT ...  # tensor parallel over the ranks
 
 The model (family, shapes) comes from the checkpoint's marker (or the HF config.json); the tokenizer
 from ``--tokenizer`` (default: the shipped one the debug configs train with). CPU without a GPU, else
 CUDA. Greedy by default (temperature 0); with a KV cache unless ``--no_cache``.
+
+Plain, the prompt is text to continue (after the tokenizer's bos, if it has one); generation stops at
+eos and the continuation is printed as decoded. With ``--chat`` the prompt is a user message: it is
+rendered (after ``--system``, if given) with the tokenizer's chat template, or the built-in ChatML
+one when it has none, and the assistant's header, as transformers' ``apply_chat_template(...,
+add_generation_prompt=True)`` renders it. Generation stops at the end of the assistant's turn (eos,
+or ``<|im_end|>`` / ``<|eot_id|>``), and only the answer is printed, without special tokens. ``--chat``
+needs a Hugging Face tokenizer (``tokenizer.json`` + ``tokenizer_config.json``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
+from collections.abc import Callable
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
+import jinja2  # noqa: E402
 import torch  # noqa: E402
 
 from torchtitan.components.generation import Sampling, generate  # noqa: E402
@@ -52,11 +64,15 @@ def _weights_and_model(checkpoint: str | None, hf: str | None, max_len: int):
     if hf:
         from safetensors.torch import load_file
 
-        with open(os.path.join(hf, "config.json"), encoding="utf-8") as f:
-            config = json.load(f)
+        from torchtitan.checkpointing.hf_files import hf_weight_files, read_hf_config
+
+        config = read_hf_config(hf)
         spec = spec_for_hf_model_type(config.get("model_type", "llama"))
         fields = spec.state_dict_adapter.model_args_from_hf(config)
-        weights = spec.state_dict_adapter.from_hf_state_dict(load_file(os.path.join(hf, "model.safetensors")), fields)
+        hf_weights = {}
+        for path in sorted(set(hf_weight_files(hf).values())):  # one file, or save_pretrained's shards
+            hf_weights.update(load_file(path))
+        weights = spec.state_dict_adapter.from_hf_state_dict(hf_weights, fields)
     else:
         weights, marker = load_model_weights(checkpoint)
         info = marker.get("model") or {}
@@ -89,50 +105,110 @@ def _build(spec, model_args, weights, device: torch.device) -> torch.nn.Module:
     return model.eval()
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", nargs="?", help="a complete checkpoint folder (step-N)")
     parser.add_argument("--hf", help="a Hugging Face folder (model.safetensors + config.json) instead")
-    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--prompt", required=True, help="text to continue; with --chat, the user's message")
     parser.add_argument(
         "--tokenizer",
         default=SHIPPED_TOKENIZER,
         help="tokenizer the model was trained with: tiktoken BPE file or tokenizer.json (or its folder)",
     )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt is a user message, rendered with the tokenizer's chat template; print only the answer",
+    )
+    parser.add_argument("--system", help="with --chat: a system message before the user's")
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no_cache", action="store_true", help="run the whole sequence every step (the reference)")
+    return parser
+
+
+# a NamedTuple, not a dataclass: tests load this script by path, outside sys.modules, where a
+# dataclass cannot resolve its string annotations
+class Prompt(NamedTuple):
+    """A run's prompt ids and vocabulary size, the ids that end its answer (generation stops at the
+    first of them), and how generated ids become the printed text."""
+
+    ids: list[int]
+    n_words: int
+    stop_ids: tuple[int, ...]
+    to_text: Callable[[list[int]], str]
+
+
+def build_prompt(args: argparse.Namespace) -> Prompt:
+    """The prompt of a plain run (text after bos) or of a ``--chat`` run (a rendered user turn).
+
+    Raises:
+        ValueError: ``--chat`` with a tiktoken tokenizer, or a tokenizer without a usable chat template.
+        FileNotFoundError: no tokenizer at ``--tokenizer``.
+        jinja2.TemplateError: the chat template fails on the conversation.
+    """
+    from torchtitan.datasets.tokenizer import build_tokenizer
+    from torchtitan.datasets.tokenizer.hf_tokenizer import is_hf_tokenizer_path
+
+    if not args.chat:
+        tokenizer = build_tokenizer(args.tokenizer)
+        ids = tokenizer.encode(args.prompt, bos=True, eos=False)
+        return Prompt(ids, tokenizer.n_words, (tokenizer.eos_id,), tokenizer.decode)
+    if not is_hf_tokenizer_path(args.tokenizer):
+        raise ValueError(
+            f"--chat needs a Hugging Face tokenizer with a chat template, but --tokenizer {args.tokenizer} is a "
+            "tiktoken file, which has none; pass --tokenizer a folder with tokenizer.json and tokenizer_config.json "
+            "(such as tests/assets/sft/tokenizer), or drop --chat"
+        )
+    from torchtitan.datasets.sft.chat_template import ChatTokenizer
+    from torchtitan.datasets.sft.prompting import chat_prompt_ids, chat_stop_ids, decode_answer
+
+    tokenizer = ChatTokenizer(args.tokenizer)
+    ids = chat_prompt_ids(tokenizer, args.prompt, system=args.system)
+    stop_ids = chat_stop_ids(tokenizer)
+    return Prompt(ids, tokenizer.base.n_words, stop_ids, lambda out: decode_answer(tokenizer, out, stop_ids))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if bool(args.checkpoint) == bool(args.hf):
         parser.error("give a checkpoint folder or --hf HF_DIR (one of them)")
-    from torchtitan.datasets.tokenizer import build_tokenizer
+    if args.system is not None and not args.chat:
+        parser.error("--system is a chat message; add --chat")
     from torchtitan.distributed.device import get_device_info, init_distributed
 
     info = get_device_info()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         init_distributed(info, 300, 0)
     try:
-        tokenizer = build_tokenizer(args.tokenizer)
-        prompt = tokenizer.encode(args.prompt, bos=True, eos=False)
-        max_len = len(prompt) + args.max_new_tokens
-        model = load_model(args.checkpoint, args.hf, max_len, tokenizer.n_words, info.device)
-    except (ValueError, NotImplementedError, FileNotFoundError) as e:
+        prompt = build_prompt(args)
+        max_len = len(prompt.ids) + args.max_new_tokens
+        model = load_model(args.checkpoint, args.hf, max_len, prompt.n_words, info.device)
+    except (ValueError, NotImplementedError, FileNotFoundError, jinja2.TemplateError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    generated = complete(model, prompt, args, info.device)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(prompt.to_text(generated))
+    return 0
+
+
+def complete(model: torch.nn.Module, prompt: Prompt, args: argparse.Namespace, device: torch.device) -> list[int]:
+    """The ids generated after the prompt (the prompt left out), up to and including the first of
+    ``prompt.stop_ids`` when one comes within ``--max_new_tokens``."""
     out = generate(
         model,
-        torch.tensor([prompt], device=info.device),
+        torch.tensor([prompt.ids], device=device),
         args.max_new_tokens,
         Sampling(args.temperature, args.top_k),
         use_cache=not args.no_cache,
-        stop_token=tokenizer.eos_id,
-        generator=torch.Generator(info.device).manual_seed(args.seed),
+        stop_token=prompt.stop_ids,
+        generator=torch.Generator(device).manual_seed(args.seed),
     )
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(tokenizer.decode(out[0, len(prompt) :].tolist()))
-    return 0
+    return out[0, len(prompt.ids) :].tolist()
 
 
 if __name__ == "__main__":

@@ -122,13 +122,19 @@ def _losses(folder: str) -> list[float]:
 
 def _hf_start(family: str, folder: str) -> None:
     """A random-init HF model of the debug flavor's shapes, saved by transformers in shards."""
+    save_random_hf_model(_base(family), folder)
+
+
+def save_random_hf_model(argv: list[str], folder: str) -> None:
+    """A random-init HF model of the shapes the run ``argv`` builds (its flavor, its tokenizer's vocabulary),
+    saved by transformers in shards (tests/test_sft_recipe.py starts from one too)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from torchtitan.build import build_meta_model, build_model_args
     from torchtitan.estimation.fake_trainer import resolve_vocab
     from torchtitan.spec import get_model_spec
 
-    config = JobConfig.parse_args(_base(family))
+    config = JobConfig.parse_args(argv)
     spec = get_model_spec(config.model.name)
     args = build_model_args(config, spec, resolve_vocab(config)[0])
     meta = build_meta_model(spec, args).state_dict()
@@ -149,13 +155,19 @@ def _first_batch(family: str) -> tuple[torch.Tensor, torch.Tensor]:
     return batch.inputs, batch.labels
 
 
-def _hf_loss(folder: str, inputs: torch.Tensor, labels: torch.Tensor) -> float:
+def hf_logits(folder: str, inputs: torch.Tensor) -> torch.Tensor:
+    """transformers' logits (bs, seq, vocab) for ``inputs`` of the HF folder, which must load with no
+    missing, unexpected or mismatched weight."""
     from transformers import AutoModelForCausalLM
 
     model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, dtype=torch.float32)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     with torch.no_grad():
-        logits = model(inputs).logits
+        return model(inputs).logits
+
+
+def _hf_loss(folder: str, inputs: torch.Tensor, labels: torch.Tensor) -> float:
+    logits = hf_logits(folder, inputs)
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).item()
 
 

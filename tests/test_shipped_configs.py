@@ -32,7 +32,13 @@ SHORT = [
     *("--checkpoint.enable_checkpoint", "--checkpoint.interval", "1000", "--validation.enabled", "false"),
 ]
 # config -> the converter's refusal (None: it exports)
-SHIPPED = {"debug_model": None, "qwen3_debug_model": None, "qwen3_moe_debug_model": None, "debug_moe": LLAMA3_MOE}
+SHIPPED = {
+    "debug_model": None,
+    "qwen3_debug_model": None,
+    "qwen3_moe_debug_model": None,
+    "debug_moe": LLAMA3_MOE,
+    "sft_debug": None,
+}
 
 
 def _ours(step_folder: str) -> tuple[torch.nn.Module, int]:

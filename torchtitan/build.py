@@ -112,6 +112,10 @@ def build_data_loader(training: Training, tokenizer: Any, world: WorldMesh) -> I
     dp_rank, dp_degree = world.local_rank("dp"), world.dims.dp_degree
     groups = compute_stream_groups(dp_rank, dp_degree, t.batch_size, t.gradient_accumulation_steps)
     num_streams = dp_degree * t.batch_size * t.gradient_accumulation_steps
+    if t.dataset_format != "text":  # fine-tuning rows, packed (datasets/sft/loader.py)
+        from torchtitan.datasets.sft.loader import build_sft_data_loader
+
+        return build_sft_data_loader(t.dataset, t.dataset_path, tokenizer, t, groups, num_streams)
     return build_hf_data_loader(t.dataset, t.dataset_path, tokenizer, t.seq_len, groups, num_streams)
 
 

@@ -26,6 +26,7 @@ from torchtitan.components.optimizer import apply_optimizer_config, build_lr_sch
 from torchtitan.components.run_control import NonFiniteStep, RunStopped, StepGuard, StopSignals
 from torchtitan.components.step import StepFunction
 from torchtitan.components.validation import Validator
+from torchtitan.datasets.sft.packing import PackedDocs
 from torchtitan.config.manager import JobConfig, format_help, wants_help
 from torchtitan.distributed.context_parallel import compute_cp_positions, shard_sequence
 from torchtitan.distributed.device import get_device_info, init_distributed, set_determinism, set_pg_timeout
@@ -138,17 +139,16 @@ class Trainer:
         return dtype
 
     def next_batches(self, data_iter: Iterator) -> list[Batch]:
-        """One optimizer step's micro-batches, on the device, sharded for context parallel."""
+        """One step's micro-batches (fine-tuning's with their PackedDocs), on the device, sharded for CP."""
         batches = []
         for _ in range(self.config.training.gradient_accumulation_steps):
-            inputs, labels = next(data_iter)
-            batches.append(self.shard_batch(inputs.to(self.device), labels.to(self.device)))
+            batches.append(self.shard_batch(*(t.to(self.device) for t in next(data_iter))))
         return batches
 
-    def shard_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> Batch:
+    def shard_batch(self, inputs: torch.Tensor, labels: torch.Tensor, packed: PackedDocs | None = None) -> Batch:
         """Under context parallel, this rank's sequence positions of the batch its dp rank reads (the
         model gets the matching positions from apply_cp's hook); block_causal: with its documents."""
-        labels, docs = self.step_fn.feed.prepare(inputs, labels) if self.step_fn.feed else (labels, None)
+        labels, docs = self.step_fn.feed.prepare(inputs, labels, packed) if self.step_fn.feed else (labels, None)
         if self.cp_positions is not None:
             inputs, labels = shard_sequence([inputs, labels], seq_dim=1, positions=self.cp_positions)
         return Batch(inputs, labels, docs)
@@ -333,7 +333,7 @@ def _build_guard(trainer: Trainer) -> StepGuard:
 
 
 def _with_trainer_defaults(builders: TrainerBuilders) -> TrainerBuilders:
-    defaults = {"metrics": _build_metrics, "checkpointer": build_checkpointer, "validator": _build_validator}
+    defaults = dict(metrics=_build_metrics, checkpointer=build_checkpointer, validator=_build_validator)
     defaults["guard"] = _build_guard
     return dataclasses.replace(builders, **{k: v for k, v in defaults.items() if getattr(builders, k) is None})
 

@@ -51,3 +51,19 @@ def test_a_stop_token_ends_generation():
     prompt = torch.zeros(1, 3, dtype=torch.long)
     first = int(generate(model, prompt, 1)[0, -1])
     assert generate(model, prompt, 10, stop_token=first).shape == (1, 4)
+
+
+def test_any_of_several_stop_tokens_ends_generation():
+    model = _model(Transformer, LLAMA)
+    prompt = torch.tensor([[0, 0, 0], [5, 6, 7]])
+    free = generate(model, prompt, 10)  # (2, 13)
+    first, second = int(free[0, 3]), int(free[1, 3])  # each row's first generated token
+    other = next(t for t in range(LLAMA.vocab_size) if t not in free[:, 3:])  # never generated
+    # the second id of the set stops the first row, as the first id would
+    assert generate(model, prompt[:1], 10, stop_token=(other, first)).shape == (1, 4)
+    assert generate(model, prompt[:1], 10, stop_token=[first]).shape == (1, 4)
+    # a batch stops once every row has produced one of them, each its own
+    assert torch.equal(generate(model, prompt, 10, stop_token={first, second}), free[:, :4])
+    # ids that never come: the full length, as without stops
+    assert torch.equal(generate(model, prompt, 10, stop_token=(other,)), free)
+    assert torch.equal(generate(model, prompt, 10, stop_token=()), free)

@@ -27,18 +27,40 @@ from torch import nn
 
 from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.pipeline import in_shape_inference
-from torchtitan.models.documents import document_ids, document_positions, document_stats, mask_boundary_labels
+from torchtitan.models.documents import (
+    IGNORE_INDEX,
+    document_ids,
+    DocumentStats,
+    document_positions,
+    document_stats,
+    mask_boundary_labels,
+)
 
 if TYPE_CHECKING:
     from torchtitan.config.schema import Model as ModelConfig
+    from torchtitan.datasets.sft.packing import PackedDocs
+
+
+def batch_stats(doc_ids: torch.Tensor, labels: torch.Tensor, real_tokens: torch.Tensor | None) -> torch.Tensor:
+    """(5,) int64, ``DocumentStats``' fields for one whole (bs, seqlen) batch. ``real_tokens`` (bs,): a
+    packed fine-tuning batch's non-padding tokens per window (its padding, one document id at the end
+    of a window, is neither a document nor attention work counted); None: no padding. No host sync."""
+    stats = document_stats(doc_ids)  # windows, documents, pairs
+    bs, seqlen = doc_ids.shape
+    trained = (labels != IGNORE_INDEX).sum()
+    if real_tokens is None:
+        return torch.cat([stats, torch.stack([torch.tensor(bs * seqlen, device=stats.device), trained])])
+    pad = seqlen - real_tokens  # (bs,)
+    padded = torch.stack([torch.zeros_like(pad[0]), (pad > 0).sum(), (pad * (pad + 1) // 2).sum()])
+    return torch.cat([stats - padded, torch.stack([real_tokens.sum(), trained])])
 
 
 @dataclass(frozen=True)
 class Documents:
     """One (local) batch's document ids (bs, seqlen) and, with positions_per_document, positions.
 
-    ``stats``: (3,) int64 over the batch's whole windows (before context parallel cuts them):
-    windows, documents, and the (query, key) pairs block-causal attention computes.
+    ``stats``: (5,) int64 over the batch's whole windows (before context parallel cuts them):
+    ``DocumentStats``' fields (``batch_stats``).
     """
 
     doc_ids: torch.Tensor
@@ -95,13 +117,24 @@ class DocumentFeed:
         for part, queue in zip(model_parts, self.queues):
             part.register_forward_pre_hook(self._hook(queue), with_kwargs=True)
 
-    def prepare(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, Documents]:
-        """Whole-sequence (bs, seqlen) inputs/labels -> labels without the boundary targets, and the
-        batch's documents, cut for context parallel like the inputs will be."""
-        ids = document_ids(inputs, self.eos_id)
-        positions = document_positions(ids) if self.positions_per_document else None
-        labels = mask_boundary_labels(inputs, labels, self.eos_id)
-        stats = document_stats(ids)
+    def prepare(
+        self, inputs: torch.Tensor, labels: torch.Tensor, packed: PackedDocs | None = None
+    ) -> tuple[torch.Tensor, Documents]:
+        """Whole-sequence (bs, seqlen) inputs/labels -> the labels to train on and the batch's documents,
+        cut for context parallel like the inputs will be.
+
+        Pre-training text: documents end at each EOS, and the targets across a boundary are masked.
+        ``packed`` (fine-tuning): the loader's ids and per-example positions are taken as they are;
+        its labels already stop at each example's end.
+        """
+        if packed is None:
+            ids = document_ids(inputs, self.eos_id)
+            labels = mask_boundary_labels(inputs, labels, self.eos_id)
+            positions = document_positions(ids) if self.positions_per_document else None
+        else:
+            ids = packed.doc_ids
+            positions = packed.positions if self.positions_per_document else None
+        stats = batch_stats(ids, labels, packed.real_tokens if packed is not None else None)
         if self.shard is not None:
             ids = self.shard(ids)
             positions = self.shard(positions) if positions is not None else None
@@ -113,8 +146,8 @@ class DocumentFeed:
             if batch.docs is not None and batch.docs.stats is not None:
                 self.stats = batch.docs.stats if self.stats is None else self.stats + batch.docs.stats
 
-    def take_stats(self) -> tuple[int, int, int] | None:
-        """(windows, documents, visible pairs) recorded since the last call, summed over the data-parallel
+    def take_stats(self) -> DocumentStats | None:
+        """The statistics recorded since the last call, summed over the data-parallel
         (and CP) group: every rank of it must call this (the step metrics' log does). None without a record.
 
         CP ranks of one dp rank record the same whole windows, so the sum counts each window cp times:
@@ -124,9 +157,9 @@ class DocumentFeed:
             return None
         if self.group is not None:
             dist.all_reduce(self.stats, group=self.group)
-        windows, documents, pairs = self.stats.tolist()
+        stats = DocumentStats(*self.stats.tolist())
         self.stats = None
-        return windows, documents, pairs
+        return stats
 
     @contextlib.contextmanager
     def use(self, documents: Documents) -> Iterator[None]:

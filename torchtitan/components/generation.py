@@ -11,6 +11,7 @@ Works on the local heads a tensor-parallel rank holds (the kernel reads head cou
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -84,13 +85,16 @@ def generate(
     sampling: Sampling = Sampling(),
     *,
     use_cache: bool = True,
-    stop_token: int | None = None,
+    stop_token: int | Collection[int] | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """prompt (bs, n) token ids -> (bs, n + generated): the prompt followed by up to ``max_new_tokens``.
 
-    Stops early once every row has produced ``stop_token``. ``generator`` seeds the sampling.
+    ``stop_token``: one id or several (a chat model's end of turn and its eos). Generation stops early
+    once every row has produced one of them; a row that stopped first goes on to the end of the batch's
+    generation, so cut each row at its first stop. ``generator`` seeds the sampling.
     """
+    stops = _stop_ids(stop_token, prompt.device)  # (n_stops,) or None
     tokens = prompt
     cache = KVCache(prompt.shape[1] + max_new_tokens) if use_cache else None
     swapped = cache.install(model) if cache is not None else []
@@ -106,14 +110,22 @@ def generate(
                 cache.length = tokens.shape[1]
             nxt = sampling.pick(_full(logits).float(), generator)  # (bs,)
             tokens = torch.cat([tokens, nxt[:, None]], dim=1)
-            if stop_token is not None:
-                done |= nxt == stop_token
+            if stops is not None:
+                done |= torch.isin(nxt, stops)
                 if bool(done.all()):
                     break
     finally:
         for attention, kernel in swapped:
             attention.sdpa = kernel
     return tokens
+
+
+def _stop_ids(stop_token: int | Collection[int] | None, device: torch.device) -> torch.Tensor | None:
+    """``generate``'s stop ids as a tensor (None: no stop; an empty collection is none too)."""
+    if stop_token is None:
+        return None
+    ids = [stop_token] if isinstance(stop_token, int) else list(stop_token)
+    return torch.tensor(ids, dtype=torch.long, device=device) if ids else None
 
 
 def _full(logits: torch.Tensor) -> torch.Tensor:

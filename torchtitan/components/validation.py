@@ -34,7 +34,7 @@ class Validator:
         training: Training,
         world: WorldMesh,
         step_fn: StepFunction,
-        shard_batch: Callable[[torch.Tensor, torch.Tensor], Batch] = Batch,
+        shard_batch: Callable[..., Batch] = Batch,
     ):
         """``shard_batch``: a device batch -> this rank's ``Batch`` (the trainer's: context parallel's
         slice, block_causal's documents); default the batch as it is."""
@@ -43,9 +43,16 @@ class Validator:
         # (and so the number) does not depend on how training splits its batch into micro-batches.
         batch_size = validation.batch_size or training.batch_size * training.gradient_accumulation_steps
         groups = compute_stream_groups(dp_rank, dp_degree, batch_size, 1)
-        self.loader = build_hf_data_loader(
-            validation.dataset, validation.dataset_path, tokenizer, training.seq_len, groups, dp_degree * batch_size
-        )
+        if training.dataset_format != "text":  # fine-tuning: the held-out rows packed alike, so the loss is masked
+            from torchtitan.datasets.sft.loader import build_sft_data_loader
+
+            self.loader = build_sft_data_loader(
+                validation.dataset, validation.dataset_path, tokenizer, training, groups, dp_degree * batch_size
+            )
+        else:
+            self.loader = build_hf_data_loader(
+                validation.dataset, validation.dataset_path, tokenizer, training.seq_len, groups, dp_degree * batch_size
+            )
         self.initial_state = self.loader.state_dict()
         self.steps = validation.steps
         self.step_fn = step_fn
@@ -61,8 +68,7 @@ class Validator:
             part.eval()
         total = torch.zeros((), device=device)
         for _ in range(self.steps):
-            inputs, labels = next(data)
-            batch = self.shard_batch(inputs.to(device), labels.to(device))
+            batch = self.shard_batch(*(t.to(device) for t in next(data)))  # fine-tuning's with its PackedDocs
             token_weight = self.step_fn.count_tokens([batch], record=False)  # block_causal: as in training
             total += self.step_fn.forward_loss(batch, token_weight=token_weight).float()
         for part in parts:

@@ -17,7 +17,9 @@ from torchtitan.config.schema_checkpoint import Checkpoint
 
 # The names of torchtitan/datasets/registry.py's DATASETS (tests/unit/test_data_errors.py keeps them equal),
 # spelled out here so that the config check knows them without importing the data stack.
-DatasetName = Literal["pydocs", "pydocs_val", "c4", "c4_test", "c4_validation", "fineweb"]
+DatasetName = Literal[
+    "pydocs", "pydocs_val", "c4", "c4_test", "c4_validation", "fineweb", "sft_arith", "sft_arith_val"
+]
 
 
 # The names of models/llama/model.py's NORM_TYPES (tests/unit/test_config.py keeps them equal).
@@ -119,8 +121,35 @@ class Optimizer:
 
 @dataclass
 class Training:
-    dataset: DatasetName = _f("pydocs", "dataset name: pydocs (shipped, offline), c4, c4_test, fineweb")
-    dataset_path: str | None = _f(None, "local file/folder (or hub id) to read the dataset from")
+    dataset: DatasetName = _f(
+        "pydocs",
+        "dataset name: pydocs (shipped, offline), c4, c4_test, fineweb; sft_arith (shipped chat rows, for "
+        "dataset_format = 'chat')",
+    )
+    dataset_path: str | None = _f(
+        None, "local file/folder (or hub id; fine-tuning: a dataset in the local HF cache) to read the dataset from"
+    )
+    dataset_format: Literal["text", "chat", "prompt_completion"] = _f(
+        "text",
+        "text: pre-training documents, every token trained. chat ('messages': [{role, content}]) or "
+        "prompt_completion ('prompt', 'completion'): fine-tuning rows, rendered with the tokenizer's chat template, "
+        "packed whole into seq_len windows (needs model.attn_mask_type = 'block_causal' and "
+        "model.positions_per_document), shuffled per epoch (docs/sft.md)",
+    )
+    loss_on: Literal["assistant", "completion", "all"] | None = _f(
+        None,
+        "fine-tuning: the tokens the loss is on: assistant turns (chat's default), the completion "
+        "(prompt_completion's default; 'assistant' means the same there) or all; the loss is the mean over them "
+        "across the global batch",
+    )
+    overlong_examples: Literal["truncate", "drop"] | None = _f(
+        None, "fine-tuning: an example longer than seq_len is truncated (the default) or dropped; both are counted"
+    )
+    dataset_columns: list[str] | None = _f(
+        None,
+        "fine-tuning: the data's column names, as field=column for messages, prompt, completion, role, content "
+        "(e.g. ['messages=conversations', 'role=from', 'content=value'])",
+    )
     batch_size: int = _f(8, "samples per data-parallel rank per micro-batch", bound=_POSITIVE)
     seq_len: int = _f(2048, "tokens per sample", bound=_POSITIVE)
     warmup_steps: int = _f(
@@ -197,7 +226,11 @@ class Validation:
     steps: int = _f(
         2, "batches per validation (the same batches every time, so values compare over time)", bound=_POSITIVE
     )
-    dataset: DatasetName = _f("pydocs_val", "validation dataset name (pydocs_val = held out of pydocs)")
+    dataset: DatasetName = _f(
+        "pydocs_val",
+        "validation dataset name (pydocs_val = held out of pydocs; sft_arith_val = held out of sft_arith); read "
+        "in training.dataset_format, so fine-tuning reports the masked loss",
+    )
     dataset_path: str | None = _f(None, "local file/folder (or hub id) to read the validation data from")
     batch_size: int | None = _f(
         None,

@@ -62,7 +62,7 @@ class _StreamState:
     buffer: list[int] = field(default_factory=list)  # tokens read but not yet yielded
 
 
-def _validate_groups(stream_groups: list[list[int]], num_streams: int) -> None:
+def validate_groups(stream_groups: list[list[int]], num_streams: int) -> None:
     flat = [s for group in stream_groups for s in group]
     if not stream_groups or any(not group for group in stream_groups):
         raise ValueError(
@@ -73,6 +73,25 @@ def _validate_groups(stream_groups: list[list[int]], num_streams: int) -> None:
         raise ValueError(f"stream_groups must hold distinct ids in [0, {num_streams}), got {stream_groups}")
 
 
+def first_group(counts: list[list[int]]) -> int:
+    """Index of the next group to yield, from the windows each group's streams have yielded: after a
+    mid-step save, earlier groups are 1 window ahead.
+
+    Raises:
+        ValueError: the counts are not a step boundary or a prefix of one step.
+    """
+    low = min(min(c) for c in counts)
+    per_group = [c[0] if len(set(c)) == 1 else None for c in counts]
+    ahead = [c == low + 1 for c in per_group]
+    # valid: each group uniform, and the groups one window ahead form a prefix
+    if None in per_group or any(c not in (low, low + 1) for c in per_group) or ahead != sorted(ahead, reverse=True):
+        raise ValueError(
+            f"data state windows per group {counts} are not a step boundary or a prefix of one step; "
+            f"change the parallel layout only with a state saved at an optimizer-step boundary"
+        )
+    return ahead.index(False)
+
+
 def merge_data_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Union of several ranks' data-loader states, for loading under another dp degree.
 
@@ -81,7 +100,8 @@ def merge_data_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """
     if not states:
         raise ValueError("merge_data_states needs at least one state")
-    merged = {"num_streams": states[0]["num_streams"], "seq_len": states[0]["seq_len"], "streams": {}}
+    # everything but the streams describes the whole run (fine-tuning's states add their data's fingerprint)
+    merged = {**{k: v for k, v in states[0].items() if k != "streams"}, "streams": {}}
     for state in states:
         if (state["num_streams"], state["seq_len"]) != (merged["num_streams"], merged["seq_len"]):
             raise ValueError(
@@ -89,6 +109,9 @@ def merge_data_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 f"{(state['num_streams'], state['seq_len'])} vs "
                 f"{(merged['num_streams'], merged['seq_len'])}"
             )
+        differ = sorted(k for k in set(state) | set(merged) if k != "streams" and state.get(k) != merged.get(k))
+        if differ:
+            raise ValueError(f"cannot merge data states that differ in {differ}; they come from different runs")
         for sid, stream in state["streams"].items():
             if merged["streams"].setdefault(sid, stream) != stream:
                 raise ValueError(f"data states disagree on stream {sid}; they come from different runs/steps")
@@ -113,7 +136,7 @@ class HuggingFaceDataset(IterableDataset, Stateful):
     ) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-        _validate_groups(stream_groups, num_streams)
+        validate_groups(stream_groups, num_streams)
         columns = data.column_names
         if columns is not None and text_field not in columns:
             raise ValueError(f"dataset {dataset_name!r} has no text field {text_field!r}; columns: {columns}")
@@ -182,18 +205,7 @@ class HuggingFaceDataset(IterableDataset, Stateful):
             logger.warning("dataset %s: looping over the end (epoch %d)", self.dataset_name, epoch)
 
     def _first_group(self) -> int:
-        """Index of the next group to yield: after a mid-step save, earlier groups are 1 window ahead."""
-        counts = [[self._streams[s].windows for s in group] for group in self._groups]
-        low = min(min(c) for c in counts)
-        per_group = [c[0] if len(set(c)) == 1 else None for c in counts]
-        ahead = [c == low + 1 for c in per_group]
-        # valid: each group uniform, and the groups one window ahead form a prefix
-        if None in per_group or any(c not in (low, low + 1) for c in per_group) or ahead != sorted(ahead, reverse=True):
-            raise ValueError(
-                f"data state windows per group {counts} are not a step boundary or a prefix of one step; "
-                f"change the parallel layout only with a state saved at an optimizer-step boundary"
-            )
-        return ahead.index(False)
+        return first_group([[self._streams[s].windows for s in group] for group in self._groups])
 
     def state_dict(self) -> dict[str, Any]:
         streams = {
@@ -204,6 +216,11 @@ class HuggingFaceDataset(IterableDataset, Stateful):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the streams this rank owns from a state that may also hold other ranks' streams."""
+        if state_dict.get("kind") == "sft":
+            raise ValueError(
+                "the checkpoint's data state is fine-tuning data (training.dataset_format); this run reads text: "
+                "start it from the weights only (checkpoint.initial_load_path)"
+            )
         saved = (state_dict["num_streams"], state_dict["seq_len"])
         if saved != (self._num_streams, self._seq_len):
             raise ValueError(
@@ -227,12 +244,13 @@ class HuggingFaceDataset(IterableDataset, Stateful):
 
 
 class ParallelAwareDataloader(StatefulDataLoader):
-    """Single-process loader over a `HuggingFaceDataset`; its state is the dataset's per-stream state.
+    """Single-process loader over a `HuggingFaceDataset` (or the fine-tuning `SFTDataset`); its state is
+    the dataset's per-stream state.
 
     Call `iter()` again after `load_state_dict`: iterators made before it are invalidated.
     """
 
-    def __init__(self, dataset: HuggingFaceDataset) -> None:
+    def __init__(self, dataset: IterableDataset) -> None:
         # torchdata 0.11's constructor calls the deprecated torch.set_vital; the warning is noise.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")

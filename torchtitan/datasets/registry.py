@@ -45,6 +45,9 @@ DATASETS: dict[str, DatasetSpec] = {
     # torchtitan 2025's validation set: c4's validation split, streamed
     "c4_validation": DatasetSpec(hub_id="allenai/c4", hub_config="en", hub_split="validation"),
     "fineweb": DatasetSpec(hub_id="HuggingFaceFW/fineweb"),
+    # fine-tuning (training.dataset_format = "chat"): the shipped synthetic chat task, by scripts/build_sft_assets.py
+    "sft_arith": DatasetSpec(default_path=_REPO_ROOT / "tests/assets/sft/arith_train.jsonl"),
+    "sft_arith_val": DatasetSpec(default_path=_REPO_ROOT / "tests/assets/sft/arith_val.jsonl"),
 }
 DEFAULT_DATASET = "pydocs"
 
@@ -58,7 +61,7 @@ def get_spec(dataset_name: str) -> DatasetSpec:
     return DATASETS[dataset_name]
 
 
-def _looks_like_hub_id(path: str) -> bool:
+def looks_like_hub_id(path: str) -> bool:
     # "owner/name" with no local-path markers and no file suffix we would read locally
     parts = path.split("/")
     return (
@@ -69,8 +72,11 @@ def _looks_like_hub_id(path: str) -> bool:
     )
 
 
-def load_local(path: Path, text_field: str) -> Dataset:
+def load_local(path: Path, text_field: str | None) -> Dataset:
     """A local file (.json/.jsonl/.parquet/.txt) or folder, map-style (random access by index).
+
+    ``text_field``: the column every row must hold as a string (checked), or None (fine-tuning rows,
+    checked row by row as they are read).
 
     Raises:
         ValueError: empty data, a malformed JSON line, a row whose text is null or not a string
@@ -93,10 +99,11 @@ def load_local(path: Path, text_field: str) -> Dataset:
         else:
             data = load_dataset(builder, data_files=str(path), split="train")
     except (DatasetGenerationError, StopIteration, ValueError) as e:  # ValueError: its pandas fallback for JSON
-        raise explain_load_error(files, text_field, e) from e
+        raise explain_load_error(files, text_field or "", e) from e
     finally:
         json_logger.setLevel(level)
-    check_text_column(data, text_field, files)
+    if text_field is not None:
+        check_text_column(data, text_field, files)
     return data
 
 
@@ -117,7 +124,7 @@ def load_text_dataset(dataset_name: str, dataset_path: str | None) -> tuple[HFDa
         path = Path(dataset_path).expanduser()
         if path.exists():
             return load_local(path, spec.text_field), spec.text_field
-        if spec.hub_id is not None and _looks_like_hub_id(dataset_path):
+        if spec.hub_id is not None and looks_like_hub_id(dataset_path):
             return load_from_hub(dataset_path, spec.hub_config, spec.hub_split), spec.text_field
         raise FileNotFoundError(
             f"dataset_path {dataset_path!r} for dataset {dataset_name!r} does not exist; pass an existing "

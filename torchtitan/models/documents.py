@@ -19,6 +19,8 @@ context could predict it. Under ``causal`` (the default, today's behaviour) labe
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 IGNORE_INDEX = -100  # torch's cross_entropy default; chunked_cross_entropy's too
@@ -70,3 +72,15 @@ def document_stats(doc_ids: torch.Tensor) -> torch.Tensor:
     pairs = (lengths * (lengths + 1) // 2).sum()
     documents = (doc_ids[:, -1] + 1).sum()  # ids count up from 0 in each row
     return torch.stack([torch.tensor(bs, device=doc_ids.device), documents, pairs])
+
+
+class DocumentStats(NamedTuple):
+    """A training window of steps' documents, summed over the data-parallel (and CP) group: windows,
+    documents, the (query, key) pairs block-causal attention computes, real (non-padding) tokens, and
+    trained tokens (labels not ignored). CP ranks count their dp rank's windows each (see take_stats)."""
+
+    windows: int
+    documents: int
+    pairs: int
+    tokens: int
+    trained: int

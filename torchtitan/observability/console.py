@@ -50,6 +50,12 @@ def format_step_line(step: int, total: int, record: dict[str, float | None], eta
         + ("mfu(visible) " if record.get("mfu_attention") == "visible_pairs" else "mfu ")
         + f"{c.value}{mfu}{c.reset}  "
         f"memory {c.value}{record['memory_gib']:6.2f} GiB{c.reset}  "
+        # block_causal: the global batch's trained (label not ignored) / real (not padding) tokens per step
+        + (
+            f"trained {c.value}{record['trained_tokens_per_step']:,.0f}/{record['tokens_per_step']:,.0f}{c.reset}  "
+            if "trained_tokens_per_step" in record
+            else ""
+        )
         # MoE: the worst layer's max/mean tokens per expert (per layer: metrics.jsonl)
         + (
             f"moe_imbalance {c.value}{record['expert_imbalance_max']:4.2f}{c.reset}  "

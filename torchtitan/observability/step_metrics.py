@@ -27,6 +27,7 @@ from torchtitan.observability.metrics import (
 if TYPE_CHECKING:
     from torchtitan.config.schema import Float8, Metrics, Training
     from torchtitan.models import ModelArgs
+    from torchtitan.models.documents import DocumentStats
 
 logger = logging.getLogger(__name__)
 
@@ -47,16 +48,17 @@ class StepMetrics:
         model_args: ModelArgs,
         start_step: int = 0,
         wandb_config: dict[str, Any] | None = None,
-        documents: Callable[[], tuple[int, int, int] | None] | None = None,
+        documents: Callable[[], DocumentStats | None] | None = None,
     ):
         """cp_degree: the context-parallel degree (each rank's micro-batch holds 1/cp of its tokens).
         start_step: the step a resumed run continues after (0: a new run): metrics.jsonl is appended to, and
         the end summary counts this run's steps apart.
         wandb_config: the run's resolved config, recorded by Weights & Biases (metrics.enable_wandb).
-        documents (block_causal): returns the (windows, documents, visible pairs) trained on since its
-        last call; MFU then counts attention over the visible pairs only (``mfu_attention``)."""
+        documents (block_causal): returns the ``DocumentStats`` trained on since its last call; MFU then
+        counts attention over the visible pairs only (``mfu_attention``), and each record has the
+        global batch's real and trained tokens per step (``tokens_per_step``, ``trained_tokens_per_step``)."""
         self.device = device
-        self.documents, self.seq_len = documents, training.seq_len
+        self.documents, self.seq_len, self.cp_degree = documents, training.seq_len, cp_degree
         self.flop_shape = (num_params, model_args.n_layers, model_args.n_heads, model_args.head_dim)
         self.enabled = enabled
         self.reduce_loss = reduce_loss  # per-rank loss -> (global mean, max): the step function's
@@ -129,8 +131,14 @@ class StepMetrics:
             "data_time_s": self.window_data_time / self.window_steps,
         }
         if docs is not None:
-            windows, documents, pairs = docs
-            record.update(documents_per_window=documents / windows, mfu_attention="visible_pairs")
+            # each CP rank counts its dp rank's whole windows (DocumentFeed.take_stats)
+            per_step = self.cp_degree * self.window_steps
+            record.update(
+                documents_per_window=docs.documents / docs.windows,
+                tokens_per_step=docs.tokens / per_step,
+                trained_tokens_per_step=docs.trained / per_step,
+                mfu_attention="visible_pairs",
+            )
         tb_extra = {}
         if extra is not None:
             record.update(extra[0])
@@ -146,12 +154,11 @@ class StepMetrics:
         self._reset_window()
         return record
 
-    def _flops_per_token(self, docs: tuple[int, int, int] | None) -> float:
+    def _flops_per_token(self, docs: DocumentStats | None) -> float:
         if docs is None:
             return self.flops_per_token
-        windows, _, pairs = docs
         return compute_num_flops_per_token(
-            *self.flop_shape, self.seq_len, attention_pairs=pairs / (windows * self.seq_len)
+            *self.flop_shape, self.seq_len, attention_pairs=docs.pairs / (docs.windows * self.seq_len)
         )
 
     def _mfu(self, tps: float, flops_per_token: float) -> float | None:

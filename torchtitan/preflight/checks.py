@@ -14,6 +14,7 @@ from torchtitan.components.lr_schedule import check_lr_schedule
 from torchtitan.components.memory_checks import check_memory_options
 from torchtitan.config.bounds import check_not_built, check_ranges
 from torchtitan.datasets.checks import check_data_paths
+from torchtitan.datasets.sft.checks import check_fine_tuning
 from torchtitan.distributed.activation_checkpoint import check_activation_checkpoint
 from torchtitan.distributed.cp_checks import check_context_parallel
 from torchtitan.distributed.parallel_dims import ParallelDims, check_data_parallel
@@ -57,6 +58,7 @@ CHECKS: tuple[Check, ...] = (
     Check(check_context_parallel),
     Check(check_attention),
     Check(check_attention_device, this_machine=True),
+    Check(check_fine_tuning),
     Check(check_data_paths, this_machine=True),
     Check(check_initial_load, this_machine=True),
     Check(check_dump_folder, this_machine=True),

@@ -167,13 +167,15 @@ class ChatTokenizer:
     Args:
         path: a ``tokenizer.json`` or the folder holding it, with ``tokenizer_config.json`` beside it
             (special tokens, and ``chat_template`` if the model has one).
+        base: the ``HFTokenizer`` of ``path`` if the caller has built it already.
 
     ``base`` encodes plain text (special-token text stays text); chat renderings are encoded with the
     added tokens recognised, because the template writes its control tokens as text.
     """
 
-    def __init__(self, path: str) -> None:
-        self.base = HFTokenizer(path)  # checks the files, the special tokens and the ids
+    def __init__(self, path: str, *, base: HFTokenizer | None = None) -> None:
+        # HFTokenizer checks the files, the special tokens and the ids (``base``: one already built from path)
+        self.base = base if base is not None else HFTokenizer(path)
         file = find_hf_tokenizer_file(path)
         assert file is not None  # HFTokenizer found it
         config_path = file.with_name(CONFIG_FILE)

@@ -23,28 +23,17 @@ predict the next one's first token.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import jinja2
 
 from torchtitan.datasets.sft.chat_template import ChatTokenizer
+from torchtitan.datasets.sft.columns import ColumnMap
 from torchtitan.models.documents import IGNORE_INDEX
 
 LossOn = Literal["assistant", "completion", "all"]
 LOSS_ON = ("assistant", "completion", "all")
 ROLES = ("system", "user", "assistant")
-
-
-@dataclass(frozen=True)
-class ColumnMap:
-    """The columns a row's fields are read from (defaults: the names above)."""
-
-    messages: str = "messages"
-    prompt: str = "prompt"
-    completion: str = "completion"
-    role: str = "role"
-    content: str = "content"
 
 
 def _one_line(text: str) -> str:

@@ -86,6 +86,7 @@ class HFTokenizer(Tokenizer):
             ) from e
         # documents are untrusted text: "<|endoftext|>" inside a web page must not end it (as in TikTokenizer)
         self.model.encode_special_tokens = True
+        self.path = str(file)  # the tokenizer.json read (its folder holds the config and chat template)
         self._n_words = self.model.get_vocab_size(with_added_tokens=True)
         self._check_ids_dense(file)
         config_path = file.with_name(CONFIG_FILE)
