@@ -167,7 +167,9 @@ def test_sft_bad_row_fails_every_rank_in_one_line(tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in [good, good, good, bad]))
     folder = str(tmp_path / "run")
     says = f"{data}: row 3: message 1 has unknown role 'robot'; allowed: system, user, assistant"
-    status = run_train_job(2, trainer_argv([*SFT_TRAIN, "--training.dataset_path", str(data)], folder), expect_error=says)
+    status = run_train_job(
+        2, trainer_argv([*SFT_TRAIN, "--training.dataset_path", str(data)], folder), expect_error=says
+    )
     assert status["ok"], status["error"]
     # a ValueError whose message is that one line: the launcher prints it alone (train.USER_ERRORS)
     assert status["error"].strip().splitlines()[-1] == f"ValueError: {says}", status["error"]

@@ -26,8 +26,8 @@ from torchtitan.components.optimizer import apply_optimizer_config, build_lr_sch
 from torchtitan.components.run_control import NonFiniteStep, RunStopped, StepGuard, StopSignals
 from torchtitan.components.step import StepFunction
 from torchtitan.components.validation import Validator
-from torchtitan.datasets.sft.packing import PackedDocs
 from torchtitan.config.manager import JobConfig, format_help, wants_help
+from torchtitan.datasets.sft.packing import PackedDocs
 from torchtitan.distributed.context_parallel import compute_cp_positions, shard_sequence
 from torchtitan.distributed.device import get_device_info, init_distributed, set_determinism, set_pg_timeout
 from torchtitan.distributed.mesh import WorldMesh

@@ -29,8 +29,8 @@ from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.pipeline import in_shape_inference
 from torchtitan.models.documents import (
     IGNORE_INDEX,
-    document_ids,
     DocumentStats,
+    document_ids,
     document_positions,
     document_stats,
     mask_boundary_labels,

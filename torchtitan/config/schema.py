@@ -17,9 +17,7 @@ from torchtitan.config.schema_checkpoint import Checkpoint
 
 # The names of torchtitan/datasets/registry.py's DATASETS (tests/unit/test_data_errors.py keeps them equal),
 # spelled out here so that the config check knows them without importing the data stack.
-DatasetName = Literal[
-    "pydocs", "pydocs_val", "c4", "c4_test", "c4_validation", "fineweb", "sft_arith", "sft_arith_val"
-]
+DatasetName = Literal["pydocs", "pydocs_val", "c4", "c4_test", "c4_validation", "fineweb", "sft_arith", "sft_arith_val"]
 
 
 # The names of models/llama/model.py's NORM_TYPES (tests/unit/test_config.py keeps them equal).

@@ -213,7 +213,10 @@ class SFTDataset(IterableDataset, Stateful):
                 f"data state has (num_streams, seq_len) = {saved}, this run {(self._num_streams, self._seq_len)}; "
                 f"keep the global batch size (dp * local_batch_size * grad_accum_steps) and seq_len to resume"
             )
-        if list(state_dict["examples"]) != self._fingerprint or state_dict["windows_per_epoch"] != self.windows_per_epoch:
+        if (
+            list(state_dict["examples"]) != self._fingerprint
+            or state_dict["windows_per_epoch"] != self.windows_per_epoch
+        ):
             raise ValueError(
                 f"{self.name}: the checkpoint was fine-tuning other data (examples, tokens, trained tokens = "
                 f"{list(state_dict['examples'])}, now {self._fingerprint}); resume with the same data, template "
