@@ -39,6 +39,7 @@ from tests.integration_tests import (
     job_argv,
 )
 from tests.test_float8_runs import FLOAT8_ROWS
+from tests.test_frontier_runs import DSV3_ROWS, GPT_OSS_ROWS
 from tests.test_model_family_runs import QWEN3_MOE_ROWS, QWEN3_ROWS, TIED_ROWS
 from tests.test_optimizer_in_backward_runs import IB_ROWS
 from torchtitan.config.manager import JobConfig
@@ -53,6 +54,7 @@ NOT_PRACTICAL = {
     "ib_fsdp2_cpu_offload": "CPU offload is not modeled (NotImplementedError)",
 }
 FAMILY_ROWS = TIED_ROWS + QWEN3_ROWS + QWEN3_MOE_ROWS
+FRONTIER = DSV3_ROWS + GPT_OSS_ROWS
 # Layouts the estimator measures on their own that the parity matrix merged into other rows (an AC mode
 # or a CP rotate method rides on another layout there): measured here only, never trained by the matrix.
 ESTIMATOR_ROWS = [
@@ -65,7 +67,7 @@ ESTIMATOR_ROWS = [
 ESTIMATED_DOC_ROWS = [r for r in DOC_ROWS if r.name in ("docs_fsdp2", "docs_tp2")]
 ALL_ROWS = [
     r
-    for r in ROWS + ESTIMATOR_ROWS + MOE_ROWS + FLOAT8_ROWS + IB_ROWS + FAMILY_ROWS + ESTIMATED_DOC_ROWS
+    for r in ROWS + ESTIMATOR_ROWS + MOE_ROWS + FLOAT8_ROWS + IB_ROWS + FAMILY_ROWS + ESTIMATED_DOC_ROWS + FRONTIER
     if r.name not in NOT_PRACTICAL and r.ngpu > 1
 ]
 # CI measures one row per feature (~4 minutes); every practical row takes ~15 minutes:
@@ -91,6 +93,8 @@ CI_ROWS = {
     "qwen3_moe_ep2",
     # block_causal: one causal SDPA call per document; the estimate assumes one document per row
     "docs_fsdp2",
+    "dsv3_tp2_ep2",  # multi-head latent attention: latent projections replicated over TP, v heads narrower
+    "gpt_oss_ep2",  # attention sinks and sliding windows (an fp32 masked-softmax kernel), biased experts
 }
 TRACKER_ROWS = (
     ALL_ROWS if os.environ.get("TORCHTITAN_ESTIMATION_ALL_ROWS") else [r for r in ALL_ROWS if r.name in CI_ROWS]
@@ -247,6 +251,71 @@ def test_real_flavors_terms_match_hand_computed(flavor):
     assert b["optimizer state"] == pytest.approx(2 * params * 4 / shards, rel=2e-3)
     assert "flavor" in est.vocab_source and est.seconds < 60
     print(f"\n{flavor} at {world} ranks: peak {est.peak / 2**30:.2f} GiB in {est.seconds:.1f} s")
+
+
+FRONTIER_FLAVORS = {  # flavor: (model.name, world size, expert-parallel degree)
+    "671B": ("deepseek_v3", 256, 64),
+    "kimi_k2": ("deepseek_v3", 256, 64),
+    "20B": ("gpt_oss", 8, 8),
+    "120B": ("gpt_oss", 16, 16),
+}
+
+
+def _transformers_params(name: str, flavor: str) -> int:
+    """What transformers builds on the meta device from the published config.json (the families' unit tests hold them)."""
+    import torch
+    import transformers
+
+    if name == "deepseek_v3":
+        from tests.unit.test_deepseek_v3 import PUBLISHED
+
+        mla = {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+        config, model_cls = (
+            transformers.DeepseekV3Config(**PUBLISHED[flavor], **mla),
+            transformers.DeepseekV3ForCausalLM,
+        )
+    else:
+        from tests.unit.test_gpt_oss import PUBLISHED
+
+        fields = {k: v for k, v in PUBLISHED[flavor].items() if k not in ("architectures", "model_type")}
+        config, model_cls = transformers.GptOssConfig(**fields), transformers.GptOssForCausalLM
+    with torch.device("meta"):
+        return sum(p.numel() for p in model_cls(config).parameters())
+
+
+def _frontier_config(flavor: str) -> JobConfig:
+    name, _, ep = FRONTIER_FLAVORS[flavor]
+    args = ["--model.name", name, "--model.flavor", flavor, "--model.tokenizer_path", "./no_tokenizer"]
+    args += [
+        "--experimental.expert_parallel_degree",
+        str(ep),
+        "--training.seq_len",
+        "256",
+        "--training.batch_size",
+        "1",
+    ]
+    return JobConfig.parse_args(["--job.config_file", "train_configs/debug_model.toml", *args])
+
+
+@pytest.mark.parametrize("flavor", FRONTIER_FLAVORS)
+def test_frontier_flavors_parameter_counts_equal_transformers(flavor):
+    """The estimator's parameter count for DeepSeek-V3 671B, Kimi K2 and gpt-oss 20B/120B at the published
+    vocabulary (``count_parameters`` of the args it estimates with) equals transformers' model of the
+    published config.json; one whole estimate (671B at 256 ranks) reports that count on its first line."""
+    from torchtitan.build import build_model_args
+    from torchtitan.estimation.estimate import count_parameters, estimate_memory, resolve_vocab
+    from torchtitan.spec import get_model_spec
+
+    name, world, _ = FRONTIER_FLAVORS[flavor]
+    config = _frontier_config(flavor)
+    vocab, source = resolve_vocab(config)
+    assert "flavor" in source
+    params = count_parameters(name, build_model_args(config, get_model_spec(name), vocab))
+    assert params == _transformers_params(name, flavor), (params, flavor)
+    if flavor == "671B":
+        est = estimate_memory(config, world)
+        assert est.params == params
+        print(f"\n{name} {flavor}: {est.params:,} parameters; peak {est.peak / 2**30:.2f} GiB at {world} ranks")
 
 
 def test_depth_extrapolation_equals_the_full_depth_run():

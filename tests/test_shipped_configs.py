@@ -73,6 +73,12 @@ def test_shipped_config_trains_and_exports_with_our_logits(name, tmp_path, capsy
         "model.safetensors": 0o666 & ~umask,
         "config.json": 0o666 & ~umask,
     }
+    check_export_logits(name, step, out)
+
+
+def check_export_logits(name: str, step: str, out: str) -> None:
+    """transformers loads the HF folder ``out`` with no missing or unexpected weight, and its logits equal those
+    of our model with the checkpoint ``step``'s weights (fp32, max |Δ| <= TOL)."""
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     ours, vocab = _ours(step)

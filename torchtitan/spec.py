@@ -189,6 +189,8 @@ _FAMILIES: dict[str, str] = {
     "llama3_moe": "torchtitan.models.moe.spec",
     "qwen3": "torchtitan.models.qwen3.spec",
     "qwen3_moe": "torchtitan.models.qwen3.spec",
+    "deepseek_v3": "torchtitan.models.deepseek_v3.spec",
+    "gpt_oss": "torchtitan.models.gpt_oss.spec",
 }
 _SPECS: dict[str, ModelSpec] = {}  # loaded from _FAMILIES, or registered with register_model_spec
 

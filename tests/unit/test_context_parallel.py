@@ -10,10 +10,12 @@ from torchtitan.distributed.context_parallel import (
     RingAttention,
     compute_block_attention,
     compute_cp_positions,
+    is_sink_kernel,
     merge_attention_,
     shard_sequence,
 )
-from torchtitan.distributed.ring_attention_math import plan_document_blocks
+from torchtitan.distributed.ring_attention_math import _plan_block, plan_document_blocks
+from torchtitan.models.gpt_oss.model import SinkAttention
 from torchtitan.models.llama.model import CausalAttention
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # fp32: only the order of the softmax reductions differs
@@ -127,3 +129,69 @@ def test_block_causal_ring_attention_refuses_fake_document_ids() -> None:
         q, doc_ids = torch.randn(1, 2, 4, 8), torch.zeros(1, 4, dtype=torch.int64)
         with pytest.raises(NotImplementedError, match="memory estimator cannot model context parallel"):
             ring(q, q, q, doc_ids=doc_ids)
+
+
+def _brute_visible(q_pos: list[int], k_pos: list[int], window: int | None) -> torch.Tensor:
+    q, k = torch.tensor(q_pos)[:, None], torch.tensor(k_pos)[None, :]
+    return (k <= q) if window is None else (k <= q) & (q - k < window)  # (sq, sk)
+
+
+def _check_plan(plan, visible: torch.Tensor) -> None:
+    """The plan's box holds every visible pair and its mask (or all of it) is exactly the visible part.
+
+    visible: (sq, sk), or (bs, sq, sk) for a document plan (whose box bounds the union over rows).
+    """
+    if plan is None:
+        assert not visible.any()
+        return
+    inside = torch.zeros_like(visible)
+    inside[..., plan.rows, plan.cols] = True
+    box = visible[..., plan.rows, plan.cols]
+    assert not (visible & ~inside).any() and box.any()
+    assert bool(box.all()) if plan.mask is None else torch.equal(plan.mask.reshape(box.shape), box)
+
+
+@pytest.mark.parametrize("load_balance", [True, False])
+@pytest.mark.parametrize("window", [1, 3, 4, 9, 20, None])
+def test_windowed_causal_plans_cover_exactly_the_visible_pairs_and_skip_blocks_beyond_the_window(
+    load_balance: bool, window: int | None
+) -> None:
+    cp, seq = 4, 32  # chunks of 4 tokens (load-balanced) or 8
+    positions = [compute_cp_positions(seq, cp, r, load_balance).tolist() for r in range(cp)]
+    skipped = {window: 0, None: 0}
+    for mine in positions:
+        for theirs in positions:
+            for w in skipped:
+                plan = _plan_block(mine, theirs, w)
+                _check_plan(plan, _brute_visible(mine, theirs, w))
+                skipped[w] += plan is None
+    # causal alone skips the blocks wholly in the future; a window within one chunk also the far past
+    assert skipped[None] == (0 if load_balance else cp * (cp - 1) // 2)
+    if window is not None and window <= seq // (2 * cp):
+        assert skipped[window] > skipped[None]
+
+
+@pytest.mark.parametrize("window", [2, 5, None])
+def test_document_plans_intersect_the_window(window: int | None) -> None:
+    cp, seq = 2, 16
+    positions = torch.stack([compute_cp_positions(seq, cp, r, True) for r in range(cp)])  # (cp, 8)
+    docs = torch.tensor([[0] * 6 + [1] * 10, [0] * 16])  # (bs, seq)
+    k_docs = torch.stack([docs[:, p] for p in positions])  # (cp, bs, 8)
+    for rank in range(cp):
+        plans = plan_document_blocks(k_docs[rank], k_docs, positions[rank], positions, window)
+        for j, plan in enumerate(plans):
+            same = k_docs[rank][:, :, None] == k_docs[j][:, None, :]  # (bs, sq, sk)
+            _check_plan(plan, same & _brute_visible(positions[rank].tolist(), positions[j].tolist(), window))
+
+
+def test_a_kernel_with_a_window_but_no_sinks_argument_is_refused() -> None:
+    class WindowOnly(torch.nn.Module):
+        window = 4
+
+        def forward(self, q, k, v, doc_ids=None):
+            return q
+
+    with pytest.raises(NotImplementedError, match="no ring kernel for WindowOnly"):
+        is_sink_kernel(WindowOnly())
+    assert not is_sink_kernel(CausalAttention())
+    assert is_sink_kernel(SinkAttention(4)) and is_sink_kernel(SinkAttention(None))

@@ -20,28 +20,43 @@ from torch import nn
 
 
 class CachedAttention(nn.Module):
-    """Causal attention of new queries over cached + new keys/values of one layer."""
+    """Causal attention of new queries over cached + new keys/values of one layer.
 
-    def __init__(self, cache: KVCache):
+    ``window``: the replaced kernel's sliding window (gpt-oss: tokens a query sees, itself included), or None.
+    Keys and values keep their own head dims (multi-head latent attention: v heads narrower than q/k).
+    """
+
+    def __init__(self, cache: KVCache, window: int | None = None):
         super().__init__()
-        self.cache = cache
-        self.k: torch.Tensor | None = None  # (bs, n_kv_heads, max_len, head_dim)
-        self.v: torch.Tensor | None = None
+        self.cache, self.window = cache, window
+        self.k: torch.Tensor | None = None  # (bs, n_kv_heads, max_len, qk head_dim)
+        self.v: torch.Tensor | None = None  # (bs, n_kv_heads, max_len, v head_dim)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (bs, n_heads, n, head_dim); k, v (bs, n_kv_heads, n, head_dim), the n newest tokens."""
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """q (bs, n_heads, n, head_dim); k, v (bs, n_kv_heads, n, .), the n newest tokens; sinks (n_heads,):
+        gpt-oss's per-head logit in the softmax's denominator, or None."""
         start, n = self.cache.length, q.shape[2]
         if self.k is None:
-            shape = (k.shape[0], k.shape[1], self.cache.max_len, k.shape[3])
-            self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
+            self.k = k.new_zeros((k.shape[0], k.shape[1], self.cache.max_len, k.shape[3]))
+            self.v = v.new_zeros((v.shape[0], v.shape[1], self.cache.max_len, v.shape[3]))
         self.k[:, :, start : start + n] = k
         self.v[:, :, start : start + n] = v
-        keys, values = self.k[:, :, : start + n], self.v[:, :, : start + n]  # (bs, n_kv_heads, start+n, hd)
+        keys, values = self.k[:, :, : start + n], self.v[:, :, : start + n]  # (bs, n_kv_heads, start+n, .)
         n_rep = q.shape[1] // k.shape[1]
         keys, values = keys.repeat_interleave(n_rep, dim=1), values.repeat_interleave(n_rep, dim=1)
-        # query i (position start+i) sees keys 0..start+i
+        # query i (position start+i) sees keys 0..start+i (the last `window` of them with a window)
         mask = torch.ones(n, start + n, dtype=torch.bool, device=q.device).tril(diagonal=start)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        if self.window is not None:
+            mask &= torch.ones_like(mask).triu(diagonal=start - self.window + 1)
+        if sinks is None:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        scores = (q.float() @ keys.float().transpose(-2, -1)) * q.shape[-1] ** -0.5  # (bs, n_heads, n, start+n)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # a logit with no value
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        return (probs @ values.float()).to(q.dtype)
 
 
 class KVCache:
@@ -54,8 +69,9 @@ class KVCache:
         """Swap the attention kernels; returns (attention, its original kernel) to restore."""
         swapped = []
         for block in model.layers.values():
-            swapped.append((block.attention, block.attention.sdpa))
-            block.attention.sdpa = CachedAttention(self)
+            kernel = block.attention.sdpa
+            swapped.append((block.attention, kernel))
+            block.attention.sdpa = CachedAttention(self, window=getattr(kernel, "window", None))
         return swapped
 
 

@@ -52,25 +52,29 @@ class RingAttentionPlanner:
     """Block plans for this rank's queries against every rank's K/V block (plans[j] for block j).
 
     One planner serves every RingAttention of a model (``apply_cp`` creates it), so the documents
-    of a micro-batch are gathered and planned once, not once per layer.
+    of a micro-batch are gathered once, and planned once per sliding window (None: full causal
+    context) that the model's layers use, not once per layer.
 
     Attributes:
         blocks_computed: block-causal attention only: this rank's (query shard, K/V block) pairs
-            planned for computing, summed over micro-batches (cp per micro-batch in all, with
-            blocks_skipped); counted once per micro-batch, not per layer or recompute.
+            planned for computing, summed over micro-batches and the windows planned for each (cp
+            per micro-batch and window in all, with blocks_skipped); not counted per layer or recompute.
         blocks_skipped: the same for pairs skipped because no token of any batch row sees any
-            key of the block (every query's own document starts later, or is in its past).
+            key of the block (every query's own document starts later, is in its past, or lies
+            beyond the window).
     """
 
     def __init__(self, cp_group: dist.ProcessGroup, *, load_balance: bool):
         self.cp_group, self.load_balance = cp_group, load_balance
-        self._causal: dict[int, list[_BlockPlan | None]] = {}  # local seqlen -> plans
+        self._causal: dict[tuple[int, int | None], list[_BlockPlan | None]] = {}  # (local seqlen, window) -> plans
         # The last micro-batch's doc_ids (a strong reference: an `is` match must not be a reused
-        # address) and its plans. Every layer, and the activation-checkpoint recompute, passes the
-        # same tensor object. A schedule that interleaves micro-batches (pipeline parallel) recomputes
-        # with an older tensor: that re-plans (same plans, one more all-gather, counted again).
+        # address), every rank's gathered copy, and its plans per window. Every layer, and the
+        # activation-checkpoint recompute, passes the same tensor object. A schedule that interleaves
+        # micro-batches (pipeline parallel) recomputes with an older tensor: that re-plans (same
+        # plans, one more all-gather, counted again).
         self._doc_ids: torch.Tensor | None = None
-        self._doc_plans: list[_BlockPlan | None] = []
+        self._all_docs: torch.Tensor | None = None
+        self._doc_plans: dict[int | None, list[_BlockPlan | None]] = {}  # window -> plans
         self.blocks_computed = 0
         self.blocks_skipped = 0
 
@@ -86,16 +90,18 @@ class RingAttentionPlanner:
             )
         return [cp_position_list(local_seqlen * cp, cp, r, self.load_balance) for r in range(cp)]
 
-    def causal_plans(self, local_seqlen: int) -> list[_BlockPlan | None]:
-        """Causal plans from the global positions: host ints, once per local seqlen (no sync, fake-safe)."""
-        if local_seqlen not in self._causal:
+    def causal_plans(self, local_seqlen: int, window: int | None = None) -> list[_BlockPlan | None]:
+        """Causal (windowed) plans from the global positions: host ints, once per (local seqlen, window); fake-safe."""
+        key = (local_seqlen, window)
+        if key not in self._causal:
             positions = self._positions(local_seqlen)
             mine = positions[self.cp_group.rank()]
-            self._causal[local_seqlen] = [_plan_block(mine, theirs) for theirs in positions]
-        return self._causal[local_seqlen]
+            self._causal[key] = [_plan_block(mine, theirs, window) for theirs in positions]
+        return self._causal[key]
 
-    def document_plans(self, doc_ids: torch.Tensor) -> list[_BlockPlan | None]:
-        """Block-causal plans for this rank's doc_ids (bs, local_seqlen): gathered and planned once per tensor.
+    def document_plans(self, doc_ids: torch.Tensor, window: int | None = None) -> list[_BlockPlan | None]:
+        """Block-causal plans for this rank's doc_ids (bs, local_seqlen): gathered once per tensor, planned
+        once per (tensor, window).
 
         Raises:
             NotImplementedError: doc_ids is a fake tensor (the memory estimator): plans need its values.
@@ -107,13 +113,14 @@ class RingAttentionPlanner:
                 "model.attn_mask_type = 'block_causal'; estimate with context_parallel_degree = 1 or "
                 "model.attn_mask_type = 'causal'"
             )
-        if doc_ids is self._doc_ids:
-            return self._doc_plans
-        positions = torch.tensor(self._positions(doc_ids.shape[1]), device=doc_ids.device)  # (cp, s)
-        all_docs = _all_gather(doc_ids, self.cp_group)  # (cp, bs, s): every rank's documents
-        plans = plan_document_blocks(doc_ids, all_docs, positions[self.cp_group.rank()], positions)
-        skipped = sum(plan is None for plan in plans)
-        self.blocks_skipped += skipped
-        self.blocks_computed += len(plans) - skipped
-        self._doc_ids, self._doc_plans = doc_ids, plans
-        return plans
+        if doc_ids is not self._doc_ids:  # a new micro-batch: every rank gathers its documents once
+            self._doc_ids, self._doc_plans = doc_ids, {}
+            self._all_docs = _all_gather(doc_ids, self.cp_group)  # (cp, bs, s): every rank's documents
+        if window not in self._doc_plans:
+            positions = torch.tensor(self._positions(doc_ids.shape[1]), device=doc_ids.device)  # (cp, s)
+            plans = plan_document_blocks(doc_ids, self._all_docs, positions[self.cp_group.rank()], positions, window)
+            skipped = sum(plan is None for plan in plans)
+            self.blocks_skipped += skipped
+            self.blocks_computed += len(plans) - skipped
+            self._doc_plans[window] = plans
+        return self._doc_plans[window]

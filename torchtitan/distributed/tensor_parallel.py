@@ -23,9 +23,10 @@ TP like the norms' (grad_norm.reduce_partial_grads_).
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -122,6 +123,71 @@ def _all_float8(block: nn.Module, names: list[str]) -> bool:
     return all(isinstance(block.get_submodule(n), Float8Linear) for n in names)
 
 
+class LatentReplicate(ParallelStyle):
+    """Replicated weights applied to the whole (all-gathered) sequence: MLA's down-projections and their norms.
+
+    The input is this rank's copy of the full sequence (Replicate); the output is a plain tensor that
+    feeds column-parallel up-projections, whose input hooks all-reduce its gradient over TP, so the
+    weight's gradient is complete and the same on every rank (Replicate). ``sync_tail``: the last
+    features of the output do not go through a column-parallel layer (MLA's RoPE key, shared by every
+    head): each rank's heads add only their share to its gradient, so those features pass an identity
+    whose backward all-reduces over TP.
+    """
+
+    def __init__(self, sync_tail: int = 0):
+        super().__init__()
+        self.sync_tail = sync_tail
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicate(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for key, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
+
+        def to_dtensor(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            return tuple(
+                x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                for x in inputs
+            )
+
+        def to_local(mod: nn.Module, out: DTensor, mesh: DeviceMesh):
+            local = out.to_local()
+            if not self.sync_tail:
+                return local
+            head, tail = local.split([local.shape[-1] - self.sync_tail, self.sync_tail], dim=-1)
+            # forward: the identity; backward: the heads' partial gradients summed over TP (Partial -> Replicate)
+            tail = DTensor.from_local(tail, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+            return torch.cat([head, tail], dim=-1)
+
+        return distribute_module(module, device_mesh, replicate, input_fn=to_dtensor, output_fn=to_local)
+
+
+def mla_attention_plan(attention: nn.Module) -> dict[str, ParallelStyle]:
+    """Multi-head latent attention (DeepSeek-V3) under TP + SP: the latent down-projections (wq_a, wkv_a) and
+    their norms replicated on the gathered sequence, the per-head up-projections (wq or wq_b, wkv_b)
+    column-parallel over heads, wo row-parallel back to sequence shards."""
+    plan: dict[str, ParallelStyle] = {
+        "attention.wkv_a": LatentReplicate(sync_tail=attention.qk_rope_head_dim),
+        "attention.kv_norm": LatentReplicate(),
+        "attention.wkv_b": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    if attention.wq is not None:
+        return {**plan, "attention.wq": ColwiseParallel()}
+    q_plan = {"attention.wq_a": LatentReplicate(), "attention.q_norm": LatentReplicate()}
+    return {**plan, **q_plan, "attention.wq_b": ColwiseParallel()}
+
+
+def is_mla(attention: nn.Module) -> bool:
+    return getattr(attention, "wkv_b", None) is not None
+
+
+def shard_sinks(attention: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Attention sinks (gpt-oss: one logit per query head) sharded like the heads wq computes: Shard(0)."""
+    sinks = getattr(attention, "sinks", None)
+    if isinstance(sinks, nn.Parameter) and not isinstance(sinks, DTensor):
+        attention.sinks = nn.Parameter(distribute_tensor(sinks.data, tp_mesh, [Shard(0)]))
+
+
 class TokenShardedReplicate(ParallelStyle):
     """Replicated weights applied to this rank's own tokens: (T_local, ...) plain in, plain out.
 
@@ -199,18 +265,25 @@ def apply_tp(
         # so the head takes the embedding's DTensor and the two stay one parameter.
         output.weight = embedding.weight
     for block in model.layers.values():
+        mla = is_mla(block.attention)
+        if (isinstance(block.feed_forward, MoE) or mla) and ring_async:
+            raise NotImplementedError(
+                "experimental.enable_async_tensor_parallel with an MoE model or multi-head latent attention: the "
+                "async plan has neither; turn async TP off"
+            )
         if isinstance(block.feed_forward, MoE):
-            if ring_async:
-                raise NotImplementedError(
-                    "experimental.enable_async_tensor_parallel with an MoE model: the async plan has no MoE "
-                    "block; turn async TP off"
-                )
             plan = moe_block_plan(has_shared_expert=block.feed_forward.shared_expert is not None)
         elif ring_async:
             plan = async_block_plan()
+        elif mla:  # MLA's dense blocks: the plain styles (its linears are not all wq/wk/wv)
+            plan = block_plan()
         else:
             linears = [k for k in block_plan() if k.count(".") == 1]
             plan = block_plan(float8=float8 and _all_float8(block, linears))
-        if block.attention.q_norm is not None:  # QK-norm: (bs, seqlen, local heads, head_dim) per rank
+        if mla:
+            plan = {k: v for k, v in plan.items() if not k.startswith("attention.")}
+            plan |= mla_attention_plan(block.attention)
+        elif block.attention.q_norm is not None:  # QK-norm: (bs, seqlen, local heads, head_dim) per rank
             plan = {**plan, "attention.q_norm": TokenShardedReplicate(2), "attention.k_norm": TokenShardedReplicate(2)}
         parallelize_module(block, tp_mesh, plan)
+        shard_sinks(block.attention, tp_mesh)

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from torchtitan.distributed.context_parallel import is_sink_kernel
 from torchtitan.distributed.cp_checks import check_torch_cp_supported
 from torchtitan.distributed.dtensor import local_shard
 
@@ -118,6 +119,12 @@ class TorchRingAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (bs, n_heads, s, d); k, v (bs, n_kv_heads, s, d) -> (bs, n_heads, s, d), this rank's rows."""
+        if v.shape[-1] != q.shape[-1]:
+            # CPU SDPA runs v heads of another width on its math kernel, which torch's ring does not handle
+            raise NotImplementedError(
+                f"context_parallel_impl = 'torch' with v heads {v.shape[-1]} wide and q/k heads {q.shape[-1]} "
+                "(multi-head latent attention): use context_parallel_impl = 'portable'"
+            )
         attention = _cp_attention()
         attention._cp_options.enable_load_balance = self.load_balance
         attention.set_rotate_method(self.rotate_method)
@@ -128,8 +135,18 @@ class TorchRingAttention(nn.Module):
 
 
 def apply_torch_cp(model: nn.Module, cp_mesh: DeviceMesh, *, rotate_method: str, load_balance: bool) -> None:
-    """Swap every block's ``attention.sdpa`` for TorchRingAttention (None layers of a PP stage skipped)."""
+    """Swap every block's ``attention.sdpa`` for TorchRingAttention (None layers of a PP stage skipped).
+
+    Raises:
+        NotImplementedError: a block's kernel takes attention sinks (gpt-oss): torch's ring has none.
+    """
     enable_torch_cp_dispatcher()
     for block in model.layers.values():
-        if block is not None:
-            block.attention.sdpa = TorchRingAttention(cp_mesh, rotate_method=rotate_method, load_balance=load_balance)
+        if block is None:
+            continue
+        if is_sink_kernel(block.attention.sdpa):
+            raise NotImplementedError(
+                "context_parallel_impl = 'torch' with attention sinks and sliding windows (gpt_oss): torch's "
+                "ring attention has neither; use context_parallel_impl = 'portable'"
+            )
+        block.attention.sdpa = TorchRingAttention(cp_mesh, rotate_method=rotate_method, load_balance=load_balance)

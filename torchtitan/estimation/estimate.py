@@ -6,6 +6,7 @@ import contextlib
 import copy
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,6 +68,7 @@ class Estimate:
     roles: list[RoleEstimate]
     seconds: float
     warnings: list[str] = field(default_factory=list)
+    params: int = 0  # the whole model's parameters at full depth (meta device; buffers not counted)
 
     @property
     def peak(self) -> int:
@@ -282,4 +284,11 @@ def estimate_memory(config, world_size: int, *, full_depth: bool = False, pp_ran
         RoleEstimate(role, rank, estimate_role(config, world_size, rank, pp_rank, vocab, args, dims, reduction))
         for role, rank, pp_rank in roles
     ]
-    return Estimate(world_size, dims.degrees(), source, roles, time.perf_counter() - start, warnings)
+    params = count_parameters(config.model.name, args)
+    return Estimate(world_size, dims.degrees(), source, roles, time.perf_counter() - start, warnings, params)
+
+
+def count_parameters(model_name: str, args: Any) -> int:
+    """The whole model's parameters at full depth (built on the meta device; buffers not counted)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in get_model_spec(model_name).model_cls(args).parameters())

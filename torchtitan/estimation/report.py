@@ -15,6 +15,7 @@ def to_dict(est: Estimate) -> dict:
         "world_size": est.world_size,
         "layout": est.layout,
         "vocab_source": est.vocab_source,
+        "params": est.params,
         "seconds": round(est.seconds, 2),
         "peak_bytes": est.peak,
         "warnings": est.warnings,
@@ -38,7 +39,9 @@ def to_json(est: Estimate) -> str:
 
 def format_table(est: Estimate, title: str) -> str:
     layout = " ".join(f"{k}={v}" for k, v in est.layout.items())
-    out = [f"{title}: world_size {est.world_size} ({layout}); vocabulary: {est.vocab_source}"]
+    out = [
+        f"{title}: {est.params:,} parameters; world_size {est.world_size} ({layout}); vocabulary: {est.vocab_source}"
+    ]
     roles = est.roles
     # each column as wide as its widest cell, and two spaces apart ("forward/backward" fills 16 characters)
     widths = [2 + max(10, len(r.role), len(r.memory.peak_phase)) for r in roles]

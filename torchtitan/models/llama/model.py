@@ -225,11 +225,19 @@ class TransformerBlock(nn.Module):
     Args:
         feed_forward: the block's feed-forward (e.g. an MoE layer); default llama's FeedForward.
             Any module mapping (bs, seqlen, dim) -> (bs, seqlen, dim) with ``init_weights(init_std)``.
+        attention: the block's attention (DeepSeek-V3's latent attention, gpt-oss's with sinks); default
+            llama's. Any module called as ``attention(x, rope[, doc_ids=])`` with ``init_weights(init_std)``.
     """
 
-    def __init__(self, layer_id: int, args: ModelArgs, feed_forward: nn.Module | None = None):
+    def __init__(
+        self,
+        layer_id: int,
+        args: ModelArgs,
+        feed_forward: nn.Module | None = None,
+        attention: nn.Module | None = None,
+    ):
         super().__init__()
-        self.attention = Attention(args)
+        self.attention = attention if attention is not None else Attention(args)
         self.feed_forward = feed_forward if feed_forward is not None else FeedForward(args)
         self.attention_norm = build_norm(args.norm_type, args.dim, args.norm_eps)
         self.ffn_norm = build_norm(args.norm_type, args.dim, args.norm_eps)

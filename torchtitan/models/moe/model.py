@@ -39,12 +39,16 @@ class MoETransformer(Transformer):
         return {name: m for name, block in self.layers.items() for m in block.modules() if isinstance(m, MoE)}
 
     def aux_loss(self) -> torch.Tensor:
-        """Sum of the MoE layers' weighted balance losses of the last forward (0 unless load_balance="aux_loss").
+        """Sum of the MoE layers' weighted balance losses of the last forward (0 unless load_balance="aux_loss"),
+        taken from the layers (a second call before the next forward returns 0).
 
         Each layer's loss is computed on this rank's tokens. Add it to the training loss with the
         same scale as the cross-entropy (e.g. divided by the gradient-accumulation steps).
         """
-        losses = [m.aux_loss for m in self.moe_layers().values() if m.aux_loss is not None]
+        layers = self.moe_layers().values()
+        losses = [m.aux_loss for m in layers if m.aux_loss is not None]
+        for m in layers:  # taken: the layers no longer hold the forward's graph once the trainer has the loss
+            m.aux_loss = None
         return torch.stack(losses).sum() if losses else torch.zeros((), device=self.rope_cache.device)
 
     def expert_load(self) -> dict[str, torch.Tensor]:

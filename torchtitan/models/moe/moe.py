@@ -8,6 +8,8 @@ Load balancing (``MoEArgs.load_balance``):
 * ``"aux_loss"``: a switch-style balance loss per layer, kept in ``MoE.aux_loss`` (a tensor attached
   to the graph of the last forward). The trainer adds ``model.aux_loss()`` to its loss; nothing is
   injected into autograd behind its back, so the trainer controls the scale (gradient accumulation).
+  With ``aux_loss_per_sequence`` it is DeepSeek's sequence-wise loss: one per batch row, averaged
+  (the rows this rank holds: under sequence or context parallel, each rank's shard of a row).
 * ``"bias"``: aux-loss-free balancing (DeepSeek-V3). A per-expert ``expert_bias`` buffer is added to
   the scores for *selection only*; after each optimizer step ``update_expert_bias`` nudges it
   against the (global) token counts. The combine weights never see the bias.
@@ -25,14 +27,32 @@ from torchtitan.models.moe.args import MoEArgs
 
 
 class TokenChoiceRouter(nn.Module):
-    """Scores every expert for every token and picks each token's top-k experts."""
+    """Scores every expert for every token and picks each token's top-k experts.
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, score_func: str, route_norm: bool):
+    Args:
+        num_groups, top_k_groups: group-limited routing (DeepSeek-V3; see MoEArgs.num_expert_groups);
+            1 group: plain top-k.
+        route_scale: the top-k weights are multiplied by it (after ``route_norm``).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        score_func: str,
+        route_norm: bool,
+        *,
+        num_groups: int = 1,
+        top_k_groups: int = 1,
+        route_scale: float = 1.0,
+    ):
         super().__init__()
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.top_k = top_k
         self.score_func = score_func
         self.route_norm = route_norm
+        self.num_groups, self.top_k_groups, self.route_scale = num_groups, top_k_groups, route_scale
 
     def init_weights(self) -> None:
         nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=0.02)
@@ -47,11 +67,27 @@ class TokenChoiceRouter(nn.Module):
         logits = self.gate(x).float()  # (T, E); fp32 so bf16 training still routes stably
         scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()  # (T, E)
         choice = scores if expert_bias is None else scores + expert_bias
+        if self.num_groups > 1:
+            choice = self._limit_groups(choice)
         experts = choice.topk(self.top_k, dim=-1).indices  # (T, top_k)
         weights = scores.gather(-1, experts)  # (T, top_k)
         if self.route_norm:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.route_scale != 1.0:
+            weights = weights * self.route_scale
         return weights, experts, scores
+
+    def _limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """choice (T, E) -> the same with -inf outside each token's top_k_groups groups.
+
+        A group's score is the sum of its two best choice scores (transformers' DeepseekV3TopkRouter).
+        """
+        num_tokens, num_experts = choice.shape
+        grouped = choice.view(num_tokens, self.num_groups, -1)  # (T, groups, E / groups)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # (T, groups)
+        top_groups = group_scores.topk(self.top_k_groups, dim=-1).indices  # (T, top_k_groups)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)  # (T, groups)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, num_experts)
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -124,6 +160,17 @@ def compute_aux_loss(scores: torch.Tensor, num_tokens_per_expert: torch.Tensor, 
     return num_experts * (frac * probs.mean(dim=0)).sum()
 
 
+def compute_sequence_aux_loss(scores: torch.Tensor, experts: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``compute_aux_loss`` of each sequence on its own, averaged over the sequences (DeepSeek's
+    sequence-wise balance loss). scores (bs, seqlen, E); experts (bs, seqlen, top_k) the chosen ones."""
+    bs, seqlen, num_experts = scores.shape
+    slots = experts.reshape(bs, -1)  # (bs, seqlen * top_k)
+    counts = torch.zeros(bs, num_experts, device=scores.device).scatter_add_(1, slots, torch.ones_like(slots).float())
+    frac = counts / (seqlen * top_k)  # (bs, E)
+    probs = scores / scores.sum(dim=-1, keepdim=True)  # (bs, seqlen, E)
+    return num_experts * (frac * probs.mean(dim=1)).sum(dim=-1).mean()
+
+
 class MoE(nn.Module):
     """Routed experts (+ an optional shared expert) replacing a block's feed-forward."""
 
@@ -132,12 +179,23 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = args.num_experts, args.top_k
         self.load_balance, self.aux_loss_coeff = args.load_balance, args.aux_loss_coeff
         self.bias_update_rate = args.bias_update_rate
-        self.router = TokenChoiceRouter(args.dim, args.num_experts, args.top_k, args.score_func, args.route_norm)
+        self.aux_loss_per_sequence = args.aux_loss_per_sequence
+        self.router = TokenChoiceRouter(
+            args.dim,
+            args.num_experts,
+            args.top_k,
+            args.score_func,
+            args.route_norm,
+            num_groups=args.num_expert_groups,
+            top_k_groups=args.top_k_groups,
+            route_scale=args.route_scale,
+        )
         self.experts = GroupedExperts(
             args.dim, args.moe_hidden_dim, args.num_experts, args.use_grouped_mm, args.balanced_routing
         )
+        shared_width = args.moe_hidden_dim * args.shared_expert_multiplier
         self.shared_expert: FeedForward | None = (
-            FeedForward(args.shared_expert_args()) if args.num_shared_experts else None
+            FeedForward(args, hidden=shared_width) if args.num_shared_experts else None
         )
         if args.load_balance == "bias":
             # Model state (checkpointed), but not trained: only update_expert_bias changes it.
@@ -167,7 +225,16 @@ class MoE(nn.Module):
         counts = self.count_tokens(experts)  # (E,)
         self.tokens_per_expert = counts.detach().float()
         if self.load_balance == "aux_loss":
-            self.aux_loss = self.aux_loss_coeff * compute_aux_loss(scores, counts, self.top_k)
+            aux_loss = self.aux_loss_coeff * (
+                compute_sequence_aux_loss(scores.view(bs, seqlen, -1), experts.view(bs, seqlen, -1), self.top_k)
+                if self.aux_loss_per_sequence
+                else compute_aux_loss(scores, counts, self.top_k)
+            )
+            # Kept only from a forward the autograd engine is not running: activation checkpointing's recompute
+            # (in backward; computed all the same, so it saves the tensors the first forward saved) would keep
+            # the recomputed graph, attention scores included, alive until the next forward.
+            if torch._C._current_graph_task_id() == -1:
+                self.aux_loss = aux_loss
 
         # Permute the T * k routing slots so each expert's tokens are contiguous.
         order = torch.argsort(experts.flatten(), stable=True)  # (T*k,)
