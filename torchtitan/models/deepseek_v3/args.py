@@ -5,7 +5,6 @@ Its own module, as models/moe/args.py is: the model (model.py) and the flavors i
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from torchtitan.models.moe.args import MoEArgs
@@ -74,15 +73,6 @@ class DeepSeekV3Args(MoEArgs):
         for ok, key, value, fix in checks:
             if not ok:
                 raise ValueError(f"DeepSeekV3Args.{key} = {value!r} is invalid: {fix}")
-
-    @classmethod
-    def from_dict(cls, fields: dict) -> DeepSeekV3Args:
-        """The args a checkpoint marker records (``dataclasses.asdict``), back as this class."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in fields.items() if k in known}
-        if isinstance(kwargs.get("rope_scaling"), dict):
-            kwargs["rope_scaling"] = YarnScaling(**kwargs["rope_scaling"])
-        return cls(**kwargs)
 
 
 def softmax_scale_multiplier(yarn: YarnScaling | None) -> float:

@@ -6,7 +6,6 @@ args.py, one way.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from torchtitan.models.moe.args import MoEArgs
@@ -55,15 +54,6 @@ class GptOssArgs(MoEArgs):
     def layer_types(self) -> list[str]:
         """transformers' ``layer_types`` for these args."""
         return [LAYER_KINDS[self.layer_window(i) is None] for i in range(self.n_layers)]
-
-    @classmethod
-    def from_dict(cls, fields: dict) -> GptOssArgs:
-        """The args a checkpoint marker records (``dataclasses.asdict``), back as this class."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in fields.items() if k in known}
-        if isinstance(kwargs.get("yarn"), dict):
-            kwargs["yarn"] = YarnScaling(**kwargs["yarn"])
-        return cls(**kwargs)
 
 
 def aux_loss_coeff_from_hf(router_aux_loss_coef: float, top_k: int, n_layers: int) -> float:

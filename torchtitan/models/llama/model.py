@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -67,9 +68,15 @@ class ModelArgs:
     def from_dict(cls, fields: dict) -> ModelArgs:
         """The args a checkpoint marker records (``dataclasses.asdict``), back as this class."""
         known = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in fields.items() if k in known}
-        if isinstance(kwargs.get("rope_scaling"), dict):
-            kwargs["rope_scaling"] = RopeScaling(**kwargs["rope_scaling"])
+        hints = typing.get_type_hints(cls)  # a subclass's own field types (e.g. a YaRN rope_scaling)
+        kwargs = {}
+        for key, value in fields.items():
+            if key not in known:
+                continue
+            if isinstance(value, dict):  # a nested dataclass (RoPE scaling), recorded as a dict
+                nested = [t for t in typing.get_args(hints[key]) or (hints[key],) if dataclasses.is_dataclass(t)]
+                value = nested[0](**value) if nested else value
+            kwargs[key] = value
         return cls(**kwargs)
 
 
