@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan.models.attention import apply_sinks, masked_attention_with_lse
+
 
 class CachedAttention(nn.Module):
     """Causal attention of new queries over cached + new keys/values of one layer.
@@ -44,19 +46,16 @@ class CachedAttention(nn.Module):
         self.k[:, :, start : start + n] = k
         self.v[:, :, start : start + n] = v
         keys, values = self.k[:, :, : start + n], self.v[:, :, : start + n]  # (bs, n_kv_heads, start+n, .)
-        n_rep = q.shape[1] // k.shape[1]
-        keys, values = keys.repeat_interleave(n_rep, dim=1), values.repeat_interleave(n_rep, dim=1)
         # query i (position start+i) sees keys 0..start+i (the last `window` of them with a window)
         mask = torch.ones(n, start + n, dtype=torch.bool, device=q.device).tril(diagonal=start)
         if self.window is not None:
             mask &= torch.ones_like(mask).triu(diagonal=start - self.window + 1)
-        if sinks is None:
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        scores = (q.float() @ keys.float().transpose(-2, -1)) * q.shape[-1] ** -0.5  # (bs, n_heads, n, start+n)
-        scores = scores.masked_fill(~mask, float("-inf"))
-        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # a logit with no value
-        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
-        return (probs @ values.float()).to(q.dtype)
+        if sinks is not None:  # gpt-oss's kernel math: explicit scores, then the sink in the denominator
+            out, lse = masked_attention_with_lse(q, keys, values, mask)
+            return apply_sinks(out, lse, sinks).to(q.dtype)
+        n_rep = q.shape[1] // k.shape[1]
+        keys, values = keys.repeat_interleave(n_rep, dim=1), values.repeat_interleave(n_rep, dim=1)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
 
 class KVCache:

@@ -190,3 +190,37 @@ def _fake_block_causal(
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     bs, seqlen = doc_ids.shape
     return split_attention(q, k, v, [seqlen] * bs)
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention ``out`` (bs, heads, sq, head_dim) with logsumexp ``lse`` (bs, heads, sq) of its scores, corrected
+    as if each head's ``sinks`` (heads,) logit had joined the softmax denominator (and its value were 0).
+
+    Exact: with Z = sum_j exp(s_j) = exp(lse), the sink's softmax gives weights exp(s_j) / (Z + exp(sink)), so
+        out_sink = out * Z / (Z + exp(sink)) = out / (1 + exp(sink - lse)) = out * sigmoid(lse - sink).
+    Blockwise kernels (ring attention) merge blocks into (out, lse) first and apply this once, at the end.
+    """
+    gate = torch.sigmoid(lse.float() - sinks.float().view(-1, 1))  # (bs, heads, sq)
+    return out * gate.unsqueeze(-1).to(out.dtype)
+
+
+def masked_attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T / sqrt(head_dim), masked) v, and the logsumexp of each row's visible scores; fp32.
+
+    q (bs, n_heads, sq, head_dim); k, v (bs, n_kv_heads, sk, head_dim); mask (sq, sk) or (bs, 1, sq, sk), every
+    row seeing at least one key -> out (bs, n_heads, sq, head_dim), lse (bs, n_heads, sq). The explicit (sq, sk)
+    scores: exact and differentiable in both outputs on every device, memory O(sq * sk) per head (gpt-oss's
+    sink kernel; the KV cache's sink path).
+    """
+    bs, n_heads, s, head_dim = q.shape
+    n_kv_heads, sk = k.shape[1], k.shape[2]
+    # query head h uses kv head h // n_rep (transformers' repeat_kv): group the query heads per kv head
+    qg = q.float().view(bs, n_kv_heads, n_heads // n_kv_heads, s, head_dim)  # (bs, hkv, n_rep, s, d)
+    scores = qg @ k.float().unsqueeze(2).transpose(-1, -2) * head_dim**-0.5  # (bs, hkv, n_rep, s, sk)
+    scores = scores.flatten(1, 2).masked_fill(~mask, float("-inf"))  # (bs, n_heads, s, sk)
+    lse = scores.logsumexp(dim=-1)  # (bs, n_heads, s)
+    probs = (scores - lse.unsqueeze(-1)).exp().view(bs, n_kv_heads, -1, s, sk)
+    out = probs @ v.float().unsqueeze(2)  # (bs, hkv, n_rep, s, d)
+    return out.flatten(1, 2), lse

@@ -159,14 +159,16 @@ class CausalAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """Grouped-query attention with RoPE; ``bias``: q/k/v/o projections with biases (gpt-oss)."""
+
+    def __init__(self, args: ModelArgs, bias: bool = False):
         super().__init__()
         n_kv_heads = args.n_kv_heads or args.n_heads
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(args.dim, n_kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=bias)
         # families that reuse this module with args of their own (no document masking) run causal only
         self.sdpa: nn.Module = CausalAttention(getattr(args, "attention_backend", "sdpa"))
         # QK-norm (Qwen3): an RMSNorm over head_dim of each q and k head, before RoPE; None in Llama.
@@ -195,9 +197,13 @@ class Attention(nn.Module):
         rope = rope[..., :seqlen, :]
         q, k = apply_rotary_emb(q, rope), apply_rotary_emb(k, rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        # (bs, n_heads, seqlen, head_dim); the documents only when given (a CP kernel takes them too)
-        out = self.sdpa(q, k, v) if doc_ids is None else self.sdpa(q, k, v, doc_ids=doc_ids)
+        out = self.attend(q, k, v, doc_ids)  # (bs, n_heads, seqlen, head_dim)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))  # (bs, seqlen, dim)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        """The kernel (``self.sdpa``, the seam CP and the KV cache swap) on (bs, heads, seqlen, head_dim) q, k, v;
+        the documents only when given (a CP kernel takes them too)."""
+        return self.sdpa(q, k, v) if doc_ids is None else self.sdpa(q, k, v, doc_ids=doc_ids)
 
 
 def ffn_hidden_dim(args: ModelArgs) -> int:
