@@ -36,6 +36,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -105,6 +106,7 @@ def _reset_between_jobs() -> None:
     from torchtitan.observability.logging import warn_once
 
     torch.use_deterministic_algorithms(False)  # a job turns it on if it asks for it
+    torch.backends.mkldnn.enabled = True  # a float8 job on a CPU whose oneDNN float8 GEMM is slow turns it off
     torch.set_default_dtype(torch.float32)
     warn_once.cache_clear()
     with contextlib.suppress(Exception):  # private API: only a cache, so a rename costs speed, not results
@@ -340,21 +342,30 @@ def _dump_folder(argv: list[str]) -> str:
     raise ValueError(f"job without --job.dump_folder: {argv}")
 
 
-def train_job(rank: int, world_size: int, argv: list[str]) -> JobFailed | None:
+def train_job(rank: int, world_size: int, argv: list[str], builders: Any = None) -> JobFailed | None:
     """One trainer run on this rank, as torchtitan.train would run it; returns None or what it raised.
 
-    The rank's log goes to ``<dump>/rank<r>.log`` (the step lines, the warnings, the summary).
+    The rank's log goes to ``<run folder>/rank<r>.log`` (the step lines, the warnings, the summary): the dump
+    folder, or a fault-tolerant replica group's own folder in it. ``builders``: the trainer's (a test's fault
+    injection), default a real run.
     """
     from torchtitan.config.manager import JobConfig
+    from torchtitan.launch.run_folder import run_folder
     from torchtitan.train import run_job
 
-    folder = _dump_folder(argv)
+    try:
+        config = JobConfig.parse_args(argv, world_size=world_size)
+        folder = run_folder(config)
+    except BaseException:  # noqa: BLE001 - a config error is the job's result, logged beside its dump folder
+        config, folder = None, _dump_folder(argv)
     os.makedirs(folder, exist_ok=True)
     handler = logging.FileHandler(os.path.join(folder, f"rank{rank}.log"), mode="w")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
     logging.getLogger().addHandler(handler)
     try:
-        run_job(JobConfig.parse_args(argv, world_size=world_size), world_size=world_size, rank=rank)
+        if config is None:
+            JobConfig.parse_args(argv, world_size=world_size)  # raises the config error again, into the log
+        run_job(config, world_size=world_size, rank=rank, builders=builders)
         return None
     except BaseException:  # noqa: BLE001 - the parent decides (a job may be expected to fail)
         error = traceback.format_exc()

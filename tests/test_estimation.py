@@ -176,6 +176,25 @@ def _estimate_argv(argv: tuple[str, ...], world_size: int):
     return estimate_memory(JobConfig.parse_args(list(argv)), world_size)
 
 
+def test_fault_tolerance_terms():
+    """One replica group's rank (docs/fault_tolerance.md): the synchronous mode's buckets run in the fake step
+    (here after backward, below the forward/backward peak); DiLoCo's copies and state are modeled."""
+    row = next(r for r in ALL_ROWS if r.name == "fsdp2")
+    argv, ft = _argv(row), ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2"]
+    base = _estimate_argv(tuple(argv), row.ngpu).roles[0].memory
+    sync = _estimate_argv(tuple([*argv, *ft]), row.ngpu).roles[0].memory
+    # the buckets live after backward, below this peak; the loss's max over the groups (a scalar) is kept between
+    # steps, in the real run too
+    assert 0 <= sync.peak - base.peak <= 8 and any("one of 2 replica groups" in n for n in sync.notes), sync.notes
+    diloco = [*argv, *ft, "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "3"]
+    m = _estimate_argv(tuple(diloco), row.ngpu).roles[0].memory
+    weights = m.modeled["ft: outer momentum"]
+    assert weights == m.modeled["ft: weight backup"] and weights > 0  # on CPU the host backup counts too
+    assert m.modeled["ft: sync copies"] == 2 * weights
+    assert m.synchronization.total == m.at_optimizer_step.total + 2 * weights
+    assert m.peak >= base.peak + 2 * weights  # the persistent state is in every phase
+
+
 @pytest.mark.parametrize("row", TRACKER_ROWS, ids=[r.name for r in TRACKER_ROWS])
 def test_estimate_matches_the_tracker_on_the_real_step(row: Row, measured):
     for role in _estimate(row).roles:

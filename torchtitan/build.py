@@ -25,9 +25,15 @@ from torchtitan.checkpointing.common import model_info, save_model_weights
 from torchtitan.checkpointing.marker import read_marker, step_folder
 from torchtitan.checkpointing.state import ModelState
 from torchtitan.components.document_feed import build_document_feed
-from torchtitan.components.float8 import Float8ScalePrecompute, apply_float8, check_float8_runs
+from torchtitan.components.float8 import (
+    Float8ScalePrecompute,
+    apply_float8,
+    check_float8_runs,
+    choose_cpu_float8_gemm,
+)
 from torchtitan.components.step import PipelineLoss, StepFunction
 from torchtitan.datasets.hf_datasets import build_hf_data_loader, compute_stream_groups
+from torchtitan.datasets.shard import DataShard
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.distributed.device import get_device_info
 from torchtitan.distributed.init import init_model_weights
@@ -44,6 +50,7 @@ if TYPE_CHECKING:
 
     from torchtitan.config.manager import JobConfig
     from torchtitan.config.schema import Model, Training
+    from torchtitan.config.schema_fault_tolerance import FaultTolerance
     from torchtitan.spec import ModelSpec
 
 
@@ -106,12 +113,20 @@ def build_meta_model(spec: ModelSpec, model_args: Any) -> nn.Module:
         return spec.model_cls(model_args)
 
 
-def build_data_loader(training: Training, tokenizer: Any, world: WorldMesh) -> Iterable:
+def build_data_shard(world: WorldMesh, fault_tolerance: FaultTolerance) -> DataShard:
+    """This rank's part of every global batch: its data-parallel rank, or with fault tolerance its rank among
+    every replica group's (the replicate dimension outermost, as HSDP orders it)."""
+    rank, degree = world.local_rank("dp"), world.dims.dp_degree
+    if not fault_tolerance.enable:
+        return DataShard(rank, degree)
+    return DataShard(fault_tolerance.replica_id * degree + rank, fault_tolerance.group_size * degree)
+
+
+def build_data_loader(training: Training, tokenizer: Any, shard: DataShard) -> Iterable:
     """This data-parallel rank's slice of every global batch (see docs/data.md)."""
     t = training
-    dp_rank, dp_degree = world.local_rank("dp"), world.dims.dp_degree
-    groups = compute_stream_groups(dp_rank, dp_degree, t.batch_size, t.gradient_accumulation_steps)
-    num_streams = dp_degree * t.batch_size * t.gradient_accumulation_steps
+    groups = compute_stream_groups(shard.rank, shard.degree, t.batch_size, t.gradient_accumulation_steps)
+    num_streams = shard.degree * t.batch_size * t.gradient_accumulation_steps
     if t.dataset_format != "text":  # fine-tuning rows, packed (datasets/sft/loader.py)
         from torchtitan.datasets.sft.loader import build_sft_data_loader
 
@@ -137,13 +152,16 @@ class TrainerBuilders:
         model_args(config, spec, vocab_size, *, device_type) -> the family's args (``device_type``: the run's
             device, for ``model.attention_backend = 'auto'``)
         meta_model(spec, model_args) -> nn.Module on the meta device (called once per pipeline stage too)
-        data_loader(training, tokenizer, world) -> iterable of (inputs, labels), stateful for checkpoints
+        data_loader(training, tokenizer, shard) -> iterable of (inputs, labels), stateful for checkpoints (``shard``:
+            the ``DataShard`` this rank reads)
         metrics(trainer) -> StepMetrics-like (``add_data_time``, ``add_step``, ``log``, ``log_validation``,
             ``end_summary``, ``close``)
         checkpointer(trainer) -> CheckpointManager-like (``load``, ``maybe_save``, ``summary``, ``close``)
         validator(trainer, tokenizer) -> Validator-like (``run``)
         guard(trainer) -> StepGuard-like (``check(step, loss, grad_norm) -> Verdict``; it syncs with the host)
-    The trainer-level defaults (metrics, checkpointer, validator, guard) are filled in by train.py.
+        replicas(trainer) -> fault tolerance's ``ReplicaGroups`` (called only with fault_tolerance.enable), or None
+            (the estimator models one replica group)
+    The trainer-level defaults (metrics, checkpointer, validator, guard, replicas) are in trainer_parts.py.
     """
 
     mesh: Callable[..., Any] = _build_world_mesh
@@ -155,6 +173,7 @@ class TrainerBuilders:
     checkpointer: Callable[..., Any] | None = None
     validator: Callable[..., Any] | None = None
     guard: Callable[..., Any] | None = None
+    replicas: Callable[..., Any] | None = None
 
 
 def finish_model_part(
@@ -164,6 +183,8 @@ def finish_model_part(
     from the seed. The float8 conversion comes first: TP picks float8 styles for converted linears."""
     if config.float8.enable_float8_linear:
         check_float8_runs(device)
+        if device.type == "cpu":
+            choose_cpu_float8_gemm()
         apply_float8(part, config.float8)
     spec.parallelize_fn(
         part,

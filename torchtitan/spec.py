@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from torchtitan.config.manager import JobConfig
     from torchtitan.config.schema import Model
-    from torchtitan.distributed.mesh import WorldMesh
+    from torchtitan.distributed.mesh import ReplicaSum, WorldMesh
     from torchtitan.distributed.parallel_dims import ParallelDims
 
 
@@ -65,8 +65,12 @@ class StepHooks(Protocol):
     def aux_loss(self, model_part: nn.Module, scale: float) -> torch.Tensor | None:
         """A loss term, already multiplied by the micro-batch's ``scale``, to back-propagate with its loss; or None."""
 
-    def after_optimizer_step(self, *, keep_metrics: bool) -> None:
-        """Called on every rank after each optimizer step (may communicate)."""
+    def reduce_step(self, *, keep_metrics: bool, replica_sum: ReplicaSum | None) -> None:
+        """After backward, before the step is applied (or dropped): reduce the step's statistics; every rank
+        calls it (may communicate). ``replica_sum``: fault tolerance's sum over the replica groups, or None."""
+
+    def after_optimizer_step(self) -> None:
+        """Called on every rank after each optimizer step (may communicate within the world)."""
 
     def discard_step(self) -> None:
         """Called on every rank instead of ``after_optimizer_step`` when the step's update is dropped."""
@@ -85,19 +89,28 @@ class HookChain:
         terms = [t for t in (h.aux_loss(model_part, scale) for h in self.hooks) if t is not None]
         return sum(terms[1:], terms[0]) if terms else None
 
-    def after_optimizer_step(self, *, keep_metrics: bool) -> None:
+    def reduce_step(self, *, keep_metrics: bool, replica_sum: ReplicaSum | None) -> None:
         for h in self.hooks:
-            h.after_optimizer_step(keep_metrics=keep_metrics)
+            h.reduce_step(keep_metrics=keep_metrics, replica_sum=replica_sum)
+
+    def after_optimizer_step(self) -> None:
+        for h in self.hooks:
+            h.after_optimizer_step()
 
     def discard_step(self) -> None:
         for h in self.hooks:
             h.discard_step()
 
     def metrics(self) -> tuple[dict[str, Any], dict[str, float]] | None:
-        found = [m for m in (h.metrics() for h in self.hooks) if m is not None]
-        if not found:
-            return None
-        return {k: v for fields, _ in found for k, v in fields.items()}, {k: v for _, s in found for k, v in s.items()}
+        return merge_metrics(*(h.metrics() for h in self.hooks))
+
+
+def merge_metrics(*parts: tuple[dict[str, Any], dict[str, float]] | None) -> tuple[dict, dict] | None:
+    """Several (record fields, TensorBoard scalars) pairs as one; None if there are none."""
+    found = [m for m in parts if m is not None]
+    if not found:
+        return None
+    return {k: v for fields, _ in found for k, v in fields.items()}, {k: v for _, s in found for k, v in s.items()}
 
 
 def chain_hooks(*hooks: StepHooks | None) -> StepHooks | None:

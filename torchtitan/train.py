@@ -6,26 +6,24 @@ Launch several processes with torchrun (see run_llama_train.sh); one process nee
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from torchtitan.build import TrainerBuilders, build_step_function, create_seed_checkpoint
-from torchtitan.checkpointing.common import model_info
-from torchtitan.checkpointing.manager import CheckpointManager, resumes_from
+from torchtitan.build import TrainerBuilders, build_data_shard, build_step_function, create_seed_checkpoint
+from torchtitan.checkpointing.manager import resumes_from
 from torchtitan.components.document_feed import Batch
 from torchtitan.components.optimizer import apply_optimizer_config, build_lr_scheduler, build_optimizer
-from torchtitan.components.run_control import NonFiniteStep, RunStopped, StepGuard, StopSignals
+from torchtitan.components.run_control import NonFiniteStep, RunStopped, StopSignals
 from torchtitan.components.step import StepFunction
-from torchtitan.components.validation import Validator
 from torchtitan.config.manager import JobConfig, format_help, wants_help
 from torchtitan.datasets.sft.packing import PackedDocs
 from torchtitan.distributed.context_parallel import compute_cp_positions, shard_sequence
@@ -33,22 +31,32 @@ from torchtitan.distributed.device import get_device_info, init_distributed, set
 from torchtitan.distributed.mesh import WorldMesh
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.dtypes import to_dtype
+from torchtitan.fault_tolerance.errors import ReplicaGroupsFailed
 from torchtitan.launch.failures import report_exception, report_failure
 from torchtitan.launch.parent_watch import watch_parent
-from torchtitan.launch.run_folder import RunLock, set_aside_earlier_run
+from torchtitan.launch.run_folder import RunLock, checkpoint_root, run_folder, set_aside_earlier_run
 from torchtitan.observability.console import format_layout, format_start_summary
 from torchtitan.observability.logging import init_logger
 from torchtitan.observability.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.observability.run_records import run_record_names, write_run_records
-from torchtitan.observability.step_metrics import StepMetrics
 from torchtitan.preflight import run_preflight
-from torchtitan.spec import get_model_spec
+from torchtitan.spec import get_model_spec, merge_metrics
+from torchtitan.trainer_parts import with_trainer_defaults
 
 logger = logging.getLogger(__name__)
 
 # What a user can get wrong: one line (printed by the launcher, with the ranks that raised it), exit code 2;
 # so are storage errors (disk full, read-only folder). Anything else is a bug and keeps its traceback.
 USER_ERRORS = (ValueError, NotImplementedError, FileNotFoundError)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: torch.Tensor
+    """This rank's mean loss (fault tolerance: averaged over the replica groups), unsynced."""
+    grad_norm: torch.Tensor
+    committed: bool
+    """Whether the step was applied; False only under fault tolerance (the replica groups discarded it)."""
 
 
 class Trainer:
@@ -60,7 +68,7 @@ class Trainer:
 
     def __init__(self, config: JobConfig, *, world_size: int, rank: int, builders: TrainerBuilders | None = None):
         self.config, self.rank = config, rank
-        self.builders = b = _with_trainer_defaults(builders or TrainerBuilders())
+        self.builders = b = with_trainer_defaults(builders or TrainerBuilders())
         self.device = get_device_info().device
         if world_size > 1 and not dist.is_initialized():  # the memory estimator brings its own (fake) group
             init_distributed(get_device_info(), config.comm.init_timeout_seconds, config.comm.trace_buf_size)
@@ -69,10 +77,12 @@ class Trainer:
             training=config.training, experimental=config.experimental, world_size=world_size
         )
         self.world = WorldMesh(self.parallel_dims, b.mesh(self.parallel_dims, self.device.type))
+        self.run_folder = run_folder(config)
         self.cp_positions = self._cp_positions()
         set_determinism(config.training.seed, config.training.deterministic)
         tokenizer = b.tokenizer(config.model)
-        self.data_loader = b.data_loader(config.training, tokenizer, self.world)
+        self.shard = build_data_shard(self.world, config.fault_tolerance)
+        self.data_loader = b.data_loader(config.training, tokenizer, self.shard)
         self.model_args = b.model_args(config, self.spec, tokenizer.n_words, device_type=self.device.type)
         whole = b.meta_model(self.spec, self.model_args)
         num_params = sum(p.numel() for p in whole.parameters())
@@ -85,6 +95,8 @@ class Trainer:
             self.in_backward = self.step_fn.build_optimizer_in_backward(self.optimizer, config.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.training)
         self.step = 0
+        # fault tolerance: the quorum, averaging and commit across replica groups (fault_tolerance/replicas.py)
+        self.replicas = b.replicas(self) if config.fault_tolerance.enable else None
         self.checkpointer = b.checkpointer(self)
         # A resumed run continues at checkpoint step + 1 (metrics.jsonl keeps the records up to it).
         self.step = self.start_step = self.checkpointer.load()
@@ -92,11 +104,14 @@ class Trainer:
             changed = apply_optimizer_config(self.optimizer, self.lr_scheduler, config.optimizer)
             if rank == 0 and changed:
                 logger.info("resume: the config's optimizer settings replace the checkpoint's: %s", "; ".join(changed))
+        if self.replicas is not None:
+            self.replicas.resume_at(self.step)
         self.metrics = b.metrics(self)
         self.validator = b.validator(self, tokenizer) if config.validation.enabled else None
         self.signals = StopSignals()
         self.guard = b.guard(self)
         self.stop_requested = False
+        self.data_iter: Iterator | None = None
         if rank == 0:
             logger.info("\n%s", self._start_summary(num_params))
 
@@ -124,11 +139,11 @@ class Trainer:
             flop_params=self.num_flop_params,
             layout=format_layout(dims.degrees()),
             world_size=dims.world_size,
-            global_batch=dims.dp_degree * cfg.training.batch_size * cfg.training.gradient_accumulation_steps,
+            global_batch=self.shard.degree * cfg.training.batch_size * cfg.training.gradient_accumulation_steps,
             seq_len=cfg.training.seq_len,
             steps=cfg.training.steps,
             device=str(self.device),
-            dump_folder=cfg.job.dump_folder,
+            dump_folder=self.run_folder,
         )
 
     def _autocast_dtype(self) -> torch.dtype | None:
@@ -160,34 +175,44 @@ class Trainer:
         positions = compute_cp_positions(self.config.training.seq_len, dims.cp, self.world.local_rank("cp"), balance)
         return positions.to(self.device)
 
-    def train_step(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward/backward every micro-batch, clip, step. Returns (this rank's mean loss, grad norm), unsynced.
-
-        Where this rank does not hold the loss, its share is 0 (``StepFunction.reduce_loss`` sums it in).
-        """
+    def train_step(self, batches: list[Batch]) -> StepResult:
+        """Forward/backward every micro-batch, clip, step (under fault tolerance: average over the replica
+        groups, step only if they commit). Where this rank does not hold the loss, its share is 0
+        (``StepFunction.reduce_loss`` sums it in)."""
+        replicas = self.replicas
+        replica_sum = replicas.replica_sum if replicas is not None else None
         loss_sum = torch.zeros((), device=self.device)
-        token_weight = self.step_fn.count_tokens(batches)  # block_causal: every counted token weighs the same
+        # block_causal: every counted token (of every replica group) weighs the same
+        token_weight = self.step_fn.count_tokens(batches, replica_sum=replica_sum)
         for batch in batches:
             loss = self.step_fn.forward_backward(batch, accum_steps=len(batches), token_weight=token_weight)
             if loss is not None:
                 loss_sum += loss
+        if replicas is not None:  # the gradients and loss of every live group, then clipped like HSDP's
+            loss_sum = replicas.average(self.step_fn.finish_gradients(), loss_sum)
         # in backward, every parameter already stepped (so on_nonfinite = "skip" is refused before launch)
         in_backward, max_norm = self.in_backward, self.config.training.max_norm
         grad_norm = self.step_fn.clip_grad_norm_(max_norm) if in_backward is None else in_backward.finish_step()
+        hooks = self.step_fn.hooks
+        if hooks is not None:
+            hooks.reduce_step(keep_metrics=self._is_log_step(), replica_sum=replica_sum)
         verdict = self.guard.check(self.step, loss_sum, grad_norm)  # every rank: same verdict
         self.stop_requested = verdict.stop
-        hooks = self.step_fn.hooks
-        if verdict.skip:  # no update; the schedule still follows the step count
+        committed = replicas.commit(self.step) if replicas is not None else True
+        if verdict.skip or not committed:  # no update; the schedule still follows the committed step count
             if hooks is not None:
                 hooks.discard_step()
         else:
-            if in_backward is None:
+            if in_backward is None and replicas is not None:
+                replicas.step_optimizer(self.optimizer)  # semi-sync fault tolerance may synchronize inside it
+            elif in_backward is None:
                 self.optimizer.step()
             if hooks is not None:
-                hooks.after_optimizer_step(keep_metrics=self._is_log_step())
-        self.lr_scheduler.step()
+                hooks.after_optimizer_step()
+        if committed:
+            self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum, grad_norm
+        return StepResult(loss_sum, grad_norm, committed)
 
     def _is_log_step(self) -> bool:
         cfg = self.config
@@ -196,10 +221,10 @@ class Trainer:
 
     def train(self) -> None:
         cfg = self.config
-        data_iter = iter(self.data_loader)
+        self.data_iter = iter(self.data_loader)
         gc.disable()  # collected every gc_freq steps instead, so pauses don't vary step to step
-        trace_dir = os.path.join(cfg.job.dump_folder, cfg.profiling.save_traces_folder)
-        snap_dir = os.path.join(cfg.job.dump_folder, cfg.profiling.save_memory_snapshot_folder)
+        trace_dir = os.path.join(self.run_folder, cfg.profiling.save_traces_folder)
+        snap_dir = os.path.join(self.run_folder, cfg.profiling.save_memory_snapshot_folder)
         with (
             maybe_enable_profiling(
                 cfg.profiling.enable_profiling,
@@ -222,7 +247,7 @@ class Trainer:
                 self.signals.install()
             try:
                 while self.step < cfg.training.steps:
-                    self.run_step(data_iter)
+                    self.run_step()
                     for tool in (profiler, snapshotter):
                         if tool is not None:
                             tool.step()
@@ -230,17 +255,32 @@ class Trainer:
                 if on_main_thread:
                     self.signals.restore()
         gc.enable()
+        if self.replicas is not None:
+            self.replicas.report_end(self.step)
         if self.rank == 0:
             logger.info(self.metrics.end_summary(self.step, checkpoint=self.checkpointer.summary()))
 
-    def run_step(self, data_iter: Iterator) -> None:
-        """One optimizer step: fetch the micro-batches, train on them, record metrics."""
-        self.step += 1
+    def run_step(self) -> None:
+        """One optimizer step: fetch the micro-batches, train on them, record metrics. Under fault tolerance
+        an attempt: the quorum picks the step (a healed group jumps to it), a discarded one is retried."""
+        replicas = self.replicas
+        if replicas is None:
+            self.step += 1
+        else:
+            attempt = replicas.start_step()
+            self.step = attempt.step
+            if attempt.data_moved:
+                self.data_iter = iter(self.data_loader)
         data_start = time.perf_counter()
-        batches = self.next_batches(data_iter)
+        batches = self.next_batches(self.data_iter)
         self.metrics.add_data_time(time.perf_counter() - data_start)
-        loss, grad_norm = self.train_step(batches)
-        self._after_step(loss, grad_norm)
+        result = self.train_step(batches)
+        if replicas is not None:
+            if replicas.finish_step(result.committed):  # rewound (a discarded step) or healed: a new position
+                self.data_iter = iter(self.data_loader)
+            self.step = replicas.step  # the committed steps (a heal during a semi-sync synchronization moves it)
+        if result.committed:
+            self._after_step(result.loss, result.grad_norm)
 
     def _after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         cfg = self.config
@@ -252,21 +292,34 @@ class Trainer:
         self.metrics.add_step(tokens)
         first = self.step == self.start_step + 1
         if self._is_log_step():
-            extra = self.step_fn.hooks.metrics() if self.step_fn.hooks is not None else None
-            self.metrics.log(self.step, loss, grad_norm, lr=self.lr_scheduler.get_last_lr()[0], extra=extra)
+            self.metrics.log(self.step, loss, grad_norm, lr=self.lr_scheduler.get_last_lr()[0], extra=self._extra())
         v = cfg.validation
         if self.validator is not None and (self.step % v.freq == 0 or self.step == cfg.training.steps):
             self.metrics.log_validation(self.step, self.validator.run())
-        self.checkpointer.maybe_save(self.step, last=self.step == cfg.training.steps)
-        if self.stop_requested and self.step < cfg.training.steps:  # at the last step the run is done anyway
+        if self.replicas is None or self.replicas.writes_checkpoints:  # fault tolerance: the lowest live group
+            self.checkpointer.maybe_save(self.step, last=self.step == cfg.training.steps)
+        # at the last step the run is done anyway; semi-sync fault tolerance stops at a synchronization
+        if self.stop_requested and self.step < cfg.training.steps and (self.replicas is None or self.replicas.can_stop):
             self._stop()
         if first:
             set_pg_timeout(cfg.comm.train_timeout_seconds)
         if self.step % cfg.training.gc_freq == 0:
             gc.collect(1)
 
+    def _extra(self) -> tuple[dict, dict] | None:
+        """The log record's extra fields: the family's step hooks' and fault tolerance's (the live groups)."""
+        hooks, replicas = self.step_fn.hooks, self.replicas
+        t = self.config.training
+        group_batch = self.parallel_dims.dp_degree * t.batch_size * t.gradient_accumulation_steps
+        return merge_metrics(hooks and hooks.metrics(), replicas and replicas.metrics(group_batch))
+
     def _stop(self) -> None:
         """A stop signal reached some rank during this step: save it (if not just saved) and stop."""
+        if self.replicas is not None and not self.replicas.writes_checkpoints:
+            raise RunStopped(
+                f"stopped by a signal after step {self.step}: replica group {self.replicas.members[0]} (the lowest "
+                "live one) keeps the shared checkpoint; this group leaves the quorum, the others go on"
+            )
         saved = self.checkpointer.save_now(self.step)
         where = "checkpointing is off (checkpoint.enable_checkpoint), nothing saved"
         if saved:
@@ -276,66 +329,8 @@ class Trainer:
     def close(self) -> None:
         self.checkpointer.close()  # waits for an async save in flight
         self.metrics.close()
-
-
-def _build_metrics(trainer: Trainer) -> StepMetrics:
-    cfg = trainer.config
-    return StepMetrics(
-        metrics=cfg.metrics,
-        training=cfg.training,
-        float8=cfg.float8,
-        cp_degree=trainer.parallel_dims.cp,
-        dump_folder=cfg.job.dump_folder,
-        wandb_config=cfg.to_dict(),
-        start_step=trainer.step,
-        device=trainer.device,
-        enabled=trainer.rank == 0,
-        reduce_loss=trainer.step_fn.reduce_loss,
-        num_params=trainer.num_flop_params,
-        model_args=trainer.model_args,
-        documents=trainer.step_fn.feed.take_stats if trainer.step_fn.feed is not None else None,
-    )
-
-
-def build_checkpointer(trainer: Trainer, *, before_marker: Callable[[int], None] | None = None) -> CheckpointManager:
-    """The trainer's default ``TrainerBuilders.checkpointer``; ``before_marker``: see ``CheckpointManager``."""
-    cfg = trainer.config
-    return CheckpointManager(
-        cfg.checkpoint,
-        dump_folder=cfg.job.dump_folder,
-        model_parts=trainer.model_parts,
-        optimizer=trainer.optimizer,
-        lr_scheduler=trainer.lr_scheduler,
-        data_loader=trainer.data_loader,
-        dp_rank=trainer.world.local_rank("dp"),
-        rank=trainer.rank,
-        device=trainer.device,
-        model_info=model_info(model=cfg.model, model_args=trainer.model_args),
-        data_info={"dataset": cfg.training.dataset, "dataset_path": cfg.training.dataset_path},
-        before_marker=before_marker,
-    )
-
-
-def _build_validator(trainer: Trainer, tokenizer) -> Validator:
-    return Validator(
-        tokenizer,
-        validation=trainer.config.validation,
-        training=trainer.config.training,
-        world=trainer.world,
-        step_fn=trainer.step_fn,
-        shard_batch=trainer.shard_batch,
-    )
-
-
-def _build_guard(trainer: Trainer) -> StepGuard:
-    cfg = trainer.config.training
-    return StepGuard(cfg.on_nonfinite, cfg.max_nonfinite_skips, trainer.device, trainer.signals)
-
-
-def _with_trainer_defaults(builders: TrainerBuilders) -> TrainerBuilders:
-    defaults = dict(metrics=_build_metrics, checkpointer=build_checkpointer, validator=_build_validator)
-    defaults["guard"] = _build_guard
-    return dataclasses.replace(builders, **{k: v for k, v in defaults.items() if getattr(builders, k) is None})
+        if self.replicas is not None:
+            self.replicas.close()
 
 
 def run_job(config: JobConfig, *, world_size: int, rank: int, builders: TrainerBuilders | None = None) -> None:
@@ -347,14 +342,15 @@ def run_job(config: JobConfig, *, world_size: int, rank: int, builders: TrainerB
     for warning in run_preflight(config, world_size):
         if rank == 0:
             logger.warning(warning)
-    os.makedirs(config.job.dump_folder, exist_ok=True)
+    folder = run_folder(config)  # fault tolerance: the replica group's own folder (checkpoints stay shared)
+    os.makedirs(folder, exist_ok=True)
     # One run per folder: rank 0 holds run.lock until exit, and a run that does not resume sets the earlier one aside.
-    with RunLock(config.job.dump_folder) if rank == 0 else contextlib.nullcontext():
+    with RunLock(folder) if rank == 0 else contextlib.nullcontext():
         if rank == 0:
-            resumed = resumes_from(config.checkpoint, config.job.dump_folder)
+            resumed = resumes_from(config.checkpoint, checkpoint_root(config))
             if resumed is None:
-                set_aside_earlier_run(config.job.dump_folder, run_record_names(config))
-            write_run_records(config, world_size, resumed_from=resumed)
+                set_aside_earlier_run(folder, run_record_names(config))
+            write_run_records(config, world_size, resumed_from=resumed, folder=folder)
             if config.job.print_args:
                 logger.info("resolved config:\n%s", config.to_toml())
         if config.checkpoint.create_seed_checkpoint:
@@ -387,7 +383,7 @@ def main(argv: list[str] | None = None, *, builders: TrainerBuilders | None = No
     watch_parent()  # under torchrun: stop when the launcher dies
     try:
         run(JobConfig.parse_args(argv, world_size=world_size), world_size=world_size, rank=rank, builders=builders)
-    except (RunStopped, NonFiniteStep) as e:  # every rank agreed on it: one line
+    except (RunStopped, NonFiniteStep, ReplicaGroupsFailed) as e:  # every rank agreed on it (or sees it): one line
         return report_failure(rank, "stopped" if isinstance(e, RunStopped) else "error", str(e), e.exit_code)
     except BaseException as e:  # DCP's CheckpointException is a BaseException; told once (launch/failures.py)
         if isinstance(e, SystemExit):

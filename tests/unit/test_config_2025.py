@@ -71,11 +71,25 @@ def _one_line(excinfo) -> str:
 # --------------------------------------------------------------------------- every key has a meaning
 
 
+# Upstream's torchft experiment adds these to [fault_tolerance] (torchtitan/experiments/torchft/config/job_config.py)
+TORCHFT_EXPERIMENT = {
+    f"fault_tolerance.{k}"
+    for k in (
+        "sync_steps",
+        "should_quantize",
+        "fragment_sync_delay",
+        "fragment_update_alpha",
+        "module_fqns_per_model_fragment",
+        "num_fragments",
+    )
+}
+
+
 def test_every_upstream_key_is_shared_or_has_a_rule():
     with open(os.path.join(ASSETS, "job_config_keys.txt")) as f:
         upstream = [line.strip() for line in f if line.strip() and not line.startswith("#")]
     assert len(upstream) == 147
-    assert set(upstream) == set(RULES) | SHARED and not set(RULES) & SHARED
+    assert set(upstream) | TORCHFT_EXPERIMENT == set(RULES) | SHARED and not set(RULES) & SHARED
     ours = set(all_keys())
     assert SHARED - {"metrics.disable_color_printing"} <= ours  # spelled as here (that one: a late-2024 alias)
     for key, rule in RULES.items():
@@ -107,7 +121,7 @@ def test_help_names_the_2025_spellings():
         "--parallelism.data_parallel_shard_degree (torchtitan 2025): spelling of training.data_parallel_shard_degree"
         in text
     )
-    assert "--fault_tolerance.enable: accepted only as false: fault tolerance (TorchFT) is not built yet" in text
+    assert "--fault_tolerance.num_fragments: accepted only as 1: Streaming DiLoCo" in text
 
 
 # --------------------------------------------------------------------------- upstream's files
@@ -177,7 +191,7 @@ def test_a_2025_file_gets_upstreams_defaults_and_flags_do_not(tmp_path):
 @pytest.mark.parametrize(
     "cli, error, match",
     [
-        (["--fault_tolerance.enable"], NotImplementedError, "fault_tolerance.enable = true: fault tolerance"),
+        (["--fault_tolerance.num_fragments", "2"], NotImplementedError, "num_fragments = 2: Streaming DiLoCo"),
         (["--experimental.custom_import", "my.mod"], NotImplementedError, 'experimental.custom_import = "my.mod"'),
         (["--job.custom_config_module", "m"], NotImplementedError, "job.custom_config_module"),
         (["--parallelism.expert_tensor_parallel_degree", "2"], NotImplementedError, "etp = tp is not built"),
@@ -210,11 +224,11 @@ def test_refusals_are_one_line(tmp_path, cli, error, match):
 
 def test_a_flag_overrides_a_refused_file_value(tmp_path):
     """A refusal waits until every source is in: upstream's precedence (the flag wins) holds for it too."""
-    _parse(tmp_path, "[fault_tolerance]\nenable = true\ngroup_size = 4\n", "--fault_tolerance.enable", "false")
+    _parse(tmp_path, "[fault_tolerance]\nnum_fragments = 2\ngroup_size = 4\n", "--fault_tolerance.num_fragments", "1")
     c = _parse(tmp_path, '[model]\nconverters = ["quantize.linear.mx"]\n', "--model.converters", "float8")
     assert c.float8.enable_float8_linear
-    with pytest.raises(NotImplementedError, match="fault_tolerance.enable = true"):
-        _parse(tmp_path, "[fault_tolerance]\nenable = true\n")
+    with pytest.raises(NotImplementedError, match="fault_tolerance.num_fragments = 2"):
+        _parse(tmp_path, "[fault_tolerance]\nnum_fragments = 2\n")
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
 
 import torchtitan.checkpointing.integrity as integrity
 from torchtitan.checkpointing.common import agree, one_process_quiet, read_metadata, short_error
@@ -67,7 +68,12 @@ class CheckpointManager:
 
     ``clock``: the seconds clock of ``checkpoint.interval_type = "seconds"``. ``before_marker``: called
     on rank 0 with the step once its data is written, just before its ``.complete`` marker (tests hold
-    the marker back there to kill a job mid-save); None: nothing.
+    the marker back there to kill a job mid-save); None: nothing. ``run_folder``: where this run's
+    metrics.jsonl is (a fault-tolerant replica group's own folder); default ``dump_folder``. ``root``: the
+    checkpoint folder, default ``<dump_folder>/<checkpoint.folder>``. ``extra``: more top-level parts of a full
+    checkpoint (fault tolerance's DiLoCo outer optimizer); a checkpoint without one loads, that part fresh.
+    ``sets_aside_later``: a resume moves the checkpoints newer than its step aside (False in a folder other
+    replica groups write into, where a newer one may be a live group's save that just completed).
     """
 
     def __init__(
@@ -86,10 +92,17 @@ class CheckpointManager:
         data_info: dict[str, Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
         before_marker: Callable[[int], None] | None = None,
+        run_folder: str | None = None,
+        root: str | None = None,
+        extra: dict[str, Stateful] | None = None,
+        sets_aside_later: bool = True,
     ):
         self.config = config
+        self.run_folder = run_folder or dump_folder
         self.enabled = config.enable_checkpoint
-        self.dump_folder, self.root = dump_folder, os.path.join(dump_folder, config.folder)
+        self.dump_folder, self.root = dump_folder, root or os.path.join(dump_folder, config.folder)
+        self.extra = extra or {}
+        self.sets_aside_later = sets_aside_later
         self.hf_root = os.path.join(dump_folder, "hf")  # checkpoint.last_save_in_hf writes step-N here
         self.view = build_model_view(model_parts)
         self.optimizer, self.lr_scheduler, self.data_loader = optimizer, lr_scheduler, data_loader
@@ -146,8 +159,11 @@ class CheckpointManager:
         step = self.train_state.step if info.kind == FULL else 0
         self.loaded = f"step-{info.step}"
         if self.rank == 0:  # before anything new is saved; every rank's next save starts with a barrier
-            set_aside(self.root, later_branch(self.root, info.step), f"abandoned-after-resume-from-step-{info.step}")
-            trim_metrics(self.dump_folder, step)  # the run continues after ``step``: it logs the later ones again
+            if self.sets_aside_later:
+                set_aside(
+                    self.root, later_branch(self.root, info.step), f"abandoned-after-resume-from-step-{info.step}"
+                )
+            trim_metrics(self.run_folder, step)  # the run continues after ``step``: it logs the later ones again
         if self.rank == 0:
             what = "resumed from step" if info.kind == FULL else "loaded seed weights (model only) from step"
             logger.info("%s %d (%s) in %.2f s", what, info.step, info.path, seconds)
@@ -180,6 +196,13 @@ class CheckpointManager:
             )
             for part in self.config.exclude_from_loading:  # these start fresh (checked before launch)
                 del state[part]
+            for key, part in self.extra.items():
+                if any(k.startswith(f"{key}.") for k in saved):
+                    state[key] = part
+                elif self.rank == 0:
+                    logger.warning(
+                        "checkpoint %s has no %s (saved by another kind of run): it starts fresh", info.path, key
+                    )
         return state
 
     # ---- saving --------------------------------------------------------------------------------
@@ -250,6 +273,7 @@ class CheckpointManager:
             "lr_scheduler": self.lr_scheduler,
             "dataloader": DataLoaderState(self.data_loader, self.dp_rank),
             "train_state": self.train_state,
+            **self.extra,
         }
 
     def _saved(self, step: int, kind: str, start: float) -> None:
@@ -309,12 +333,11 @@ class CheckpointManager:
         return ", ".join(parts)
 
 
-def resumes_from(config: CheckpointConfig, dump_folder: str) -> int | None:
-    """The step of the checkpoint a run with this ``[checkpoint]`` section resumes from, or None (it starts
-    fresh): from the markers alone, before any process group exists (``load`` verifies and loads it)."""
-    found = resume_point(
-        os.path.join(dump_folder, config.folder), enabled=config.enable_checkpoint, load_step=config.load_step
-    )
+def resumes_from(config: CheckpointConfig, root: str) -> int | None:
+    """The step of the checkpoint a run with this ``[checkpoint]`` section and checkpoint folder ``root`` resumes
+    from, or None (it starts fresh): from the markers alone, before any process group exists (``load`` verifies
+    and loads it)."""
+    found = resume_point(root, enabled=config.enable_checkpoint, load_step=config.load_step)
     return None if found is None else found.step
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,6 +33,7 @@ from torchtitan.config.errors import ConfigError
 if TYPE_CHECKING:
     from torchtitan.config.manager import JobConfig
     from torchtitan.config.schema import Float8
+    from torchtitan.distributed.mesh import ReplicaSum
     from torchtitan.distributed.parallel_dims import ParallelDims
 
 logger = logging.getLogger(__name__)
@@ -194,6 +196,38 @@ def _probe_scaled_mm(device_type: str) -> None:
         ) from e
 
 
+@functools.cache
+def _onednn_float8_slowdown() -> float:
+    """How many times slower torch's oneDNN float8 GEMM is than torch's own (emulated) one on this CPU."""
+    a, one = torch.randn(64, 64).to(torch.float8_e4m3fn), torch.ones(())
+
+    def seconds(onednn: bool) -> float:
+        with torch.backends.mkldnn.flags(enabled=onednn):
+            torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # warm up
+            start = time.perf_counter()
+            for _ in range(3):
+                torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+            return time.perf_counter() - start
+
+    return seconds(True) / max(seconds(False), 1e-9)
+
+
+def choose_cpu_float8_gemm() -> None:
+    """On CPU, torch 2.13 runs ``_scaled_mm`` (torchao's float8 GEMMs) through oneDNN where it can; on some
+    CPUs that path is far slower than torch's own (measured on a Xeon with AMX: 200-300x at 64-512 rows, 17.8 s
+    for one forward and backward of a 2-layer MLP). Measured once per process: more than 10x slower, and oneDNN
+    is off for this process (which also slows its bf16 GEMMs: a float8 CPU run is fp32 otherwise)."""
+    slowdown = _onednn_float8_slowdown()
+    if slowdown > 10:
+        if torch.backends.mkldnn.enabled:
+            logger.info(
+                "float8 on CPU: oneDNN's float8 GEMM is %.0fx slower than torch's own on this CPU; oneDNN is "
+                "turned off for this process (torch.backends.mkldnn.enabled = False)",
+                slowdown,
+            )
+        torch.backends.mkldnn.enabled = False
+
+
 def float8_linear_config(cfg: Float8):
     """torchao's ``Float8LinearConfig`` for the recipe and the FSDP/recompute keys."""
     quiet_torchao_import()
@@ -293,7 +327,10 @@ class Float8ScalePrecompute:
     def aux_loss(self, model_part: nn.Module, scale: float) -> None:
         return None
 
-    def after_optimizer_step(self, *, keep_metrics: bool) -> None:
+    def reduce_step(self, *, keep_metrics: bool, replica_sum: ReplicaSum | None) -> None:
+        pass
+
+    def after_optimizer_step(self) -> None:
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         for part in self.model_parts:

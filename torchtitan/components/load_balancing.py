@@ -10,7 +10,9 @@ then one all-reduce (SUM) over *every* rank gives the global counts of the step:
 
 The same table feeds ``update_expert_bias`` (every step, load_balance = "bias"; every rank of a
 stage applies the same update to the layers it holds, so the bias stays replicated) and the
-expert-load metrics (log steps). The counts, and so the bias, do not depend on the layout.
+expert-load metrics (log steps). The counts, and so the bias, do not depend on the layout. They are
+reduced after backward (``reduce``) and applied after the optimizer step (``apply``): the reduction
+sits before the step is committed, where fault tolerance's replica groups can still add theirs.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch import nn
 from torchtitan.distributed.pipeline import in_shape_inference
 
 if TYPE_CHECKING:
-    from torchtitan.distributed.mesh import WorldMesh
+    from torchtitan.distributed.mesh import ReplicaSum, WorldMesh
 
 
 def _in_recompute() -> bool:
@@ -35,7 +37,7 @@ def _in_recompute() -> bool:
 
 
 class ExpertLoadTracker:
-    """Counts tokens per expert of this rank's MoE layers; ``finish_step`` makes them global."""
+    """Counts tokens per expert of this rank's MoE layers; ``reduce`` makes them global, ``apply`` uses them."""
 
     def __init__(
         self, layer_names: Sequence[str], num_experts: int, model_parts: Sequence[nn.Module], device: torch.device
@@ -45,6 +47,7 @@ class ExpertLoadTracker:
         self.num_experts = num_experts
         self.counts: torch.Tensor | None = None  # (num_moe_layers, num_experts), this rank, this step
         self.last: dict[str, list[float]] | None = None  # the last reduced counts, "layers.N" -> per expert
+        self.pending: tuple[torch.Tensor, bool, bool] | None = None  # reduced, not yet applied (reduce -> apply)
         self.device = device
         self.model_parts = list(model_parts)
         for part in self.model_parts:
@@ -64,23 +67,40 @@ class ExpertLoadTracker:
         return count
 
     @torch.no_grad()
-    def finish_step(self, *, update_bias: bool, keep: bool) -> None:
-        """Reduce the step's counts over all ranks, update the expert bias, keep them for metrics.
+    def reduce(self, *, update_bias: bool, keep: bool, replica_sum: ReplicaSum | None = None) -> None:
+        """Reduce the step's counts over all ranks (and, for the bias, over fault tolerance's replica groups);
+        ``apply`` then updates the bias and keeps them for metrics, ``drop`` forgets them.
 
-        Every rank must call it with the same flags (the all-reduce is collective).
+        Every rank must call it with the same flags (the all-reduce is collective); ``replica_sum`` is called
+        every step the bias updates, on every group alike.
         """
-        counts, self.counts = self.counts, None
+        counts, self.counts, self.pending = self.counts, None, None
         if not (update_bias or keep):
             return
         if counts is None:  # this rank holds no MoE layer (a pipeline stage of dense layers)
             counts = self._zeros()
         if dist.is_initialized():
             dist.all_reduce(counts)
+        if update_bias and replica_sum is not None:
+            replica_sum(counts)  # the counts of every live replica group's tokens, as HSDP's would be
+        self.pending = (counts, update_bias, keep)
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        """The reduced counts of an applied step: the expert bias update (load_balance = "bias"), the metrics."""
+        if self.pending is None:
+            return
+        counts, update_bias, keep = self.pending
+        self.pending = None
         if update_bias:
             table = {name: counts[i] for i, name in enumerate(self.layer_names)}
             for part in self.model_parts:
                 part.update_expert_bias({name: table[name] for name in part.moe_layers()})
         self.last = {f"layers.{name}": counts[i].tolist() for i, name in enumerate(self.layer_names)} if keep else None
+
+    def drop(self) -> None:
+        """A dropped step: its token counts move no bias and count in no metric."""
+        self.counts, self.pending = None, None
 
     def _zeros(self) -> torch.Tensor:
         return torch.zeros(len(self.layer_names), self.num_experts, device=self.device)
@@ -103,15 +123,19 @@ class LoadBalancer:
             return None
         return model_part.aux_loss() * (scale / self.tp)
 
-    def after_optimizer_step(self, *, keep_metrics: bool) -> None:
+    def reduce_step(self, *, keep_metrics: bool, replica_sum: ReplicaSum | None) -> None:
         if self.args.balanced_routing:
-            return  # assumed counts (memory estimation) are not the router's: they must not move the bias
+            self.tracker.drop()  # assumed counts (memory estimation) are not the router's: they must not move the bias
+            return
         # global token counts: the expert bias update and the load metrics
-        self.tracker.finish_step(update_bias=self.args.load_balance == "bias", keep=keep_metrics)
+        self.tracker.reduce(update_bias=self.args.load_balance == "bias", keep=keep_metrics, replica_sum=replica_sum)
+
+    def after_optimizer_step(self) -> None:
+        self.tracker.apply()
 
     def discard_step(self) -> None:
-        """A skipped (non-finite) step: its token counts move no bias and count in no metric."""
-        self.tracker.counts = None
+        """A skipped (non-finite or uncommitted) step: its token counts move no bias and count in no metric."""
+        self.tracker.drop()
 
     def metrics(self) -> tuple[dict[str, Any], dict[str, float]] | None:
         """(record fields, TensorBoard scalars) of the last kept step's expert load, or None."""

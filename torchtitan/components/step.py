@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from torchtitan.components.optimizer_in_backward import OptimizerInBackward
     from torchtitan.config.schema import Optimizer as OptimizerConfig
-    from torchtitan.distributed.mesh import WorldMesh
+    from torchtitan.distributed.mesh import ReplicaSum, WorldMesh
     from torchtitan.distributed.pipeline import PipelineParts
     from torchtitan.spec import StepHooks
 
@@ -109,11 +109,14 @@ class StepFunction:
         self.pipeline_loss = pipeline_loss
         self.feed = feed
 
-    def count_tokens(self, batches: list[Batch], *, record: bool = True) -> float | None:
+    def count_tokens(
+        self, batches: list[Batch], *, record: bool = True, replica_sum: ReplicaSum | None = None
+    ) -> float | None:
         """block_causal: the token weight that weighs each token equally over the global batch, for
         ``forward_backward`` / ``forward_loss`` of these batches; None without a feed (the plain mean).
         With ``record``, also adds the batches' document statistics to the feed's, which the step
-        metrics read (validation's are not recorded).
+        metrics read (validation's are not recorded). ``replica_sum``: fault tolerance's replica groups
+        hold the rest of the global batch; their counts are added and each group's share weighs alike.
 
         Ignored labels (one per document) make the local batches' counted tokens differ, so the mean
         of per-rank, per-micro-batch means would not be the global batch's mean (nor one process's).
@@ -130,10 +133,13 @@ class StepFunction:
         if group is not None:
             dist.all_reduce(count, group=group)
         ranks = dist.get_world_size(group) if group is not None else 1
-        units = len(batches) * (self.pipeline.n_microbatches if self.pipeline is not None else 1) * ranks
+        replicas = replica_sum(count) if replica_sum is not None else 1  # the groups' means are averaged
+        units = len(batches) * (self.pipeline.n_microbatches if self.pipeline is not None else 1) * ranks * replicas
         # Under the memory estimator's fake tensors the count cannot be read; the weight's value
         # changes no memory: every label of the global batch counted stands in.
-        counted = count.item() if not is_fake(count) else ranks * sum(batch.labels.numel() for batch in batches)
+        counted = (
+            count.item() if not is_fake(count) else replicas * ranks * sum(batch.labels.numel() for batch in batches)
+        )
         return units / max(counted, 1.0)
 
     def _documents(self, batch: Batch) -> contextlib.AbstractContextManager:
@@ -224,30 +230,38 @@ class StepFunction:
             pp_group=self.world.group("pp"),
         )
 
+    def finish_gradients(self) -> list[nn.Parameter]:
+        """This rank's parameters with their gradients complete (partial DTensor gradients reduced)."""
+        params = [p for part in self.model_parts for p in part.parameters()]
+        reduce_partial_grads_(params)
+        return params
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Finish the gradients (partial DTensor grads reduced), clip them; returns the total norm.
+        """Finish the gradients, clip them; returns the total norm.
 
         Parameters are sharded over every mesh axis but the pure data-parallel ones, and pipeline
         ranks hold disjoint layers: the norm's square sum is all-reduced once over all of them.
         """
-        params = [p for part in self.model_parts for p in part.parameters()]
-        reduce_partial_grads_(params)
+        params = self.finish_gradients()
         pp_group = self.world.group("pp")
         return clip_grad_norm_(params, max_norm, extra_groups=[pp_group] if pp_group else [])
 
-    def reduce_loss(self, loss: torch.Tensor, *, with_max: bool = True) -> tuple[float, float]:
+    def reduce_loss(
+        self, loss: torch.Tensor, *, with_max: bool = True, max_source: torch.Tensor | None = None
+    ) -> tuple[float, float]:
         """(mean, max) over the ranks that see different data of a per-rank mean loss; every rank gets them.
 
         Under pipeline parallel only the last stage's ranks hold a loss (the others 0): a sum over
-        the pp axis brings it to every rank first.
+        the pp axis brings it to every rank first. ``max_source``: the per-rank value whose max is
+        wanted, if not ``loss`` itself (fault tolerance: ``loss`` is averaged over the replica
+        groups, ``max_source`` their max).
         """
         pp_group, loss_group = self.world.group("pp"), self.world.group("dp_cp")
+        both = torch.stack([loss.detach().float(), (loss if max_source is None else max_source).detach().float()])
         if pp_group is not None:
-            loss = loss.detach().clone()
-            dist.all_reduce(loss, group=pp_group)
+            dist.all_reduce(both, group=pp_group)
         if loss_group is None:
-            return loss.item(), loss.item()
-        both = torch.stack([loss.detach().float(), loss.detach().float()])
+            return both[0].item(), both[1].item()
         dist.all_reduce(both[:1], op=dist.ReduceOp.SUM, group=loss_group)
         if with_max:
             dist.all_reduce(both[1:], op=dist.ReduceOp.MAX, group=loss_group)

@@ -3,6 +3,10 @@
 Every validation reads the same batches (the loader is rewound to its initial state), laid out
 like training data: global batch k holds the same samples whatever the data-parallel degree, so
 the global mean loss equals the single-process one. The model runs in eval mode without grad.
+
+Under fault tolerance each replica group evaluates the whole global batch itself (its ranks read it
+as ``microbatches`` = group_size pieces each), so every group reports HSDP's number without a
+collective between the groups, which a group that just failed to commit would not pair.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from torchtitan.datasets.hf_datasets import build_hf_data_loader, compute_stream
 if TYPE_CHECKING:
     from torchtitan.components.step import StepFunction
     from torchtitan.config.schema import Training, Validation
+    from torchtitan.datasets.shard import DataShard
     from torchtitan.datasets.tokenizer import Tokenizer
-    from torchtitan.distributed.mesh import WorldMesh
 
 
 class Validator:
@@ -32,29 +36,32 @@ class Validator:
         *,
         validation: Validation,
         training: Training,
-        world: WorldMesh,
+        shard: DataShard,
         step_fn: StepFunction,
         shard_batch: Callable[..., Batch] = Batch,
+        microbatches: int = 1,
     ):
-        """``shard_batch``: a device batch -> this rank's ``Batch`` (the trainer's: context parallel's
-        slice, block_causal's documents); default the batch as it is."""
-        dp_rank, dp_degree = world.local_rank("dp"), world.dims.dp_degree
+        """``shard``: the data-parallel rank and degree this validation reads by; ``microbatches``: pieces
+        of ``validation.batch_size`` samples each rank reads per batch (the global batch has ``shard.degree
+        * microbatches`` of them). ``shard_batch``: a device batch -> this rank's ``Batch`` (the trainer's:
+        context parallel's slice, block_causal's documents); default the batch as it is."""
         # Default: one training step's worth of samples per rank, so the global validation batch
         # (and so the number) does not depend on how training splits its batch into micro-batches.
         batch_size = validation.batch_size or training.batch_size * training.gradient_accumulation_steps
-        groups = compute_stream_groups(dp_rank, dp_degree, batch_size, 1)
+        groups = compute_stream_groups(shard.rank, shard.degree, batch_size, microbatches)
+        num_streams = shard.degree * batch_size * microbatches
         if training.dataset_format != "text":  # fine-tuning: the held-out rows packed alike, so the loss is masked
             from torchtitan.datasets.sft.loader import build_sft_data_loader
 
             self.loader = build_sft_data_loader(
-                validation.dataset, validation.dataset_path, tokenizer, training, groups, dp_degree * batch_size
+                validation.dataset, validation.dataset_path, tokenizer, training, groups, num_streams
             )
         else:
             self.loader = build_hf_data_loader(
-                validation.dataset, validation.dataset_path, tokenizer, training.seq_len, groups, dp_degree * batch_size
+                validation.dataset, validation.dataset_path, tokenizer, training.seq_len, groups, num_streams
             )
         self.initial_state = self.loader.state_dict()
-        self.steps = validation.steps
+        self.steps, self.microbatches = validation.steps, microbatches
         self.step_fn = step_fn
         self.shard_batch = shard_batch
 
@@ -68,11 +75,13 @@ class Validator:
             part.eval()
         total = torch.zeros((), device=device)
         for _ in range(self.steps):
-            batch = self.shard_batch(*(t.to(device) for t in next(data)))  # fine-tuning's with its PackedDocs
-            token_weight = self.step_fn.count_tokens([batch], record=False)  # block_causal: as in training
-            total += self.step_fn.forward_loss(batch, token_weight=token_weight).float()
+            # fine-tuning's with its PackedDocs
+            batches = [self.shard_batch(*(t.to(device) for t in next(data))) for _ in range(self.microbatches)]
+            token_weight = self.step_fn.count_tokens(batches, record=False)  # block_causal: as in training
+            for batch in batches:
+                total += self.step_fn.forward_loss(batch, token_weight=token_weight).float()
         for part in parts:
             part.train()
         mean, _ = self.step_fn.reduce_loss(total, with_max=False)
-        loss = mean / self.steps
+        loss = mean / (self.steps * self.microbatches)
         return {"validation_loss": loss, "validation_perplexity": math.exp(min(loss, 700.0))}

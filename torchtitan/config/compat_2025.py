@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.schema import NEGATED_ALIASES, JobConfigTree
-from torchtitan.config.spellings import Alias, Deferred, Fixed, Inert, Rule
+from torchtitan.config.spellings import Alias, Deferred, Fixed, Rule
 from torchtitan.config.values import toml_value
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,9 @@ _WSD = (("training.lr_schedule", "wsd"),)  # a [lr_scheduler] key means upstream
 _ESTIMATION = (
     "memory is estimated by estimation.py (python estimation.py --job.config_file ...), always on fake tensors"
 )
-_FT = "it acts only with fault_tolerance.enable = true, which is not built"
+_STREAMING = (
+    "Streaming DiLoCo (several model fragments synced at different steps) is not built; diloco syncs the whole model"
+)
 _LOADER = "the data loader reads in the training process (num_workers = 0), so its checkpointed state is exact"
 _MX = "it acts only with an MX converter in model.converters, which is not built (upstream's default accepted)"
 _NCCL_DUMP = (
@@ -201,7 +203,12 @@ RULES: dict[str, Rule] = {
         Literal["standard", "deepep"], "standard", "DeepEP kernels are not built; the all-to-all is torch's"
     ),
     "checkpoint.enable": Alias("checkpoint.enable_checkpoint"),
-    "checkpoint.enable_ft_dataloader_checkpoints": Inert(bool, _FT),
+    "checkpoint.enable_ft_dataloader_checkpoints": Fixed(
+        bool,
+        True,
+        "every replica group's data position is always kept: exchanged between the groups each step and saved in "
+        "the shared checkpoint, so no group trains a window twice",
+    ),
     "checkpoint.initial_load_model_only": Fixed(
         bool, True, "initial_load_path loads the model weights only; to resume, put the checkpoint in checkpoint.folder"
     ),
@@ -253,13 +260,13 @@ RULES: dict[str, Rule] = {
     ),
     "memory_estimation.enable": Fixed(bool, False, _ESTIMATION),
     "memory_estimation.disable_fake_mode": Fixed(bool, False, _ESTIMATION + "; its accuracy tests run real tensors"),
-    "fault_tolerance.enable": Fixed(bool, False, "fault tolerance (TorchFT) is not built yet"),
-    "fault_tolerance.process_group": Inert(str, _FT),
-    "fault_tolerance.process_group_timeout_ms": Inert(int, _FT),
-    "fault_tolerance.replica_id": Inert(int, _FT),
-    "fault_tolerance.group_size": Inert(int, _FT),
-    "fault_tolerance.min_replica_size": Inert(int, _FT),
-    "fault_tolerance.semi_sync_method": Inert(str | None, _FT),
+    "fault_tolerance.should_quantize": Fixed(
+        bool, False, "torchft's quantized (fp8) all-reduce needs CUDA with triton; not built here"
+    ),
+    "fault_tolerance.fragment_sync_delay": Fixed(int, 0, _STREAMING),
+    "fault_tolerance.fragment_update_alpha": Fixed(float, 0.0, _STREAMING),
+    "fault_tolerance.num_fragments": Fixed(int, 1, _STREAMING),
+    "fault_tolerance.module_fqns_per_model_fragment": Fixed("raw", [], _STREAMING),
     "experimental.custom_import": Fixed(
         str, "", "importing modules from the config is not supported; add a model family with register_model_family"
     ),
@@ -296,6 +303,8 @@ SHARED: frozenset[str] = frozenset(
     + ["checkpoint.create_seed_checkpoint", "activation_checkpoint.mode", "activation_checkpoint.selective_ac_option"]
     + [f"comm.{k}" for k in ("init_timeout_seconds", "train_timeout_seconds", "trace_buf_size")]
     + [f"validation.{k}" for k in ("dataset", "dataset_path", "freq", "steps")]
+    + [f"fault_tolerance.{k}" for k in ("enable", "replica_id", "group_size", "min_replica_size", "process_group")]
+    + ["fault_tolerance.process_group_timeout_ms", "fault_tolerance.semi_sync_method", "fault_tolerance.sync_steps"]
 )
 # Also in the late-2024 schema: they do not make a file a 2025 one.
 LATE_2024 = frozenset({"memory_estimation.disable_fake_mode"})
@@ -313,7 +322,7 @@ DEFAULTS: tuple[tuple[str, Any, str | None], ...] = (
 
 
 # Sections only the 2025 schema has: an unknown key there is matched against the 2025 keys too.
-SECTIONS_2025 = frozenset({"lr_scheduler", "parallelism", "compile", "quantize", "fault_tolerance", "debug"})
+SECTIONS_2025 = frozenset({"lr_scheduler", "parallelism", "compile", "quantize", "debug"})
 
 
 def _canonical_keys() -> set[str]:

@@ -7,8 +7,6 @@ Each foreign key has one rule (the table: config/compat_2025.py):
   the spelling stands for (a ``[lr_scheduler]`` key means torchtitan 2025's schedule).
 * ``Fixed(value, why)``: no key here; accepted only as ``value``, which is what this trainer does; any
   other value is refused with ``why`` (NotImplementedError).
-* ``Inert(why)``: no key here; it acts only together with a feature that is refused here (fault
-  tolerance), so any value does nothing, as upstream with that feature off.
 * ``Deferred(default, what)``: read after every source is in (it depends on other keys or the world size).
 
 ``translate`` runs once per source (the TOML file, then the command line), so a later source overrides
@@ -42,19 +40,13 @@ class Fixed:
 
 
 @dataclass(frozen=True)
-class Inert:
-    tp: Any
-    why: str
-
-
-@dataclass(frozen=True)
 class Deferred:
     tp: Any
     default: Any
     what: str
 
 
-Rule = Alias | Fixed | Inert | Deferred
+Rule = Alias | Fixed | Deferred
 FieldType = Callable[[str], Any]  # canonical key -> its type (None: not a key of this schema)
 
 
@@ -65,8 +57,6 @@ def describe(rule: Rule) -> str:
     if isinstance(rule, Fixed):
         shown = "unset" if rule.value is None else toml_value(rule.value)
         return f"accepted only as {shown}: {rule.why}"
-    if isinstance(rule, Inert):
-        return f"accepted, no effect: {rule.why}"
     return rule.what
 
 

@@ -8,14 +8,22 @@ dp_shard_cp, dp_cp.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     from torchtitan.distributed.parallel_dims import ParallelDims
+
+# Fault tolerance's replica groups sit outside the mesh (each group is its own launch): this sums a tensor in
+# place over the live groups (torchft's all-reduce) and returns their number. Passed to the few reductions
+# that need every group's data (block-causal token counts, the MoE expert-bias counts); each is called at the
+# same point of every step on every group, between the quorum and the commit, so the groups' collectives pair.
+ReplicaSum = Callable[["torch.Tensor"], int]
 
 
 @dataclass(frozen=True)

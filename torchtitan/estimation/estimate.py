@@ -27,6 +27,7 @@ from torchtitan.estimation.fake_trainer import (
     pipeline_patches,
     resolve_vocab,
 )
+from torchtitan.estimation.ft_terms import add_fault_tolerance_terms
 from torchtitan.estimation.tracker import DDP_BUCKETS, StepMemory, track_steps, use_per_parameter_step
 from torchtitan.preflight import run_preflight
 from torchtitan.spec import get_model_spec
@@ -129,6 +130,7 @@ def estimate_rank(
             # In backward each parameter steps alone in a hook (its group's foreach flag is copied
             # there): the tracker sees that step's own temporaries, there are no list-wide ones.
             memory = track_steps(trainer, foreach_temp=0 if trainer.in_backward is not None else foreach_temp)
+            add_fault_tolerance_terms(memory, config.fault_tolerance, trainer.model_parts, trainer.device)
             if trainer.parallel_dims.dp_replicate_enabled and not trainer.parallel_dims.dp_shard_enabled:
                 buckets = ddp_bucket_bytes(trainer.model_parts)
                 memory.add_persistent(

@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torchtitan.build import TrainerBuilders
 from torchtitan.components.run_control import Verdict
 from torchtitan.datasets.tokenizer import build_tokenizer, find_tokenizer_file
+from torchtitan.estimation.ft_terms import EstimatedReplicas
 from torchtitan.spec import get_model_spec
 
 
@@ -157,7 +158,7 @@ def estimation_builders(vocab: int, *, n_layers: int | None = None) -> TrainerBu
         # Plain meta tensors, as in a real run (to_empty then materialises them, here as fake tensors);
         # a meta model built under fake mode would hold fake-meta tensors that cannot be materialised.
         meta_model=_outside_fake_mode(defaults.meta_model),
-        data_loader=lambda training, tokenizer, world: _RandomTokens(
+        data_loader=lambda training, tokenizer, shard: _RandomTokens(
             training.batch_size, training.seq_len, tokenizer.n_words
         ),
         metrics=lambda trainer: _NoMetrics(),
@@ -166,6 +167,8 @@ def estimation_builders(vocab: int, *, n_layers: int | None = None) -> TrainerBu
         # The guard reads the step's flags on the host, which fake tensors cannot answer; a fake step
         # is never non-finite and never asked to stop.
         guard=lambda trainer: _NoGuard(),
+        # fault tolerance: one replica group, its cross-group averaging's buckets tracked (ft_terms.py)
+        replicas=lambda trainer: EstimatedReplicas(trainer.config.fault_tolerance),
     )
 
 

@@ -21,6 +21,12 @@ Throughput model (a ranking aid, not a prediction; see docs/estimation.md). Per 
   (the datasheets' dense float8 peak is 2x bf16 on Hopper/Ada; the casts and the high-precision
   output head keep the gain below that), and with ``enable_fsdp_float8_all_gather`` the two FSDP
   all-gathers move 1 byte per parameter.
+* fault tolerance (``fault_tolerance.enable``; the world size is then one replica group's ranks, and
+  ``data_parallel_replicate_degree`` must be 1): each rank's fp32 gradient shard is all-reduced across the
+  ``group_size`` groups after backward, not overlapped with it (synchronous mode: every step; LocalSGD and
+  DiLoCo: the weights or their change, every ``sync_steps`` steps), at the inter-node bandwidth (groups are
+  separate launches, normally separate nodes); it counts as exposed data-parallel communication. Memory: the
+  estimator's (ft_terms.py).
 An axis's traffic uses the intra-node bandwidth when the ranks it spans (TP innermost, then CP,
 dp_shard, dp_replicate, pp outermost) fit in one node of ``gpus_per_node``, else inter-node.
 """
@@ -216,14 +222,26 @@ def throughput(args, layout: Layout, config, global_batch: int, world_size: int,
     exposed = tp_bytes / bw["tp"] + cp_bytes / bw["cp"]
     dp_time = fsdp_bytes / bw["dp_shard"] + hsdp_bytes / bw["dp_replicate"]
     bubble = compute * (layout.pp - 1) / layout.microbatches if layout.pp > 1 else 0.0
-    step = compute + exposed + max(0.0, dp_time - compute) + bubble
+    replica_time = _replica_seconds(config, (embed + rest) / (layout.tp * layout.pp * layout.dp_shard * layout.cp), hw)
+    step = compute + exposed + max(0.0, dp_time - compute) + replica_time + bubble
     parts = {
         "compute": compute,
         "tp/cp comm": exposed,
-        "dp comm (exposed)": max(0.0, dp_time - compute),
+        "dp comm (exposed)": max(0.0, dp_time - compute) + replica_time,
         "pp bubble": bubble,
     }
     return PlanRow(layout, 0, step, tokens / (step * world_size), parts)
+
+
+def _replica_seconds(config, shard_params: float, hw: Hardware) -> float:
+    """Fault tolerance's all-reduce of each rank's fp32 shard across the replica groups, per step (module
+    docstring); 0 without it."""
+    ft = config.fault_tolerance
+    if not ft.enable or ft.group_size < 2:
+        return 0.0
+    ring = 2 * shard_params * 4 * (ft.group_size - 1) / ft.group_size  # bytes a rank sends in a ring all-reduce
+    every = 1 if ft.semi_sync_method is None else ft.sync_steps
+    return ring / (hw.inter_node_gbps * 1e9) / every
 
 
 def _bandwidths(layout: Layout, hw: Hardware) -> dict[str, float]:

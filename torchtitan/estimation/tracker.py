@@ -36,7 +36,9 @@ CATEGORIES = {
     "Other": "other",
 }
 DDP_BUCKETS = "comm: DDP buckets"
-ROWS = [*dict.fromkeys(CATEGORIES.values()), DDP_BUCKETS]
+# fault tolerance's semi-synchronous modes (ft_terms.py): copies at a synchronization, DiLoCo's outer state
+FT_SYNC_COPIES, FT_OUTER_MOMENTUM, FT_WEIGHT_BACKUP = "ft: sync copies", "ft: outer momentum", "ft: weight backup"
+ROWS = [*dict.fromkeys(CATEGORIES.values()), DDP_BUCKETS, FT_SYNC_COPIES, FT_OUTER_MOMENTUM, FT_WEIGHT_BACKUP]
 
 
 @dataclass
@@ -75,11 +77,19 @@ class StepMemory:
     # transformer block is done: the moments where (nearly) every block's activations are live.
     # Only the depth extrapolation reads it.
     all_activations: Phase | None = None
+    # What is live when the optimizer step starts (the gradients complete), and fault tolerance's
+    # semi-synchronous modes' synchronization after it (ft_terms.py): that plus their copies.
+    at_optimizer_step: Phase | None = None
+    synchronization: Phase | None = None
+
+    @property
+    def _phases(self) -> list[Phase]:
+        candidates = (self.tracked, self.all_activations, self.optimizer_step, self.synchronization)
+        return [p for p in candidates if p is not None]
 
     @property
     def _top(self) -> Phase:
-        phases = [p for p in (self.tracked, self.all_activations, self.optimizer_step) if p is not None]
-        return max(phases, key=lambda p: p.total)
+        return max(self._phases, key=lambda p: p.total)
 
     @property
     def peak(self) -> int:
@@ -91,11 +101,22 @@ class StepMemory:
 
     @property
     def peak_phase(self) -> str:
+        if self._top is self.synchronization:
+            return "replica synchronization"
         return "optimizer step" if self._top is self.optimizer_step else "forward/backward"
+
+    def add_synchronization(self, row: str, nbytes: int, note: str) -> None:
+        """Modeled memory held right after the optimizer step (a semi-sync synchronization), on top of what is
+        live when the step starts."""
+        assert self.at_optimizer_step is not None, "track_steps records what is live at the optimizer step"
+        start = self.at_optimizer_step
+        self.synchronization = Phase(start.total + nbytes, {**start.breakdown, row: nbytes})
+        self.modeled[row] = self.modeled.get(row, 0) + nbytes
+        self.notes.append(note)
 
     def add_persistent(self, row: str, nbytes: int, note: str) -> None:
         """Modeled memory, live throughout the step, of something the fake run cannot execute (DDP's reducer)."""
-        for phase in (self.tracked, self.optimizer_step, self.all_activations):
+        for phase in (*self._phases, self.at_optimizer_step):
             if phase is not None:
                 phase.total += nbytes
                 phase.breakdown[row] = phase.breakdown.get(row, 0) + nbytes
@@ -125,6 +146,8 @@ class StepMemory:
             notes,
             modeled,
             both(self.all_activations, other.all_activations),
+            both(self.at_optimizer_step, other.at_optimizer_step),
+            both(self.synchronization, other.synchronization),
         )
 
 
@@ -290,17 +313,24 @@ def track_steps(trainer, *, foreach_temp: int = 0, steps: int = 2) -> StepMemory
         gc.enable()
         for hook in hooks:
             hook.remove()
+    return _step_memory(peak, at_opt_step[-1] if at_opt_step else None, after_last_block, foreach_temp)
+
+
+def _step_memory(peak: dict, at_opt_step: dict | None, after_last_block: list[dict], foreach_temp: int) -> StepMemory:
+    """The tracked snapshots as a ``StepMemory``: the peak, what is live when the (last) optimizer step starts,
+    the all-activations moment, and the modeled foreach step (``track_steps``)."""
     result = StepMemory(Phase(_total(peak), _breakdown(peak)))
+    if at_opt_step is not None:
+        result.at_optimizer_step = Phase(_total(at_opt_step), _breakdown(at_opt_step))
     if after_last_block:
         last = after_last_block[-1]
         result.all_activations = Phase(_total(last), _breakdown(last))
     if foreach_temp:
-        before_step = at_opt_step[-1]
-        breakdown = _breakdown(before_step)
+        breakdown = _breakdown(at_opt_step)
         breakdown["temporaries"] = breakdown.get("temporaries", 0) + foreach_temp
-        result.optimizer_step = Phase(_total(before_step) + foreach_temp, breakdown)
+        result.optimizer_step = Phase(_total(at_opt_step) + foreach_temp, breakdown)
         result.notes.append(
             f"foreach optimizer temporaries modeled: {foreach_temp / 2**20:.1f} MiB on top of "
-            f"{_total(before_step) / 2**20:.1f} MiB live at the optimizer step"
+            f"{_total(at_opt_step) / 2**20:.1f} MiB live at the optimizer step"
         )
     return result

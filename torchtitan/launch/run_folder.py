@@ -15,6 +15,9 @@ read-only file system, no permission), found without writing: the pre-launch che
 ``read_json_lines``: the records of a JSON-lines file a killed run may have cut mid-line
 (metrics.jsonl on resume).
 
+``run_folder``: the folder a run's own files go to: the dump folder, or a fault-tolerant replica group's
+``<dump_folder>/replica_<id>/`` (the groups of one job share the dump folder's checkpoints: ``checkpoint_root``).
+
 ``set_aside_earlier_run``: one run per folder. A run that does not resume from the folder's checkpoint
 finds the records of the run before it (metrics, checkpoints, config.toml, ...) moved into
 ``<folder>/earlier_runs/<when that run started>/``, said in one log line, so two runs never mix and
@@ -42,6 +45,21 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LOCK_FILE = "run.lock"
+
+
+def run_folder(config: JobConfig) -> str:
+    """Where this launch's own files go (lock, metrics, config.toml, traces): the dump folder, or under fault
+    tolerance its replica group's subfolder; checkpoints stay in the dump folder, shared by the groups."""
+    ft = config.fault_tolerance
+    return os.path.join(config.job.dump_folder, f"replica_{ft.replica_id}") if ft.enable else config.job.dump_folder
+
+
+def checkpoint_root(config: JobConfig) -> str:
+    """The checkpoint folder: shared by fault tolerance's replica groups (the lowest live one writes it), except
+    in the semi-synchronous modes, where each group keeps its own (their optimizers' states differ)."""
+    root = os.path.join(config.job.dump_folder, config.checkpoint.folder)
+    ft = config.fault_tolerance
+    return os.path.join(root, f"replica_{ft.replica_id}") if ft.enable and ft.semi_sync_method else root
 
 
 class FolderInUseError(ValueError):

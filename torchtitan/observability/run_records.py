@@ -101,11 +101,13 @@ def _started_by() -> str:
     return "rank 0: " + shlex.join([sys.executable, *sys.argv])
 
 
-def write_run_records(config: JobConfig, world_size: int, *, resumed_from: int | None = None) -> None:
+def write_run_records(
+    config: JobConfig, world_size: int, *, resumed_from: int | None = None, folder: str | None = None
+) -> None:
     """config.toml (the resolved config), command.txt (the command line and the one that reproduces the
     run), run_info.json (versions, layout). ``resumed_from``: the checkpoint step a resume starts after
-    (command.txt is then appended to); None: a new run."""
-    folder = config.job.dump_folder
+    (command.txt is then appended to); None: a new run. ``folder``: the run's folder (default the dump folder)."""
+    folder = folder or config.job.dump_folder
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.toml"), "w") as f:
         f.write(config.to_toml())

@@ -19,6 +19,7 @@ from torchtitan.distributed.activation_checkpoint import check_activation_checkp
 from torchtitan.distributed.cp_checks import check_context_parallel
 from torchtitan.distributed.parallel_dims import ParallelDims, check_data_parallel
 from torchtitan.distributed.tp_checks import check_async_tp_device, check_tensor_parallel
+from torchtitan.fault_tolerance.checks import check_fault_tolerance, check_fault_tolerance_machine
 from torchtitan.launch.run_folder import check_dump_folder
 from torchtitan.observability.metrics import check_metrics
 from torchtitan.observability.profiling import check_memory_snapshot_device, check_profiling
@@ -47,6 +48,8 @@ CHECKS: tuple[Check, ...] = (
     Check(check_activation_checkpoint),
     Check(check_memory_options),
     Check(check_data_parallel),
+    Check(check_fault_tolerance),
+    Check(check_fault_tolerance_machine, this_machine=True),
     Check(check_in_backward),
     Check(check_lr_schedule),
     Check(check_float8),

@@ -1,0 +1,90 @@
+"""Fault tolerance in the memory estimate: what the replica groups add to one rank's memory.
+
+The estimate covers one replica group (its ranks are the world the config describes); the groups add:
+
+* synchronous mode: gradients are averaged across the groups in flat buckets of at most 32 MiB, one at a
+  time (fault_tolerance/replicas.py). ``EstimatedReplicas`` runs that same bucket code in the fake step, with
+  no collective, so the tracker sees the bucket where the real run holds it. The cross-group process group
+  holds nothing else on the device (gloo reduces in place on CPU tensors).
+* semi-synchronous modes, modeled (torchft's own code needs a lighthouse): at each synchronization, after the
+  optimizer step with the gradients still live, LocalSGD holds one averaged copy of this rank's weights,
+  DiLoCo a pseudo-gradient and a local copy (two); DiLoCo keeps its outer SGD momentum (one copy, on the
+  device) for the whole run, and its backup of the last synchronized weights in host memory (on a CPU run the
+  same memory, so counted).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from torchtitan.estimation.tracker import FT_OUTER_MOMENTUM, FT_SYNC_COPIES, FT_WEIGHT_BACKUP
+from torchtitan.fault_tolerance.replicas import ReplicaStep, average_in_buckets
+
+if TYPE_CHECKING:
+    from torchtitan.config.schema_fault_tolerance import FaultTolerance
+    from torchtitan.estimation.tracker import StepMemory
+
+
+class EstimatedReplicas:
+    """The trainer's ``Replicas`` on fake tensors: the same step, no lighthouse, no collective."""
+
+    def __init__(self, ft: FaultTolerance):
+        self.ft = ft
+        self.loss_max: torch.Tensor | None = None
+        self.replica_sum = (lambda tensor: ft.group_size) if ft.semi_sync_method is None else None
+
+    def resume_at(self, step: int) -> None:
+        pass
+
+    def start_step(self) -> ReplicaStep:
+        raise NotImplementedError("the memory estimate tracks train_step only")
+
+    def average(self, params: list[torch.nn.Parameter], loss: torch.Tensor) -> torch.Tensor:
+        if self.ft.semi_sync_method is None:
+            average_in_buckets(params, lambda flat: None)  # the real run's buckets, averaged by nobody
+        self.loss_max = loss
+        return loss
+
+    def commit(self, step: int) -> bool:
+        return True
+
+    def step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+
+def weight_bytes(model_parts: list[torch.nn.Module]) -> int:
+    """Bytes of this rank's shards of the weights."""
+    params = (p for part in model_parts for p in part.parameters())
+    return sum(t.numel() * t.element_size() for t in (p.to_local() if isinstance(p, DTensor) else p for p in params))
+
+
+def add_fault_tolerance_terms(memory: StepMemory, ft: FaultTolerance, model_parts: list, device: torch.device) -> None:
+    """What the replica groups add (module docstring), onto ``memory``: a note for the synchronous mode (its
+    buckets are in the tracked step), the modeled copies and state of the semi-synchronous ones."""
+    if not ft.enable:
+        return
+    if ft.semi_sync_method is None:
+        memory.notes.append(
+            f"fault tolerance: one of {ft.group_size} replica groups; the gradient average across them (flat buckets "
+            "of at most 32 MiB, one at a time) is in the tracked step, its process group holds nothing else"
+        )
+        return
+    weights = weight_bytes(model_parts)
+    copies = 1 if ft.semi_sync_method == "local_sgd" else 2
+    memory.add_synchronization(
+        FT_SYNC_COPIES,
+        copies * weights,
+        f"fault tolerance ({ft.semi_sync_method}) modeled: {copies} cop{'y' if copies == 1 else 'ies'} of this "
+        "rank's weights at each synchronization, after the optimizer step",
+    )
+    if ft.semi_sync_method == "diloco":
+        memory.add_persistent(
+            FT_OUTER_MOMENTUM, weights, "DiLoCo's outer SGD momentum modeled: one copy of the weights"
+        )
+        if device.type == "cpu":
+            memory.add_persistent(
+                FT_WEIGHT_BACKUP, weights, "DiLoCo's backup of the synchronized weights modeled (host memory: on CPU)"
+            )

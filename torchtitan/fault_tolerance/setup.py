@@ -1,0 +1,93 @@
+"""Building a rank's fault-tolerance parts from the trainer (``TrainerBuilders.replicas``'s default)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from torchtitan.checkpointing.state import build_model_view
+from torchtitan.fault_tolerance.heal import HealState
+from torchtitan.fault_tolerance.lighthouse import lighthouse_address
+from torchtitan.fault_tolerance.manager import build_manager
+from torchtitan.fault_tolerance.positions import DataPositions
+from torchtitan.fault_tolerance.replicas import ReplicaGroups, Replicas
+from torchtitan.fault_tolerance.semi_sync import SemiSyncReplicas
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from torchtitan.config.manager import JobConfig
+    from torchtitan.distributed.mesh import WorldMesh
+
+logger = logging.getLogger(__name__)
+
+# What must be equal in every replica group for their steps to be one HSDP step (and a heal to fit).
+_FINGERPRINT_SECTIONS = ("model", "optimizer", "training", "experimental", "float8", "activation_checkpoint")
+
+
+def config_fingerprint(config: JobConfig, world_size: int) -> int:
+    """A positive 60-bit hash of what the groups must share: model, training, layout, the group's size."""
+    tree = config.to_dict()
+    shared = {name: tree[name] for name in _FINGERPRINT_SECTIONS}
+    shared["fault_tolerance"] = {k: v for k, v in tree["fault_tolerance"].items() if k != "replica_id"}
+    shared["world_size"] = world_size
+    digest = hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()
+    return int(digest[:15], 16) or 1
+
+
+def build_replica_groups(
+    cfg: JobConfig,
+    *,
+    world: WorldMesh,
+    rank: int,
+    model_parts: list[nn.Module],
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any,
+    data_loader: Any,
+) -> Replicas:
+    """This rank's ``Replicas`` (``rank`` in its group): its Manager (joined to the lighthouse), heal state
+    and data positions; the synchronous mode, or the semi-synchronous one the config names."""
+    dims, ft = world.dims, cfg.fault_tolerance
+    lighthouse = lighthouse_address()
+    positions = DataPositions(
+        data_loader,
+        replica_id=ft.replica_id,
+        group_size=ft.group_size,
+        dp_rank=world.local_rank("dp"),
+        dp_degree=dims.dp_degree,
+        batch_size=cfg.training.batch_size,
+        accum=cfg.training.gradient_accumulation_steps,
+    )
+    fingerprint = config_fingerprint(cfg, dims.world_size)
+    heal = HealState(
+        view=build_model_view(model_parts),
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        positions=positions,
+        replica_id=ft.replica_id,
+        fingerprint=fingerprint,
+    )
+    handle = build_manager(ft, lighthouse=lighthouse, group_rank=rank, group_world_size=dims.world_size)
+    handle.manager.register_state_dict_fn("torchtitan", heal.load_state_dict, heal.state_dict)
+    if rank == 0:
+        logger.info(
+            "fault tolerance: replica group %d of %d (%d rank%s, pid %d), lighthouse %s, min_replica_size %d, %s",
+            ft.replica_id,
+            ft.group_size,
+            dims.world_size,
+            "s" if dims.world_size > 1 else "",
+            os.getpid(),
+            lighthouse,
+            ft.min_replica_size,
+            f"{ft.semi_sync_method} every {ft.sync_steps} steps"
+            if ft.semi_sync_method
+            else "gradients averaged every step",
+        )
+    parts = dict(handle=handle, heal=heal, positions=positions, lighthouse=lighthouse, fingerprint=fingerprint)
+    if ft.semi_sync_method is None:
+        return ReplicaGroups(ft, **parts, log=rank == 0)
+    return SemiSyncReplicas(ft, view=heal.view, optimizer=optimizer, **parts, log=rank == 0)
