@@ -34,7 +34,7 @@ class FaultTolerance:
     min_replica_size: int = _f(
         1, "live replica groups a step needs to commit; with fewer the step is discarded and retried", bound=_POSITIVE
     )
-    process_group: Literal["gloo", "nccl"] = _f(
+    process_group: Literal["gloo", "nccl"] = _f(  # device-choice: the backend between groups, checked before launch
         "gloo", "backend of the process group between replica groups (nccl needs CUDA)"
     )
     process_group_timeout_ms: int = _f(

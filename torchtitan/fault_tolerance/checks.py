@@ -108,7 +108,7 @@ def check_fault_tolerance_machine(config: JobConfig, dims: ParallelDims) -> list
         split_address(address)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if ft.process_group == "nccl":
+    if ft.process_group == "nccl":  # device-choice: the user's backend between groups, against this machine
         import torch
 
         if not torch.cuda.is_available():  # device-choice: NCCL exists only with CUDA
