@@ -188,11 +188,13 @@ class Trainer:
             loss = self.step_fn.forward_backward(batch, accum_steps=len(batches), token_weight=token_weight)
             if loss is not None:
                 loss_sum += loss
+        params = None
         if replicas is not None:  # the gradients and loss of every live group, then clipped like HSDP's
-            loss_sum = replicas.average(self.step_fn.finish_gradients(), loss_sum)
+            params = self.step_fn.finish_gradients()
+            loss_sum = replicas.average(params, loss_sum)
         # in backward, every parameter already stepped (so on_nonfinite = "skip" is refused before launch)
         in_backward, max_norm = self.in_backward, self.config.training.max_norm
-        grad_norm = self.step_fn.clip_grad_norm_(max_norm) if in_backward is None else in_backward.finish_step()
+        grad_norm = self.step_fn.clip_grad_norm_(max_norm, params) if in_backward is None else in_backward.finish_step()
         hooks = self.step_fn.hooks
         if hooks is not None:
             hooks.reduce_step(keep_metrics=self._is_log_step(), replica_sum=replica_sum)

@@ -236,13 +236,14 @@ class StepFunction:
         reduce_partial_grads_(params)
         return params
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Finish the gradients, clip them; returns the total norm.
+    def clip_grad_norm_(self, max_norm: float, params: list[nn.Parameter] | None = None) -> torch.Tensor:
+        """Finish the gradients (unless ``params``, from ``finish_gradients``, already are), clip them;
+        returns the total norm.
 
         Parameters are sharded over every mesh axis but the pure data-parallel ones, and pipeline
         ranks hold disjoint layers: the norm's square sum is all-reduced once over all of them.
         """
-        params = self.finish_gradients()
+        params = self.finish_gradients() if params is None else params
         pp_group = self.world.group("pp")
         return clip_grad_norm_(params, max_norm, extra_groups=[pp_group] if pp_group else [])
 

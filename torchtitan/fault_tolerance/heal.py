@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,11 +50,9 @@ class HealState:
         self.healed = 0
         self.last_source: int | None = None
         self.data_moved = False  # the last heal replaced the loader's position
-        self.served_at: float | None = None  # when this group last handed its state to a healing one
 
     def state_dict(self) -> dict[str, Any]:
         """Called by torchft in its quorum thread while the main thread waits for the quorum (nothing steps)."""
-        self.served_at = time.monotonic()
         return {
             "source": self.replica_id,
             "fingerprint": self.fingerprint,

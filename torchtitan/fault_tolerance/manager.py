@@ -44,14 +44,14 @@ class QuorumEvents(logging.Handler):
         if getattr(record, "replica_id", None) == self.replica:
             self.latest = (int(record.quorum_id), int(record.step))
 
-    def __enter__(self) -> QuorumEvents:
+    def attach(self) -> QuorumEvents:
         events = logging.getLogger("torchft_quorums")
         events.setLevel(logging.INFO)
         events.propagate = False
         events.addHandler(self)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def detach(self) -> None:
         logging.getLogger("torchft_quorums").removeHandler(self)
 
 
@@ -66,7 +66,7 @@ class ManagerHandle:
     events: QuorumEvents
 
     def close(self) -> None:
-        self.events.__exit__(None, None, None)
+        self.events.detach()
         self.manager.shutdown(wait=False)
         self.pg.abort(errored=False)
 
@@ -100,7 +100,7 @@ def build_manager(
     if pg is None:
         pg = torchft.ProcessGroupNCCL(timeout=pg_timeout)  # the pre-launch check made sure CUDA exists
     wait = timedelta(seconds=ft.quorum_timeout_seconds)
-    events = QuorumEvents(replica_name(ft.replica_id)).__enter__()
+    events = QuorumEvents(replica_name(ft.replica_id)).attach()
     try:
         manager = torchft.Manager(
             pg=pg,
@@ -121,7 +121,7 @@ def build_manager(
             checkpoint_transport=_quiet_http_transport(torchft, wait),
         )
     except RuntimeError as e:  # the lighthouse went away between the probe and the ManagerServer's connection
-        events.__exit__(None, None, None)
+        events.detach()
         why = short_reason(e)
         raise ReplicaGroupsFailed(f"fault tolerance: cannot join the lighthouse at {lighthouse}: {why}") from None
     return ManagerHandle(manager, pg, store, events)
