@@ -3,7 +3,8 @@
 # arguments): a rank's error is printed once, with its rank, whichever ranks LOG_RANK shows.
 #   NGPU         processes to start (default: number of GPUs, or 2 on a machine without one)
 #   LOG_RANK     ranks whose output is shown, comma-separated (default 0)
-#   CONFIG_FILE  TOML config (default ./train_configs/debug_model.toml)
+#   CONFIG_FILE  TOML config (default ./train_configs/debug_model.toml); a --job.config_file argument
+#                wins over it (one line says so when both are given and differ)
 #   PREFLIGHT    1 (default): check the config in one process before starting NGPU; 0 skips that
 #                (every rank checks it again anyway; the test matrix saves a torch import per run)
 # Any further arguments are config overrides, e.g. --training.steps 20 --training.batch_size=4
@@ -15,7 +16,6 @@ if [ -z "${NGPU:-}" ]; then
   [ "$NGPU" -gt 0 ] || NGPU=2
 fi
 LOG_RANK=${LOG_RANK:-0}
-CONFIG_FILE=${CONFIG_FILE:-"./train_configs/debug_model.toml"}
 PYTHON=${PYTHON:-python3}
 
 if ! [[ "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
@@ -39,12 +39,16 @@ for arg in "$@"; do
   fi
 done
 
+# The config file: the user's --job.config_file, else CONFIG_FILE, else the debug model's.
+source "$(dirname "$0")/scripts/config_args.sh"
+config_args ./train_configs/debug_model.toml "$@"
+
 # Check the config in one process first: a bad key or layout is one clear line, not N tracebacks.
 if [ "${PREFLIGHT:-1}" != "0" ]; then
-  "$PYTHON" -m torchtitan.preflight --world_size "$NGPU" --job.config_file "$CONFIG_FILE" "$@"
+  "$PYTHON" -m torchtitan.preflight --world_size "$NGPU" "${CONFIG_ARGS[@]}" "$@"
 fi
 
 exec "$PYTHON" -m torchtitan.launch \
   --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-  -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"
+  -m torchtitan.train "${CONFIG_ARGS[@]}" "$@"

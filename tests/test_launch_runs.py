@@ -124,3 +124,39 @@ def test_a_second_run_is_refused_and_killing_the_launcher_stops_the_ranks(tmp_pa
                 pass
     lock = os.path.join(folder, "run.lock")
     assert not os.path.exists(lock) or not _alive(json.load(open(lock))["pid"])  # released, or stale
+
+
+# --------------------------------------------------------------------------- which config file a launch trains
+
+
+def test_the_readme_sft_command_trains_the_sft_config_over_config_file(tmp_path):
+    """README's `./run_llama_train.sh --job.config_file train_configs/sft_debug.toml`, with CONFIG_FILE also set:
+    the argument wins (one line says so), in the pre-launch check and in the ranks alike."""
+    folder = str(tmp_path / "sft")
+    env = dict(os.environ, NGPU="1", CONFIG_FILE="./train_configs/debug_model.toml")
+    cmd = ["bash", "./run_llama_train.sh", "--job.config_file", "train_configs/sft_debug.toml"]
+    cmd += ["--training.steps", "1", "--validation.enabled", "false", "--job.dump_folder", folder]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    notes = [line for line in out.splitlines() if line.startswith("note: training with")]
+    assert notes == [
+        "note: training with --job.config_file train_configs/sft_debug.toml "
+        "(it overrides CONFIG_FILE=./train_configs/debug_model.toml)"
+    ], out[-3000:]
+    assert "data        sft_arith (chat rows)" in out, out[-3000:]  # the start summary names the chat data
+    with open(os.path.join(folder, "config.toml")) as f:
+        dumped = f.read()
+    assert 'dataset = "sft_arith"' in dumped and 'dataset_format = "chat"' in dumped
+
+
+def test_two_different_config_files_are_one_line_and_exit_2():
+    cmd = ["bash", "./run_llama_train.sh", "--job.config_file", "train_configs/sft_debug.toml"]
+    cmd += ["--job.config_file=train_configs/debug_model.toml"]
+    result = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, NGPU="1"), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.splitlines() == [
+        "error: --job.config_file given 2 different files: 'train_configs/sft_debug.toml', "
+        "'train_configs/debug_model.toml'; pass one (run_llama_train.sh: --job.config_file FILE, or CONFIG_FILE=FILE)"
+    ]
+    assert result.stdout == ""

@@ -76,11 +76,23 @@ def test_gpu_table_lookup(monkeypatch: pytest.MonkeyPatch, name: str, dtype: tor
 
 
 def test_gpu_fp32_follows_tf32_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    # our own seam, not torch's backend module: pytest 9's undo cannot restore cuBLASModule's computed attribute
     monkeypatch.setattr(flops, "_get_device_name", lambda device: "NVIDIA A100-SXM4-40GB")
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    monkeypatch.setattr(flops, "tf32_matmul_enabled", lambda: True)
     assert get_peak_flops(CUDA, torch.float32).flops == pytest.approx(156e12)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(flops, "tf32_matmul_enabled", lambda: False)
     assert get_peak_flops(CUDA, torch.float32).flops == pytest.approx(19.5e12)
+
+
+def test_tf32_matmul_enabled_reads_torch_setting() -> None:
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls on
+        assert flops.tf32_matmul_enabled()
+        torch.set_float32_matmul_precision("highest")
+        assert not flops.tf32_matmul_enabled()
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def test_unknown_gpu_warns_and_uses_h100(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:

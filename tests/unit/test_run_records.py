@@ -16,7 +16,7 @@ from torchtitan.checkpointing.folders import resume_point
 from torchtitan.checkpointing.marker import EXPORT, FULL, SEED, write_marker
 from torchtitan.config.manager import JobConfig
 from torchtitan.launch.run_folder import EARLIER_RUNS, set_aside_earlier_run
-from torchtitan.observability.console import format_end_summary, format_start_summary
+from torchtitan.observability.console import format_data_source, format_end_summary, format_start_summary
 from torchtitan.observability.run_records import RUN_SCRIPT, run_record_names, write_run_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -151,7 +151,9 @@ def test_start_summary_names_the_count_per_token_and_end_summary_this_runs_steps
         steps=30,
         device="cpu",
         dump_folder="out",
+        data=format_data_source("sft_arith", None, "chat"),
     )
+    assert "data        sft_arith (chat rows)" in summary
     assert "21,000,000 parameters, 7,424,256 of them multiply each token (MFU's N)" in summary
     assert "without the embedding" not in summary  # MoE: that number is the active count, not a total minus the table
     common = dict(wall_s=5, mean_tps=1000.0, best_loss=6.5, best_step=30, last_validation=None, checkpoint="c")

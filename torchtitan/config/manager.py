@@ -78,6 +78,25 @@ def _split_cli(argv: list[str]) -> list[tuple[str, str | None]]:
     return pairs
 
 
+def _config_file(cli: list[tuple[str, str | None]]) -> str | None:
+    """The one ``--job.config_file`` of the command line (the same file repeated is one); two different ones refused.
+
+    run_llama_train.sh passes CONFIG_FILE only when the user gives no ``--job.config_file`` of their own, so a
+    second, different file here is the user's own contradiction, not the script's default.
+    """
+    files = list(dict.fromkeys(v for k, v in cli if k == "job.config_file"))
+    if None in files:
+        raise ConfigError(
+            "flag --job.config_file needs a value: the TOML file to load, e.g. train_configs/debug_model.toml"
+        )
+    if len(files) > 1:
+        raise ConfigError(
+            f"--job.config_file given {len(files)} different files: {', '.join(repr(f) for f in files)}; "
+            "pass one (run_llama_train.sh: --job.config_file FILE, or CONFIG_FILE=FILE)"
+        )
+    return files[0] if files else None
+
+
 def _is_bool_key(key: str) -> bool:
     rule = RULES.get(key)
     if isinstance(rule, Alias):
@@ -173,7 +192,7 @@ class JobConfig(JobConfigTree):
         cli = _negated_flags(_split_cli(argv))
         config = cls()
         given = Given()
-        config_file = next((v for k, v in cli if k == "job.config_file"), None)
+        config_file = _config_file(cli)
         sources = [(cli, True)]
         if config_file is not None:
             file_pairs = _toml_pairs(load_toml(config_file))

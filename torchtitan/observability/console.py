@@ -81,6 +81,12 @@ def format_layout(degrees: dict[str, int]) -> str:
     return " x ".join(parts) if parts else "single process"
 
 
+def format_data_source(dataset: str, dataset_path: str | None, dataset_format: str) -> str:
+    """'sft_arith (chat rows, tests/assets/sft/arith_train.jsonl)': what the run trains on, as the summary names it."""
+    kind = {"text": "text", "chat": "chat rows", "prompt_completion": "prompt/completion rows"}[dataset_format]
+    return f"{dataset} ({kind}{', ' + dataset_path if dataset_path else ''})"
+
+
 def format_start_summary(
     *,
     model: str,
@@ -93,6 +99,7 @@ def format_start_summary(
     steps: int,
     device: str,
     dump_folder: str,
+    data: str,
 ) -> str:
     tokens = global_batch * seq_len
     return "\n".join(
@@ -101,6 +108,7 @@ def format_start_summary(
             f"model       {model}: {params:,} parameters, {flop_params:,} of them multiply each token (MFU's N)",
             f"layout      {layout} ({world_size} process{'es' if world_size > 1 else ''}, device {device})",
             f"batch       {global_batch} samples x {seq_len} tokens = {tokens:,} tokens per step, {steps} steps",
+            f"data        {data}",
             f"outputs     {dump_folder} (metrics.jsonl, config.toml, command.txt, run_info.json)",
         ]
     )

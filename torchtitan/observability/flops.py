@@ -107,8 +107,8 @@ def get_peak_flops(
         float8: a float8 run: the same peak as without float8 (that of `dtype`, not the float8
             peak), its source labelled so (see `label_float8_peak`).
 
-    On CUDA/ROCm, float32 uses the TF32 (or MI300 XF32) peak when
-    `torch.backends.cuda.matmul.allow_tf32` is on, since that is what the matmuls then run at,
+    On CUDA/ROCm, float32 uses the TF32 (or MI300 XF32) peak when TF32 matmuls are on
+    (`tf32_matmul_enabled`), since that is what the matmuls then run at,
     and the plain FP32 peak otherwise. On CPU the number is measured at the current
     `torch.get_num_threads()` and cached on disk. Other accelerators are measured each time, uncached.
     """
@@ -140,6 +140,18 @@ def _device_peak(device: torch.device, dtype: torch.dtype, linears: tuple[Linear
     return PeakFlops(flops, f"measured on {device.type}: {_dtype_name(dtype)} GEMM = {flops / 1e9:.1f} GFLOP/s")
 
 
+def tf32_matmul_enabled() -> bool:
+    """Whether CUDA float32 matmuls run in TF32: torch's `fp32_precision` where it is set, else the legacy flag.
+
+    Reading `allow_tf32` after the new API set a precision raises in torch >= 2.9 ("mix of the legacy and new
+    APIs"), so the new setting is read first; `torch.set_float32_matmul_precision` sets both.
+    """
+    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", "none")
+    if precision != "none":
+        return precision == "tf32"
+    return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
 def _get_device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device)
 
@@ -162,7 +174,7 @@ def _lookup_gpu_peak(device_name: str, dtype: torch.dtype) -> PeakFlops:
     if dtype in _HALF_DTYPES:
         tflops, column = peak.bf16, "bf16"
     elif dtype == torch.float32:
-        use_tf32 = torch.backends.cuda.matmul.allow_tf32 and peak.tf32 is not None
+        use_tf32 = tf32_matmul_enabled() and peak.tf32 is not None
         tflops, column = (peak.tf32, "tf32") if use_tf32 else (peak.fp32, "fp32")
     else:
         raise NotImplementedError(

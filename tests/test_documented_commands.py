@@ -1,0 +1,117 @@
+"""Every launch command our docs show passes the pre-launch check of the config it would train.
+
+The commands are read from README.md, docs/*.md, the train_configs headers and scripts/ (lines that run
+``run_llama_train.sh`` or ``python -m torchtitan.preflight``); each is resolved the way run_llama_train.sh
+resolves it (scripts/config_args.sh: the command's ``--job.config_file`` wins over ``CONFIG_FILE``, else the
+debug config; ``NGPU`` processes, 2 on a machine without a GPU) and checked in process with
+``torchtitan.preflight``'s entry point. A doc that shows a command training another config than it says, or
+a flag that no longer exists, fails here by file and line. tests/test_launch_runs.py runs the script itself.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shlex
+
+import pytest
+
+from torchtitan.preflight.__main__ import main as preflight_main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_CONFIG = "./train_configs/debug_model.toml"
+# What a user sets up before the cluster configs run (each doc says so); the test stands in for it:
+# a downloaded hub tokenizer (scripts/download_tokenizer.py) -> the shipped one at the same key;
+SHIPPED_TOKENIZER = "./torchtitan/datasets/assets/tokenizer/pydocs_bpe2048.tiktoken"
+# a running torchft lighthouse (docs/fault_tolerance.md) -> its address in the environment (nothing connects to it).
+LIGHTHOUSE = "http://localhost:29510"
+SOURCES = ["README.md", "docs/*.md", "train_configs/*.toml", "scripts/*.sh", "scripts/*.slurm"]
+# a command as typed: environment assignments, then ./run_llama_train.sh (or bash run_llama_train.sh), or the
+# preflight with arguments; a bare mention of the script's name in prose is not a command
+_COMMAND = re.compile(
+    r"^((?:[A-Z_]+=\S+\s+)*(?:bash\s+|\./)run_llama_train\.sh\b.*|python3? -m torchtitan\.preflight --.*)$"
+)
+
+
+def _candidates(path: str) -> list[tuple[int, str]]:
+    """(line number, text) of each place a command can stand: markdown code (fenced or inline), the start of a
+    comment line or of a comment's sentence elsewhere; continuation lines (a trailing backslash) joined."""
+    lines = open(path).read().splitlines()
+    out, fenced = [], False
+    for i, line in enumerate(lines):
+        if path.endswith(".md"):
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+                continue
+            texts = [line.strip()] if fenced else re.findall(r"`([^`]+)`", line)
+        elif line.lstrip().startswith("#"):
+            comment = line.lstrip().lstrip("#").strip()
+            texts = [comment, *(part.strip() for part in comment.split(". ")[1:])]
+        else:
+            continue
+        for text in texts:
+            j = i
+            while text.endswith("\\") and j + 1 < len(lines):
+                j += 1
+                text = text[:-1].rstrip() + " " + lines[j].strip().lstrip("#").strip()
+            out.append((i + 1, text.split("  #")[0].split("   (")[0].strip()))
+    return out
+
+
+def _documented_commands() -> list[tuple[str, str]]:
+    """(file:line, command) for each launch command shown in the docs."""
+    found = []
+    for pattern in SOURCES:
+        for path in sorted(glob.glob(os.path.join(ROOT, pattern))):
+            for line_no, text in _candidates(path):
+                if _COMMAND.match(text) and "<" not in text and "$" not in text:  # no templates (<dump>, "$@")
+                    found.append((f"{os.path.relpath(path, ROOT)}:{line_no}", text))
+    return found
+
+
+def _preflight_argv(command: str) -> list[str]:
+    """The preflight arguments run_llama_train.sh would pass for ``command`` (or the preflight's own)."""
+    words = shlex.split(command)
+    env = {}
+    while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    if words[0] in ("python", "python3"):
+        return words[3:]  # python -m torchtitan.preflight ARGS
+    args = words[words.index(next(w for w in words if w.endswith("run_llama_train.sh"))) + 1 :]
+    given = [
+        a
+        for i, a in enumerate(args)
+        if a.startswith("--job.config_file=") or (i and args[i - 1] == "--job.config_file")
+    ]
+    config = [] if given else ["--job.config_file", env.get("CONFIG_FILE", DEFAULT_CONFIG)]
+    return ["--world_size", env.get("NGPU", "2"), *config, *args]
+
+
+COMMANDS = _documented_commands()
+
+
+def test_the_docs_show_the_commands_users_type():
+    places = {where.split(":")[0] for where, _ in COMMANDS}
+    assert {"README.md", "docs/sft.md", "train_configs/sft_debug.toml", "docs/fault_tolerance.md"} <= places, places
+    assert len(COMMANDS) >= 15, COMMANDS
+
+
+def _downloads_its_tokenizer(argv: list[str]) -> bool:
+    from torchtitan.config.manager import JobConfig
+
+    config = JobConfig.parse_args(argv[2:], world_size=int(argv[1]))
+    return not os.path.exists(os.path.join(ROOT, config.model.tokenizer_path))
+
+
+@pytest.mark.parametrize("where,command", COMMANDS, ids=[where for where, _ in COMMANDS])
+def test_documented_command_passes_the_prelaunch_check(where, command, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", LIGHTHOUSE)
+    argv = _preflight_argv(command)
+    if _downloads_its_tokenizer(argv):
+        argv += ["--model.tokenizer_path", SHIPPED_TOKENIZER]
+    code = preflight_main(argv)
+    err = capsys.readouterr().err
+    assert code == 0, f"{where}: `{command}` -> preflight {argv}: {err}"
