@@ -198,18 +198,29 @@ def _probe_scaled_mm(device_type: str) -> None:
 
 @functools.cache
 def _onednn_float8_slowdown() -> float:
-    """How many times slower torch's oneDNN float8 GEMM is than torch's own (emulated) one on this CPU."""
+    """How many times slower torch's oneDNN float8 GEMM is than torch's own (emulated) one on this CPU.
+
+    One thread, the fastest of 5 single GEMMs per path: on a loaded machine (2 cores under several processes)
+    the ~50 us emulated GEMM took up to 14 ms at 2 threads (a thread pool waiting for a core), a 600x slowdown
+    measured under 10x, and a float8 run then spent 11 minutes a step in oneDNN."""
     a, one = torch.randn(64, 64).to(torch.float8_e4m3fn), torch.ones(())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _seconds_of(a, one, onednn=True) / max(_seconds_of(a, one, onednn=False), 1e-9)
+    finally:
+        torch.set_num_threads(threads)
 
-    def seconds(onednn: bool) -> float:
-        with torch.backends.mkldnn.flags(enabled=onednn):
-            torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # warm up
+
+def _seconds_of(a: torch.Tensor, one: torch.Tensor, *, onednn: bool) -> float:
+    with torch.backends.mkldnn.flags(enabled=onednn):
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # warm up
+        times = []
+        for _ in range(5):
             start = time.perf_counter()
-            for _ in range(3):
-                torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-            return time.perf_counter() - start
-
-    return seconds(True) / max(seconds(False), 1e-9)
+            torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+            times.append(time.perf_counter() - start)
+        return min(times)
 
 
 def choose_cpu_float8_gemm() -> None:
