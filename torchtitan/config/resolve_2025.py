@@ -132,6 +132,10 @@ def _resolve_compile(config: JobConfigTree, given: Given, components: tuple[Any,
             f"{_shown('compile.components', components)} with compile on means training.compile_loss = "
             f"{toml_value(loss)}, but training.compile_loss = {toml_value(t.compile_loss)} is also given; keep only one"
         )
+    if "model" not in names:
+        logger.info(
+            "%s with compile on: the loss is compiled, the blocks are not", _shown("compile.components", components)
+        )
     t.compile, t.compile_loss = "model" in names, loss
 
 
