@@ -1,10 +1,12 @@
-"""Download a model's tokenizer from the Hugging Face hub: Llama 3's (tiktoken) or Qwen3's (tokenizer.json).
+"""Download a model's tokenizer from the Hugging Face hub: Llama 3's (tiktoken), or Qwen3's, DeepSeek's or
+gpt-oss's (tokenizer.json).
 
 Two layouts, chosen by the repo's owner unless --tokenizer_path/--files/--local_dir say otherwise:
   meta-llama/* (and any other repo): original/tokenizer.model, saved to
       torchtitan/datasets/tokenizer/original/tokenizer.model
-  Qwen/*: tokenizer.json and tokenizer_config.json (which names the end-of-text token) from the repo
-      root, saved to torchtitan/datasets/tokenizer/<repo name>/ (the folder is the tokenizer_path)
+  Qwen/*, deepseek-ai/*, openai/*: tokenizer.json and tokenizer_config.json (which names the end-of-text
+      token) from the repo root, saved to torchtitan/datasets/tokenizer/<repo name>/ (the folder is the
+      tokenizer_path)
 
 The Llama repos are gated: accept the license on the model page, then create a read token at
 https://huggingface.co/settings/tokens. Needs network; offline runs can use the shipped default
@@ -13,6 +15,7 @@ tokenizer `torchtitan/datasets/assets/tokenizer/pydocs_bpe2048.tiktoken` instead
 Usage:
     python scripts/download_tokenizer.py --repo_id meta-llama/Meta-Llama-3.1-8B --hf_token <token>
     python scripts/download_tokenizer.py --repo_id Qwen/Qwen3-8B
+    python scripts/download_tokenizer.py --repo_id openai/gpt-oss-20b
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ TOKENIZER_ROOT = "torchtitan/datasets/tokenizer"
 TIKTOKEN_FILES = ("tokenizer.model",)
 HF_FILES = ("tokenizer.json", "tokenizer_config.json")
 # hub owners whose repos ship a Hugging Face tokenizer.json at the root and no tiktoken file
-HF_TOKENIZER_OWNERS = ("qwen",)
+HF_TOKENIZER_OWNERS = ("qwen", "deepseek-ai", "openai")
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,7 @@ ROWS = [
     Row("hsdp_2x2_ac_every_2nd", 4, 2, [*HSDP_2x2, *AC_EVERY_2ND]),
     Row("ddp2", 2, 4, ["--training.data_parallel_replicate_degree", "2", "--training.data_parallel_shard_degree", "1"]),
     Row("fsdp2_grad_accum2", 2, 2, ["--training.gradient_accumulation_steps", "2"]),
-    Row("fsdp2_compile", 2, 4, ["--training.compile"]),
+    Row("fsdp2_compile", 2, 4, ["--training.compile", "--training.compile_loss"]),  # the blocks and the loss
     # tensor parallel: TP ranks share their data-parallel rank's samples
     Row("tp2", 2, 8, tp=2),
     Row("fsdp2_tp2", 4, 4, tp=2),

@@ -93,7 +93,7 @@ def _one_error_line(result: subprocess.CompletedProcess, expected: str, code: in
         (
             ["--profiling.enable_profiling", "--profiling.profile_freq", "1"],
             None,
-            "profiling.profile_freq = 1 with profiling.enable_profiling = true: each trace needs a warmup step",
+            "profiling.profile_freq = 1 with profiling.enable_profiling = true: each window holds profiler_warmup",
         ),
         (["--job.dump_folder", "A_FILE/out"], None, "is a file, not a folder; choose another path"),
         (

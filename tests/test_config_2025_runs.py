@@ -2,10 +2,15 @@
 
 * Upstream's llama3 ``debug_model.toml`` (tests/assets/torchtitan_2025, unchanged) trains: only its dataset
   and ``hf_assets_path`` point at local things (the shipped pydocs corpus, a tokenizer folder made here),
-  it trains in fp32 (bf16 is ~15x slower on AVX2-only CPUs; bf16 has matrix rows of its own) and its seq_len
-  is cut from 2048 to 128 (the same code path at 1/16 of the tokens: unchanged, the file
-  costs ~125 s of CI on 2 cores; run that way by hand it passes these same checks); the lr each of its 10
-  steps logs is upstream's warmup-stable-decay.
+  it computes in fp32 (bf16 is ~15x slower on an AVX2-only CPU) and its seq_len is cut from 2048 to 128
+  (the same code path at 1/16 of the tokens: unchanged, the file costs ~125 s of CI on 2 cores; run that
+  way by hand it passes these same checks); the lr each of its 10 steps logs is upstream's
+  warmup-stable-decay.
+* Upstream's DeepSeek-V3 ``debug_model.toml`` trains too: its inert ``[quantize.grouped_mm.float8]``
+  section and its op-level activation checkpointing included, with only its data and tokenizer pointed
+  here, and seq_len, steps and dtype cut down (below). The other debug files that train on CPU
+  (gpt-oss's, qwen3's MoE one) take the same paths past their config, which tests/unit/test_config_2025.py
+  checks for every file: one family's run is enough here.
 * 2025-style flags give per-step losses equal to the same run in our keys: the matrix row
   ``fsdp2_grad_accum2`` (tests/integration_tests.py), so the twin is shared with the matrix.
 """
@@ -23,7 +28,8 @@ from tests.unit.test_hf_tokenizer import _write_tokenizer
 pytestmark = [pytest.mark.integration, pytest.mark.pool(2)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEBUG_2025 = os.path.join(ROOT, "tests", "assets", "torchtitan_2025", "llama3_debug_model.toml")
+ASSETS = os.path.join(ROOT, "tests", "assets", "torchtitan_2025")
+DEBUG_2025 = os.path.join(ASSETS, "llama3_debug_model.toml")
 TWIN = next(r for r in ROWS if r.name == "fsdp2_grad_accum2")  # 2 ranks x local batch 2 x 2 micro-batches
 
 
@@ -46,9 +52,7 @@ def test_upstream_2025_debug_model_toml_trains(tmp_path, hf_assets):
         hf_assets,
         "--training.seq_len",
         "128",
-        # fp32, not the file's default bf16: this test is about the 2025 schema, not bf16 numerics, and bf16 runs
-        # ~15x slower on AVX2-only CPUs (this job took 177-200 s there, ~10 s in fp32); bf16 has rows of its own
-        "--training.mixed_precision_param",
+        "--training.mixed_precision_param",  # bf16 on an AVX2-only CPU is ~15x slower; this run is not about bf16
         "float32",
         "--job.dump_folder",
         folder,
@@ -65,6 +69,27 @@ def test_upstream_2025_debug_model_toml_trains(tmp_path, hf_assets):
     with open(os.path.join(folder, "config.toml")) as f:  # dumped in our keys
         dumped = f.read()
     assert 'lr_schedule = "wsd"' in dumped and "[parallelism]" not in dumped
+
+
+def test_upstream_2025_deepseek_v3_debug_toml_trains(tmp_path, hf_assets):
+    folder = str(tmp_path / "dsv3_2025")
+    argv = [
+        *("--job.config_file", os.path.join(ASSETS, "deepseek_v3_debug_model.toml")),
+        *("--training.dataset", "pydocs", "--model.hf_assets_path", hf_assets),
+        # 4 steps of 2 x 64 tokens per rank (not 10 of 8 x 2048): the same code path at 1/320 of the tokens; fp32,
+        # since bf16 on an AVX2-only CPU is ~15x slower (docs/testing.md) and this run is not about bf16
+        *("--training.local_batch_size", "2", "--training.seq_len", "64", "--training.steps", "4"),
+        *("--training.mixed_precision_param", "float32"),
+        *("--job.dump_folder", folder),
+    ]
+    run_train_job(2, argv)
+    check_job("2025 deepseek_v3 debug_model.toml", folder)
+    records = [r for r in read_metrics(folder) if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]  # log_freq = 1, as the file says
+    assert records[-1]["loss"] < records[0]["loss"]  # it trains
+    with open(os.path.join(folder, "config.toml")) as f:  # dumped in our keys: op-level AC, the MoE family
+        dumped = f.read()
+    assert 'name = "deepseek_v3"' in dumped and 'selective_ac_option = "op"' in dumped and "quantize" not in dumped
 
 
 def test_2025_flags_train_like_our_keys(tmp_path, matrix: MatrixLaunches):

@@ -38,6 +38,8 @@ SHIPPED = {
     "qwen3_moe_debug_model": None,
     "debug_moe": LLAMA3_MOE,
     "sft_debug": None,
+    "deepseek_v3_debug": None,
+    "gpt_oss_debug": None,
 }
 
 

@@ -31,6 +31,7 @@ from torchtitan.components.float8 import (
     check_float8_runs,
     choose_cpu_float8_gemm,
 )
+from torchtitan.components.loss import build_loss_fn
 from torchtitan.components.step import PipelineLoss, StepFunction
 from torchtitan.datasets.hf_datasets import build_hf_data_loader, compute_stream_groups
 from torchtitan.datasets.shard import DataShard
@@ -257,7 +258,8 @@ def build_step_function(
     """This rank's finished model parts, the family's step hooks, and the one step function over them
     (block_causal: with the feed of each batch's documents over the parts; ``eos_id``: the tokenizer's end
     of document, ``cp_positions``: context parallel's positions of this rank, or None)."""
-    pipeline_loss = PipelineLoss()
+    loss_fn = build_loss_fn(compile=config.training.compile_loss)  # one loss for the schedule and the step
+    pipeline_loss = PipelineLoss(loss_fn)
     parts, pipeline = build_model_parts(whole, build_stage_model, spec, config, world, device, pipeline_loss)
     hooks = None
     if spec.build_step_hooks is not None:
@@ -269,6 +271,7 @@ def build_step_function(
         world=world,
         device=device,
         amp_dtype=amp_dtype,
+        loss_fn=loss_fn,
         loss_chunk_size=config.training.loss_chunk_size,
         pipeline=pipeline,
         pipeline_loss=pipeline_loss,

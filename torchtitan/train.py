@@ -233,6 +233,8 @@ class Trainer:
                 cfg.profiling.enable_profiling,
                 trace_dir=trace_dir,
                 profile_freq=cfg.profiling.profile_freq,
+                warmup=cfg.profiling.profiler_warmup,
+                active=cfg.profiling.profiler_active,
                 global_step=self.step,
                 rank=self.rank,
             ) as profiler,

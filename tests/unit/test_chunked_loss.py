@@ -1,4 +1,5 @@
-"""Chunked cross-entropy: parity with F.cross_entropy on the full logits, and its peak memory."""
+"""Chunked cross-entropy: parity with F.cross_entropy on the full logits, and its peak memory; the compiled loss
+(training.compile_loss) is the one seam's choice, and not with chunks."""
 
 from __future__ import annotations
 
@@ -142,3 +143,18 @@ def test_config_rejects_negative_chunk_and_pipeline_parallel():
     config = JobConfig.parse_args(["--training.loss_chunk_size", "64", "--experimental.pipeline_parallel_degree", "2"])
     with pytest.raises(NotImplementedError, match=r"training.loss_chunk_size = 64 with .*pipeline_parallel_degree = 2"):
         run_preflight(config, 2)
+
+
+def test_compile_loss_is_the_loss_under_torch_compile_and_not_with_chunks():
+    """Only the choice: compiling costs ~30 s cold on 2 cores, so its value is checked through the trainer, in the
+    matrix row fsdp2_compile (loss parity with one process, RTOL 1e-5; tests/integration_tests.py)."""
+    from torchtitan.components.loss import build_loss_fn, cross_entropy_loss
+    from torchtitan.config.manager import JobConfig
+    from torchtitan.preflight import run_preflight
+
+    assert build_loss_fn(compile=False) is cross_entropy_loss
+    compiled = build_loss_fn(compile=True)  # torch.compile is lazy: nothing compiles until it is called
+    assert compiled is not cross_entropy_loss and compiled._torchdynamo_orig_callable is cross_entropy_loss
+    config = JobConfig.parse_args(["--training.compile_loss", "--training.loss_chunk_size", "64"])
+    with pytest.raises(NotImplementedError, match=r"compile_loss = true with training.loss_chunk_size = 64"):
+        run_preflight(config, 1)

@@ -153,6 +153,17 @@ def _download_script(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return module
 
 
+# The shipped real-size configs with a Hugging Face tokenizer: (file, the world size its header names, the repo)
+REAL_SIZE_HF = [
+    ("qwen3_8b.toml", 8, "Qwen/Qwen3-8B"),
+    ("qwen3_moe_30b_a3b.toml", 8, "Qwen/Qwen3-30B-A3B"),
+    ("deepseek_v3_16b.toml", 8, "deepseek-ai/DeepSeek-V2-Lite"),
+    ("deepseek_v3_671b.toml", 256, "deepseek-ai/DeepSeek-V3"),
+    ("gpt_oss_20b.toml", 8, "openai/gpt-oss-20b"),
+    ("gpt_oss_120b.toml", 64, "openai/gpt-oss-120b"),
+]
+
+
 def test_download_script_layouts_and_help(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     script = _download_script(monkeypatch)
     qwen = script.resolve_layout("Qwen/Qwen3-8B")
@@ -168,15 +179,16 @@ def test_download_script_layouts_and_help(capsys: pytest.CaptureFixture, monkeyp
     assert e.value.code == 0
     help_text = capsys.readouterr().out
     assert "--files" in help_text and "Qwen/Qwen3-8B" in help_text
-    # each shipped Qwen config's folder is where the script saves its repo's tokenizer
-    for name, repo in [("qwen3_8b.toml", "Qwen/Qwen3-8B"), ("qwen3_moe_30b_a3b.toml", "Qwen/Qwen3-30B-A3B")]:
+    # each shipped config with a Hugging Face tokenizer: its folder is where the script saves its repo's tokenizer
+    for name, _, repo in REAL_SIZE_HF:
         config = JobConfig.parse_args(["--job.config_file", str(REPO_ROOT / "train_configs" / name)])
         assert os.path.normpath(config.model.tokenizer_path) == script.resolve_layout(repo).local_dir
         assert f"--repo_id {repo}" in (REPO_ROOT / "train_configs" / name).read_text()
 
 
-@pytest.mark.parametrize(("name", "world_size"), [("qwen3_8b.toml", 8), ("qwen3_moe_30b_a3b.toml", 8)])
-def test_real_size_qwen_configs_pass_the_check_without_the_tokenizer(name: str, world_size: int) -> None:
+@pytest.mark.parametrize(("name", "world_size"), [(n, w) for n, w, _ in REAL_SIZE_HF])
+def test_real_size_configs_pass_the_check_without_the_tokenizer(name: str, world_size: int) -> None:
+    assert f"NGPU={world_size} " in (REPO_ROOT / "train_configs" / name).read_text()
     config = JobConfig.parse_args(["--job.config_file", str(REPO_ROOT / "train_configs" / name)])
     assert run_preflight(config, world_size, this_machine=False) == []
 

@@ -29,6 +29,20 @@ def test_trace_written_every_profile_freq_steps(tmp_path: Path) -> None:
     assert trace["traceEvents"]
 
 
+def test_each_trace_records_profiler_active_steps(tmp_path: Path) -> None:
+    """profiler_warmup = 0, profiler_active = 2 (torchtitan 2025's keys): training steps 2-3 and 5-6, each window
+    named by its last step; the profiler numbers its steps from 0 (ProfilerStep#1 is training step 2)."""
+    with maybe_enable_profiling(True, trace_dir=str(tmp_path), profile_freq=3, warmup=0, active=2) as prof:
+        _train_steps(prof, 1, 7)
+    assert _traced_steps(tmp_path) == [3, 6]
+    for step, recorded in ((3, {"ProfilerStep#1", "ProfilerStep#2"}), (6, {"ProfilerStep#4", "ProfilerStep#5"})):
+        trace = json.loads((tmp_path / f"iteration_{step}" / "rank0_trace.json").read_text())
+        assert {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep")} == recorded
+    with pytest.raises(ValueError, match="profile_freq must be >= 4"):
+        with maybe_enable_profiling(True, trace_dir=str(tmp_path), profile_freq=3, warmup=3, active=1):
+            pass
+
+
 def test_resumed_run_traces_the_same_steps(tmp_path: Path) -> None:
     with maybe_enable_profiling(True, trace_dir=str(tmp_path), profile_freq=3, global_step=4, rank=2) as prof:
         _train_steps(prof, 5, 6)

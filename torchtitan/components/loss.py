@@ -20,6 +20,8 @@ Layouts:
 from __future__ import annotations
 
 import functools
+import logging
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -27,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils.checkpoint import checkpoint
+
+logger = logging.getLogger(__name__)
 
 
 def chunked_cross_entropy(
@@ -105,3 +109,16 @@ def cross_entropy_loss(
     """Mean (or summed) token loss over labels that are not -100; logits are upcast to fp32 so a bf16
     forward still gets an accurate loss."""
     return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1), reduction=reduction)
+
+
+LossFn = Callable[..., torch.Tensor]  # cross_entropy_loss's signature: (pred, labels, reduction="mean")
+
+
+def build_loss_fn(*, compile: bool) -> LossFn:
+    """``cross_entropy_loss``, or (``training.compile_loss``) it under ``torch.compile``: the upcast and the
+    log-softmax fuse into one kernel, so the fp32 copies of the logits are not all held at once. Each
+    reduction compiles its own graph, once."""
+    if not compile:
+        return cross_entropy_loss
+    logger.info("compiling the loss (training.compile_loss): cross-entropy under torch.compile")
+    return torch.compile(cross_entropy_loss)

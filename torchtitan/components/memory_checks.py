@@ -1,5 +1,5 @@
-"""Pre-launch checks of the memory-saving options: bf16 optimizer states and the chunked loss
-(docs/parallelisms.md, "Memory-saving options"). Light: the preflight runs them."""
+"""Pre-launch checks of the memory-saving options: bf16 optimizer states, the chunked loss and the compiled
+loss (docs/parallelisms.md, "Memory-saving options"). Light: the preflight runs them."""
 
 from __future__ import annotations
 
@@ -21,6 +21,12 @@ def check_memory_options(config: JobConfig, dims: ParallelDims) -> list[str]:
             "fp32-math implementation), or set state_dtype = 'float32' to keep fused"
         )
     chunk = config.training.loss_chunk_size
+    if chunk > 0 and config.training.compile_loss:
+        raise NotImplementedError(
+            f"training.compile_loss = true with training.loss_chunk_size = {chunk}: the compiled loss is the one "
+            "over the full logits, and the chunked loss (its chunks recomputed in backward) is not compiled; turn "
+            "one of them off"
+        )
     if chunk > 0 and dims.pp_enabled:
         raise NotImplementedError(
             f"training.loss_chunk_size = {chunk} with experimental.pipeline_parallel_degree = "

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.components.document_feed import Batch, DocumentFeed
-from torchtitan.components.loss import chunked_cross_entropy, cross_entropy_loss
+from torchtitan.components.loss import LossFn, chunked_cross_entropy, cross_entropy_loss
 from torchtitan.components.optimizer import build_optimizer_in_backward
 from torchtitan.distributed.grad_norm import clip_grad_norm_, reduce_partial_grads_
 from torchtitan.distributed.pipeline import pipeline_eval, pipeline_step
@@ -60,7 +60,8 @@ class PipelineLoss:
     call only. Outside ``scaled`` the loss refuses to run.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, loss_fn: LossFn = cross_entropy_loss) -> None:
+        self.loss_fn = loss_fn
         self._scale: LossScale | None = None
 
     @contextlib.contextmanager
@@ -79,8 +80,8 @@ class PipelineLoss:
                 "PipelineLoss ran outside PipelineLoss.scaled: a trainer bug, not a configuration problem"
             )
         if scale.token_weight is None:
-            return cross_entropy_loss(pred, labels) / scale.divisor
-        return cross_entropy_loss(pred, labels, reduction="sum") * (scale.token_weight / scale.divisor)
+            return self.loss_fn(pred, labels) / scale.divisor
+        return self.loss_fn(pred, labels, reduction="sum") * (scale.token_weight / scale.divisor)
 
 
 class StepFunction:
@@ -93,6 +94,7 @@ class StepFunction:
         world: WorldMesh,
         device: torch.device,
         amp_dtype: torch.dtype | None,
+        loss_fn: LossFn = cross_entropy_loss,
         loss_chunk_size: int = 0,
         pipeline: PipelineParts | None = None,
         pipeline_loss: PipelineLoss | None = None,
@@ -101,9 +103,10 @@ class StepFunction:
     ):
         """``amp_dtype``: autocast's dtype, or None (FSDP's mixed precision or fp32 computes without it).
         ``feed``: block_causal attention's feed of each batch's documents to the forwards (built over
-        these model parts, built with them by ``build.build_step_function``), else None."""
+        these model parts, built with them by ``build.build_step_function``), else None. ``loss_fn``: the
+        loss over the logits (``loss.build_loss_fn``; the pipeline's ``pipeline_loss`` holds the same one)."""
         self.model_parts, self.world, self.device = model_parts, world, device
-        self.amp_dtype, self.loss_chunk_size = amp_dtype, loss_chunk_size
+        self.amp_dtype, self.loss_fn, self.loss_chunk_size = amp_dtype, loss_fn, loss_chunk_size
         self.pipeline, self.hooks = pipeline, hooks
         self.loss_context = loss_parallel if world.dims.loss_parallel_enabled else contextlib.nullcontext
         self.pipeline_loss = pipeline_loss
@@ -202,7 +205,7 @@ class StepFunction:
         with self.autocast():
             pred = model(inputs)  # (bs, seqlen, vocab); vocab-sharded DTensor under loss parallel
         with self.loss_context():
-            loss = cross_entropy_loss(pred, labels, reduction=reduction)
+            loss = self.loss_fn(pred, labels, reduction=reduction)
             return loss if token_weight is None else loss * token_weight
 
     def _backward(self, loss: torch.Tensor, scale: float) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.schema import NEGATED_ALIASES, JobConfigTree
-from torchtitan.config.spellings import Alias, Deferred, Fixed, Rule
+from torchtitan.config.spellings import Alias, Deferred, Fixed, Inert, Rule
 from torchtitan.config.values import toml_value
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,10 @@ def _implementation(name: str) -> bool:
             "'fused' (CUDA); set one of them"
         )
     return name == "fused"
+
+
+def _inert(tp: object, default: object, converter: str) -> Inert:
+    return Inert(tp, default, converter, f"{_REFUSED_CONVERTERS[converter]} are not built")
 
 
 _LAYER = re.compile(r"layers\.(\d+)")
@@ -98,7 +102,12 @@ _STREAMING = (
     "Streaming DiLoCo (several model fragments synced at different steps) is not built; diloco syncs the whole model"
 )
 _LOADER = "the data loader reads in the training process (num_workers = 0), so its checkpointed state is exact"
-_MX = "it acts only with an MX converter in model.converters, which is not built (upstream's default accepted)"
+# upstream's fault-tolerance module: it adds the [fault_tolerance] keys of its torchft experiment, which are keys here
+FT_CONFIG_MODULE = "torchtitan.components.ft.config"
+# Upstream's qwen3 family also holds the Qwen3-MoE flavors: in a 2025 file, (qwen3, flavor) -> (qwen3_moe, this).
+# The published sizes keep their names; the debug one is our qwen3_moe debug size, as every family's debug flavor
+# here is ours (upstream's debugmodel_moe, 64 experts of width 768, would be a 0.3B "debug" model).
+QWEN3_MOE_FLAVORS = {"debugmodel_moe": "debugmodel", "30B-A3B": "30B-A3B", "235B-A22B": "235B-A22B"}
 _NCCL_DUMP = (
     "NCCL's flight-recorder dumps go where TORCH_NCCL_DEBUG_INFO_TEMP_FILE says (the trainer does not set it); "
     "remove the key and set that variable"
@@ -110,10 +119,12 @@ RULES: dict[str, Rule] = {
         str | None, None, "the resolved config is always written to <dump_folder>/config.toml"
     ),
     "job.custom_config_module": Fixed(
-        str, "", "the config is one typed tree; a new key is a field in config/schema.py"
+        str,
+        "",
+        "the config is one typed tree (upstream's fault-tolerance module's keys are [fault_tolerance] keys here); a "
+        "new key is a field in config/schema.py",
+        also=(FT_CONFIG_MODULE,),
     ),
-    "profiling.profiler_active": Fixed(int, 1, "the profiler records one step per profile_freq window"),
-    "profiling.profiler_warmup": Fixed(int, 1, "the profiler warms up one step before the recorded one"),
     "metrics.save_for_all_ranks": Alias(
         "metrics.rank_0_only", convert=lambda v: not v, tp=bool, note="= not rank_0_only"
     ),
@@ -231,7 +242,9 @@ RULES: dict[str, Rule] = {
     "activation_checkpoint.debug": Fixed(bool, False, "AC debug capture is not built"),
     "compile.enable": Alias("training.compile", note="= training.compile (each transformer block); see components"),
     "compile.components": Deferred(
-        list[str], ["model", "loss"], "with compile on: only ['model'] (our block compile); 'loss' is not built"
+        list[str],
+        ["model", "loss"],
+        "with compile on: 'model' = training.compile (each transformer block), 'loss' = training.compile_loss",
     ),
     "compile.backend": Fixed(str, "inductor", "compile uses torch.compile's default backend, inductor"),
     "quantize.linear.float8.enable_fsdp_float8_all_gather": Alias("float8.enable_fsdp_float8_all_gather"),
@@ -243,14 +256,13 @@ RULES: dict[str, Rule] = {
     ),
     "quantize.linear.float8.filter_fqns": Alias("float8.filter_fqns"),
     "quantize.linear.float8.emulate": Fixed(bool, False, "emulated float8 GEMMs are not built"),
-    "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice": Fixed(str, "triton", _MX),
-    "quantize.linear.mx.recipe_name": Fixed(str, "mxfp8_cublas", _MX),
-    "quantize.linear.mx.filter_fqns": Fixed(list[str], ["output"], _MX),
-    "quantize.grouped_mm.float8.fqns": Fixed(
-        list[str], [], "float8 grouped GEMMs are not built (float8 keeps MoE routed experts in high precision)"
-    ),
-    "quantize.grouped_mm.mx.recipe_name": Fixed(str, "mxfp8", _MX),
-    "quantize.grouped_mm.mx.fqns": Fixed(list[str], [], "MX-format grouped GEMMs are not built"),
+    # Upstream reads these only when model.converters names their converter, which is refused here.
+    "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice": _inert(str, "triton", "quantize.linear.mx"),
+    "quantize.linear.mx.recipe_name": _inert(str, "mxfp8_cublas", "quantize.linear.mx"),
+    "quantize.linear.mx.filter_fqns": _inert(list[str], ["output"], "quantize.linear.mx"),
+    "quantize.grouped_mm.float8.fqns": _inert(list[str], [], "quantize.grouped_mm.float8"),
+    "quantize.grouped_mm.mx.recipe_name": _inert(str, "mxfp8", "quantize.grouped_mm.mx"),
+    "quantize.grouped_mm.mx.fqns": _inert(list[str], [], "quantize.grouped_mm.mx"),
     "comm.save_traces_folder": Fixed(str | None, None, _NCCL_DUMP),
     "comm.save_traces_file_prefix": Fixed(str | None, None, _NCCL_DUMP),
     "comm.mode": Fixed(
@@ -293,6 +305,7 @@ SHARED: frozenset[str] = frozenset(
     ["job.config_file", "job.dump_folder", "job.description", "metrics.disable_color_printing"]
     + [f"profiling.{k}" for k in ("enable_profiling", "save_traces_folder", "profile_freq")]
     + [f"profiling.{k}" for k in ("enable_memory_snapshot", "save_memory_snapshot_folder")]
+    + ["profiling.profiler_active", "profiling.profiler_warmup"]
     + [f"metrics.{k}" for k in ("log_freq", "enable_tensorboard", "save_tb_folder", "enable_wandb")]
     + ["model.name", "model.flavor", "model.tokenizer_path"]
     + [f"optimizer.{k}" for k in ("name", "lr", "beta1", "beta2", "eps", "weight_decay", "early_step_in_backward")]
@@ -314,6 +327,7 @@ DEFAULTS: tuple[tuple[str, Any, str | None], ...] = (
     ("training.lr_schedule", "wsd", None),
     ("training.dataset", "c4_test", None),
     ("model.tokenizer_path", "./tests/assets/tokenizer", None),  # hf_assets_path
+    ("profiling.profiler_warmup", 3, "profiling.enable_profiling"),
     ("checkpoint.model_weights_only", True, "checkpoint.enable_checkpoint"),  # last_save_model_only
     ("checkpoint.keep_latest_k", 10, "checkpoint.enable_checkpoint"),
     ("validation.batch_size", 8, "validation.enabled"),  # local_batch_size

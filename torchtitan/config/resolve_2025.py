@@ -1,10 +1,11 @@
 """torchtitan 2025 keys that need every source: settled once the TOML file and the flags are both in.
 
 Refusals of a value (``Fixed``, a converter not built) wait until here, so that a flag may still override
-the file's value; then a 2025 file's defaults (config/compat_2025.py ``DEFAULTS``), then the keys that
-depend on others: ``compile.components`` on compile, ``training.global_batch_size`` on the batch and the
-data-parallel degree (so on the world size), the pipeline keys on the degrees, ``validation.seq_len`` on
-the training one, and ``model.hf_assets_path`` as the Hugging Face weights' folder.
+the file's value; then a 2025 file's defaults (config/compat_2025.py ``DEFAULTS``) and the family of its
+qwen3 MoE flavors, then the keys that depend on others: ``compile.components`` on compile,
+``training.global_batch_size`` on the batch and the data-parallel degree (so on the world size), the
+pipeline keys on the degrees, ``validation.seq_len`` on the training one, and ``model.hf_assets_path`` as
+the Hugging Face weights' folder.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from torchtitan.config.compat_2025 import DEFAULTS, RULES, file_is_2025
+from torchtitan.config.compat_2025 import DEFAULTS, QWEN3_MOE_FLAVORS, RULES, file_is_2025
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.schema import JobConfigTree
-from torchtitan.config.spellings import Deferred, Fixed, Given
+from torchtitan.config.spellings import Deferred, Fixed, Given, Inert
 from torchtitan.config.values import toml_value
 
 logger = logging.getLogger(__name__)
@@ -32,13 +33,15 @@ def resolve(config: JobConfigTree, given: Given, *, world_size: int | None, conf
         raise next(iter(given.pending.values()))
     for key, value in given.spelled.items():
         rule = RULES[key]
-        if isinstance(rule, Fixed) and value != rule.value:
+        if isinstance(rule, Fixed) and not rule.accepts(value):
             fix = "remove it" if rule.value is None else f"set {key} = {toml_value(rule.value)} or remove it"
             raise NotImplementedError(f"{key} = {toml_value(value)}: {rule.why}; {fix}")
+    _log_inert(given)
     file_2025 = file_is_2025(given.file_keys)
     if file_2025:
         _apply_defaults(config, given, config_file)
-    _resolve_compile(config, _value(given, "compile.components", file_2025))
+        _move_qwen3_moe(config, config_file)
+    _resolve_compile(config, given, _value(given, "compile.components", file_2025))
     _resolve_global_batch(config, given, world_size)
     _resolve_pipeline(config, given, file_2025)
     _resolve_validation(config, given, file_2025)
@@ -86,22 +89,54 @@ def _apply_defaults(config: JobConfigTree, given: Given, config_file: str | None
         )
 
 
-def _resolve_compile(config: JobConfigTree, components: tuple[Any, bool] | None) -> None:
+def _log_inert(given: Given) -> None:
+    """Upstream's keys that act only with a converter refused here (so not named): no effect, as upstream."""
+    for key, value in given.spelled.items():
+        rule = RULES[key]
+        if isinstance(rule, Inert) and value != rule.default:
+            logger.warning(
+                "%s = %s has no effect without %r in model.converters, as in torchtitan 2025 (that converter is "
+                "refused here: %s)",
+                key, toml_value(value), rule.converter, rule.why,
+            )  # fmt: skip
+
+
+def _move_qwen3_moe(config: JobConfigTree, config_file: str | None) -> None:
+    """Upstream's qwen3 family also holds the Qwen3-MoE flavors; here they are qwen3_moe's."""
+    m = config.model
+    if m.name == "qwen3" and m.flavor in QWEN3_MOE_FLAVORS:
+        logger.info(
+            "%s: torchtitan 2025's model.name = 'qwen3', flavor = %r is model.name = 'qwen3_moe', flavor = %r here",
+            config_file, m.flavor, QWEN3_MOE_FLAVORS[m.flavor],
+        )  # fmt: skip
+        m.name, m.flavor = "qwen3_moe", QWEN3_MOE_FLAVORS[m.flavor]
+
+
+def _resolve_compile(config: JobConfigTree, given: Given, components: tuple[Any, bool] | None) -> None:
+    """Upstream compiles what ``compile.components`` names when compile is on: 'model' is ``training.compile``
+    (each transformer block), 'loss' is ``training.compile_loss``."""
     if components is None:
         return
     names = components[0]
     unknown = [c for c in names if c not in ("model", "loss")]
     if unknown:
         raise ConfigError(f"{_shown('compile.components', components)}: unknown {unknown}; allowed: 'model', 'loss'")
-    if not config.training.compile:
-        return
-    if "loss" in names:
-        raise NotImplementedError(
-            f"{_shown('compile.components', components)} with compile on: compiling the loss is not built (compile "
-            f'here covers each transformer block); set compile.components = ["model"]'
+    t = config.training
+    if not t.compile:
+        return  # upstream: no effect with compile off
+    if not names:
+        raise ConfigError('compile.components = [] with compile on compiles nothing; set ["model"] or turn it off')
+    loss = "loss" in names
+    if "training.compile_loss" in given.keys and t.compile_loss != loss:
+        raise ConfigError(
+            f"{_shown('compile.components', components)} with compile on means training.compile_loss = "
+            f"{toml_value(loss)}, but training.compile_loss = {toml_value(t.compile_loss)} is also given; keep only one"
         )
     if "model" not in names:
-        raise ConfigError('compile.components = [] with compile on compiles nothing; set ["model"] or turn it off')
+        logger.info(
+            "%s with compile on: the loss is compiled, the blocks are not", _shown("compile.components", components)
+        )
+    t.compile, t.compile_loss = "model" in names, loss
 
 
 def _dp_degree(config: JobConfigTree, world_size: int | None) -> int | None:

@@ -38,7 +38,13 @@ class Job:
 class Profiling:
     enable_profiling: bool = _f(False, "record torch.profiler traces")
     save_traces_folder: str = _f("profile_traces", "trace folder, relative to job.dump_folder")
-    profile_freq: int = _f(10, "record one step every N steps", bound=_POSITIVE)
+    profile_freq: int = _f(
+        10, "record the last profiler_active steps of every N steps (profile_freq >= warmup + active)", bound=_POSITIVE
+    )
+    profiler_active: int = _f(1, "steps each trace records", bound=_POSITIVE)
+    profiler_warmup: int = _f(
+        1, "steps the profiler runs before each recorded window, unrecorded (its start-up cost)", bound=Bound(ge=0)
+    )
     enable_memory_snapshot: bool = _f(
         False, "dump CUDA memory snapshots (CUDA only; refused on a machine without CUDA)"
     )
@@ -203,6 +209,11 @@ class Training:
     )
     mixed_precision_reduce: Literal["float32", "bfloat16"] = _f("float32", "gradient reduction dtype under FSDP")
     compile: bool = _f(False, "torch.compile each transformer block")
+    compile_loss: bool = _f(
+        False,
+        "torch.compile the cross-entropy loss (its fp32 upcast and log-softmax fuse, so the fp32 logits' copies are "
+        "not all held); not with loss_chunk_size > 0, whose chunks are recomputed in backward",
+    )
     gc_freq: int = _f(
         50, "run Python garbage collection every N steps (automatic GC is off while training)", bound=_POSITIVE
     )

@@ -5,8 +5,11 @@ Each foreign key has one rule (the table: config/compat_2025.py):
 * ``Alias(target, convert, implies)``: the same setting under this schema's key ``target``, the value
   converted where the spellings differ (``disable_x`` -> ``enable_x = not x``); ``implies`` sets other keys
   the spelling stands for (a ``[lr_scheduler]`` key means torchtitan 2025's schedule).
-* ``Fixed(value, why)``: no key here; accepted only as ``value``, which is what this trainer does; any
-  other value is refused with ``why`` (NotImplementedError).
+* ``Fixed(value, why, also)``: no key here; accepted only as ``value`` (or one of ``also``), which is what
+  this trainer does; any other value is refused with ``why`` (NotImplementedError).
+* ``Inert(default, converter, why)``: a key that acts upstream only when ``model.converters`` names
+  ``converter``, a converter refused here (``why``); so any value loads and has no effect, as upstream's
+  does without that converter (a value other than ``default`` is logged as such).
 * ``Deferred(default, what)``: read after every source is in (it depends on other keys or the world size).
 
 ``translate`` runs once per source (the TOML file, then the command line), so a later source overrides
@@ -37,6 +40,18 @@ class Fixed:
     tp: Any
     value: Any
     why: str
+    also: tuple[Any, ...] = ()  # other values that mean what this trainer does
+
+    def accepts(self, value: Any) -> bool:
+        return value == self.value or value in self.also
+
+
+@dataclass(frozen=True)
+class Inert:
+    tp: Any
+    default: Any
+    converter: str
+    why: str
 
 
 @dataclass(frozen=True)
@@ -46,7 +61,7 @@ class Deferred:
     what: str
 
 
-Rule = Alias | Fixed | Deferred
+Rule = Alias | Fixed | Deferred | Inert
 FieldType = Callable[[str], Any]  # canonical key -> its type (None: not a key of this schema)
 
 
@@ -55,8 +70,10 @@ def describe(rule: Rule) -> str:
     if isinstance(rule, Alias):
         return rule.note or f"spelling of {rule.target}"
     if isinstance(rule, Fixed):
-        shown = "unset" if rule.value is None else toml_value(rule.value)
+        shown = " or ".join("unset" if v is None else toml_value(v) for v in (rule.value, *rule.also))
         return f"accepted only as {shown}: {rule.why}"
+    if isinstance(rule, Inert):
+        return f"no effect unless model.converters names {rule.converter!r}, which is refused: {rule.why}"
     return rule.what
 
 

@@ -42,6 +42,12 @@ _UNMODELED = (
         "(fused kernels, different temporaries); estimate with compile off and expect less memory with it",
     ),
     (
+        "training.compile_loss",
+        False,
+        "the compiled loss's fused kernel holds other temporaries than the fake run's eager one; estimate with it "
+        "off and expect less memory with it",
+    ),
+    (
         "training.enable_cpu_offload",
         False,
         "FSDP CPU offload moves parameters, gradients and optimizer state to "

@@ -26,9 +26,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# One warmup step lets the profiler's own start-up cost fall outside the recorded step.
-_WARMUP_STEPS = 1
-_ACTIVE_STEPS = 1
 # Memory history entries kept; enough for several steps of a large model at ~100 B each.
 _MAX_MEMORY_EVENTS = 100_000
 
@@ -46,18 +43,15 @@ def _trace_path(trace_dir: str, step: int | str, rank: int, suffix: str) -> str:
     return os.path.join(step_dir, f"rank{rank}_{suffix}")
 
 
-def _offset_schedule(profile_freq: int, global_step: int) -> Callable[[int], ProfilerAction]:
-    """A schedule recording the last step of every `profile_freq` training steps.
+def _offset_schedule(profile_freq: int, warmup: int, active: int, global_step: int) -> Callable[[int], ProfilerAction]:
+    """A schedule recording the last `active` steps of every `profile_freq` training steps, after `warmup`
+    unrecorded ones (so the profiler's own start-up cost falls outside the trace).
 
     The profiler counts steps from 0 on each (re)start, so the training step it is at is
     `global_step + profiler_step + 1`; offsetting keeps resumed runs tracing the same steps as
     uninterrupted ones.
     """
-    base = torch.profiler.schedule(
-        wait=profile_freq - _WARMUP_STEPS - _ACTIVE_STEPS,
-        warmup=_WARMUP_STEPS,
-        active=_ACTIVE_STEPS,
-    )
+    base = torch.profiler.schedule(wait=profile_freq - warmup - active, warmup=warmup, active=active)
     return lambda profiler_step: base(profiler_step + global_step)
 
 
@@ -72,24 +66,28 @@ def maybe_enable_profiling(
     *,
     trace_dir: str,
     profile_freq: int,
+    warmup: int = 1,
+    active: int = 1,
     global_step: int = 0,
     rank: int = 0,
 ) -> Iterator[torch.profiler.profile | None]:
-    """Yield a profiler that traces training step k * `profile_freq` for every k, or None.
+    """Yield a profiler that traces the `active` training steps ending at step k * `profile_freq` for
+    every k, or None.
 
     Each trace goes to `<trace_dir>/iteration_<step>/rank<rank>_trace.json` (Chrome trace
-    format; open it in Perfetto or chrome://tracing).
+    format; open it in Perfetto or chrome://tracing), named by the window's last step.
 
     Args:
+        warmup: unrecorded steps the profiler runs before each window.
         global_step: the step the run resumes from (0 for a fresh run).
 
     Raises:
-        ValueError: `profile_freq` < 2 (one warmup and one recorded step per window).
+        ValueError: `profile_freq` < `warmup` + `active`.
     """
     if not enable:
         yield None
         return
-    _check_profile_freq(profile_freq, _WARMUP_STEPS + _ACTIVE_STEPS)
+    _check_profile_freq(profile_freq, warmup + active)
 
     def on_trace_ready(prof: torch.profiler.profile) -> None:
         # Called from prof.step() right after the recorded step, so step_num has moved past it.
@@ -106,7 +104,7 @@ def maybe_enable_profiling(
     logger.info("profiling every %d steps into %s", profile_freq, trace_dir)
     with torch.profiler.profile(
         activities=_profiler_activities(),
-        schedule=_offset_schedule(profile_freq, global_step),
+        schedule=_offset_schedule(profile_freq, warmup, active, global_step),
         on_trace_ready=on_trace_ready,
         record_shapes=True,
     ) as prof:
@@ -180,12 +178,13 @@ def maybe_enable_memory_snapshot(
 
 
 def check_profiling(config: JobConfig, dims: ParallelDims) -> list[str]:
-    """Pre-launch: a trace needs a warmup step before the recorded one (see ``build_profiler``'s schedule)."""
+    """Pre-launch: each window of ``profile_freq`` steps holds the warmup and the recorded steps."""
     p = config.profiling
-    if p.enable_profiling and p.profile_freq < 2:
+    if p.enable_profiling and p.profile_freq < p.profiler_warmup + p.profiler_active:
         raise ConfigError(
-            f"profiling.profile_freq = {p.profile_freq} with profiling.enable_profiling = true: each trace needs a "
-            "warmup step before the recorded one; set profile_freq >= 2"
+            f"profiling.profile_freq = {p.profile_freq} with profiling.enable_profiling = true: each window holds "
+            f"profiler_warmup ({p.profiler_warmup}) + profiler_active ({p.profiler_active}) steps; set profile_freq "
+            f">= {p.profiler_warmup + p.profiler_active}"
         )
     return []
 

@@ -72,7 +72,7 @@ qwen3_moe_configs = {
         num_experts=8,
         top_k=2,
         moe_hidden_dim=128,
-        max_seq_len=2048,
+        max_seq_len=4096,  # as upstream's debugmodel_moe (the trainer builds it at training.seq_len)
         load_balance="bias",
     ),
     "30B-A3B": _published_moe(2048, 48, 32, 768),
