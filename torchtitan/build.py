@@ -33,7 +33,6 @@ from torchtitan.components.float8 import (
 )
 from torchtitan.components.loss import build_loss_fn
 from torchtitan.components.step import PipelineLoss, StepFunction
-from torchtitan.datasets.hf_datasets import build_hf_data_loader, compute_stream_groups
 from torchtitan.datasets.shard import DataShard
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.distributed.device import get_device_info
@@ -125,6 +124,10 @@ def build_data_shard(world: WorldMesh, fault_tolerance: FaultTolerance) -> DataS
 
 def build_data_loader(training: Training, tokenizer: Any, shard: DataShard) -> Iterable:
     """This data-parallel rank's slice of every global batch (see docs/data.md)."""
+    # The data stack (datasets, torchdata) loads only for a run that reads data: tools that build the
+    # trainer with synthetic batches (the estimator, bench/gpu_check.py) run without it installed.
+    from torchtitan.datasets.hf_datasets import build_hf_data_loader, compute_stream_groups
+
     t = training
     groups = compute_stream_groups(shard.rank, shard.degree, t.batch_size, t.gradient_accumulation_steps)
     num_streams = shard.degree * t.batch_size * t.gradient_accumulation_steps

@@ -22,8 +22,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.datasets.hf_datasets import merge_data_states
-
 # Optimizer state as flat "state.<fqn>.<name>" / "param_groups.<fqn>.<name>" keys: per parameter,
 # so a rank holding other stages' parameters after a PP change still finds its own.
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -123,6 +121,9 @@ class DataLoaderState(Stateful):
         return {f"dp_rank_{self.dp_rank}": json.dumps(self.data_loader.state_dict())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # lazy: a checkpoint manager without data (synthetic batches) runs without the data stack
+        from torchtitan.datasets.hf_datasets import merge_data_states
+
         merged = merge_data_states([json.loads(text) for text in state_dict.values()])
         check_data_state(merged, self.data_loader.state_dict())
         self.data_loader.load_state_dict(merged)

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from torchtitan.components.document_feed import Batch
-from torchtitan.datasets.hf_datasets import build_hf_data_loader, compute_stream_groups
 
 if TYPE_CHECKING:
     from torchtitan.components.step import StepFunction
@@ -48,6 +47,9 @@ class Validator:
         # Default: one training step's worth of samples per rank, so the global validation batch
         # (and so the number) does not depend on how training splits its batch into micro-batches.
         batch_size = validation.batch_size or training.batch_size * training.gradient_accumulation_steps
+        # lazy, as in build.build_data_loader: the trainer imports without the data stack
+        from torchtitan.datasets.hf_datasets import build_hf_data_loader, compute_stream_groups
+
         groups = compute_stream_groups(shard.rank, shard.degree, batch_size, microbatches)
         num_streams = shard.degree * batch_size * microbatches
         if training.dataset_format != "text":  # fine-tuning: the held-out rows packed alike, so the loss is masked

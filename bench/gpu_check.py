@@ -1,0 +1,153 @@
+"""One command that checks the trainer on one GPU: numerics, throughput, float8, attention, the memory
+estimator and the model families, within a time budget, and reports what it saw.
+
+    cd <repo> && PYTHONPATH=. python bench/gpu_check.py --out OUT [--budget_s 420]
+    PYTHONPATH=. python bench/gpu_check.py --cpu-dry-run --out OUT     # tiny shapes on the CPU (CI)
+
+Prints progress to stderr, the final JSON to stdout, and keeps OUT/gpu_check.json and OUT/gpu_check.md (one
+markdown table) up to date after every section, so a killed check still leaves its results. Sections, in
+the order they run (each inside its own try/except; a run starts only if the budget has its expected cost
+left, else it is recorded as skipped for the time budget):
+
+1. environment: GPU, driver, torch, CUDA, packages, the bf16 peak MFU divides by.
+2. sanity: the fp32 debug model's first 5 losses here vs in a CPU-only child process, same weights (1e-4).
+3. throughput: Llama 3.2 1B shape, bf16, seq 2048 eager then compile, seq 8192 eager: tokens/s, MFU
+   (the trainer's own FLOPs and peak), peak memory (``torch.accelerator.max_memory_allocated``).
+4. estimator: ``estimate_memory`` (fake tensors) vs the real steps' peak, 1B seq 2048 without and with full
+   AC (target: within 5%).
+5. attention: block_causal with 'auto' (FlexAttention on CUDA) vs causal SDPA vs block_causal 'sdpa', same
+   tokens (documents of 256-2048 tokens): tokens/s and the step-by-step loss differences.
+6. float8: tensorwise and rowwise vs bf16, compiled; skipped with a note where torchao is not installed.
+7. families: gpt_oss and deepseek_v3 debug flavors, 10 steps each, finite losses.
+8. if time allows (added to throughput): 1B compile at seq 8192, then the 3B shape (full AC).
+
+Every run is the trainer itself (``torchtitan.train.Trainer`` through its ``TrainerBuilders`` seam, as the
+memory estimator builds it) on seeded random tokens, one process, world size 1: see bench/gpu_check_runs.py.
+
+Packages: torch (2.11 or newer), numpy, tiktoken, tokenizers, safetensors, transformers; nothing is installed.
+Not needed: datasets, torchdata, torchft, pytest. Optional: torchao, for the float8 section (skipped with a
+note without it). To carry it to a machine without network, unpack a torchao wheel built for that machine's
+torch (torchao 0.17.0 for torch 2.11; a wheel is a zip file) into an ignored folder and put it on the path:
+``python -m zipfile -e torchao-0.17.0-cp310-abi3-*.whl .whl/torchao`` and then
+``PYTHONPATH=.:.whl/torchao python bench/gpu_check.py --out OUT --budget_s 560``.
+
+``--cpu-dry-run``: the same sections and code with tiny shapes (debugmodel_tiny, seq 64-128) on the CPU,
+hiding any GPU; one compile (of the tiny model) instead of two. tests/unit/test_gpu_check.py runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+GPU_BUDGET_S = 420.0
+DRY_RUN_BUDGET_S = 300.0  # a bound, not a target: the dry run takes well under a minute on 2 cores
+GRACE_S = 90.0  # past the budget, the watchdog writes what there is and exits
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="./gpu_check_out", help="folder for gpu_check.json and gpu_check.md")
+    p.add_argument("--budget_s", type=float, default=None, help=f"time budget (default {GPU_BUDGET_S:.0f} s)")
+    p.add_argument("--grace_s", type=float, default=GRACE_S, help="hard stop this long after the budget")
+    p.add_argument("--cpu-dry-run", dest="cpu_dry_run", action="store_true", help="tiny shapes on the CPU")
+    p.add_argument("--reference_run", default=None, help=argparse.SUPPRESS)  # the sanity section's CPU child
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.cpu_dry_run:  # set before torch is imported (and inherited by the sanity section's child)
+        # no GPU: the package's device choice then picks the CPU
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        # one thread: on a 2-core machine shared with other jobs, OpenMP's two spinning threads made a
+        # tiny step 70x slower (measured at load 7: 1.75 s vs 0.024 s a step)
+        os.environ["OMP_NUM_THREADS"] = "1"
+    start = time.perf_counter()
+
+    def log(message: str) -> None:
+        print(f"[gpu_check {time.perf_counter() - start:7.1f} s] {message}", file=sys.stderr, flush=True)
+
+    log("importing torch and torchtitan")
+    import gpu_check_plan  # imported here, after CUDA_VISIBLE_DEVICES is set
+    import gpu_check_sections as sections
+
+    plan = gpu_check_plan.dry_run_plan() if args.cpu_dry_run else gpu_check_plan.gpu_plan()
+    if args.reference_run is not None:
+        sections.write_cpu_reference(plan, Path(args.reference_run))
+        return 0
+    from torchtitan.distributed.device import get_device_info
+
+    device = get_device_info().device
+    if device.type == "cpu" and not args.cpu_dry_run:
+        print("error: no GPU found; bench/gpu_check.py needs one (or pass --cpu-dry-run)", file=sys.stderr)
+        return 2
+    budget_s = args.budget_s or (DRY_RUN_BUDGET_S if args.cpu_dry_run else GPU_BUDGET_S)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = sections.Context(device, plan, out, sections.Budget(budget_s), log, args.cpu_dry_run)
+    return run_check(ctx, budget_s + args.grace_s)
+
+
+def run_check(ctx, hard_limit_s: float) -> int:
+    """Every stage in order, each recorded as it ends; the final JSON on stdout. Exit 1 if a section failed."""
+    import gpu_check_sections as sections
+    import torch
+    from gpu_check_report import Report
+
+    torch._dynamo.config.automatic_dynamic_shapes = False  # each seq_len compiles static, as a run of it does
+    report = Report(ctx.out)
+    watchdog = _start_watchdog(report, ctx, hard_limit_s)
+    stages = [
+        ("environment", sections.environment),
+        ("sanity", sections.sanity),
+        ("throughput", sections.throughput),
+        ("estimator", sections.estimator),
+        ("attention", sections.attention),
+        ("float8", sections.float8),
+        ("families", sections.families),
+        ("throughput", lambda c: sections.more_throughput(c, report.sections["throughput"])),
+    ]
+    for name, stage in stages:
+        ctx.log(f"section {name}: start ({ctx.budget.left():.0f} s of the budget left)")
+        earlier = report.sections[name]
+        report.set(name, {**earlier, "status": "running", "started_at_s": round(ctx.budget.elapsed(), 1)})
+        try:
+            record = stage(ctx)
+        except Exception as e:  # recorded; the next section goes on
+            record = sections.error_record(name, e)
+        report.set(
+            name, {**record, "section_s": round(ctx.budget.elapsed() - report.sections[name]["started_at_s"], 1)}
+        )
+        ctx.log(f"section {name}: {record['status']} {record.get('error') or record.get('reason') or ''}")
+    watchdog.cancel()
+    report.finish("time budget")
+    print(report.to_json())
+    ctx.log(f"done; results in {ctx.out}")
+    return 1 if any(s["status"] == "error" for s in report.sections.values()) else 0
+
+
+def _start_watchdog(report, ctx, limit_s: float) -> threading.Timer:
+    """Past ``limit_s`` (a section stuck past the budget), record the running section as stopped and exit."""
+
+    def stop() -> None:
+        for name, record in report.sections.items():
+            if record["status"] == "running":
+                report.set(name, {**record, "status": "error", "error": f"stopped by the watchdog at {limit_s:.0f} s"})
+        report.finish("time budget (the watchdog stopped the check)")
+        print(report.to_json(), flush=True)
+        ctx.log("watchdog: hard time limit reached; partial results written")
+        os._exit(3)
+
+    timer = threading.Timer(limit_s - ctx.budget.elapsed(), stop)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""What bench/gpu_check.py runs: the GPU plan (Llama 3.2 1B / 3B shapes) and the CPU dry run's tiny twin.
+
+Both plans have the same sections, and each section runs the same code on its runs; the dry run has smaller
+shapes, fewer steps and no compiled row (see ``dry_run_plan``).
+``cost_s`` is each run's expected seconds on the target (an H100 for the GPU plan; reasoning in
+docs/performance.md): a run starts only if the time budget has that much left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from gpu_check_runs import FLAVOR_VOCAB, RunSpec
+
+
+@dataclass(frozen=True)
+class Plan:
+    sanity: RunSpec  # fp32 debug model: first losses on the device vs the CPU
+    throughput: list[RunSpec]  # the 1B rows, in order of value
+    estimator: list[RunSpec]  # configs whose real peak is compared with the estimate (eager, no compile)
+    attention: list[RunSpec]  # causal sdpa, block_causal auto (flex on CUDA), block_causal sdpa: same data
+    float8: list[RunSpec]  # the bf16 reference first, then each recipe
+    families: list[RunSpec]
+    if_time_allows: list[RunSpec]  # more throughput rows, last (a longer compile, the 3B shape)
+
+
+def gpu_plan() -> Plan:  # declarative table
+    one_b = RunSpec("1B eager seq 2048", "1B", 2048, 4, tokenizer=FLAVOR_VOCAB, cost_s=30)
+    one_b_compiled = replace(one_b, name="1B compile seq 2048", compile=True, cost_s=120)
+    long = replace(one_b, name="1B eager seq 8192", seq_len=8192, batch_size=1)
+    docs = replace(long, doc_len=(256, 2048), cost_s=40)  # ~8 documents a row
+    three_b = RunSpec("3B eager seq 2048 full AC", "3B", 2048, 4, ac="full", tokenizer=FLAVOR_VOCAB, cost_s=45)
+    return Plan(
+        sanity=RunSpec("debugmodel fp32", "debugmodel", 256, 4, dtype="float32", warmup=0, steps=5, cost_s=30),
+        throughput=[one_b, one_b_compiled, long],
+        estimator=[one_b, replace(one_b, name="1B eager seq 2048 full AC", ac="full")],
+        attention=[
+            replace(docs, name="1B causal sdpa seq 8192"),
+            replace(docs, name="1B block_causal auto seq 8192", mask="block_causal", cost_s=90),
+            replace(docs, name="1B block_causal sdpa seq 8192", mask="block_causal", attention_backend="sdpa"),
+        ],
+        float8=[
+            one_b_compiled,
+            replace(one_b_compiled, name="1B compile float8 tensorwise", float8_recipe="tensorwise"),
+            replace(one_b_compiled, name="1B compile float8 rowwise", float8_recipe="rowwise"),
+        ],
+        families=[
+            RunSpec("gpt_oss debugmodel", "debugmodel", 256, 4, model="gpt_oss", warmup=0, steps=10, cost_s=25),
+            RunSpec("deepseek_v3 debugmodel", "debugmodel", 256, 4, model="deepseek_v3", warmup=0, steps=10, cost_s=25),
+        ],
+        if_time_allows=[
+            replace(long, name="1B compile seq 8192", compile=True, cost_s=120),
+            three_b,
+            replace(three_b, name="3B compile seq 2048 full AC", compile=True, cost_s=150),
+        ],
+    )
+
+
+def dry_run_plan() -> Plan:  # declarative table
+    tiny = RunSpec("tiny eager seq 64", "debugmodel_tiny", 64, 2, cost_s=3)
+    docs = replace(tiny, seq_len=128, doc_len=(8, 48))
+    moe = RunSpec("gpt_oss debugmodel", "debugmodel", 32, 1, model="gpt_oss", warmup=0, steps=4, cost_s=6)
+    return Plan(
+        sanity=RunSpec("debugmodel_tiny fp32", "debugmodel_tiny", 64, 2, dtype="float32", warmup=0, steps=5, cost_s=10),
+        # No compile row: inductor's cold compile of even the tiny model costs 15-30 s on 2 CPU cores, half
+        # the dry run; training.compile is one config key, and the trainer's compile has tests of its own.
+        throughput=[tiny, replace(tiny, name="tiny eager seq 128", seq_len=128, batch_size=1)],
+        estimator=[tiny, replace(tiny, name="tiny eager seq 64 full AC", ac="full")],
+        attention=[
+            replace(docs, name="tiny causal sdpa seq 128"),
+            replace(docs, name="tiny block_causal auto seq 128", mask="block_causal"),
+            replace(docs, name="tiny block_causal sdpa seq 128", mask="block_causal", attention_backend="sdpa"),
+        ],
+        float8=[
+            tiny,
+            replace(tiny, name="tiny float8 tensorwise", float8_recipe="tensorwise"),
+            replace(tiny, name="tiny float8 rowwise", float8_recipe="rowwise"),
+        ],
+        families=[moe, replace(moe, name="deepseek_v3 debugmodel", model="deepseek_v3")],
+        if_time_allows=[replace(tiny, name="tiny eager seq 128 full AC", seq_len=128, batch_size=1, ac="full")],
+    )

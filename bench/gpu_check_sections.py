@@ -1,0 +1,400 @@
+"""The sections of bench/gpu_check.py: each takes the ``Context`` and returns its JSON record.
+
+A section never raises for a run that fails: each run is recorded on its own (``status`` ok / error /
+skipped, with the error's message and traceback tail), and the section's status says whether any failed.
+A run starts only if the time budget has its ``cost_s`` left.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from gpu_check_plan import Plan
+from gpu_check_runs import GIB, RunSpec, build_config, run
+
+from torchtitan.components.float8 import check_float8_runs
+from torchtitan.distributed.device import DeviceInfo, get_device_info, init_distributed, synchronize
+from torchtitan.estimation.estimate import estimate_memory, estimate_rank
+from torchtitan.estimation.fake_trainer import resolve_vocab
+from torchtitan.models.attention import resolve_attention_backend
+from torchtitan.observability.flops import get_peak_flops
+
+SANITY_TOLERANCE = 1e-4  # fp32 losses, device vs CPU (issue 44)
+ESTIMATE_TARGET = 0.05  # |estimate - measured| / measured
+PACKAGES = ("transformers", "safetensors", "tiktoken", "tokenizers", "numpy", "triton", "torchao", "datasets")
+REFERENCE_FILE, WEIGHTS_FILE = "reference.json", "initial_weights.pt"
+
+
+class Budget:
+    """The time the whole check may take; runs and sections ask it before they start."""
+
+    def __init__(self, total_s: float):
+        self.total_s, self.start = total_s, time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        return self.total_s - self.elapsed()
+
+    def allows(self, cost_s: float) -> bool:
+        return self.left() >= cost_s
+
+
+def error_record(name: str, e: BaseException) -> dict[str, Any]:
+    """A failed run or section: its one-line message and the traceback's last lines."""
+    tail = traceback.format_exception(type(e), e, e.__traceback__)
+    lines = "".join(tail).rstrip().splitlines()
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return {"name": name, "status": "error", "error": f"{type(e).__name__}: {first}"[:500], "traceback": lines[-12:]}
+
+
+def skipped(name: str, reason: str) -> dict[str, Any]:
+    return {"name": name, "status": "skipped", "reason": reason}
+
+
+@dataclass
+class Context:
+    device: torch.device
+    plan: Plan
+    out: Path
+    budget: Budget
+    log: Callable[[str], None]
+    dry_run: bool
+    results: dict[RunSpec, dict[str, Any]] = field(default_factory=dict)  # by spec: a run another section reuses
+
+    def run(self, spec: RunSpec, **kwargs: Any) -> dict[str, Any]:
+        """``spec``'s result: the earlier one if it ran already, else run now (skipped if the budget is short)."""
+        if spec in self.results:
+            return {**self.results[spec], "reused": True}
+        if not self.budget.allows(spec.cost_s):
+            return skipped(
+                spec.name, f"time budget: {self.budget.left():.0f} s left, the run needs ~{spec.cost_s:.0f} s"
+            )
+        self.log(f"  run '{spec.name}' (expected ~{spec.cost_s:.0f} s)")
+        try:
+            result = run(spec, self.device, self.out / "runs", **kwargs)
+        except Exception as e:  # recorded; the next run goes on
+            result = error_record(spec.name, e)
+        self.results[spec] = result
+        self.log(f"  run '{spec.name}': {_summary(result)}")
+        return result
+
+
+def _summary(result: dict[str, Any]) -> str:
+    if result["status"] != "ok":
+        return f"{result['status']}: {result.get('error') or result.get('reason')}"
+    tps, mfu, mem = result["tokens_per_s"], result["mfu_pct"], result["peak_memory_gib"]
+    return f"ok, {tps} tokens/s, MFU {mfu}%, peak {mem} GiB, {result['wall_s']} s"
+
+
+def runs_section(runs: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """A section of runs: 'error' if any run failed, 'skipped' if none of its own ran (a run reused from an
+    earlier section is not its own), else 'ok'."""
+    own = [r for r in runs if not r.get("reused")]
+    section: dict[str, Any] = {"status": "ok"}
+    if any(r["status"] == "error" for r in runs):
+        failed = next(r for r in runs if r["status"] == "error")
+        section = {"status": "error", "error": f"run '{failed['name']}' failed: {failed['error']}"}
+    elif own and all(r["status"] == "skipped" for r in own):
+        section = {"status": "skipped", "reason": own[0]["reason"]}
+    return {**section, **extra, "runs": runs}
+
+
+# ----------------------------------------------------------------------------------------------- environment
+
+
+def environment(ctx: Context) -> dict[str, Any]:
+    info = get_device_info()
+    peak = get_peak_flops(ctx.device, torch.bfloat16)
+    group = process_group_check(info)
+    return {
+        "status": group["status"],
+        **({"error": f"process group: {group['error']}"} if group["status"] == "error" else {}),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "dry_run": ctx.dry_run,
+        "device": str(ctx.device),
+        **_accelerator(ctx.device),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "bf16_peak_tflops": round(peak.flops / 1e12, 3),
+        "bf16_peak_source": peak.source,
+        "packages": {name: _version(name) for name in PACKAGES},
+        "git_commit": _git_commit(),
+        "layout": "1 process, world size 1: no mesh, no FSDP (the trainer shards only with dp_shard > 1); "
+        "bf16 = autocast over fp32 weights",
+        "process_group": group,
+    }
+
+
+def process_group_check(info: DeviceInfo) -> dict[str, Any]:
+    """Join a 1-rank process group as the trainer does (``init_distributed``: NCCL on CUDA, gloo on CPU), all-reduce
+    one tensor, leave. The runs themselves need no group at world size 1 (and the estimator makes its own)."""
+    for key, value in (("MASTER_ADDR", "localhost"), ("MASTER_PORT", str(_free_port())), ("RANK", "0")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("WORLD_SIZE", "1")
+    start = time.perf_counter()
+    try:
+        init_distributed(info, timeout_s=120)
+        x = torch.ones(4, device=info.device)
+        dist.all_reduce(x)
+        synchronize(info.device)
+        if x.tolist() != [1.0] * 4:
+            raise RuntimeError(f"a 1-rank all-reduce of ones gave {x.tolist()}")
+        return {"status": "ok", "backend": dist.get_backend(), "seconds": round(time.perf_counter() - start, 2)}
+    except Exception as e:
+        return {**error_record("process group", e), "backend": info.backend}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _accelerator(device: torch.device) -> dict[str, Any]:
+    if device.type != "cuda":  # device-choice: only CUDA devices have these properties here
+        return {"gpu": None}
+    props = torch.cuda.get_device_properties(device)
+    return {
+        "gpu": props.name,
+        "compute_capability": f"{props.major}.{props.minor}",
+        "gpu_memory_gib": round(props.total_memory / GIB, 1),
+        "driver": _nvidia_smi("driver_version"),
+        "nccl": _nccl_version(),
+    }
+
+
+def _nccl_version() -> str | None:
+    try:
+        version = torch.cuda.nccl.version()
+    except (AttributeError, RuntimeError):
+        return None
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def _nvidia_smi(field: str) -> str | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        cmd = ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> str | None:
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        cmd = ["git", "-C", str(repo), "rev-parse", "HEAD"]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+# ----------------------------------------------------------------------------------------------- sanity
+
+
+def sanity(ctx: Context) -> dict[str, Any]:
+    """The fp32 debug model's first losses on this device vs on the CPU, from the same initial weights.
+
+    The CPU run is a process of its own that sees no GPU (the package's device choice then picks the CPU);
+    it saves its initial weights, which this run loads (the two devices' RNGs draw different inits)."""
+    spec, folder = ctx.plan.sanity, ctx.out / "sanity_reference"
+    if not ctx.budget.allows(spec.cost_s):
+        return skipped(spec.name, f"time budget: {ctx.budget.left():.0f} s left, the check needs ~{spec.cost_s:.0f} s")
+    reference = cpu_reference(folder, dry_run=ctx.dry_run, timeout_s=max(30.0, ctx.budget.left()))
+    weights = torch.load(folder / WEIGHTS_FILE, map_location="cpu", weights_only=True)
+    result = ctx.run(spec, before_training=lambda trainer: trainer.model_parts[0].load_state_dict(weights))
+    if result["status"] != "ok":
+        return {**result, "cpu_losses": reference["losses"]}
+    diffs = [abs(a - b) for a, b in zip(result["losses"], reference["losses"])]
+    return {
+        "status": "ok",
+        "pass": max(diffs) <= SANITY_TOLERANCE,
+        "tolerance": SANITY_TOLERANCE,
+        "max_abs_diff": max(diffs),
+        "device_losses": result["losses"],
+        "cpu_losses": reference["losses"],
+        "run": result,
+    }
+
+
+def cpu_reference(folder: Path, *, dry_run: bool, timeout_s: float) -> dict[str, Any]:
+    """Run the sanity spec in a CPU-only child process (``gpu_check.py --reference_run``); its record."""
+    script = Path(__file__).resolve().parent / "gpu_check.py"
+    cmd = [sys.executable, str(script), "--reference_run", str(folder), *(["--cpu-dry-run"] if dry_run else [])]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the CPU reference run exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+    return json.loads((folder / REFERENCE_FILE).read_text())
+
+
+def write_cpu_reference(plan: Plan, folder: Path) -> None:
+    """The child's side of ``cpu_reference``: save the initial weights, train, write the losses."""
+    device = get_device_info().device
+    if device.type != "cpu":
+        raise RuntimeError(f"the reference run must see no accelerator (CUDA_VISIBLE_DEVICES=''); it sees {device}")
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def save(trainer) -> None:
+        torch.save(trainer.model_parts[0].state_dict(), folder / WEIGHTS_FILE)
+
+    result = run(plan.sanity, device, folder / "runs", before_training=save)
+    (folder / REFERENCE_FILE).write_text(json.dumps(result, indent=1))
+
+
+# ----------------------------------------------------------------------------------------------- sections of runs
+
+
+def throughput(ctx: Context) -> dict[str, Any]:
+    return runs_section([ctx.run(spec) for spec in ctx.plan.throughput])
+
+
+def more_throughput(ctx: Context, earlier: dict[str, Any]) -> dict[str, Any]:
+    """The throughput section with the if-time-allows rows added after its own."""
+    runs = [*earlier.get("runs", []), *(ctx.run(spec) for spec in ctx.plan.if_time_allows)]
+    record = runs_section(runs)
+    if earlier.get("status") == "error" and record["status"] != "error":  # the first part's own failure stays
+        record.update(status="error", error=earlier.get("error"))
+    return record
+
+
+def estimator(ctx: Context) -> dict[str, Any]:
+    """The estimator's predicted peak (fake tensors) vs the real steps' peak of the same config."""
+    rows = []
+    for spec in ctx.plan.estimator:
+        if not ctx.budget.allows(spec.cost_s + 30):
+            rows.append(skipped(spec.name, f"time budget: {ctx.budget.left():.0f} s left"))
+            continue
+        try:
+            rows.append(_estimate_vs_real(ctx, spec))
+        except Exception as e:
+            rows.append(error_record(spec.name, e))
+    section = runs_section(rows, target_rel_error=ESTIMATE_TARGET)
+    section["configs"] = section.pop("runs")
+    return section
+
+
+def _estimate_vs_real(ctx: Context, spec: RunSpec) -> dict[str, Any]:
+    config = build_config(spec, ctx.out / "runs")
+    start = time.perf_counter()
+    predicted = estimate_memory(config, 1).peak
+    estimate_s = time.perf_counter() - start
+    ctx.log(f"  estimate '{spec.name}': {predicted / GIB:.3f} GiB in {estimate_s:.1f} s")
+    if ctx.device.type == "cpu":  # no allocator statistics: torch's MemTracker on the real step instead
+        measured = estimate_rank(config, 1, 0, resolve_vocab(config)[0], fake=False).peak
+        measured_by = "MemTracker on the real step (the CPU has no allocator statistics)"
+    else:
+        real = ctx.run(spec)
+        if real["status"] != "ok":
+            return {**real, "predicted_gib": round(predicted / GIB, 3)}
+        measured = real["peak_memory_bytes"]
+        measured_by = "torch.accelerator.max_memory_allocated over build + warmup + timed steps"
+    rel = (predicted - measured) / measured
+    return {
+        "name": spec.name,
+        "status": "ok",
+        "predicted_gib": round(predicted / GIB, 3),
+        "measured_gib": round(measured / GIB, 3),
+        "measured_by": measured_by,
+        "rel_error": round(rel, 4),
+        "within_target": abs(rel) <= ESTIMATE_TARGET,
+        "estimate_s": round(estimate_s, 1),
+    }
+
+
+def attention(ctx: Context) -> dict[str, Any]:
+    """Causal SDPA vs block_causal ('auto': FlexAttention on CUDA) vs block_causal 'sdpa', on the same tokens."""
+    runs, kernels = [], {}
+    for spec in ctx.plan.attention:
+        backend = (
+            resolve_attention_backend(spec.attention_backend, ctx.device.type) if spec.mask != "causal" else "sdpa"
+        )
+        if (spec.mask, backend) in kernels:
+            runs.append(skipped(spec.name, f"same kernel as '{kernels[spec.mask, backend]}' on {ctx.device.type}"))
+            continue
+        kernels[spec.mask, backend] = spec.name
+        runs.append(ctx.run(spec))
+    causal, block, block_sdpa = runs
+    return runs_section(
+        runs,
+        block_causal_vs_causal=_compare(block, causal),
+        block_causal_auto_vs_sdpa=_compare(block, block_sdpa),
+    )
+
+
+def _compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None:
+    """Tokens/s and peak-memory ratios a / b, and the largest step-by-step loss difference."""
+    if a["status"] != "ok" or b["status"] != "ok":
+        return None
+    return {
+        "runs": [a["name"], b["name"]],
+        "tps_ratio": _ratio(a["tokens_per_s"], b["tokens_per_s"]),
+        "memory_ratio": _ratio(a["peak_memory_gib"], b["peak_memory_gib"]),
+        "loss_max_abs_diff": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def float8(ctx: Context) -> dict[str, Any]:
+    """Each float8 recipe vs the bf16 run of the same config (the first of the plan's float8 rows)."""
+    if importlib.util.find_spec("torchao") is None:
+        return {
+            "status": "skipped",
+            "reason": "torchao not installed (optional: bench/gpu_check.py's docstring says how to carry it)",
+        }
+    try:
+        check_float8_runs(ctx.device)
+    except NotImplementedError as e:
+        return {"status": "skipped", "reason": str(e)}
+    runs = [ctx.run(spec) for spec in ctx.plan.float8]
+    return runs_section(runs, vs_bf16=[_compare(r, runs[0]) for r in runs[1:]])
+
+
+def families(ctx: Context) -> dict[str, Any]:
+    """Each family's debug flavor trains its steps; every loss must be finite."""
+    runs = [ctx.run(spec) for spec in ctx.plan.families]
+    for r in runs:
+        if r["status"] == "ok":
+            r["finite"] = all(math.isfinite(x) for x in r["losses"])
+    section = runs_section(runs)
+    if section["status"] == "ok" and not all(r.get("finite", True) for r in runs):
+        section.update(status="error", error="a family's loss is not finite")
+    return section

@@ -1,0 +1,119 @@
+"""bench/gpu_check.py: its CPU dry run end to end, so the GPU check cannot rot between GPU runs.
+
+The dry run is the command a user types (``python bench/gpu_check.py --cpu-dry-run --out DIR``), in a process
+of its own: it hides any GPU and sets its thread count before torch starts, and its sanity section starts a
+CPU-only child. The same sections and code as on a GPU, at tiny shapes (bench/gpu_check_plan.py); ~45 s on 2
+shared cores. The budget and error paths are checked in process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))  # the check's modules live beside the script, as it imports them
+
+from gpu_check_plan import dry_run_plan  # noqa: E402
+from gpu_check_report import SECTIONS, format_markdown  # noqa: E402
+from gpu_check_runs import RunSpec  # noqa: E402
+from gpu_check_sections import Budget, Context, runs_section, throughput  # noqa: E402
+
+# The only skips an honest dry run has: float8 without torchao; a block_causal twin whose kernel 'auto'
+# already ran on the CPU (auto = sdpa there).
+TORCHAO = importlib.util.find_spec("torchao") is not None
+ALLOWED_RUN_SKIPS = ("same kernel as",)
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, float]:
+    out = tmp_path_factory.mktemp("gpu_check")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    start = time.perf_counter()
+    cmd = [sys.executable, "bench/gpu_check.py", "--cpu-dry-run", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    seconds = time.perf_counter() - start
+    print(f"gpu_check --cpu-dry-run: {seconds:.1f} s")
+    return proc, out, seconds
+
+
+def _runs(record: dict) -> list[dict]:
+    return record.get("runs") or record.get("configs") or []
+
+
+def test_dry_run_every_section_ok(dry_run):
+    proc, out, _ = dry_run
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    assert report == json.loads((out / "gpu_check.json").read_text())
+    assert list(report) == list(SECTIONS)
+    for name, record in report.items():
+        if name == "float8" and not TORCHAO:
+            assert record["status"] == "skipped" and record["reason"].startswith("torchao not installed"), record
+            continue
+        assert record["status"] == "ok", (name, record)
+        for run in _runs(record):
+            if run["status"] == "skipped":
+                assert run["reason"].startswith(ALLOWED_RUN_SKIPS), (name, run)
+            else:
+                assert run["status"] == "ok", (name, run)
+    # every progress stage logged with its elapsed seconds, so a partial log tells where it stopped
+    assert "section families: ok" in proc.stderr and "[gpu_check" in proc.stderr
+
+
+def test_dry_run_measures(dry_run):
+    proc, out, _ = dry_run
+    report = json.loads((out / "gpu_check.json").read_text())
+    sanity = report["sanity"]
+    assert sanity["pass"] and sanity["max_abs_diff"] == 0.0, sanity  # CPU vs CPU: the same numbers
+    assert len(sanity["device_losses"]) == 5
+    for run in report["throughput"]["runs"]:
+        assert run["tokens_per_s"] > 0 and 0 < run["mfu_pct"] <= 100, run
+    for config in report["estimator"]["configs"]:
+        assert config["predicted_gib"] > 0 and config["within_target"], config
+    assert "runs" not in report["estimator"]
+    attention = report["attention"]["block_causal_vs_causal"]
+    assert attention["tps_ratio"] > 0 and attention["loss_max_abs_diff"] > 0  # the masks differ: so do the losses
+    assert all(run["finite"] and len(run["losses"]) == run["steps"] for run in report["families"]["runs"])
+    markdown = (out / "gpu_check.md").read_text()
+    assert markdown == format_markdown(report)
+    for name in SECTIONS:
+        assert f"| {name} |" in markdown, name
+
+
+def _context(tmp_path: Path, budget_s: float) -> Context:
+    return Context(torch.device("cpu"), dry_run_plan(), tmp_path, Budget(budget_s), lambda line: None, True)
+
+
+def test_time_budget_skips_runs(tmp_path):
+    record = throughput(_context(tmp_path, budget_s=0.0))
+    assert record["status"] == "skipped" and record["reason"].startswith("time budget"), record
+    assert all(run["status"] == "skipped" for run in record["runs"])
+
+
+def test_failed_run_is_recorded_and_the_section_goes_on(tmp_path):
+    ctx = _context(tmp_path, budget_s=60.0)
+    bad = ctx.run(RunSpec("bad flavor", "no_such_flavor", 64, 2))
+    assert bad["status"] == "error" and "no_such_flavor" in bad["error"] and bad["traceback"], bad
+    record = runs_section([bad, {"name": "next", "status": "ok"}])
+    assert record["status"] == "error" and "bad flavor" in record["error"]
+    assert [r["status"] for r in record["runs"]] == ["error", "ok"]
+
+
+def test_imports_without_the_packages_gpu_machines_lack():
+    """The GPU machines have no datasets, torchdata, torchao or torchft: the check and all it imports load without."""
+    lacking = ("datasets", "torchdata", "torchao", "torchft")
+    # a None entry in sys.modules makes ``import name`` raise ImportError
+    code = f"import sys; sys.modules.update(dict.fromkeys({lacking!r})); sys.path.insert(0, 'bench')\n"
+    code += "import gpu_check_sections"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
