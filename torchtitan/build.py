@@ -186,7 +186,7 @@ def finish_model_part(
     """Float8-convert (if asked), parallelize a meta model (or pipeline stage), materialise it on ``device``, init
     from the seed. The float8 conversion comes first: TP picks float8 styles for converted linears."""
     if config.float8.enable_float8_linear:
-        check_float8_runs(device)
+        check_float8_runs(device, config.float8.recipe_name)
         if device.type == "cpu":
             choose_cpu_float8_gemm()
         apply_float8(part, config.float8)

@@ -164,8 +164,11 @@ def test_a_foreign_pickle_in_metadata_is_refused_without_running_it(tmp_path):
         _manager(tmp_path, _model(1)).load()
     with pytest.raises(ValueError, match=refusal):
         load_model_weights(path)
-    with pytest.raises(CheckpointException, match=r"holds a pickle of (posix|nt|os)\.system"):
-        integrity.load({"model": _model(1).state_dict()}, path, no_dist=True)  # dcp.load's own read
+    # dcp.load's own read (torch 2.11 and 2.12's DCP hides the reader's error: integrity.load raises it itself)
+    with pytest.raises(
+        (CheckpointException, integrity.ForeignPickleError), match=r"holds a pickle of (posix|nt|os)\.system"
+    ):
+        integrity.load({"model": _model(1).state_dict()}, path, no_dist=True)
     for model_only in ([], ["--model-only"]):
         assert _script("dcp_to_torch")([path, str(tmp_path / "out.pt"), *model_only]) == 2
     assert not os.path.exists(target)

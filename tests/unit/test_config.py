@@ -543,9 +543,13 @@ def test_torch_context_parallel_is_pinned_to_its_torch_version(monkeypatch):
         "torch",
     ]
     run_preflight(JobConfig.parse_args(args), 2)
-    monkeypatch.setattr(torch, "__version__", "2.14.0")
-    with pytest.raises(NotImplementedError, match=r"private names of torch 2.13.x .* this is torch 2.14.0"):
+    for checked in ("2.11.0+cu130", "2.15.1"):
+        monkeypatch.setattr(torch, "__version__", checked)
         run_preflight(JobConfig.parse_args(args), 2)
+    for other in ("2.10.0", "2.16.0"):
+        monkeypatch.setattr(torch, "__version__", other)
+        with pytest.raises(NotImplementedError, match=rf"checked on torch 2.11 to 2.15, and this is torch {other};"):
+            run_preflight(JobConfig.parse_args(args), 2)
 
 
 def test_help_prints_each_keys_bounds_and_allowed_values():

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed._tools import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from torchtitan.distributed.c10d_compat import reduce_scatter_single
 from torchtitan.estimation.fake_trainer import gloo_patches, p2p_works_hold_tensors
 
 
@@ -27,7 +28,7 @@ def _reduce_scatter_peak(patch) -> int:
     inp, out = torch.ones(1 << 16), torch.empty(1 << 15)
     tracker = MemTracker()
     with patch, tracker:
-        dist.reduce_scatter_single(out, inp)
+        reduce_scatter_single(out, inp)
     return tracker.get_tracker_snapshot("peak").get(inp.device, {}).get("Total", 0)
 
 

@@ -197,8 +197,14 @@ def read_metadata_file(path: str) -> Metadata:
 class RestrictedReader(FileSystemReader):
     """DCP's file-system reader whose ``read_metadata`` is ``read_metadata_file``; pass it to ``dcp.load``."""
 
+    refused: ForeignPickleError | None = None  # what read_metadata refused, for load() to report
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata_file(str(self._get_metadata_path(kwargs.get("rank"))))
+        try:
+            metadata = read_metadata_file(str(self._get_metadata_path(kwargs.get("rank"))))
+        except ForeignPickleError as e:
+            self.refused = e
+            raise
         if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -270,12 +276,24 @@ def async_save(state: dict[str, Any], path: str, *, process_group: Any = None, n
 
 
 def load(state: dict[str, Any], path: str, *, process_group: Any = None, no_dist: bool = False) -> None:
-    """``dcp.load`` through ``RestrictedReader`` and ``WeightsOnlyLoadPlanner``."""
-    dcp.load(
-        state,
-        checkpoint_id=path,
-        storage_reader=RestrictedReader(path),
-        planner=WeightsOnlyLoadPlanner(),
-        process_group=process_group,
-        no_dist=no_dist,
-    )
+    """``dcp.load`` through ``RestrictedReader`` and ``WeightsOnlyLoadPlanner``.
+
+    Raises:
+        CheckpointException: DCP's, naming each rank's error.
+        ForeignPickleError: the refused ``.metadata``, where DCP reported only "metadata is None" (torch
+            2.11 and 2.12 drop the reader's error; 2.13 and later name it inside their CheckpointException).
+    """
+    reader = RestrictedReader(path)
+    try:
+        dcp.load(
+            state,
+            checkpoint_id=path,
+            storage_reader=reader,
+            planner=WeightsOnlyLoadPlanner(),
+            process_group=process_group,
+            no_dist=no_dist,
+        )
+    except CheckpointException as e:
+        if reader.refused is not None and str(reader.refused) not in str(e):
+            raise reader.refused from e
+        raise

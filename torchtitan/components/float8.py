@@ -43,6 +43,9 @@ DIM_MULTIPLE = 16  # _scaled_mm needs both GEMM dims of the weight divisible by 
 ALWAYS_HIGH_PRECISION = ("output",)
 # CUDA float8 GEMMs need Ada (8.9) or Hopper (9.0) tensor cores or newer.
 MIN_CUDA_CAPABILITY = (8, 9)
+# The first release whose CPU _scaled_mm takes rowwise scales (torch 2.11's asserts one scale per operand);
+# found by _probe_scaled_mm, named in its refusal.
+ROWWISE_CPU_TORCH = "2.12"
 
 
 def check_float8(config: JobConfig, dims: ParallelDims) -> list[str]:
@@ -160,8 +163,8 @@ def quiet_torchao_import() -> None:
             target.addFilter(noise)
 
 
-def check_float8_runs(device: torch.device) -> None:
-    """Raise NotImplementedError naming what is missing when this process cannot train in float8."""
+def check_float8_runs(device: torch.device, recipe_name: str = "tensorwise") -> None:
+    """Raise NotImplementedError naming what is missing when this process cannot train ``recipe_name`` in float8."""
     quiet_torchao_import()
     try:
         import torchao.float8  # noqa: F401
@@ -180,6 +183,8 @@ def check_float8_runs(device: torch.device) -> None:
             )
         return
     _probe_scaled_mm(device.type)
+    if recipe_name.startswith("rowwise"):
+        _probe_rowwise_scaled_mm(device.type, recipe_name)
 
 
 @functools.cache
@@ -193,6 +198,21 @@ def _probe_scaled_mm(device_type: str) -> None:
         raise NotImplementedError(
             f"float8.enable_float8_linear = true: torch {torch.__version__} cannot run a float8 GEMM "
             f"(torch._scaled_mm) on device '{device_type}': {str(e).splitlines()[0]}; turn float8 off"
+        ) from e
+
+
+@functools.cache
+def _probe_rowwise_scaled_mm(device_type: str, recipe_name: str) -> None:
+    """The same GEMM with a scale per row of ``a`` and per column of ``b``, as the rowwise recipes run it."""
+    a = torch.ones(16, 16, device=device_type).to(torch.float8_e4m3fn)
+    scale_a, scale_b = torch.ones(16, 1, device=device_type), torch.ones(1, 16, device=device_type)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError) as e:
+        raise NotImplementedError(
+            f"float8.recipe_name = '{recipe_name}' on device '{device_type}' needs torch {ROWWISE_CPU_TORCH} or "
+            f"newer (torch {torch.__version__}'s _scaled_mm takes one scale per operand there); use "
+            "recipe_name = 'tensorwise'"
         ) from e
 
 

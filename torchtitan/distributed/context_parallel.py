@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchtitan.distributed.c10d_compat import reduce_scatter_single
 from torchtitan.distributed.ring_attention_math import (
     _accumulate_block,
     _accumulate_block_grad,
@@ -120,7 +121,7 @@ def _backward_allgather(q, k, v, dout, lse, delta, group, plans, scale):
     for j in range(size):
         _accumulate_block_grad(dq, dkv[j], q, kv[j, ..., :dk], kv[j, ..., dk:], dout, lse, delta, plans[j], scale)
     own = torch.empty(dkv.shape[1:], dtype=torch.float32, device=q.device)  # (bs, hkv, s, dk + dv)
-    dist.reduce_scatter_single(own, dkv.flatten(0, 1), op=dist.ReduceOp.SUM, group=group)
+    reduce_scatter_single(own, dkv.flatten(0, 1), op=dist.ReduceOp.SUM, group=group)
     return dq, own
 
 

@@ -12,17 +12,26 @@ if TYPE_CHECKING:
     from torchtitan.config.manager import JobConfig
     from torchtitan.distributed.parallel_dims import ParallelDims
 
-# context_parallel_impl = "torch" rests on private names of this torch (distributed/torch_context_parallel.py).
-PINNED_TORCH = "2.13."
+# context_parallel_impl = "torch" rests on private names of torch (distributed/torch_context_parallel.py): the
+# releases whose names and behaviour were checked (the cp2_torch row, scripts/check_torch_versions.sh), oldest and
+# newest (major, minor). Their templates, options and dispatcher agree from 2.11 to 2.15.
+TORCH_CP_CHECKED = ((2, 11), (2, 15))
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
 
 
 def check_torch_cp_supported() -> None:
-    """Raise NotImplementedError unless this torch is the one the private names were checked against."""
-    if not torch.__version__.startswith(PINNED_TORCH):
+    """Raise NotImplementedError unless this torch is a release the private names were checked against."""
+    (lo_major, lo_minor), (hi_major, hi_minor) = TORCH_CP_CHECKED
+    if not TORCH_CP_CHECKED[0] <= _release(torch.__version__) <= TORCH_CP_CHECKED[1]:
         raise NotImplementedError(
-            f"experimental.context_parallel_impl = 'torch' uses private names of torch {PINNED_TORCH}x "
-            f"(torch.distributed.tensor.experimental._context_parallel), and this is torch {torch.__version__}; "
-            "use context_parallel_impl = 'portable' (our ring attention, any torch)"
+            f"experimental.context_parallel_impl = 'torch' uses private names of torch "
+            f"(torch.distributed.tensor.experimental._context_parallel) checked on torch {lo_major}.{lo_minor} to "
+            f"{hi_major}.{hi_minor}, and this is torch {torch.__version__}; use context_parallel_impl = 'portable' "
+            "(our ring attention, any torch)"
         )
 
 

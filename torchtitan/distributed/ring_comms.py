@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from torchtitan.distributed.c10d_compat import all_gather_single
+
 
 def _ring_shift(tensor: torch.Tensor, group: dist.ProcessGroup, tag: int) -> tuple[torch.Tensor, list]:
     """Post: send ``tensor`` to the next rank, receive the previous rank's into a new buffer."""
@@ -25,5 +27,5 @@ def _wait(works: list) -> None:
 def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """(...) -> (cp, ...): every rank's tensor, in group-rank order."""
     out = torch.empty((group.size() * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather_single(out, tensor.contiguous(), group=group)
+    all_gather_single(out, tensor.contiguous(), group=group)
     return out.unflatten(0, (group.size(), tensor.shape[0]))

@@ -1,13 +1,13 @@
 """Context parallel with torch's own ring attention (``experimental.context_parallel_impl = "torch"``).
 
-torch 2.13 ships ring attention for SDPA on DTensors sharded along the sequence
+torch (2.11 to 2.15) ships ring attention for SDPA on DTensors sharded along the sequence
 (``torch.distributed.tensor.experimental._context_parallel``): with its dispatcher enabled, SDPA on
 ``Shard(2)`` q/k/v runs ``_templated_ring_attention`` (allgather or alltoall rotation, the same
 head + mirrored-tail load balancing as ours). It only registers ring handlers for the CUDA
 kernels (flash, efficient, cuDNN). On CPU, SDPA dispatches to
 ``_scaled_dot_product_flash_attention_for_cpu``, for which this module registers the two missing
 handlers (forward and backward), written against the same private templates. Everything here rests
-on private torch names, so it is pinned to torch 2.13 (``cp_checks.check_torch_cp_supported``) and tested on CPU
+on private torch names, so it is limited to the releases checked (``cp_checks.check_torch_cp_supported``) and tested on CPU
 against one process (tests/distributed/test_context_parallel.py, the ``cp2_torch`` matrix row).
 Our own ring (context_parallel.py) stays the portable default.
 

@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torchtitan.build import TrainerBuilders
 from torchtitan.components.run_control import Verdict
 from torchtitan.datasets.tokenizer import build_tokenizer, find_tokenizer_file
+from torchtitan.distributed.c10d_compat import ALL_GATHER, REDUCE_SCATTER
 from torchtitan.estimation.ft_terms import EstimatedReplicas
 from torchtitan.spec import get_model_spec
 
@@ -320,8 +321,8 @@ def gloo_frees_in_order(timeout_s: float = 5.0) -> Iterator[None]:
         return call
 
     with (
-        unittest.mock.patch.object(dist, "all_gather_single", released_on_return(dist.all_gather_single)),
-        unittest.mock.patch.object(dist, "reduce_scatter_single", released_on_return(dist.reduce_scatter_single)),
+        unittest.mock.patch.object(dist, ALL_GATHER, released_on_return(getattr(dist, ALL_GATHER))),
+        unittest.mock.patch.object(dist, REDUCE_SCATTER, released_on_return(getattr(dist, REDUCE_SCATTER))),
     ):
         yield
 
@@ -330,7 +331,7 @@ def gloo_frees_in_order(timeout_s: float = 5.0) -> Iterator[None]:
 def gloo_patches() -> Iterator[None]:
     """What gloo's collectives allocate that the fake process group does not (CPU runs only).
 
-    gloo's ``reduce_scatter_single`` (FSDP's gradient reduce-scatter, context parallel's dK/dV)
+    gloo's ``reduce_scatter_single`` (``c10d_compat.REDUCE_SCATTER``: FSDP's gradient reduce-scatter, context parallel's dK/dV)
     reduces into a buffer the size of the whole input and then copies this rank's chunk out, so
     an input-sized temporary is live until the call returns (measured with a dispatch spy on a
     real gloo group: ``split`` of a new input-sized storage, then ``copy_`` into the output). The
@@ -339,12 +340,12 @@ def gloo_patches() -> Iterator[None]:
     """
     import torch.distributed as dist
 
-    real = dist.reduce_scatter_single
+    real = getattr(dist, REDUCE_SCATTER)
 
     def reduce_scatter_single(output, input, *args, **kwargs):
         work = real(output, input, *args, **kwargs)
         torch.empty_like(input).split(output.numel())
         return work
 
-    with unittest.mock.patch.object(dist, "reduce_scatter_single", reduce_scatter_single):
+    with unittest.mock.patch.object(dist, REDUCE_SCATTER, reduce_scatter_single):
         yield
