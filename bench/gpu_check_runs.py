@@ -257,7 +257,9 @@ def _measure(trainer: Trainer, config: JobConfig, spec: RunSpec, timing: _Timing
         "status": "ok",
         **spec.describe(),
         # the block_causal kernel; causal attention always runs SDPA (model.attention_backend's help)
-        "attention_backend_resolved": getattr(args, "attention_backend", None) if spec.mask == "block_causal" else "sdpa",
+        "attention_backend_resolved": getattr(args, "attention_backend", None)
+        if spec.mask == "block_causal"
+        else "sdpa",
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": None if tps is None else round(tps, 1),
         "mfu_pct": None if tps is None else round(compute_mfu(tps, flops, peak.flops), 2),

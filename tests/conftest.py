@@ -151,14 +151,39 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 _FILE_SECONDS: dict[str, float] = defaultdict(float)
 _FILE_TESTS: dict[str, int] = defaultdict(int)
+_BF16_SECONDS: dict[str, float] = defaultdict(float)  # tests marked bf16: nodeid -> seconds
+# bf16 GEMMs on an AVX2-only CPU (AMD EPYC Zen 3) against one with AVX-512/AMX: a debug-model training step
+# ran ~15x slower there (61 vs ~800 tokens/s per rank, ../shared/notes); the report scales bf16 time by it
+AVX2_BF16_SLOWDOWN = 15
 _SESSION_START = time.perf_counter()
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     path = report.nodeid.split("::", 1)[0]
     _FILE_SECONDS[path] += report.duration  # setup (shared fixtures land on their first user), call, teardown
+    if "bf16" in report.keywords:
+        _BF16_SECONDS[report.nodeid] += report.duration
     if report.when == "call" or (report.when == "setup" and report.skipped):
         _FILE_TESTS[path] += 1
+
+
+def _write_bf16_time(write, total: float) -> None:
+    """The seconds of the tests that compute in bf16 on purpose (marker bf16), and a bound on the wall time this
+    run would take where bf16 is AVX2_BF16_SLOWDOWN times slower, all else equal (docs/testing.md). Tests that
+    are not about bf16 train in fp32, so this is the only part of the suite that scales with bf16 speed."""
+    bf16 = sum(_BF16_SECONDS.values())
+    isa = torch_cpu_capability()
+    write(
+        f"bf16 tests (marker bf16): {len(_BF16_SECONDS)} tests, {bf16:.1f} s on this CPU (torch kernels: {isa}); "
+        f"on an AVX2-only CPU (bf16 ~{AVX2_BF16_SLOWDOWN}x slower) this run would take at most "
+        f"~{total + (AVX2_BF16_SLOWDOWN - 1) * bf16:.0f} s (those tests' whole time scaled: an upper bound)"
+    )
+
+
+def torch_cpu_capability() -> str:
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
@@ -170,6 +195,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1]):
         write(f"{seconds:8.1f} s  {_FILE_TESTS[path]:4d} tests  {path}")
     write(f"{sum(_FILE_SECONDS.values()):8.1f} s  {sum(_FILE_TESTS.values()):4d} tests  in tests ({total:.1f} s wall)")
+    _write_bf16_time(write, total)
     stats = pool.STATS
     if not stats.jobs:
         return

@@ -442,6 +442,7 @@ def test_loss_parity(row: Row, reference: dict[str, list[float]], matrix: Matrix
     check_grad_norms(row.name, losses["grad_norm"], reference["grad_norm"], GRAD_NORM_RTOL)
 
 
+@pytest.mark.bf16
 @pytest.mark.parametrize("row", BF16_ROWS, ids=[r.name for r in BF16_ROWS])
 def test_bf16_loss_parity(row: Row, bf16_reference: dict, reference: dict, matrix: MatrixLaunches):
     check_row(row)

@@ -131,6 +131,7 @@ def _metadata(step_path: str) -> dict[str, object]:
     return {k: (v.properties.dtype, tuple(v.size)) for k, v in meta.items() if isinstance(v, TensorStorageMetadata)}
 
 
+@pytest.mark.bf16  # one 4-step resume in bf16
 def test_float8_resume_is_bit_exact_and_interchanges_with_bf16(tmp_path):
     """FSDP2 x 2 with the float8 all-gather (FSDP's DTensors hold torchao's float8-cast weight subclasses).
 

@@ -49,6 +49,7 @@ def _runs(record: dict) -> list[dict]:
     return record.get("runs") or record.get("configs") or []
 
 
+@pytest.mark.bf16  # the dry run's fixture: the GPU plan's bf16 runs at tiny shapes
 def test_dry_run_every_section_ok(dry_run):
     proc, out, _ = dry_run
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -1,19 +1,26 @@
 """Memory- and precision-saving options through the trainer on the debug model (1 process, the shipped corpus).
 
-bf16 optimizer states: 50 steps with exp_avg / exp_avg_sq in bfloat16 against fp32 states, same
-seed and data. The update math is fp32 in both; only the stored moments are rounded (to 8 bits of
-mantissa), and the difference compounds through 50 updates on real text. Measured on this machine:
-max relative per-step loss gap 1.2e-2 (step 32), mean 1.4e-3, final 2.5e-4, while the loss falls
-8.18 -> 5.67. Tolerances: max 3e-2, mean 5e-3, final 3e-3. (The optimizer's math itself is checked
-exactly against torch's AdamW with fp32 states in tests/unit/test_optimizer.py, which also measures
-the state's bytes on the debug model's parameters: exactly half.)
+Each option's run is compared with the same fp32 run (same seed, data, lr), step by step, over its first 10
+steps: a stretch where the loss falls smoothly (8.18 -> 6.55). Not longer: at this lr the loss spikes at steps
+11-15, and which branch of the spike a run takes depends on rounding; an earlier 50-step version of these tests
+passed on an Intel Xeon with AMX and failed on an AMD EPYC Zen 3 (float8 tensorwise: 4.2e-2 at step 15 there,
+1.7e-1 with torch restricted to AVX2 kernels here) with no change in the code. Over steps 1-10 both kinds agree.
 
-float8 linears (torchao, tensorwise and rowwise): the same 50 steps against the same fp32 run (its
-fp32-state baseline is shared). Baseline: fp32, not bf16 autocast, because bf16 runs ~8x slower on
-this CPU (462 s for these 50 steps, against ~60 s); bf16 itself moves these losses by <= 2e-4 over 6
-steps (tests/integration_tests.py BF16_ROWS), far below float8's gaps. Measured: see FLOAT8_CURVE.
-float8 on CPU is slower than fp32 (no float8 GEMM units; measured 548 tokens/s tensorwise and 305
-rowwise against 1535 for fp32 here): these two runs are the costliest float8 tests.
+Measured over steps 1-10, relative loss gap to fp32 (max / mean), on an Intel Xeon with AMX and on the same
+machine with torch's kernels restricted to an AVX2-only CPU's (ATEN_CPU_CAPABILITY=avx2,
+ONEDNN_MAX_CPU_ISA=AVX2):
+
+| option | Xeon AMX | AVX2 kernels | limits (max, mean) | least mean |
+|---|---|---|---|---|
+| bf16 optimizer states | 2.04e-6 / 7.75e-7 | 2.04e-6 / 7.81e-7 | 2e-5, 5e-6 | 2e-7 |
+| float8 tensorwise | 7.03e-4 / 3.36e-4 | 6.50e-4 / 2.67e-4 | 2e-3, 8e-4 | 3e-5 |
+| float8 rowwise | 3.56e-4 / 1.79e-4 | 4.85e-4 / 1.60e-4 | 2e-3, 8e-4 | 3e-5 |
+
+The lower bound shows the option is in effect: the fp32 run against itself is bit-identical (deterministic),
+and each option's rounding moves the loss by far more. bf16 states round only the stored moments (the update
+math is fp32; tests/unit/test_optimizer.py checks it exactly against torch's AdamW and measures the state's
+bytes: exactly half); float8's math itself is tests/unit/test_float8.py. Baseline fp32, not bf16 autocast:
+bf16 is ~15x slower on AVX2-only CPUs and these tests are about the options, not bf16.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from tests.integration_tests import read_metrics, train
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1)]
 
-STEPS = 50
+STEPS = 10
 ARGS = [
     # the debug flavor (run_train's COMMON names the matrix's tiny one): the measured curves below are its
     "--model.flavor",
@@ -63,38 +70,25 @@ def fp32(tmp_path_factory) -> list[float]:
     return _losses(tmp_path_factory.mktemp("fp32"), "fp32", ["--optimizer.state_dtype", "float32"])
 
 
-def test_bf16_states_track_fp32_states_over_50_steps(tmp_path, fp32):
-    bf16 = _losses(tmp_path, "bf16", ["--optimizer.state_dtype", "bfloat16"])
-    gaps = [abs(a - b) / a for a, b in zip(fp32, bf16)]
+# option -> its arguments, limits on the (max, mean) relative loss gap to fp32 over the 10 steps, and the
+# least mean gap that shows the option is in effect (the table above)
+OPTIONS = {
+    "bf16_states": (["--optimizer.state_dtype", "bfloat16"], (2e-5, 5e-6), 2e-7),
+    "float8_tensorwise": (["--float8.enable_float8_linear", "--float8.recipe_name", "tensorwise"], (2e-3, 8e-4), 3e-5),
+    "float8_rowwise": (["--float8.enable_float8_linear", "--float8.recipe_name", "rowwise"], (2e-3, 8e-4), 3e-5),
+}
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_option_tracks_fp32_step_by_step(option: str, tmp_path, fp32):
+    args, (max_limit, mean_limit), least_mean = OPTIONS[option]
+    losses = _losses(tmp_path, option, args)
+    gaps = [abs(a - b) / a for a, b in zip(fp32, losses)]
+    worst, mean = max(gaps), sum(gaps) / len(gaps)
     print(
-        f"\n50 steps: fp32 states {fp32[0]:.3f} -> {fp32[-1]:.3f}, bf16 states -> {bf16[-1]:.3f}; relative gap "
-        f"max {max(gaps):.2e} (step {gaps.index(max(gaps)) + 1}), mean {sum(gaps) / len(gaps):.2e}, final {gaps[-1]:.2e}"
+        f"\n{STEPS} steps: fp32 {fp32[0]:.3f} -> {fp32[-1]:.3f}, {option} -> {losses[-1]:.3f}; relative gap max "
+        f"{worst:.2e} (step {gaps.index(worst) + 1}), mean {mean:.2e}"
     )
-    assert fp32[0] - fp32[-1] > 2.0 and bf16[0] - bf16[-1] > 2.0, (fp32, bf16)
-    assert max(gaps) < 3e-2 and sum(gaps) / len(gaps) < 5e-3 and gaps[-1] < 3e-3, gaps
-
-
-# recipe -> limits on the (max, mean, final) relative loss gap to the fp32 run. Measured on an Intel Xeon
-# with AMX (loss 8.18 -> 5.67): tensorwise 1.96e-2 (step 14, a loss spike both runs take), 2.46e-3,
-# 2.00e-3; rowwise 3.23e-2 (step 14), 2.54e-3, 3.33e-3. On an AMD EPYC (no AMX; the CI machine since
-# 2026-11) the fp32 curve is the same to 4 digits and torch._scaled_mm equals an fp32 matmul of the
-# dequantized operands within 3e-7, but tensorwise takes the spike at steps 11-15 on another branch
-# (gap 7e-4 at most up to step 10, 4.2e-2 at step 15) and stays ~1.5 % above fp32: 4.23e-2, 1.37e-2,
-# 1.49e-2 (rowwise 1.0e-2, 3.0e-3, 3.5e-3). Limits ~2x the larger of the two machines' measurements; a
-# run without float8 fails the last check (mean gap > 1e-5), the float8 math itself is tests/unit/test_float8.py.
-FLOAT8_CURVE = {"tensorwise": (8e-2, 3e-2, 3e-2), "rowwise": (6e-2, 7.5e-3, 1e-2)}
-
-
-@pytest.mark.parametrize("recipe", list(FLOAT8_CURVE))
-def test_float8_tracks_fp32_over_50_steps(recipe: str, tmp_path, fp32):
-    f8 = _losses(tmp_path, recipe, ["--float8.enable_float8_linear", "--float8.recipe_name", recipe])
-    gaps = [abs(a - b) / a for a, b in zip(fp32, f8)]
-    worst, mean, final = max(gaps), sum(gaps) / len(gaps), gaps[-1]
-    print(
-        f"\n50 steps: fp32 {fp32[0]:.3f} -> {fp32[-1]:.3f}, float8 {recipe} -> {f8[-1]:.3f}; relative gap max "
-        f"{worst:.2e} (step {gaps.index(worst) + 1}), mean {mean:.2e}, final {final:.2e}"
-    )
-    assert f8[0] - f8[-1] > 2.0, f8
-    limits = FLOAT8_CURVE[recipe]
-    assert worst < limits[0] and mean < limits[1] and final < limits[2], gaps
-    assert mean > 1e-5, "float8 rounding does not show: not float8?"
+    assert losses[0] - losses[-1] > 1.0, losses  # it trains
+    assert worst < max_limit and mean < mean_limit, gaps
+    assert mean > least_mean, f"{option}: mean gap {mean:.1e} to fp32: is the option in effect?"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from torchtitan.components.document_feed import Batch
@@ -13,6 +14,7 @@ from torchtitan.train import Trainer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.bf16
 def test_validation_runs_under_the_training_autocast(tmp_path, monkeypatch):
     """bf16 without FSDP trains under autocast; validation's loss on a batch equals the training
     forward's loss on that batch (exactly: the same path), and differs from an fp32 forward, so a
