@@ -35,7 +35,7 @@ from torchtitan.fault_tolerance.errors import ReplicaGroupsFailed
 from torchtitan.launch.failures import report_exception, report_failure
 from torchtitan.launch.parent_watch import watch_parent
 from torchtitan.launch.run_folder import RunLock, checkpoint_root, run_folder, set_aside_earlier_run
-from torchtitan.observability.console import format_data_source, format_layout, format_start_summary
+from torchtitan.observability.console import format_layout, format_start_summary
 from torchtitan.observability.logging import init_logger
 from torchtitan.observability.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.observability.run_records import run_record_names, write_run_records
@@ -140,11 +140,9 @@ class Trainer:
             layout=format_layout(dims.degrees()),
             world_size=dims.world_size,
             global_batch=self.shard.degree * cfg.training.batch_size * cfg.training.gradient_accumulation_steps,
-            seq_len=cfg.training.seq_len,
-            steps=cfg.training.steps,
+            training=cfg.training,
             device=str(self.device),
             dump_folder=self.run_folder,
-            data=format_data_source(cfg.training.dataset, cfg.training.dataset_path, cfg.training.dataset_format),
         )
 
     def _autocast_dtype(self) -> torch.dtype | None:

@@ -15,8 +15,9 @@ import pytest
 from torchtitan.checkpointing.folders import resume_point
 from torchtitan.checkpointing.marker import EXPORT, FULL, SEED, write_marker
 from torchtitan.config.manager import JobConfig
+from torchtitan.config.schema import Training
 from torchtitan.launch.run_folder import EARLIER_RUNS, set_aside_earlier_run
-from torchtitan.observability.console import format_data_source, format_end_summary, format_start_summary
+from torchtitan.observability.console import format_end_summary, format_start_summary
 from torchtitan.observability.run_records import RUN_SCRIPT, run_record_names, write_run_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -147,11 +148,9 @@ def test_start_summary_names_the_count_per_token_and_end_summary_this_runs_steps
         layout="single process",
         world_size=1,
         global_batch=8,
-        seq_len=256,
-        steps=30,
+        training=Training(seq_len=256, steps=30, dataset="sft_arith", dataset_format="chat"),
         device="cpu",
         dump_folder="out",
-        data=format_data_source("sft_arith", None, "chat"),
     )
     assert "data        sft_arith (chat rows)" in summary
     assert "21,000,000 parameters, 7,424,256 of them multiply each token (MFU's N)" in summary

@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from torchtitan.config.schema import Training
+
 
 @dataclass(frozen=True)
 class Palette:
@@ -81,10 +83,10 @@ def format_layout(degrees: dict[str, int]) -> str:
     return " x ".join(parts) if parts else "single process"
 
 
-def format_data_source(dataset: str, dataset_path: str | None, dataset_format: str) -> str:
+def format_data_source(training: Training) -> str:
     """'sft_arith (chat rows, tests/assets/sft/arith_train.jsonl)': what the run trains on, as the summary names it."""
-    kind = {"text": "text", "chat": "chat rows", "prompt_completion": "prompt/completion rows"}[dataset_format]
-    return f"{dataset} ({kind}{', ' + dataset_path if dataset_path else ''})"
+    kind = {"text": "text", "chat": "chat rows", "prompt_completion": "prompt/completion rows"}[training.dataset_format]
+    return f"{training.dataset} ({kind}{', ' + training.dataset_path if training.dataset_path else ''})"
 
 
 def format_start_summary(
@@ -95,12 +97,11 @@ def format_start_summary(
     layout: str,
     world_size: int,
     global_batch: int,
-    seq_len: int,
-    steps: int,
+    training: Training,
     device: str,
     dump_folder: str,
-    data: str,
 ) -> str:
+    seq_len, steps = training.seq_len, training.steps
     tokens = global_batch * seq_len
     return "\n".join(
         [
@@ -108,7 +109,7 @@ def format_start_summary(
             f"model       {model}: {params:,} parameters, {flop_params:,} of them multiply each token (MFU's N)",
             f"layout      {layout} ({world_size} process{'es' if world_size > 1 else ''}, device {device})",
             f"batch       {global_batch} samples x {seq_len} tokens = {tokens:,} tokens per step, {steps} steps",
-            f"data        {data}",
+            f"data        {format_data_source(training)}",
             f"outputs     {dump_folder} (metrics.jsonl, config.toml, command.txt, run_info.json)",
         ]
     )
