@@ -216,12 +216,18 @@ def build_pipeline(
     )
 
 
+def _first_stage_args(parts: PipelineParts, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # contiguous: the batch is a view of each sample's (seq_len + 1)-token window, and torch 2.11's stages check
+    # every micro-batch's strides against the contiguous metadata they inferred (2.12 and later compare shapes only)
+    return (inputs.contiguous(),) if parts.has_first_stage else ()
+
+
 def pipeline_step(parts: PipelineParts, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
     """One forward + backward over the whole local batch; the mean microbatch loss on last-stage ranks.
 
     Gradients are those of the mean loss over the batch (schedules scale by 1/n_microbatches).
     """
-    args = (inputs,) if parts.has_first_stage else ()
+    args = _first_stage_args(parts, inputs)
     target = labels if parts.has_last_stage else None
     losses: list[torch.Tensor] | None = [] if parts.has_last_stage else None
     # return_outputs=False: the last stage would otherwise keep every microbatch's logits
@@ -236,6 +242,6 @@ def pipeline_eval(parts: PipelineParts, inputs: torch.Tensor, labels: torch.Tens
     """Forward only over the local batch: the mean microbatch loss on last-stage ranks, else None."""
     losses: list[torch.Tensor] = []
     kwargs = {"target": labels, "losses": losses} if parts.has_last_stage else {}
-    args = (inputs,) if parts.has_first_stage else ()
+    args = _first_stage_args(parts, inputs)
     parts.schedule.eval(*args, **kwargs)
     return torch.stack([x.detach() for x in losses]).mean() if losses else None

@@ -223,16 +223,21 @@ def _non_leaf_stage_inputs() -> Iterator[None]:
     def views(args):
         return tuple(a.view_as(a) if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad else a for a in args)
 
-    inference, forward = stage.PipelineStage._compute_outputs, stage.PipelineStage.forward_maybe_with_nosync
-    # metadata inference (first step) and every micro-batch's forward
-    stage.PipelineStage._compute_outputs = lambda self, *args, module, **kw: inference(
-        self, *views(args), module=module, **kw
-    )
+    # metadata inference (first step; torch 2.11 has no _compute_outputs: its _shape_inference runs the stage
+    # under no_grad, which needs no views) and every micro-batch's forward
+    inference = getattr(stage.PipelineStage, "_compute_outputs", None)
+    forward = stage.PipelineStage.forward_maybe_with_nosync
+    if inference is not None:
+        stage.PipelineStage._compute_outputs = lambda self, *args, module, **kw: inference(
+            self, *views(args), module=module, **kw
+        )
     stage.PipelineStage.forward_maybe_with_nosync = lambda self, *args, **kw: forward(self, *views(args), **kw)
     try:
         yield
     finally:
-        stage.PipelineStage._compute_outputs, stage.PipelineStage.forward_maybe_with_nosync = inference, forward
+        stage.PipelineStage.forward_maybe_with_nosync = forward
+        if inference is not None:
+            stage.PipelineStage._compute_outputs = inference
 
 
 def foreach_temp_bytes(optimizer: torch.optim.Optimizer) -> int:
