@@ -164,7 +164,7 @@ def test_a_foreign_pickle_in_metadata_is_refused_without_running_it(tmp_path):
         _manager(tmp_path, _model(1)).load()
     with pytest.raises(ValueError, match=refusal):
         load_model_weights(path)
-    # dcp.load's own read (torch 2.11 and 2.12's DCP hides the reader's error: integrity.load raises it itself)
+    # dcp.load's own read (torch 2.11's DCP hides the reader's error: integrity.load raises it itself)
     with pytest.raises(
         (CheckpointException, integrity.ForeignPickleError), match=r"holds a pickle of (posix|nt|os)\.system"
     ):

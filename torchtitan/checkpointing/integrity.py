@@ -281,7 +281,7 @@ def load(state: dict[str, Any], path: str, *, process_group: Any = None, no_dist
     Raises:
         CheckpointException: DCP's, naming each rank's error.
         ForeignPickleError: the refused ``.metadata``, where DCP reported only "metadata is None" (torch
-            2.11 and 2.12 drop the reader's error; 2.13 and later name it inside their CheckpointException).
+            2.11 drops the reader's error; 2.12 and later name it inside their CheckpointException).
     """
     reader = RestrictedReader(path)
     try:

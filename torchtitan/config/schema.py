@@ -266,7 +266,7 @@ class Experimental:
         "portable",
         "ring attention implementation: portable (ours, any device/backend/torch) or torch (torch's "
         "experimental ring attention: CUDA flash/efficient/cuDNN kernels, and on CPU through our handlers "
-        "for its CPU kernel; private torch names, pinned to torch 2.13)",
+        "for its CPU kernel; private torch names, checked on torch 2.11 to 2.15)",
     )
     pipeline_parallel_degree: int = _f(
         1,

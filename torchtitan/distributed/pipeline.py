@@ -79,6 +79,12 @@ class _Stage(PipelineStage):
         finally:
             _shape_inference_depth -= 1
 
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+        # torch 2.11 warms up each neighbour with a send and a receive, a neighbour on this rank too (the V
+        # schedules' middle stages), which gloo cannot do (it has no pair to itself: "Pair is not connected").
+        # torch 2.12 and later warm PipelineStages up another way and never call this.
+        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
 
 class _OutputReleasingStage(_Stage):
     """A stage that frees each forward output's storage once its send has completed.

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args, softmax_scale_multiplier
+from torchtitan.models.init import trunc_normal_
 from torchtitan.models.llama.model import (
     CausalAttention,
     FeedForward,
@@ -65,8 +66,8 @@ class MLAttention(nn.Module):
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wq_a, self.wq_b, self.wkv_a, self.wkv_b):
             if linear is not None:
-                nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+                trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
         for norm in (self.q_norm, self.kv_norm):
             if norm is not None:
                 norm.reset_parameters()

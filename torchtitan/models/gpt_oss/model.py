@@ -23,6 +23,7 @@ from torch import nn
 from torchtitan.models.attention import apply_sinks, masked_attention_with_lse
 from torchtitan.models.gpt_oss.args import GptOssArgs
 from torchtitan.models.gpt_oss.moe import GptOssMoE
+from torchtitan.models.init import trunc_normal_
 from torchtitan.models.llama.model import Attention, TransformerBlock, compute_rope_cache
 from torchtitan.models.moe.model import MoETransformer
 from torchtitan.models.moe.moe import _local
@@ -80,7 +81,7 @@ class GptOssAttention(Attention):
         super().init_weights(init_std)
         for linear in (self.wq, self.wk, self.wv, self.wo):
             nn.init.zeros_(linear.bias)
-        nn.init.trunc_normal_(self.sinks, mean=0.0, std=0.02)  # transformers: normal(0, initializer_range)
+        trunc_normal_(self.sinks, mean=0.0, std=0.02)  # transformers: normal(0, initializer_range)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
         sinks = _local(self.sinks)  # (local n_heads,): this rank's heads under TP

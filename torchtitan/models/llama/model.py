@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.attention import ATTENTION_BACKENDS, DocumentLayoutCache, block_causal_attention
+from torchtitan.models.init import trunc_normal_
 
 
 @dataclass(frozen=True)
@@ -177,8 +178,8 @@ class Attention(nn.Module):
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+            trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.reset_parameters()
@@ -224,9 +225,9 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(args.dim, hidden, bias=False)
 
     def init_weights(self, init_std: float) -> None:
-        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
         for linear in (self.w2, self.w3):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
+            trunc_normal_(linear.weight, mean=0.0, std=init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -327,7 +328,7 @@ class Transformer(nn.Module):
 
     def _init_head(self, weight: torch.Tensor) -> None:
         std = self.args.dim**-0.5
-        nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Fill every parameter and buffer (after ``to_empty``) from the global RNG."""

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan.models.init import trunc_normal_
 from torchtitan.models.llama.model import FeedForward
 from torchtitan.models.moe.args import MoEArgs
 
@@ -55,7 +56,7 @@ class TokenChoiceRouter(nn.Module):
         self.num_groups, self.top_k_groups, self.route_scale = num_groups, top_k_groups, route_scale
 
     def init_weights(self) -> None:
-        nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=0.02)
+        trunc_normal_(self.gate.weight, mean=0.0, std=0.02)
 
     def forward(
         self, x: torch.Tensor, expert_bias: torch.Tensor | None = None
@@ -114,9 +115,9 @@ class GroupedExperts(nn.Module):
 
     def init_weights(self, init_std: float) -> None:
         """As llama's FeedForward: w1 at std 0.02, w2/w3 at the block's depth-scaled std."""
-        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
+        trunc_normal_(self.w1, mean=0.0, std=0.02)
         for w in (self.w2, self.w3):
-            nn.init.trunc_normal_(w, mean=0.0, std=init_std)
+            trunc_normal_(w, mean=0.0, std=init_std)
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x (T, dim) sorted by expert; num_tokens_per_expert (E_local,) summing to T -> (T, dim).
