@@ -55,7 +55,8 @@ def _candidates(path: str) -> list[tuple[int, str]]:
             while text.endswith("\\") and j + 1 < len(lines):
                 j += 1
                 text = text[:-1].rstrip() + " " + lines[j].strip().lstrip("#").strip()
-            out.append((i + 1, text.split("  #")[0].split("   (")[0].strip()))
+            text = re.sub(r"\s+\([^()]*\)$", "", text.split("  #")[0].strip())  # a trailing "(32 nodes of ...)"
+            out.append((i + 1, text))
     return out
 
 
@@ -65,7 +66,8 @@ def _documented_commands() -> list[tuple[str, str]]:
     for pattern in SOURCES:
         for path in sorted(glob.glob(os.path.join(ROOT, pattern))):
             for line_no, text in _candidates(path):
-                if _COMMAND.match(text) and "<" not in text and "$" not in text:  # no templates (<dump>, "$@")
+                # no templates: <dump>, "$@", a placeholder word such as --world_size N
+                if _COMMAND.match(text) and not re.search(r"[<$]|\s[A-Z]+(\s|$)", text):
                     found.append((f"{os.path.relpath(path, ROOT)}:{line_no}", text))
     return found
 
