@@ -223,8 +223,16 @@ def _gpipe_peak(mesh, release: bool, x, y) -> tuple[int, torch.Tensor | None, di
     pipeline_step(parts, x, y)  # the first step also infers shapes; measure the second
     for part in parts.model_parts:
         part.zero_grad(set_to_none=True)
+    held: list[torch.Tensor] = []  # without release: every sent output alive to the end, as stock torch 2.13 keeps it
+    hooks = [
+        part.register_forward_hook(lambda _m, _args, out: held.append(out))
+        for part, stage in zip(parts.model_parts, parts.stages)
+        if not release and not stage.is_last
+    ]
     with _LiveBytes() as live:
         loss = pipeline_step(parts, x, y)
+    for hook in hooks:
+        hook.remove()
     grads = {n: p.grad for part in parts.model_parts for n, p in part.named_parameters()}
     return live.peak, loss, grads
 
@@ -244,7 +252,8 @@ def _measure_gpipe_memory(rank: int, world: int) -> dict[str, int]:
 
 
 def test_gpipe_releases_sent_outputs():
-    """Stock torch 2.13 keeps all 8 of stage 0's sent outputs alive through the backward; we free them."""
+    """Stock torch 2.13 keeps all 8 of stage 0's sent outputs alive through the backward; we free them (torch 2.15
+    frees them itself: the baseline then holds them by a forward hook, as 2.13 does)."""
     stats = run_distributed(_measure_gpipe_memory, 2)
     out_bytes = (MEM_BATCH // MEM_MB) * MEM_SEQ * MEM_ARGS.dim * 4  # one stage output, fp32
     saved = stats[0]["kept_peak"] - stats[0]["freed_peak"]

@@ -1,13 +1,18 @@
-"""The two tensor collectives whose names changed between torch releases: the one seam for the rename.
+"""The c10d names that changed between torch releases: the one seam for them.
 
-torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``all_gather_single`` /
+Collectives: torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``all_gather_single`` /
 ``reduce_scatter_single`` (the old names remain as deprecated aliases that warn); torch 2.11 has only the old
 names. FSDP2 calls whichever its torch has, so the estimator, which wraps FSDP's collectives, patches
 ``torch.distributed`` by the names below; our own calls go through the functions here, which look the name up
 at call time so such a patch sees them too.
+
+Timeouts: torch 2.15 has a public ``set_timeout`` and deprecates the private ``_set_pg_timeout`` (with a warning)
+that 2.11 to 2.13 offer only.
 """
 
 from __future__ import annotations
+
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -32,3 +37,13 @@ def reduce_scatter_single(
 ):
     """``dist.reduce_scatter_single`` (``reduce_scatter_tensor`` before torch 2.13): this rank's chunk of the sum."""
     return getattr(dist, REDUCE_SCATTER)(output, input, op=op, group=group, async_op=async_op)
+
+
+def set_timeout(timeout: timedelta, group: dist.ProcessGroup | None = None) -> None:
+    """``dist.set_timeout`` where torch has it, else ``_set_pg_timeout``: the timeout of later collectives."""
+    if hasattr(dist, "set_timeout"):
+        dist.set_timeout(timeout, group)
+    else:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(timeout, group)

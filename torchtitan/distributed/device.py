@@ -9,6 +9,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from torchtitan.distributed.c10d_compat import set_timeout
+
 
 @dataclass(frozen=True)
 class DeviceInfo:
@@ -46,9 +48,7 @@ def init_distributed(info: DeviceInfo, timeout_s: int, trace_buf_size: int = 0) 
 def set_pg_timeout(timeout_s: int) -> None:
     """Shorten the collective timeout once the first (slow, compiling) step is done."""
     if dist.is_initialized():
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-
-        _set_pg_timeout(timedelta(seconds=timeout_s), None)
+        set_timeout(timedelta(seconds=timeout_s))
 
 
 def synchronize(device: torch.device) -> None:

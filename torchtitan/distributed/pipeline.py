@@ -10,7 +10,9 @@ GPipe memory: torch 2.13's GPipe (and its runtime schedules) keep every forward-
 the end of ``step``, and a gloo ``Work`` holds its tensor until it is destroyed, so every
 microbatch's stage output stays alive through the whole backward even though autograd only
 needs its ``grad_fn``. ``_OutputReleasingStage`` sends the activations itself, waits for the send
-one microbatch later, then swaps the output's storage for a one-element placeholder.
+one microbatch later, then swaps the output's storage for a one-element placeholder. torch 2.15's
+stages drop a sent output themselves once its send completes (``release_fwd_send_outputs``, keeping
+only its gradient edge for backward); there the plain stage is used.
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ def in_shape_inference() -> bool:
     counts (expert_load.py), must be ignored.
     """
     return _shape_inference_depth > 0
+
+
+# torch 2.15's stages release a sent forward output themselves (and no longer keep ``fwd_cache``)
+TORCH_RELEASES_SENT_OUTPUTS = hasattr(PipelineStage, "release_fwd_send_outputs")
 
 
 class _Stage(PipelineStage):
@@ -195,14 +201,16 @@ def build_pipeline(
     """Build this rank's stages (each a fresh meta model pruned by ``split_fn``), finish each, build the schedule.
 
     ``finish_stage`` applies TP/AC/compile/FSDP, ``to_empty`` and init to one part in place.
-    ``release_sent_outputs`` (GPipe only) frees each stage output once sent; see _OutputReleasingStage.
+    ``release_sent_outputs`` (GPipe only) frees each stage output once sent; see _OutputReleasingStage (torch
+    2.15 does it itself: the flag changes nothing there).
     """
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     layout = resolve_stage_layout(n_layers, pp, schedule, split_points, csv_path)
     canonical = canonical_schedule(schedule, csv_path)
     num_stages = len(layout)
     validate_microbatches(canonical, n_microbatches, local_batch_size, num_stages, pp)
-    stage_cls = _OutputReleasingStage if release_sent_outputs and canonical == "GPipe" else _Stage
+    ours = release_sent_outputs and canonical == "GPipe" and not TORCH_RELEASES_SENT_OUTPUTS
+    stage_cls = _OutputReleasingStage if ours else _Stage
     parts, stages = [], []
     for stage_id in stage_ids_for_rank(pp_rank, pp, num_stages, canonical):
         first, end = layout[stage_id]
