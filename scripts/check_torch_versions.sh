@@ -32,9 +32,12 @@ SMOKE=(
   tests/test_estimation.py::test_depth_extrapolation_equals_the_full_depth_run
 )
 
-# This machine's pip configuration may cap torch (a constraints file); a constraints file of our own replaces
-# it for these installs and holds torch at VERSION, so no dependency can move it. (Called from an `if`, where
-# bash ignores `set -e`: every step checks its own status.)
+# This machine's pip configuration may cap torch with a constraints file; PIP_CONSTRAINT=/dev/null lifts it for
+# these installs (an empty PIP_CONSTRAINT does not: pip then keeps the configured file). The package is installed
+# with nothing holding torch, so the check after it is the acceptance check: `pip install -e .` keeps the torch the
+# environment has. Only a dev requirement installed one by one (after `.[dev]` failed to resolve) is held to this
+# torch by a constraints file, so it fails instead of moving torch. (Called from an `if`, where bash ignores
+# `set -e`: every step checks its own status.)
 install() {
   local version=$1 venv=$2 log=$3
   if [[ -x $venv/bin/python ]] && "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$version')" 2>/dev/null; then
@@ -43,15 +46,16 @@ install() {
     rm -rf "$venv"
     "$PYTHON" -m venv "$venv" || return 1
   fi
-  echo "torch==$version" >"$venv/constraints.txt"
-  local pip=(env "PIP_CONSTRAINT=$venv/constraints.txt" "$venv/bin/python" -m pip install --disable-pip-version-check)
+  local pip=(env PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install --disable-pip-version-check)
   "${pip[@]}" "torch==$version" >>"$log" 2>&1 || return 1
   if ! "${pip[@]}" -e ".[dev]" >>"$log" 2>&1; then
     # a dev requirement that cannot install next to this torch: install the rest; its feature refuses in one line
     "${pip[@]}" -e . >>"$log" 2>&1 || return 1
+    echo "torch==$version" >"$venv/constraints.txt"
     local req
     while read -r req; do
-      "${pip[@]}" "$req" >>"$log" 2>&1 || echo "NOT INSTALLED with torch $version: $req" | tee -a "$log"
+      env "PIP_CONSTRAINT=$venv/constraints.txt" "$venv/bin/python" -m pip install --disable-pip-version-check \
+        "$req" >>"$log" 2>&1 || echo "NOT INSTALLED with torch $version: $req" | tee -a "$log"
     done < <("$venv/bin/python" -c "
 try:
     import tomllib

@@ -6,8 +6,8 @@ names. FSDP2 calls whichever its torch has, so the estimator, which wraps FSDP's
 ``torch.distributed`` by the names below; our own calls go through the functions here, which look the name up
 at call time so such a patch sees them too.
 
-Timeouts: torch 2.15 has a public ``set_timeout`` and deprecates the private ``_set_pg_timeout`` (with a warning)
-that 2.11 to 2.13 offer only.
+Timeouts: torch 2.14 added a public ``set_timeout`` and deprecated the private ``_set_pg_timeout`` (with a
+FutureWarning), which is all 2.11 to 2.13 have.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def in_shape_inference() -> bool:
     return _shape_inference_depth > 0
 
 
-# torch 2.15's stages release a sent forward output themselves (and no longer keep ``fwd_cache``)
+# torch 2.15's stages release a sent forward output themselves (and no longer keep ``fwd_cache``); 2.11-2.14 do not
 TORCH_RELEASES_SENT_OUTPUTS = hasattr(PipelineStage, "release_fwd_send_outputs")
 
 
