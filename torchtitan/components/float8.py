@@ -195,10 +195,27 @@ def _probe_scaled_mm(device_type: str) -> None:
     try:
         torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     except (RuntimeError, NotImplementedError) as e:
+        if device_type == "cpu" and torch.backends.mkldnn.enabled and _runs_without_onednn(a, one):
+            # oneDNN builds no float8 matmul for this CPU's ISA (seen with oneDNN held to AVX2); torch's own does
+            logger.info(
+                "float8 on CPU: oneDNN cannot run a float8 GEMM here (%s); oneDNN is turned off for this process",
+                str(e).splitlines()[0],
+            )
+            torch.backends.mkldnn.enabled = False
+            return
         raise NotImplementedError(
             f"float8.enable_float8_linear = true: torch {torch.__version__} cannot run a float8 GEMM "
             f"(torch._scaled_mm) on device '{device_type}': {str(e).splitlines()[0]}; turn float8 off"
         ) from e
+
+
+def _runs_without_onednn(a: torch.Tensor, one: torch.Tensor) -> bool:
+    try:
+        with torch.backends.mkldnn.flags(enabled=False):
+            torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 @functools.cache
@@ -248,6 +265,8 @@ def choose_cpu_float8_gemm() -> None:
     CPUs that path is far slower than torch's own (measured on a Xeon with AMX: 200-300x at 64-512 rows, 17.8 s
     for one forward and backward of a 2-layer MLP). Measured once per process: more than 10x slower, and oneDNN
     is off for this process (which also slows its bf16 GEMMs: a float8 CPU run is fp32 otherwise)."""
+    if not torch.backends.mkldnn.enabled:  # off already (the probe found oneDNN without a float8 GEMM)
+        return
     slowdown = _onednn_float8_slowdown()
     if slowdown > 10:
         if torch.backends.mkldnn.enabled:
