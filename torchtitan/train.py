@@ -32,7 +32,7 @@ from torchtitan.distributed.mesh import WorldMesh
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.dtypes import to_dtype
 from torchtitan.fault_tolerance.errors import ReplicaGroupsFailed
-from torchtitan.launch.failures import report_exception, report_failure
+from torchtitan.launch.failures import exit_without_finalization, report_exception, report_failure
 from torchtitan.launch.parent_watch import watch_parent
 from torchtitan.launch.run_folder import RunLock, checkpoint_root, run_folder, set_aside_earlier_run
 from torchtitan.observability.console import format_layout, format_start_summary
@@ -396,4 +396,4 @@ def main(argv: list[str] | None = None, *, builders: TrainerBuilders | None = No
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_finalization(main)

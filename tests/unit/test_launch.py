@@ -286,3 +286,27 @@ def _running(pid: int) -> bool:
 def test_no_watch_without_a_launcher(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert watch_parent() is False
+
+
+@pytest.mark.parametrize(
+    "body, code, err",
+    [("return 3", 3, ""), ("return None", 0, ""), ("raise SystemExit('bad flag')", 1, "bad flag")],
+    ids=["code", "none", "system-exit-message"],
+)
+def test_a_rank_leaves_with_its_code_and_flushed_logs_without_finalization(body, code, err):
+    """``python -m torchtitan.train``'s exit path (pytorch#179291: gloo threads can abort finalization)."""
+    script = textwrap.dedent(
+        f"""
+        import atexit, logging, sys
+        from torchtitan.launch.failures import exit_without_finalization
+        logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
+        atexit.register(lambda: print("finalized"))  # must not run: the process leaves before finalization
+        def main():
+            logging.info("logged before exit")
+            {body}
+        exit_without_finalization(main)
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert run.returncode == code, run.stderr
+    assert run.stdout.splitlines() == ["logged before exit"] and err in run.stderr, (run.stdout, run.stderr)

@@ -290,7 +290,7 @@ def grouped_mm_patches() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def gloo_frees_in_order(timeout_s: float = 5.0) -> Iterator[None]:
+def gloo_frees_in_order(timeout_s: float = 120.0) -> Iterator[None]:
     """The real (tracked) run only, on gloo: FSDP's all-gather and reduce-scatter return once
     gloo's worker thread has let go of the finished work.
 
@@ -314,7 +314,12 @@ def gloo_frees_in_order(timeout_s: float = 5.0) -> Iterator[None]:
             work.wait()
             del work
             deadline = time.monotonic() + timeout_s
-            while torch._C._storage_Use_Count(storage) > before and time.monotonic() < deadline:
+            while torch._C._storage_Use_Count(storage) > before:
+                if time.monotonic() > deadline:  # measuring on would race again: say so instead
+                    raise RuntimeError(
+                        f"gloo's worker thread still holds a finished {real.__name__} after {timeout_s:.0f} s: "
+                        "the tracked peak would not be repeatable (an overloaded machine?)"
+                    )
                 time.sleep(0)  # the worker thread still holds the finished work
             return None  # FSDP waits only on a returned Work: this one is done
 

@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 LAUNCHER_ENV = "TORCHTITAN_LAUNCHER"  # set by our launcher: it prints the ranks' failures
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torchelastic for each rank
@@ -226,3 +229,24 @@ def _group(failures: list[Failure]) -> list[tuple[str, list[Failure]]]:
     for f in sorted(failures, key=lambda f: f.time):
         groups.setdefault(f.message, []).append(f)
     return list(groups.items())
+
+
+def exit_without_finalization(main: Callable[[], int | None]) -> NoReturn:
+    """Run a rank's entry point, then leave with its exit code without interpreter finalization.
+
+    A finished run has closed its files and destroyed its process groups, but gloo's worker threads can still
+    hold finished works whose tensors need the GIL to be freed; during finalization that aborts the process now
+    and then ("terminate called without an active exception", SIGABRT; pytorch/pytorch#179291, unfixed), and a
+    complete run exits as a crash: the launcher restarts it or reports a failure. Streams and logging handlers
+    are flushed first; nothing else in the trainer relies on ``atexit``.
+    """
+    try:
+        code = main()
+    except SystemExit as e:  # sys.exit inside: keep its meaning
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
