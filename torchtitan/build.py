@@ -135,7 +135,17 @@ def build_data_loader(training: Training, tokenizer: Any, shard: DataShard) -> I
         from torchtitan.datasets.sft.loader import build_sft_data_loader
 
         return build_sft_data_loader(t.dataset, t.dataset_path, tokenizer, t, groups, num_streams)
-    return build_hf_data_loader(t.dataset, t.dataset_path, tokenizer, t.seq_len, groups, num_streams)
+    return build_hf_data_loader(
+        t.dataset,
+        t.dataset_path,
+        tokenizer,
+        t.seq_len,
+        groups,
+        num_streams,
+        mix=t.dataset_mix,
+        seed=t.seed or 0,
+        restart_mix=t.dataset_mix_restart,
+    )
 
 
 def _build_world_mesh(parallel_dims: ParallelDims, device_type: str) -> DeviceMesh | None:
