@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from tests.unit.test_indexed_format import TOKENIZER, write_jsonl
 from torchtitan.config.errors import ConfigError
 from torchtitan.datasets.hf_datasets import build_hf_data_loader, compute_stream_groups, merge_data_states
 from torchtitan.datasets.indexed.blend import BlendRule, parse_mix
 from torchtitan.datasets.indexed.tokenize import tokenize_to_indexed
-from tests.unit.test_indexed_format import TOKENIZER, write_jsonl
 
 SEQ = 32
 GLOBAL = 8  # samples per step
@@ -47,7 +47,14 @@ def loaders(tokenizer, mix, dp: int, batch: int, accum: int, **kw):
     """One loader per data-parallel rank."""
     return [
         build_hf_data_loader(
-            "pydocs", None, tokenizer, SEQ, compute_stream_groups(r, dp, batch, accum), dp * batch * accum, mix=mix, **kw
+            "pydocs",
+            None,
+            tokenizer,
+            SEQ,
+            compute_stream_groups(r, dp, batch, accum),
+            dp * batch * accum,
+            mix=mix,
+            **kw,
         )
         for r in range(dp)
     ]
