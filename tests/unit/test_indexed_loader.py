@@ -189,3 +189,10 @@ def test_unknown_source_and_a_corpus_shorter_than_one_sample_are_one_line(source
     with pytest.raises(ValueError) as e:
         build_hf_data_loader("pydocs", str(tmp_path / "tiny"), tokenizer, SEQ, [[0]], 1)
     assert "fewer than one sample of training.seq_len + 1 = 33" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_preflight_knows_the_streamed_names():
+    from torchtitan.datasets.indexed.checks import STREAMED
+    from torchtitan.datasets.registry import DATASETS
+
+    assert set(STREAMED) == {name for name, spec in DATASETS.items() if spec.default_path is None}

@@ -62,6 +62,12 @@ def parse_mix(entries: Sequence[str]) -> list[MixEntry]:
     return [MixEntry(s, w / total) for s, w in parsed]
 
 
+def describe_sources(dataset: str, dataset_path: str | None, mix: Sequence[str] | None) -> dict[str, list]:
+    """The training data's sources and normalised weights, for run_info.json: the mix's, else the one dataset."""
+    entries = parse_mix(mix) if mix is not None else [MixEntry(dataset_path or dataset, 1.0)]
+    return {"sources": [e.source for e in entries], "weights": [e.weight for e in entries]}
+
+
 class BlendRule:
     """Megatron's blending rule, resumable: ``counts[j]`` samples of source j taken since the mix started."""
 
