@@ -12,9 +12,11 @@ import torch
 
 from tests.unit.test_indexed_format import TOKENIZER, write_jsonl
 from torchtitan.config.errors import ConfigError
-from torchtitan.datasets.hf_datasets import build_hf_data_loader, compute_stream_groups, merge_data_states
-from torchtitan.datasets.indexed.blend import BlendRule, parse_mix
+from torchtitan.config.mix import parse_mix
+from torchtitan.datasets.hf_datasets import compute_stream_groups, merge_data_states
+from torchtitan.datasets.indexed.blend import BlendRule
 from torchtitan.datasets.indexed.tokenize import tokenize_to_indexed
+from torchtitan.datasets.text_loader import build_text_data_loader
 
 SEQ = 32
 GLOBAL = 8  # samples per step
@@ -46,7 +48,7 @@ def mix_of(sources, weights=(0.5, 0.3, 0.2)) -> list[str]:
 def loaders(tokenizer, mix, dp: int, batch: int, accum: int, **kw):
     """One loader per data-parallel rank."""
     return [
-        build_hf_data_loader(
+        build_text_data_loader(
             "pydocs",
             None,
             tokenizer,
@@ -187,7 +189,7 @@ def test_unknown_source_and_a_corpus_shorter_than_one_sample_are_one_line(source
     tiny = write_jsonl(tmp_path / "tiny.jsonl", ["a b"])
     tokenize_to_indexed(tiny, str(tmp_path / "tiny"), TOKENIZER, progress=io.StringIO())
     with pytest.raises(ValueError) as e:
-        build_hf_data_loader("pydocs", str(tmp_path / "tiny"), tokenizer, SEQ, [[0]], 1)
+        build_text_data_loader("pydocs", str(tmp_path / "tiny"), tokenizer, SEQ, [[0]], 1)
     assert "fewer than one sample of training.seq_len + 1 = 33" in str(e.value) and "\n" not in str(e.value)
 
 

@@ -273,33 +273,15 @@ def build_hf_data_loader(
     seq_len: int,
     stream_groups: list[list[int]],
     num_streams: int,
-    *,
-    mix: list[str] | None = None,
-    seed: int = 0,
-    restart_mix: bool = False,
 ) -> ParallelAwareDataloader:
-    """Build the data loader of one data-parallel rank.
+    """Build the data loader of one data-parallel rank over text streams (datasets/text_loader.py chooses it).
 
     Args:
         dataset_name: a registered name ("pydocs", "c4", "c4_test", "fineweb").
-        dataset_path: local file/folder (or, for hub datasets, a hub id) overriding the source; an indexed
-            dataset (datasets/indexed/) is read memory-mapped.
+        dataset_path: local file/folder (or, for hub datasets, a hub id) overriding the source.
         stream_groups: this rank's streams, one group per micro-batch (`compute_stream_groups`).
         num_streams: global batch size in samples (dp_degree * local_batch_size * grad_accum_steps).
-        mix: ``training.dataset_mix`` entries (a weighted blend, read as indexed data is), or None.
-        seed, restart_mix: an indexed source's shuffle seed; ``training.dataset_mix_restart``.
     """
-    from torchtitan.datasets.indexed.format import find_prefixes
-
-    if mix is not None or (dataset_path is not None and find_prefixes(dataset_path) is not None):
-        from torchtitan.datasets.indexed.blend import MixEntry, parse_mix
-        from torchtitan.datasets.indexed.loader import build_indexed_data_loader
-
-        entries = parse_mix(mix) if mix is not None else [MixEntry(str(dataset_path), 1.0)]
-        key = "training.dataset_mix" if mix is not None else "dataset_path"
-        return build_indexed_data_loader(
-            entries, tokenizer, seq_len, stream_groups, num_streams, seed=seed, restart_mix=restart_mix, key=key
-        )
     data, text_field = load_text_dataset(dataset_name, dataset_path)
     dataset = HuggingFaceDataset(dataset_name, data, text_field, tokenizer, seq_len, stream_groups, num_streams)
     return ParallelAwareDataloader(dataset)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torchtitan.datasets.indexed.blend import describe_sources
+from torchtitan.config.mix import describe_sources
 from torchtitan.distributed.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:

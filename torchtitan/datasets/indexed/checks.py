@@ -8,7 +8,7 @@ import os
 from typing import TYPE_CHECKING
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.datasets.indexed.blend import MIX_KEY, parse_mix
+from torchtitan.config.mix import MIX_KEY, parse_mix
 from torchtitan.datasets.indexed.format import IndexedFile, find_prefixes
 
 if TYPE_CHECKING:

@@ -24,8 +24,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.config.mix import MIX_KEY, MixEntry
 from torchtitan.datasets.hf_datasets import ParallelAwareDataloader, first_group, validate_groups
-from torchtitan.datasets.indexed.blend import MIX_KEY, BlendRule, MixEntry
+from torchtitan.datasets.indexed.blend import BlendRule
 from torchtitan.datasets.indexed.sources import WindowSource, build_sources
 from torchtitan.datasets.tokenizer import Tokenizer
 
