@@ -42,6 +42,10 @@ def mix(*entries: str) -> list[str]:
         (mix("D/bad_magic.bin:1"), "is not a Megatron-LM indexed dataset index"),
         (["--training.dataset_path", "D/bad_magic"], "training.dataset_path = 'D/bad_magic': 'D/bad_magic.idx' is not"),
         ([*mix("D/web:1"), "--training.dataset_path", "D/web"], "training.dataset_mix and training.dataset_path"),
+        (
+            [*mix("D/web:1"), "--fault_tolerance.enable", "--fault_tolerance.group_size", "2"],
+            "with fault_tolerance.enable = true is not supported yet",
+        ),
     ],
     ids=[
         "negative",
@@ -53,12 +57,14 @@ def mix(*entries: str) -> list[str]:
         "magic",
         "path-magic",
         "both",
+        "fault-tolerance",
     ],
 )
 def test_bad_blend_or_indexed_data_is_one_line_before_launch(args, expected, data, capsys, monkeypatch):
     from torchtitan.preflight.__main__ import main
 
     monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://localhost:29510")  # the fault-tolerance case's machine check
     args = [a.replace("D/", data + "/") for a in args]
     code = main(["--world_size", "2", "--job.config_file", "./train_configs/debug_model.toml", *args])
     out = capsys.readouterr()
