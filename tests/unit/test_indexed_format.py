@@ -79,7 +79,8 @@ def test_tokenize_data_equals_megatron_builder_and_workers_do_not_matter(corpus)
     assert len(dataset) == len(docs) and all(list(dataset[i]) == docs[i] for i in (0, 2, 3, len(docs) - 1))
     mine = IndexedFile(theirs)
     assert mine.dtype == np.uint16 and mine.num_tokens == sum(map(len, docs))
-    assert mine.tokens.tolist() == [t for d in docs for t in d]
+    assert mine.tokens[0 : mine.num_tokens].tolist() == [t for d in docs for t in d]
+    assert mine.tokens[5:9].tolist() == [t for d in docs for t in d][5:9]
     assert find_prefixes(theirs + ".idx") == find_prefixes(theirs + ".bin") == find_prefixes(theirs) == [theirs]
 
 

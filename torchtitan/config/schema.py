@@ -134,7 +134,7 @@ class Training:
     dataset_path: str | None = _f(
         None,
         "local file/folder (or hub id; fine-tuning: a dataset in the local HF cache) to read the dataset from; an "
-        "indexed dataset (PREFIX, PREFIX.bin/.idx or a folder of them, scripts/tokenize_data.py) is memory-mapped",
+        "indexed dataset (PREFIX, PREFIX.bin/.idx or a folder of them, scripts/tokenize_data.py) is read window by window",
     )
     dataset_mix: list[str] | None = _f(
         None,

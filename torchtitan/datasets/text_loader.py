@@ -21,7 +21,7 @@ def build_text_data_loader(
     seed: int = 0,
     restart_mix: bool = False,
 ) -> ParallelAwareDataloader:
-    """A blend (``mix``: ``training.dataset_mix``'s entries) or an indexed ``dataset_path`` is read memory-mapped
+    """A blend (``mix``: ``training.dataset_mix``'s entries) or an indexed ``dataset_path`` is read window by window
     (``seed``: its shuffle; ``restart_mix``: ``training.dataset_mix_restart``); anything else as text streams.
     The other arguments are ``build_hf_data_loader``'s."""
     if mix is None and (dataset_path is None or find_prefixes(dataset_path) is None):

@@ -1,4 +1,4 @@
-"""Megatron-LM's indexed dataset format (``MMIDIDX``, version 1): write it, read it memory-mapped.
+"""Megatron-LM's indexed dataset format (``MMIDIDX``, version 1): write it, read it window by window.
 
 ``PREFIX.bin`` is the token ids of every document back to back, in one integer dtype. ``PREFIX.idx`` is::
 
@@ -130,8 +130,32 @@ def read_header(idx_path: str) -> tuple[type[np.number], int, int]:
     return DTYPES[code], sequences, documents
 
 
+class FileTokens:
+    """The token ids of a ``.bin``, sliced like an array: each slice is one positioned read (``os.pread``) of just
+    those tokens. Reads come from the page cache like a memory map's, but nothing stays mapped into the process:
+    its memory does not grow with the part of the corpus read so far (bench/data.py measures it)."""
+
+    def __init__(self, path: str, dtype: type[np.number], num_tokens: int) -> None:
+        self.path, self.dtype, self.num_tokens = path, np.dtype(dtype), num_tokens
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        start, stop, step = index.indices(self.num_tokens)
+        assert step == 1, "token reads are contiguous"
+        count = max(stop - start, 0)
+        data = os.pread(self._fd, count * self.dtype.itemsize, start * self.dtype.itemsize)
+        return np.frombuffer(data, dtype=self.dtype, count=count)
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+
+
 class IndexedFile:
-    """One ``PREFIX``: its token ids memory-mapped (nothing of the corpus is read until a window is asked for).
+    """One ``PREFIX``: its token ids read on demand (nothing of the corpus is read until a window is asked for).
 
     Only the index's header and last sequence are read here: memory grows with what is touched, never with the
     corpus. Sequences are read as one token stream, in file order (a Megatron file's pointers are consecutive).
@@ -158,7 +182,7 @@ class IndexedFile:
                 "or belongs to another index: write both again"
             )
         self.num_tokens = need // itemsize
-        self.tokens = np.memmap(bin_path, dtype=self.dtype, mode="r", shape=(self.num_tokens,)) if need else None
+        self.tokens = FileTokens(bin_path, self.dtype, self.num_tokens) if need else None
 
     def max_id_bound(self) -> int:
         """The largest id the dtype can hold."""

@@ -1,4 +1,4 @@
-"""The memory-mapped, layout-invariant loader of indexed datasets and weighted blends.
+"""The layout-invariant loader of indexed datasets and weighted blends (windows read on demand, format.py).
 
 Invariant (as for text streams, hf_datasets.py): the samples of global batch k are a function of k only.
 Row s of step t is global sample ``n = t * S + s`` (S = num_streams). Megatron's blending rule (blend.py),

@@ -1,4 +1,4 @@
-"""The sources of a blend as token streams cut into windows: indexed datasets (memory-mapped) or local text
+"""The sources of a blend as token streams cut into windows: indexed datasets (read on demand) or local text
 (tokenized once at start, in memory), each read window by window in a seeded order that is new every epoch."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.datasets.indexed.format import IndexedFile, check_vocab, find_prefixes
+from torchtitan.datasets.indexed.format import FileTokens, IndexedFile, check_vocab, find_prefixes
 from torchtitan.datasets.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ class WindowSource:
     epoch ``i // num_windows``, position ``i % num_windows`` of that permutation.
     """
 
-    def __init__(self, name: str, parts: list[np.ndarray], window: int, seed: int) -> None:
+    def __init__(self, name: str, parts: list[np.ndarray | FileTokens], window: int, seed: int) -> None:
         self.name = name
         self.parts = parts
         self.starts = np.cumsum([0] + [len(p) for p in parts])  # token offset of each part
@@ -78,8 +78,8 @@ class WindowSource:
         return np.concatenate(pieces)
 
 
-def indexed_parts(path: str, vocab_size: int, name: str) -> list[np.ndarray] | None:
-    """The memory-mapped token arrays of the indexed dataset(s) ``path`` names, checked against the vocabulary;
+def indexed_parts(path: str, vocab_size: int, name: str) -> list[np.ndarray | FileTokens] | None:
+    """The token arrays (read on demand) of the indexed dataset(s) ``path`` names, checked against the vocabulary;
     None when ``path`` names no indexed dataset."""
     prefixes = find_prefixes(path)
     if prefixes is None:
