@@ -119,6 +119,15 @@ def test_mid_step_state_resumes_on_the_next_micro_batch(sources, tokenizer):
     assert torch.equal(torch.cat(got[:4]), ref[0]) and torch.equal(torch.cat(got[4:]), ref[1])
 
 
+def test_text_and_indexed_states_do_not_load_into_each_other(sources, tokenizer):
+    (indexed,) = loaders(tokenizer, mix_of(sources), 1, GLOBAL, 1)
+    text = build_text_data_loader("pydocs", sources["web_jsonl"], tokenizer, SEQ, [list(range(GLOBAL))], GLOBAL)
+    with pytest.raises(ValueError, match="data state is indexed data or a blend"):
+        text.load_state_dict(indexed.state_dict())
+    with pytest.raises(ConfigError, match="data state is text streams"):
+        indexed.load_state_dict(text.state_dict())
+
+
 def test_changed_mix_is_refused_in_one_line_unless_restart(sources, tokenizer):
     mix = mix_of(sources)
     (one,) = loaders(tokenizer, mix, 1, GLOBAL, 1)

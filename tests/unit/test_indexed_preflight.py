@@ -18,6 +18,8 @@ def data(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("preflight")
     jsonl = write_jsonl(folder / "web.jsonl", [f"web page {i} " * 9 for i in range(50)])
     tokenize_to_indexed(jsonl, str(folder / "web"), TOKENIZER, progress=io.StringIO())
+    tiny = write_jsonl(folder / "tiny.jsonl", ["a b c"])
+    tokenize_to_indexed(tiny, str(folder / "tiny"), TOKENIZER, progress=io.StringIO())
     for broken in ("no_idx", "bad_magic"):
         shutil.copy(folder / "web.bin", folder / f"{broken}.bin")
     shutil.copy(folder / "web.idx", folder / "bad_magic.idx")
@@ -43,6 +45,10 @@ def mix(*entries: str) -> list[str]:
         (["--training.dataset_path", "D/bad_magic"], "training.dataset_path = 'D/bad_magic': 'D/bad_magic.idx' is not"),
         ([*mix("D/web:1"), "--training.dataset_path", "D/web"], "training.dataset_mix and training.dataset_path"),
         (
+            mix("D/web:1", "D/tiny:1"),
+            "source = 'D/tiny' has 5 tokens, fewer than one sample of training.seq_len + 1 = 257",
+        ),
+        (
             [*mix("D/web:1"), "--fault_tolerance.enable", "--fault_tolerance.group_size", "2"],
             "with fault_tolerance.enable = true is not supported yet",
         ),
@@ -57,6 +63,7 @@ def mix(*entries: str) -> list[str]:
         "magic",
         "path-magic",
         "both",
+        "too-short",
         "fault-tolerance",
     ],
 )

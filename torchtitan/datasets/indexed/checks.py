@@ -20,23 +20,30 @@ if TYPE_CHECKING:
 STREAMED = ("c4", "c4_validation", "fineweb")
 
 
-def _check_files(path: str, key: str) -> bool:
-    """Open the indexed dataset(s) ``path`` names (header, sizes); False when it names none."""
+def _check_files(path: str, key: str, seq_len: int) -> bool:
+    """Open the indexed dataset(s) ``path`` names (header, sizes; at least one sample of ``seq_len + 1``
+    tokens); False when it names none."""
     prefixes = find_prefixes(path)
     if prefixes is None:
         return False
+    tokens = 0
     for prefix in prefixes:
         try:
-            IndexedFile(prefix)
+            tokens += IndexedFile(prefix).num_tokens
         except ValueError as e:
             raise ConfigError(f"{key} = '{path}': {e}") from e
+    if tokens < seq_len + 1:
+        raise ConfigError(
+            f"{key} = '{path}' has {tokens} tokens, fewer than one sample of training.seq_len + 1 = {seq_len + 1}; "
+            "use more data or a smaller seq_len"
+        )
     return True
 
 
-def _check_source(source: str) -> None:
+def _check_source(source: str, seq_len: int) -> None:
     from torchtitan.config.schema import DatasetName  # the registry's names, without the data stack
 
-    if _check_files(source, f"{MIX_KEY} source"):
+    if _check_files(source, f"{MIX_KEY} source", seq_len):
         return
     if os.path.exists(os.path.expanduser(source)):
         return  # local text: tokenized in memory at start
@@ -68,8 +75,8 @@ def check_indexed_data(config: JobConfig) -> list[str]:
                 "(add it there with a weight) and dataset_path is unused: unset it"
             )
         for entry in parse_mix(t.dataset_mix):
-            _check_source(entry.source)
-    elif t.dataset_path is not None and _check_files(t.dataset_path, "training.dataset_path"):
+            _check_source(entry.source, t.seq_len)
+    elif t.dataset_path is not None and _check_files(t.dataset_path, "training.dataset_path", t.seq_len):
         if t.dataset_format != "text":
             raise ConfigError(
                 f"training.dataset_path = '{t.dataset_path}' is an indexed dataset (pre-training tokens); "
@@ -84,5 +91,5 @@ def check_indexed_data(config: JobConfig) -> list[str]:
         )
     v = config.validation
     if v.enabled and v.dataset_path is not None:
-        _check_files(v.dataset_path, "validation.dataset_path")
+        _check_files(v.dataset_path, "validation.dataset_path", t.seq_len)
     return []
