@@ -113,6 +113,18 @@ def test_progress_is_plain_lines_when_redirected_and_the_script_prints_one_summa
     bar.update(10, 1000, final=True)
     assert stream.getvalue().startswith("tokenize: 5/10 documents (50%)") and "\r" not in stream.getvalue()
     assert "tokens/s" in stream.getvalue() and "ETA" in stream.getvalue()
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Terminal()
+    bar = Progress(10, tty, interval=0.0)
+    bar.update(5, 500)
+    bar.update(10, 1000, final=True)
+    drawn = tty.getvalue()
+    assert drawn.startswith("\r[##########..........] 5/10 documents (50%)") and drawn.count("\r") == 2
+    assert drawn.endswith("ETA 0 s\n") and "[####################] 10/10" in drawn
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("tokenize_data", os.path.join(ROOT, "scripts", "tokenize_data.py"))
