@@ -126,7 +126,8 @@ def build_data_loader(training: Training, tokenizer: Any, shard: DataShard) -> I
     """This data-parallel rank's slice of every global batch (see docs/data.md)."""
     # The data stack (datasets, torchdata) loads only for a run that reads data: tools that build the
     # trainer with synthetic batches (the estimator, bench/gpu_check.py) run without it installed.
-    from torchtitan.datasets.hf_datasets import build_hf_data_loader, compute_stream_groups
+    from torchtitan.datasets.hf_datasets import compute_stream_groups
+    from torchtitan.datasets.text_loader import build_text_data_loader
 
     t = training
     groups = compute_stream_groups(shard.rank, shard.degree, t.batch_size, t.gradient_accumulation_steps)
@@ -135,7 +136,17 @@ def build_data_loader(training: Training, tokenizer: Any, shard: DataShard) -> I
         from torchtitan.datasets.sft.loader import build_sft_data_loader
 
         return build_sft_data_loader(t.dataset, t.dataset_path, tokenizer, t, groups, num_streams)
-    return build_hf_data_loader(t.dataset, t.dataset_path, tokenizer, t.seq_len, groups, num_streams)
+    return build_text_data_loader(
+        t.dataset,
+        t.dataset_path,
+        tokenizer,
+        t.seq_len,
+        groups,
+        num_streams,
+        mix=t.dataset_mix,
+        seed=t.seed or 0,
+        restart_mix=t.dataset_mix_restart,
+    )
 
 
 def _build_world_mesh(parallel_dims: ParallelDims, device_type: str) -> DeviceMesh | None:

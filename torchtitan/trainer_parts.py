@@ -18,7 +18,7 @@ from torchtitan.checkpointing.common import model_info
 from torchtitan.checkpointing.manager import CheckpointManager
 from torchtitan.components.run_control import StepGuard
 from torchtitan.components.validation import Validator
-from torchtitan.datasets.shard import DataShard
+from torchtitan.datasets.shard import DataShard, ReportsDataMix
 from torchtitan.launch.run_folder import checkpoint_root
 from torchtitan.observability.step_metrics import StepMetrics
 
@@ -44,6 +44,7 @@ def _build_metrics(trainer: Trainer) -> StepMetrics:
         num_params=trainer.num_flop_params,
         model_args=trainer.model_args,
         documents=trainer.step_fn.feed.take_stats if trainer.step_fn.feed is not None else None,
+        data_mix=trainer.data_loader.step_metrics if isinstance(trainer.data_loader, ReportsDataMix) else None,
     )
 
 

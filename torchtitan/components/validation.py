@@ -48,7 +48,8 @@ class Validator:
         # (and so the number) does not depend on how training splits its batch into micro-batches.
         batch_size = validation.batch_size or training.batch_size * training.gradient_accumulation_steps
         # lazy, as in build.build_data_loader: the trainer imports without the data stack
-        from torchtitan.datasets.hf_datasets import build_hf_data_loader, compute_stream_groups
+        from torchtitan.datasets.hf_datasets import compute_stream_groups
+        from torchtitan.datasets.text_loader import build_text_data_loader
 
         groups = compute_stream_groups(shard.rank, shard.degree, batch_size, microbatches)
         num_streams = shard.degree * batch_size * microbatches
@@ -59,7 +60,7 @@ class Validator:
                 validation.dataset, validation.dataset_path, tokenizer, training, groups, num_streams
             )
         else:
-            self.loader = build_hf_data_loader(
+            self.loader = build_text_data_loader(
                 validation.dataset, validation.dataset_path, tokenizer, training.seq_len, groups, num_streams
             )
         self.initial_state = self.loader.state_dict()

@@ -132,7 +132,18 @@ class Training:
         "dataset_format = 'chat')",
     )
     dataset_path: str | None = _f(
-        None, "local file/folder (or hub id; fine-tuning: a dataset in the local HF cache) to read the dataset from"
+        None,
+        "local file/folder (or hub id; fine-tuning: a dataset in the local HF cache) to read the dataset from; an "
+        "indexed dataset (PREFIX, PREFIX.bin/.idx or a folder of them, scripts/tokenize_data.py) is read window by window",
+    )
+    dataset_mix: list[str] | None = _f(
+        None,
+        "weighted blend of pre-training sources, ['PATH_OR_NAME:WEIGHT', ...] (an indexed PREFIX or folder, a local "
+        "text file/folder or a registered name; weights normalised; Megatron's blending rule), instead of "
+        "dataset/dataset_path (docs/data.md)",
+    )
+    dataset_mix_restart: bool = _f(
+        False, "on resume with another dataset_mix than the checkpoint's: restart the mix there instead of refusing"
     )
     dataset_format: Literal["text", "chat", "prompt_completion"] = _f(
         "text",

@@ -221,6 +221,11 @@ class HuggingFaceDataset(IterableDataset, Stateful):
                 "the checkpoint's data state is fine-tuning data (training.dataset_format); this run reads text: "
                 "start it from the weights only (checkpoint.initial_load_path)"
             )
+        if state_dict.get("kind") == "indexed":
+            raise ValueError(
+                "the checkpoint's data state is indexed data or a blend (training.dataset_mix); this run reads text "
+                'streams: resume with that data, or start the data over with checkpoint.exclude_from_loading = ["dataloader"]'
+            )
         saved = (state_dict["num_streams"], state_dict["seq_len"])
         if saved != (self._num_streams, self._seq_len):
             raise ValueError(
@@ -274,7 +279,7 @@ def build_hf_data_loader(
     stream_groups: list[list[int]],
     num_streams: int,
 ) -> ParallelAwareDataloader:
-    """Build the data loader of one data-parallel rank.
+    """Build the data loader of one data-parallel rank over text streams (datasets/text_loader.py chooses it).
 
     Args:
         dataset_name: a registered name ("pydocs", "c4", "c4_test", "fineweb").

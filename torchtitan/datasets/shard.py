@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -13,3 +14,11 @@ class DataShard:
 
     rank: int
     degree: int
+
+
+@runtime_checkable
+class ReportsDataMix(Protocol):
+    """A loader that reports, per step, what each of its sources gave (a blend: datasets/indexed/loader.py)."""
+
+    def step_metrics(self) -> tuple[dict[str, Any], dict[str, float]]:
+        """(metrics.jsonl fields, TensorBoard scalars) of the last step read."""

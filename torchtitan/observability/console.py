@@ -85,6 +85,8 @@ def format_layout(degrees: dict[str, int]) -> str:
 
 def format_data_source(training: Training) -> str:
     """'sft_arith (chat rows, tests/assets/sft/arith_train.jsonl)': what the run trains on, as the summary names it."""
+    if training.dataset_mix is not None:  # a blend: its sources and weights, as given (normalised in run_info.json)
+        return f"blend of {len(training.dataset_mix)}: {', '.join(training.dataset_mix)}"
     kind = {"text": "text", "chat": "chat rows", "prompt_completion": "prompt/completion rows"}[training.dataset_format]
     return f"{training.dataset} ({kind}{', ' + training.dataset_path if training.dataset_path else ''})"
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from torchtitan.config.mix import describe_sources
 from torchtitan.distributed.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ def _git_commit() -> str | None:
 
 def run_info(config: JobConfig, world_size: int, resumed_from: int | None = None) -> dict:
     dims = ParallelDims.from_sections(training=config.training, experimental=config.experimental, world_size=world_size)
+    t = config.training
     return {
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "host": socket.gethostname(),
@@ -54,6 +56,7 @@ def run_info(config: JobConfig, world_size: int, resumed_from: int | None = None
         "world_size": world_size,
         "layout": dims.degrees(),
         "resumed_from_step": resumed_from,
+        "data": describe_sources(t.dataset, t.dataset_path, t.dataset_mix),  # a blend's sources and weights
     }
 
 

@@ -49,6 +49,7 @@ class StepMetrics:
         start_step: int = 0,
         wandb_config: dict[str, Any] | None = None,
         documents: Callable[[], DocumentStats | None] | None = None,
+        data_mix: Callable[[], tuple[dict[str, Any], dict[str, float]]] | None = None,
     ):
         """cp_degree: the context-parallel degree (each rank's micro-batch holds 1/cp of its tokens).
         start_step: the step a resumed run continues after (0: a new run): metrics.jsonl is appended to, and
@@ -59,6 +60,7 @@ class StepMetrics:
         global batch's real and trained tokens per step (``tokens_per_step``, ``trained_tokens_per_step``)."""
         self.device = device
         self.documents, self.seq_len, self.cp_degree = documents, training.seq_len, cp_degree
+        self.data_mix = data_mix  # a blend: each source's samples and tokens in the step (record fields, scalars)
         self.flop_shape = (num_params, model_args.n_layers, model_args.n_heads, model_args.head_dim)
         self.enabled = enabled
         self.reduce_loss = reduce_loss  # per-rank loss -> (global mean, max): the step function's
@@ -140,9 +142,9 @@ class StepMetrics:
                 mfu_attention="visible_pairs",
             )
         tb_extra = {}
-        if extra is not None:
-            record.update(extra[0])
-            tb_extra = extra[1]
+        for fields, scalars in (part for part in (extra, self.data_mix and self.data_mix()) if part is not None):
+            record.update(fields)
+            tb_extra.update(scalars)
         self.tps_history.append(tps)
         if self.best is None or loss_avg < self.best[0]:
             self.best = (loss_avg, step)

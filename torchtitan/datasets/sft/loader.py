@@ -10,8 +10,9 @@ meets the examples in a new order and new company. Stream s (one row of the glob
 windows s, s + S, s + 2S, ...; its state is how many it has read, so a checkpoint resumes on the same
 next window under any data-parallel layout (``merge_data_states`` joins the ranks' states).
 
-Every rank tokenizes all rows and plans the same packing (no communication); an epoch's plan holds
-example indices, and windows are built as they are read.
+The rows are tokenized once per data + template + tokenizer (the first rank to need them, under a file lock)
+and cached beside the data (datasets/sft/cache.py); every rank then reads the examples and plans the same
+packing (no communication); an epoch's plan holds example indices, and windows are built as they are read.
 """
 
 from __future__ import annotations
@@ -112,6 +113,29 @@ def tokenize_rows(
             examples.append((array("i", tokens), array("i", labels)))
     if not examples:
         raise ValueError(f"{', '.join(s.name for s in sources)}: no rows to fine-tune on")
+    return examples
+
+
+def tokenize_cached(
+    sources: Sequence[RowSource], chat: ChatTokenizer, *, fmt: str, loss_on: str, columns: ColumnMap
+) -> list[Example]:
+    """``tokenize_rows``'s examples, tokenized once per data + template + tokenizer and then read from the cache
+    (datasets/sft/cache.py): one rank tokenizes, the others and later runs read its file."""
+    from torchtitan.datasets.sft.cache import cache_folder, cache_key, cached_examples
+
+    names = [s.name for s in sources]
+    key = cache_key(
+        names,
+        [getattr(s.rows, "_fingerprint", "") for s in sources],  # a cached HF dataset's own content hash
+        chat.base.path,
+        template=chat.chat_template,  # None: the default template, which VERSION covers
+        fmt=fmt,
+        loss_on=loss_on,
+        columns=repr(columns),
+    )
+    examples, _ = cached_examples(
+        cache_folder(names[0]), key, lambda: tokenize_rows(sources, chat, fmt=fmt, loss_on=loss_on, columns=columns)
+    )
     return examples
 
 
@@ -260,7 +284,7 @@ def build_sft_data_loader(
     sources = load_rows(dataset_name, dataset_path)
     name = sources[0].name if len(sources) == 1 else f"{Path(sources[0].name).parent} ({len(sources)} files)"
     columns = parse_columns(training.dataset_columns)
-    examples = tokenize_rows(sources, chat, fmt=fmt, loss_on=loss_on, columns=columns)
+    examples = tokenize_cached(sources, chat, fmt=fmt, loss_on=loss_on, columns=columns)
     pad_id = tokenizer.pad_id if tokenizer.pad_id >= 0 else tokenizer.eos_id
     dataset = SFTDataset(
         name,

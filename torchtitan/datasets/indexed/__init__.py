@@ -1,0 +1,5 @@
+"""Megatron-LM's indexed datasets (``PREFIX.bin`` + ``PREFIX.idx``): the format (format.py), weighted blends
+(blend.py), the layout-invariant loader that reads windows on demand (loader.py) and the pre-launch check (checks.py).
+
+Import from the modules: checks.py (run before every launch) needs nothing of the data stack.
+"""
