@@ -111,7 +111,8 @@ def _build_validator(trainer: Trainer, tokenizer) -> Validator:
 def build_guard(trainer: Trainer) -> StepGuard:
     """The trainer's default ``TrainerBuilders.guard``."""
     cfg = trainer.config.training
-    return StepGuard(cfg.on_nonfinite, cfg.max_nonfinite_skips, trainer.device, trainer.signals)
+    on_wait = trainer.metrics.add_wait if trainer.config.metrics.straggler_factor > 0 else None
+    return StepGuard(cfg.on_nonfinite, cfg.max_nonfinite_skips, trainer.device, trainer.signals, on_wait=on_wait)
 
 
 def build_replicas(trainer: Trainer) -> Replicas:
