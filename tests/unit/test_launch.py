@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from torchtitan.checkpointing.jsonl import read_json_lines
 from torchtitan.launch import failures, run_folder
 from torchtitan.launch.failures import (
     Failure,
@@ -26,7 +27,7 @@ from torchtitan.launch.failures import (
     summarize,
 )
 from torchtitan.launch.parent_watch import watch_parent
-from torchtitan.launch.run_folder import FolderInUseError, RunLock, folder_problem, read_json_lines
+from torchtitan.launch.run_folder import FolderInUseError, RunLock, folder_problem
 
 USER_ERRORS = (ValueError, NotImplementedError, FileNotFoundError)
 
