@@ -15,13 +15,17 @@ from __future__ import annotations
 import functools
 import os
 import re
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
-from tests.integration_tests import read_metrics, trainer_argv
+from tests.integration_tests import COMMON, ROOT, read_metrics, trainer_argv
 from tests.pool import run_in_pool, train_job
+from tests.test_checkpoint_runs import complete_steps
 
 pytestmark = [pytest.mark.distributed, pytest.mark.pool(2)]
 
@@ -84,3 +88,75 @@ def test_a_slow_rank_is_named_in_one_line_and_a_clean_run_is_not(tmp_path):
     )
     assert re.search(pattern, lines[0]), lines[0]
     assert all(r["slowest_excess_s"] > SLEEP_S * 0.8 for r in records[1:]), records
+
+
+# --------------------------------------------------------------------------- a lost node
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node(port: int, folder: str, out) -> subprocess.Popen:
+    """One "node": scripts/multinode_trainer.slurm's launch with 2 nodes of 1 rank, on loopback."""
+    launch = [sys.executable, "-m", "torchtitan.launch", "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_id", "t"]
+    launch += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--role", "rank", "--tee", "3"]
+    train = ["-m", "torchtitan.train", "--job.config_file", "./train_configs/debug_model.toml", *COMMON]
+    train += ["--training.steps", "100000", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "3"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [*launch, *train, "--job.dump_folder", folder]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _rank_of(launcher: int) -> int:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rpartition(")")[2].split()[1]) == launcher:
+                        return int(entry)
+            except (OSError, ValueError):
+                pass
+    raise AssertionError(f"launcher {launcher} has no rank")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the ranks through /proc")
+@pytest.mark.parametrize("lost", ["other", "rendezvous_host"])
+def test_a_lost_node_is_one_line_naming_it_and_the_checkpoint(tmp_path, lost):
+    port, folder = _free_port(), str(tmp_path / "run")
+    outs = [open(tmp_path / f"node{i}.out", "w+") for i in (0, 1)]
+    nodes = [_node(port, folder, outs[0])]
+    try:
+        time.sleep(2)  # node 0 hosts the rendezvous store (it binds the port first)
+        nodes.append(_node(port, folder, outs[1]))
+        deadline = time.monotonic() + 240
+        while not (os.path.isdir(os.path.join(folder, "checkpoint")) and complete_steps(folder)):
+            assert time.monotonic() < deadline and all(n.poll() is None for n in nodes), "no checkpoint"
+            time.sleep(0.5)
+        dead, alive = (nodes[0], nodes[1]) if lost == "rendezvous_host" else (nodes[1], nodes[0])
+        rank = _rank_of(dead.pid)
+        start = time.monotonic()
+        os.killpg(dead.pid, signal.SIGKILL)  # the whole node: its launcher's process group and its rank
+        os.kill(rank, signal.SIGKILL)
+        code = alive.wait(timeout=60)
+        took = time.monotonic() - start
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGKILL)
+    out = outs[nodes.index(alive)]
+    out.seek(0)
+    text = out.read()
+    assert code == 7, text[-3000:]
+    assert took < 20, f"the surviving node took {took:.1f} s to stop"
+    hosted = f", which hosted the rendezvous at 127.0.0.1:{port}" if lost == "rendezvous_host" else ""
+    step = complete_steps(folder)[-1]
+    want = (
+        f"error: lost node {socket.gethostname()} (launcher pid {dead.pid}){hosted}: it stopped answering for 3 s, "
+        f"so this node's ranks were stopped; the same command on every node resumes from checkpoint step-{step} "
+        f"({folder}/checkpoint/step-{step})"
+    )
+    assert [line for line in text.splitlines() if line.startswith("error")] == [want], text[-3000:]
+    assert "Traceback" not in text and "frame #" not in text, text[-5000:]
