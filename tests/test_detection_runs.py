@@ -7,7 +7,7 @@
 * A lost node: two launchers (``python -m torchtitan.launch --nnodes 2``, c10d rendezvous on a free port,
   one rank each) train; one "node" (its launcher's process group and its rank) is SIGKILLed; the other exits
   non-zero within a bounded time with one line naming the lost node and the checkpoint to resume from, and no
-  traceback.
+  traceback; a clean two-node run ends with 0 and the losses of the same run as one 2-rank pool job, bit for bit.
 """
 
 from __future__ import annotations
@@ -99,12 +99,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _node(port: int, folder: str, out) -> subprocess.Popen:
+def _node(port: int, folder: str, out, steps: int = 100000) -> subprocess.Popen:
     """One "node": scripts/multinode_trainer.slurm's launch with 2 nodes of 1 rank, on loopback."""
     launch = [sys.executable, "-m", "torchtitan.launch", "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_id", "t"]
     launch += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--role", "rank", "--tee", "3"]
     train = ["-m", "torchtitan.train", "--job.config_file", "./train_configs/debug_model.toml", *COMMON]
-    train += ["--training.steps", "100000", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "3"]
+    train += ["--training.steps", str(steps), "--checkpoint.enable_checkpoint", "--checkpoint.interval", "3"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [*launch, *train, "--job.dump_folder", folder]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -160,3 +160,27 @@ def test_a_lost_node_is_one_line_naming_it_and_the_checkpoint(tmp_path, lost):
     )
     assert [line for line in text.splitlines() if line.startswith("error")] == [want], text[-3000:]
     assert "Traceback" not in text and "frame #" not in text, text[-5000:]
+
+
+def test_a_clean_two_node_run_ends_0_with_the_losses_of_one_node(tmp_path):
+    """The watch runs in the launchers only: two nodes of one rank train as one 2-rank pool job, bit for bit."""
+    port, folder, one = _free_port(), str(tmp_path / "two_nodes"), str(tmp_path / "one_node")
+    outs = [open(tmp_path / f"node{i}.out", "w+") for i in (0, 1)]
+    nodes = [_node(port, folder, outs[0], steps=4)]
+    try:
+        time.sleep(2)
+        nodes.append(_node(port, folder, outs[1], steps=4))
+        codes = [n.wait(timeout=240) for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGKILL)
+    text = []
+    for out in outs:
+        out.seek(0)
+        text.append(out.read())
+    assert codes == [0, 0], "\n".join(t[-3000:] for t in text)
+    assert not any(line.startswith("error") for t in text for line in t.splitlines()), text
+    argv = trainer_argv(["--training.steps", "4", "--checkpoint.enable_checkpoint", "--checkpoint.interval", "3"], one)
+    assert run_in_pool(train_job, 2, argv, name="train one_node") == [None, None]
+    assert [r["loss"] for r in read_metrics(folder)] == [r["loss"] for r in read_metrics(one)]
