@@ -8,7 +8,8 @@ on loopback. Skipped where torchft (the ``ft`` extra) is not installed.
   heals from the live group, which never stops; both end with the same weights.
 * LocalSGD and DiLoCo train, synchronize every sync_steps (logged), and resume from their checkpoints bit for bit.
 * What ends a run is one line: no lighthouse at start, the lighthouse lost mid-run, fewer groups than
-  min_replica_size for too long, a heal source dying mid-transfer, groups on different configs.
+  min_replica_size for too long, a heal source dying mid-transfer, groups on different configs, a group whose
+  weights drifted from the others' (a test hook changes one weight).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("torchft")
 
@@ -98,6 +100,7 @@ def test_two_groups_of_one_rank_are_ddp2_and_resume_after_a_full_stop(tmp_path, 
         first = [metrics(_replica(folder, i)) for i in (0, 1)]
         for i in (0, 1):
             _check_parity(first[i], want, f"group {i}")
+            assert "other weights" not in log(_replica(folder, i))  # the weights fingerprints agreed every step
         # the shared checkpoint: the lowest live group writes it, with both groups' data positions
         assert "checkpoint step-3 complete" in log(_replica(folder, 0))
         assert "checkpoint step-3 complete" not in log(_replica(folder, 1))
@@ -360,3 +363,47 @@ def test_groups_on_different_configs_are_one_line(tmp_path):
     # the group that differs from the lowest live one stops; group 0 then has no quorum of 2 (the lighthouse's)
     assert "fault tolerance: replica group 1 runs another config than group 0" in _the_error(results[1])
     assert "fault tolerance: no quorum for step" in _the_error(results[0])
+
+
+class _NudgingGuard:
+    """The trainer's step guard; at the first step from ``step`` on that both groups train, one weight of this rank
+    is changed by 1e-3 (a silent fault), and ``marker`` gets that step."""
+
+    def __init__(self, trainer, step: int, marker: str):
+        from torchtitan.trainer_parts import build_guard
+
+        self.guard, self.trainer, self.step, self.marker = build_guard(trainer), trainer, step, marker
+
+    def check(self, step, loss, grad_norm):
+        if step >= self.step and self.trainer.replicas.members == (0, 1) and not os.path.exists(self.marker):
+            weight = next(self.trainer.model_parts[0].parameters())
+            local = weight.to_local() if hasattr(weight, "to_local") else weight
+            with torch.no_grad():
+                local.view(-1)[0] += 1e-3
+            with open(self.marker, "w") as f:
+                f.write(str(step))
+        return self.guard.check(step, loss, grad_norm)
+
+
+def test_a_group_whose_weights_drift_apart_stops_in_one_line(tmp_path):
+    from torchtitan.build import TrainerBuilders
+
+    folder, marker = str(tmp_path / "ft"), str(tmp_path / "nudged")
+    extra = ["--training.batch_size", "4", "--training.steps", "20", "--fault_tolerance.quorum_timeout_seconds", "3"]
+    with FtJob(2, 1, min_replicas=2) as job:  # both in every quorum: the step's check, not a heal
+        nudging = TrainerBuilders(guard=functools.partial(_NudgingGuard, step=3, marker=marker))
+        results = [job.start(0, _argv(folder, 0, 2, *extra)), job.start(1, _argv(folder, 1, 2, *extra), nudging)]
+        results = [r.result(timeout=DEADLINE_S) for r in results]
+    with open(marker) as f:
+        assert f.read() == "3"
+    # element 0 of the first weight is in slice 0: read at step 16 (SLICES), the first such step after the change
+    message = _the_error(results[1])
+    want = "replica group 1's weights differ from replica group(s) [0] at the start of step 16 (weights fingerprint "
+    assert want in message, message
+    said = [line for line in log(_replica(folder, 0)).splitlines() if "hold other weights" in line]
+    assert (
+        len(said) == 1 and "replica group(s) [1] hold other weights than this group at the start of step 16:" in said[0]
+    )
+    # group 0 would go on alone; this lighthouse asks for 2 groups in a quorum, so it stops for want of one
+    assert "fault tolerance: no quorum for step 16" in _the_error(results[0])
+    assert [r["step"] for r in metrics(_replica(folder, 0))] == list(range(1, 16))

@@ -109,9 +109,11 @@ def _build_validator(trainer: Trainer, tokenizer) -> Validator:
     )
 
 
-def _build_guard(trainer: Trainer) -> StepGuard:
+def build_guard(trainer: Trainer) -> StepGuard:
+    """The trainer's default ``TrainerBuilders.guard``."""
     cfg = trainer.config.training
-    return StepGuard(cfg.on_nonfinite, cfg.max_nonfinite_skips, trainer.device, trainer.signals)
+    on_wait = trainer.metrics.add_wait if trainer.config.metrics.straggler_factor > 0 else None
+    return StepGuard(cfg.on_nonfinite, cfg.max_nonfinite_skips, trainer.device, trainer.signals, on_wait=on_wait)
 
 
 def build_replicas(trainer: Trainer) -> Replicas:
@@ -131,6 +133,6 @@ def build_replicas(trainer: Trainer) -> Replicas:
 
 def with_trainer_defaults(builders: TrainerBuilders) -> TrainerBuilders:
     """``builders`` with this module's default for every trainer-level part it leaves None."""
-    defaults: dict[str, Any] = dict(metrics=_build_metrics, checkpointer=build_checkpointer, guard=_build_guard)
+    defaults: dict[str, Any] = dict(metrics=_build_metrics, checkpointer=build_checkpointer, guard=build_guard)
     defaults.update(validator=_build_validator, replicas=build_replicas)
     return dataclasses.replace(builders, **{k: v for k, v in defaults.items() if getattr(builders, k) is None})

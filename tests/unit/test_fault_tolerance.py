@@ -326,3 +326,31 @@ def test_the_planner_counts_the_cross_group_all_reduce():
     ring = 2 * shard * 4 * 3 / 4 / 50e9  # a ring all-reduce of the fp32 shard over 4 groups
     assert _replica_seconds(sync, shard, hw) == pytest.approx(ring)
     assert _replica_seconds(diloco, shard, hw) == pytest.approx(ring / 5)  # every sync_steps = 5
+
+
+# --------------------------------------------------------------------------- the weights fingerprint
+
+
+def test_the_weights_fingerprint_sees_one_changed_bit_within_its_slices():
+    from torchtitan.fault_tolerance.fingerprint import SLICES, weights_fingerprint
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(37, 19), torch.nn.Linear(19, 3, bias=False)).to(torch.bfloat16)
+    before = [weights_fingerprint(model, s) for s in range(SLICES)]
+    assert before == [weights_fingerprint(model, s) for s in range(SLICES)]  # a function of the weights
+    for param, index in ((model[0].weight, 0), (model[0].weight, 700), (model[0].bias, 18), (model[1].weight, 56)):
+        flat = param.data.view(-1).view(torch.int16)
+        flat[index] ^= 1  # the lowest bit of one element
+        after = [weights_fingerprint(model, s) for s in range(SLICES)]
+        assert sum(a != b for a, b in zip(after, before)) == 1, (param.shape, index)  # exactly its slice
+        flat[index] ^= 1
+    assert all(0 < f < 2**40 for f in before)
+
+
+def test_the_agreed_weights_are_the_majority_and_a_tie_goes_to_the_lowest_group():
+    from torchtitan.fault_tolerance.fingerprint import agreed_value
+
+    assert agreed_value((0, 1, 2), [7, 5, 5]) == 5
+    assert agreed_value((0, 1), [7, 5]) == 7
+    assert agreed_value((1, 2), [0, 5, 9]) == 5
+    assert agreed_value((0, 2, 3), [4, 0, 9, 9]) == 9

@@ -1,5 +1,6 @@
 """torchtitan/launch: failure records and the launcher's summary, the run lock, storage errors,
-metrics.jsonl cut mid-line, the parent watch. Single process, no torch import."""
+metrics.jsonl cut mid-line, the parent watch, a lost peer and the lost-node line. Single process, no torch
+import (but the lost-node line's checkpoint lookup, through the config)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 
 import pytest
 
+from torchtitan.checkpointing.jsonl import read_json_lines
 from torchtitan.launch import failures, run_folder
 from torchtitan.launch.failures import (
     Failure,
@@ -26,7 +28,7 @@ from torchtitan.launch.failures import (
     summarize,
 )
 from torchtitan.launch.parent_watch import watch_parent
-from torchtitan.launch.run_folder import FolderInUseError, RunLock, folder_problem, read_json_lines
+from torchtitan.launch.run_folder import FolderInUseError, RunLock, folder_problem
 
 USER_ERRORS = (ValueError, NotImplementedError, FileNotFoundError)
 
@@ -310,3 +312,50 @@ def test_a_rank_leaves_with_its_code_and_flushed_logs_without_finalization(body,
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert run.returncode == code, run.stderr
     assert run.stdout.splitlines() == ["logged before exit"] and err in run.stderr, (run.stdout, run.stderr)
+
+
+# --------------------------------------------------------------------------- a lost peer, a lost node
+
+
+def test_a_collective_that_lost_its_peer_is_one_line_and_the_killed_rank_is_the_cause():
+    from torchtitan.launch.failures import EXIT_NODE_LOST, LOST_PEER, Failure, classify, summarize
+
+    gloo = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:8608: Connection reset "
+        "by peer. This is typically caused by a remote worker hanging or bugs in the application."
+    )
+    label, message, code = classify(gloo, (ValueError,))
+    assert (label, message, code) == (
+        LOST_PEER,
+        "a collective lost its peer: Read error [127.0.0.1]:8608: Connection reset by peer",
+        EXIT_NODE_LOST,
+    )
+    survivor = Failure(0, label, message, code, 2.0)
+    killed = Failure(1, "error", "killed by SIGKILL", 137, 1.0, recorded=False)
+    lines, exit_code = summarize([survivor, killed])
+    assert lines == ["error (rank 1): killed by SIGKILL"] and exit_code == 137
+    assert summarize([survivor])[0] == [f"lost peer (rank 0): {message}"]
+
+
+def test_the_lost_node_line_names_the_node_and_the_checkpoint(tmp_path):
+    from torchtitan.launch.node_watch import LostNode, lost_node_line, resume_hint
+
+    folder = tmp_path / "run"
+    args = ["--job.config_file", "./train_configs/debug_model.toml", "--job.dump_folder", str(folder)]
+    assert resume_hint("torchtitan.train", args).startswith("checkpointing is off (checkpoint.enable_checkpoint)")
+    args.append("--checkpoint.enable_checkpoint")
+    assert resume_hint("torchtitan.train", args) == (
+        f"no complete checkpoint in {folder}/checkpoint: the same command starts again from step 0"
+    )
+    for step, marker in ((3, True), (6, False)):  # step-6's save did not finish
+        (folder / "checkpoint" / f"step-{step}").mkdir(parents=True)
+        if marker:
+            (folder / "checkpoint" / f"step-{step}" / ".complete").write_text('{"kind": "full"}')
+    resume = resume_hint("torchtitan.train", args)
+    assert resume == f"the same command on every node resumes from checkpoint step-3 ({folder}/checkpoint/step-3)"
+    assert resume_hint("tests.held_marker_train", args) == "restart the same command on every node"
+    line = lost_node_line(LostNode("n7", 42, hosted_store=True), endpoint="10.0.0.1:29500", resume=resume)
+    assert line == (
+        "error: lost node n7 (launcher pid 42), which hosted the rendezvous at 10.0.0.1:29500: it stopped answering "
+        f"for 3 s, so this node's ranks were stopped; {resume}"
+    )

@@ -269,3 +269,32 @@ def test_missing_tensorboard_names_pip_install(tmp_path: Path, monkeypatch: pyte
     with pytest.raises(ImportError, match="pip install tensorboard"):
         build_metric_logger(str(tmp_path), enabled=True, enable_tensorboard=True, save_tb_folder="tb")
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+# --------------------------------------------------------------------------- stragglers
+
+
+def test_the_slowest_rank_is_the_one_with_the_largest_excess_over_the_others_median():
+    from torchtitan.observability.stragglers import find_slowest
+
+    busy = find_slowest([(0.1, 0.0), (0.1, 0.0), (0.5, 0.0), (0.1, 0.0)])  # slow after the last collective
+    assert (busy.rank, round(busy.excess_s, 6), round(busy.spread, 6)) == (2, 0.4, 5.0)
+    # slow input under FSDP: the others wait for it inside forward, so every busy time is alike; its data is not
+    data = find_slowest([(0.5, 0.0), (0.5, 0.4), (0.5, 0.0)])
+    assert (data.rank, round(data.excess_s, 6), round(data.spread, 6)) == (1, 0.4, 1.8)
+    even = find_slowest([(0.1, 0.01), (0.1, 0.01)])
+    assert even.excess_s == 0.0 and even.spread == 1.0
+
+
+@pytest.mark.parametrize("factor", ["0.5", "1"])
+def test_a_straggler_factor_of_one_or_less_is_refused(factor):
+    from torchtitan.config.errors import ConfigError
+    from torchtitan.config.manager import JobConfig
+    from torchtitan.preflight import run_preflight
+
+    config = JobConfig.parse_args(["--metrics.straggler_factor", factor])
+    with pytest.raises(ConfigError, match=rf"metrics.straggler_factor = {float(factor)}: a straggler is slower"):
+        run_preflight(config, 2)
+    assert "no other rank to compare" in " ".join(
+        run_preflight(JobConfig.parse_args(["--metrics.straggler_factor", "2"]), 1)
+    )

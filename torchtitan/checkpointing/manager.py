@@ -40,6 +40,7 @@ from torchtitan.checkpointing.folders import (
     resume_point,
     set_aside,
 )
+from torchtitan.checkpointing.jsonl import read_json_lines
 from torchtitan.checkpointing.marker import EXPORT, FULL, read_marker, step_folder, write_marker
 from torchtitan.checkpointing.state import (
     DataLoaderState,
@@ -51,7 +52,6 @@ from torchtitan.checkpointing.state import (
     check_model_keys,
 )
 from torchtitan.dtypes import to_dtype
-from torchtitan.launch.run_folder import read_json_lines
 
 if TYPE_CHECKING:
     from torch import nn

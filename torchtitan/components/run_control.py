@@ -18,11 +18,14 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
 
 import torch
 import torch.distributed as dist
+
+from torchtitan.distributed.device import synchronize
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +61,22 @@ class StepGuard:
         policy: "stop" raises ``NonFiniteStep`` naming the step; "skip" drops the step's update
             and raises once ``max_skips`` steps in a row were skipped.
         signals: where stop requests come from (None: never).
+        on_wait: told the seconds this rank waited in the all-reduce for the others, the device synchronized
+            before it (the straggler watch, observability/stragglers.py; None: no extra sync).
     """
 
-    def __init__(self, policy: str, max_skips: int, device: torch.device, signals: StopSignals | None = None):
+    def __init__(
+        self,
+        policy: str,
+        max_skips: int,
+        device: torch.device,
+        signals: StopSignals | None = None,
+        on_wait: Callable[[float], None] | None = None,
+    ):
         if policy not in ("stop", "skip"):
             raise ValueError(f"training.on_nonfinite = {policy!r}: allowed are 'stop', 'skip'")
         self.policy, self.max_skips, self.device, self.signals = policy, max_skips, device, signals
+        self.on_wait = on_wait
         self.skipped_in_a_row = 0
         self.skipped_total = 0
 
@@ -72,9 +85,15 @@ class StepGuard:
         bad = ~(torch.isfinite(loss.detach().float()).all() & torch.isfinite(grad_norm.detach().float()).all())
         stop_asked = self.signals is not None and self.signals.requested is not None
         flags = torch.stack([bad.float(), torch.tensor(float(stop_asked), device=bad.device)]).to(self.device)
+        start = 0.0
+        if self.on_wait is not None:  # the straggler watch: time only the wait for the others, not own queued work
+            synchronize(self.device)
+            start = time.perf_counter()
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         nonfinite, stop = (bool(v) for v in flags.tolist())
+        if self.on_wait is not None:
+            self.on_wait(time.perf_counter() - start)
         if not nonfinite:
             self.skipped_in_a_row = 0
             return Verdict(skip=False, stop=stop)

@@ -15,6 +15,7 @@ from torchtitan.config.fields import POSITIVE as _POSITIVE
 from torchtitan.config.fields import config_field as _f
 from torchtitan.config.schema_checkpoint import Checkpoint
 from torchtitan.config.schema_fault_tolerance import FaultTolerance
+from torchtitan.config.schema_metrics import Metrics
 
 # The names of torchtitan/datasets/registry.py's DATASETS (tests/unit/test_data_errors.py keeps them equal),
 # spelled out here so that the config check knows them without importing the data stack.
@@ -49,22 +50,6 @@ class Profiling:
         False, "dump CUDA memory snapshots (CUDA only; refused on a machine without CUDA)"
     )
     save_memory_snapshot_folder: str = _f("memory_snapshot", "snapshot folder, relative to job.dump_folder")
-
-
-@dataclass
-class Metrics:
-    log_freq: int = _f(10, "log metrics every N steps (each log syncs the device once)", bound=_POSITIVE)
-    enable_tensorboard: bool = _f(False, "also write TensorBoard scalars")
-    enable_color_printing: bool = _f(True, "colour the step log lines on a terminal")
-    save_tb_folder: str = _f("tb", "TensorBoard folder, relative to job.dump_folder")
-    rank_0_only: bool = _f(True, "only the logging rank writes metrics (the only mode supported)")
-    enable_wandb: bool = _f(False, "also log to Weights & Biases (needs `pip install wandb`; WANDB_* env vars apply)")
-    device_peak_flops: float = _f(
-        0.0,
-        "peak FLOP/s of one device for MFU; 0 = look up (GPU datasheet table) or measure once (CPU: the "
-        "model's GEMMs in its dtype at the rank's thread count, cached). An MFU above 100% is never shown: "
-        "the run warns that the peak is unreliable and names its source",
-    )
 
 
 @dataclass

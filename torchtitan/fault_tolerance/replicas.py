@@ -4,7 +4,8 @@ synchronous mode (one per rank; semi_sync.py has the other).
 Each step, in this order on every live group (the cross-group collectives must pair up):
 
 1. ``start_step``: the quorum (a restarted group heals here, before its forward pass), then one all-reduce of
-   each group's config fingerprint, which says who is in the step and that they run the same config;
+   each group's config and weights fingerprints, which says who is in the step and that they run the same
+   config on the same weights (a group whose weights differ stops: fingerprint.py);
 2. ``sum_`` (the world's ``replica_sum``): token counts of block-causal data, an MoE expert-bias update's counts;
 3. ``average``: after backward (FSDP's reduce-scatter inside the group done), the gradients and the loss are
    averaged over the live groups, in buckets; clipping then sees gradients equal in every group, so the
@@ -30,6 +31,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from torchtitan.fault_tolerance.errors import ReplicaGroupsFailed, short_reason
+from torchtitan.fault_tolerance.fingerprint import agreed_value, group_fingerprint
 from torchtitan.fault_tolerance.heal import weights_digest
 from torchtitan.fault_tolerance.lighthouse import reachable
 
@@ -192,20 +194,48 @@ class ReplicaGroups(Replicas):
             )
 
     def _presence(self) -> tuple[int, ...]:
-        """One all-reduce of each group's config fingerprint in its own slot: the step's groups, checked alike."""
-        slots = torch.zeros(self.ft.group_size, dtype=torch.int64)
-        slots[self.ft.replica_id] = self.fingerprint
+        """One all-reduce of each group's config and weights fingerprints in its own slots: the step's groups,
+        checked alike (the same config; the same weights, fingerprint.py)."""
+        n, me = self.ft.group_size, self.ft.replica_id
+        slots = torch.zeros(2 * n, dtype=torch.int64)
+        step = self.manager.current_step() + 1  # the same in every group of the quorum: the same slice
+        slots[me], slots[n + me] = self.fingerprint, group_fingerprint(self.heal.view, step)
         self.manager.allreduce(slots, reduce_op=ReduceOp.SUM).wait()
         if self.manager.errored():
             return self.members  # a peer failed right after the quorum: this attempt will not commit
-        members = tuple(i for i, v in enumerate(slots.tolist()) if v)
-        if slots[self.ft.replica_id] != slots[members[0]]:
+        values = slots.tolist()
+        members = tuple(i for i, v in enumerate(values[:n]) if v)
+        if values[me] != values[members[0]]:
             raise ReplicaGroupsFailed(
-                f"fault tolerance: replica group {self.ft.replica_id} runs another config than group {members[0]} "
+                f"fault tolerance: replica group {me} runs another config than group {members[0]} "
                 "(model, training, optimizer, parallel layout or number of ranks differ); launch every group with "
                 "the same command but for --fault_tolerance.replica_id"
             )
+        self._check_weights(members, values[n:])
         return members
+
+    def _check_weights(self, members: tuple[int, ...], weights: list[int]) -> None:
+        """Groups whose weights differ from what most live groups hold (a tie: the lowest group's) stop, in one line;
+        the others go on without them (their next all-reduce with it fails, and the step is retried)."""
+        agreed = agreed_value(members, weights)
+        apart = [g for g in members if weights[g] != agreed]
+        if not apart:
+            return
+        me, step = self.ft.replica_id, self.manager.current_step() + 1
+        same = [g for g in members if weights[g] == agreed]
+        if me in apart:
+            raise ReplicaGroupsFailed(
+                f"fault tolerance: replica group {me}'s weights differ from replica group(s) {same} at the start of "
+                f"step {step} (weights fingerprint {weights[me]:x}, theirs {agreed:x}): a silent fault changed them; "
+                "this group stops and the others go on: restart it with the same command and it heals from them"
+            )
+        if self.log:
+            logger.warning(
+                "fault tolerance: replica group(s) %s hold other weights than this group at the start of step %d: "
+                "they stop, the others go on",
+                apart,
+                step,
+            )
 
     def _tell_members(self, members: tuple[int, ...], step: int) -> None:
         """One line when the step's groups change or the last attempt was discarded."""

@@ -7,6 +7,8 @@ launcher.py      ``python -m torchtitan.launch TORCHRUN_ARGS``: torchrun, whose 
 run_folder.py    one live run per dump folder (``run.lock``: host and pid), a folder that cannot be
                  written (found before launch), metrics.jsonl cut mid-line
 parent_watch.py  a rank stops when its launcher dies, so an orphaned run does not train on
+node_watch.py    multi-node: the launchers watch each other through the rendezvous store; a node that
+                 dies is told by the others in one line (the node, the checkpoint to resume from)
 
 Nothing here imports torch at import time except launcher.py, which the ranks never import.
 """

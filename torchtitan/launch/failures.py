@@ -38,6 +38,18 @@ TRACEBACK_ENV = "TORCHTITAN_TRACEBACK"  # also print the traceback of a user err
 EXIT_CRASH = 1
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 128 + 2  # SIGINT, as a shell reports it
+# A node of a multi-node run was lost (launch/node_watch.py); 3-5: components/run_control.py, fault_tolerance.
+EXIT_NODE_LOST = 7
+LOST_PEER = "lost peer"  # the label of a rank whose collective (or store) lost its peer
+
+# What a collective (gloo, NCCL) or the c10d store says when the process at the other end is gone.
+_PEER_GONE = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "Failed to recv, got 0 bytes",
+    "remote process exited",
+)
 
 
 # errno -> what to tell the user to do (the OS's own text names the problem)
@@ -74,9 +86,19 @@ def classify(e: BaseException, user_errors: tuple[type[BaseException], ...]) -> 
     storage = storage_error(e)
     if storage is not None:
         return "error", storage, EXIT_USER_ERROR
+    if isinstance(e, RuntimeError) and any(p in str(e) for p in _PEER_GONE):  # DistError is a RuntimeError
+        return LOST_PEER, f"a collective lost its peer: {short_line(e)}", EXIT_NODE_LOST
     if isinstance(e, user_errors):
         return "error", str(e), EXIT_USER_ERROR
     return "crash", f"{type(e).__name__}: {e}", EXIT_CRASH
+
+
+def short_line(e: BaseException) -> str:
+    """The first line of ``e``'s message, without gloo's source location or its advice."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if text.startswith("[") and "] " in text:  # "[/.../gloo/transport/tcp/pair.cc:537] Read error ..."
+        text = text.split("] ", 1)[1]
+    return text.split(". This is typically caused by")[0][:300]
 
 
 def storage_error(e: BaseException) -> str | None:
@@ -204,6 +226,8 @@ def summarize(failures: list[Failure], logs: str = "") -> tuple[list[str], int]:
     if not failures:
         return [], 0
     recorded = [f for f in failures if f.recorded]
+    if all(f.label == LOST_PEER for f in recorded) and len(recorded) < len(failures):
+        recorded = []  # the ranks that are gone (killed, no record) are the cause, not those that lost them
     if recorded:
         root = min(recorded, key=lambda f: f.time)
         shown = [f for f in recorded if f.label == root.label and (root.label != "crash" or f.message == root.message)]

@@ -10,7 +10,9 @@ launcher is passed on to the ranks by torchrun; what they then report (a stop, a
 saved) is printed the same way.
 
 Each node's launcher sees its own ranks only: on several nodes, the node whose rank failed first
-prints the root cause; the others print what their ranks saw.
+prints the root cause; the others print what their ranks saw. A node that dies (SIGKILL, power,
+network) is told by every surviving launcher in one line naming it and the checkpoint to resume
+from, exit code 7 (``node_watch.py``).
 """
 
 from __future__ import annotations
@@ -22,20 +24,49 @@ import sys
 import tempfile
 import time
 
+from torch.distributed import DistError
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.run import parse_args, run
 
-from torchtitan.launch.failures import EXIT_USER_ERROR, LAUNCHER_ENV, Failure, read_failure, summarize
+from torchtitan.launch.failures import (
+    EXIT_NODE_LOST,
+    EXIT_USER_ERROR,
+    LAUNCHER_ENV,
+    LOST_PEER,
+    Failure,
+    read_failure,
+    short_line,
+    summarize,
+)
+from torchtitan.launch.node_watch import (
+    BEAT_S,
+    LOST_AFTER_S,
+    LostNode,
+    NodeWatch,
+    lost_node_line,
+    resume_hint,
+    watch_applies,
+)
 
 # torchelastic's own lines about a failure we report ourselves
-_NOISE = ("Sending process %s closing signal", "failed (exitcode: %s)", "Received %s death signal")
-_NOISY_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api")
+_NOISE = (
+    "Sending process %s closing signal",
+    "failed (exitcode: %s)",
+    "Received %s death signal",
+    "has failed to shutdown the rendezvous",  # the store's node is gone: told in one line
+)
+_NOISY_LOGGERS = (
+    "torch.distributed.elastic.multiprocessing.api",
+    "torch.distributed.elastic.agent.server.api",
+    "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+)
 
 
 class _DropNoise(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(_NOISE)
+        return not any(noise in str(record.msg) for noise in _NOISE)
 
 
 def main(argv: list[str]) -> int:
@@ -50,11 +81,21 @@ def main(argv: list[str]) -> int:
     for name in _NOISY_LOGGERS:
         logging.getLogger(name).addFilter(_DropNoise())
     start = time.time()
+    watch = NodeWatch(args.rdzv_endpoint, args.rdzv_id, int(args.nnodes)).start() if watch_applies(args) else None
+    how = "failed"
     try:
         run(args)
+        how = "done"
     except ChildFailedError as e:
         failures = [read_failure(r, pf.error_file, pf.exitcode, pf.timestamp) for r, pf in e.failures.items()]
-        return _report(failures, args.log_dir)
+        lost = _lost_node(watch, failures)
+        return _report_lost(lost, args) if lost is not None else _report(failures, args.log_dir)
+    except (RendezvousError, DistError) as e:  # the rendezvous store's node is gone (or unreachable)
+        lost = watch.verdict(wait_s=2 * BEAT_S) if watch is not None else None
+        if lost is not None:
+            return _report_lost(lost, args)
+        print(f"error: lost the rendezvous at {args.rdzv_endpoint}: {short_line(e)}", file=sys.stderr)
+        return EXIT_NODE_LOST
     except SignalException as e:
         print(f"launcher: received {e.sigval.name}; passed it on to the ranks", file=sys.stderr)
         failures = _records_since(args.log_dir, start)
@@ -62,7 +103,27 @@ def main(argv: list[str]) -> int:
     except ValueError as e:  # torchrun's own arguments, e.g. --nproc_per_node abc
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    finally:
+        if watch is not None:
+            watch.stop(how)
     return 0
+
+
+def _lost_node(watch: NodeWatch | None, failures: list[Failure]) -> LostNode | None:
+    """A lost node, when the ranks failed on a peer that is gone (or were killed by the watch)."""
+    if watch is None:
+        return None
+    if watch.lost is not None:
+        return watch.lost
+    if all(f.label == LOST_PEER or not f.recorded for f in failures):  # wait for the watch to decide
+        return watch.verdict(wait_s=LOST_AFTER_S + 2 * BEAT_S)
+    return None
+
+
+def _report_lost(lost: LostNode, args) -> int:
+    resume = resume_hint(args.training_script if args.module else None, list(args.training_script_args))
+    print(lost_node_line(lost, endpoint=args.rdzv_endpoint, resume=resume), file=sys.stderr, flush=True)
+    return EXIT_NODE_LOST
 
 
 def _report(failures: list[Failure], log_dir: str) -> int:

@@ -340,6 +340,15 @@ def check_metrics(config: JobConfig, dims: ParallelDims) -> list[str]:
     """Pre-launch: wandb installed when asked for (found, not imported); keys with no effect warned."""
     if config.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("metrics.enable_wandb = true but the wandb package is not installed; `pip install wandb`")
+    factor = config.metrics.straggler_factor
+    if 0 < factor <= 1:
+        raise ConfigError(
+            f"metrics.straggler_factor = {factor}: a straggler is slower than the others by a factor > 1 "
+            "(e.g. 1.5), or 0 for off"
+        )
+    warnings = []
+    if factor > 0 and dims.world_size == 1:
+        warnings.append("metrics.straggler_factor has no effect with one process: there is no other rank to compare")
     if config.metrics.rank_0_only is False:
-        return ["metrics.rank_0_only = false has no effect: only the logging rank writes metrics"]
-    return []
+        warnings.append("metrics.rank_0_only = false has no effect: only the logging rank writes metrics")
+    return warnings

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from torchtitan.distributed.device import synchronize
 from torchtitan.dtypes import to_dtype
@@ -23,6 +24,7 @@ from torchtitan.observability.metrics import (
     compute_mfu,
     compute_num_flops_per_token,
 )
+from torchtitan.observability.stragglers import StragglerWatch
 
 if TYPE_CHECKING:
     from torchtitan.config.schema import Float8, Metrics, Training
@@ -89,6 +91,10 @@ class StepMetrics:
         self.tps_history: list[float] = []
         self.best: tuple[float, int] | None = None
         self.last_validation: float | None = None
+        self.stragglers = None  # metrics.straggler_factor: every rank's times gathered at each log step
+        if metrics.straggler_factor > 0 and dist.is_initialized() and dist.get_world_size() > 1:
+            factor, k = metrics.straggler_factor, metrics.straggler_log_steps
+            self.stragglers = StragglerWatch(factor=factor, log_steps=k, log=enabled)
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -96,9 +102,14 @@ class StepMetrics:
         self.window_tokens = 0
         self.window_steps = 0
         self.window_data_time = 0.0
+        self.window_wait = 0.0
 
     def add_data_time(self, seconds: float) -> None:
         self.window_data_time += seconds
+
+    def add_wait(self, seconds: float) -> None:
+        """Time this rank waited for the others in a step's closing all-reduce (the straggler watch's)."""
+        self.window_wait += seconds
 
     def add_step(self, tokens: int) -> None:
         self.window_tokens += tokens
@@ -132,6 +143,10 @@ class StepMetrics:
             "step_time_s": elapsed / self.window_steps,
             "data_time_s": self.window_data_time / self.window_steps,
         }
+        if self.stragglers is not None:  # a collective: every rank logs at the same steps
+            wait = self.window_wait / self.window_steps
+            busy = record["step_time_s"] - wait
+            record.update(self.stragglers.observe(step, busy_s=busy, data_s=record["data_time_s"], wait_s=wait))
         if docs is not None:
             # each CP rank counts its dp rank's whole windows (DocumentFeed.take_stats)
             per_step = self.cp_degree * self.window_steps
