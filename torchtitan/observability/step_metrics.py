@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from torchtitan.distributed.device import synchronize
 from torchtitan.dtypes import to_dtype
@@ -24,7 +23,7 @@ from torchtitan.observability.metrics import (
     compute_mfu,
     compute_num_flops_per_token,
 )
-from torchtitan.observability.stragglers import StragglerWatch
+from torchtitan.observability.stragglers import build_straggler_watch
 
 if TYPE_CHECKING:
     from torchtitan.config.schema import Float8, Metrics, Training
@@ -91,10 +90,7 @@ class StepMetrics:
         self.tps_history: list[float] = []
         self.best: tuple[float, int] | None = None
         self.last_validation: float | None = None
-        self.stragglers = None  # metrics.straggler_factor: every rank's times gathered at each log step
-        if metrics.straggler_factor > 0 and dist.is_initialized() and dist.get_world_size() > 1:
-            factor, k = metrics.straggler_factor, metrics.straggler_log_steps
-            self.stragglers = StragglerWatch(factor=factor, log_steps=k, log=enabled)
+        self.stragglers = build_straggler_watch(metrics, log=enabled)  # None unless metrics.straggler_factor
         self._reset_window()
 
     def _reset_window(self) -> None:

@@ -110,3 +110,10 @@ class StragglerWatch:
             wait_s,
             self.factor,
         )
+
+
+def build_straggler_watch(metrics, *, log: bool) -> StragglerWatch | None:
+    """The run's watch (every rank's times gathered at each log step), or None: off, or a single process."""
+    if metrics.straggler_factor > 0 and dist.is_initialized() and dist.get_world_size() > 1:
+        return StragglerWatch(factor=metrics.straggler_factor, log_steps=metrics.straggler_log_steps, log=log)
+    return None
