@@ -25,7 +25,12 @@ from tests.integration_tests import Row
 # differ from every existing row: per family a 1-rank reference, FSDP2, EP2, TP2 x EP2, PP2 (gpt-oss also
 # CP2) at 2 ranks and FSDP2 x EP2 at 4 (tests/test_frontier_runs.py, 28), and one estimator row each (4).
 # All at the tiny flavor: the 22 jobs take ~25 s of the suite.
-RANK_ROW_BUDGET = 317
+# Issue 45 (item 5, MoE aux loss over the global micro-batch) raised it by 12 to 329: the switch aux loss's new
+# all-reduce runs only in the flavors balanced by it, which no row trained (every tiny MoE flavor balances with
+# the expert bias): gpt-oss debugmodel and qwen3_moe debugmodel_aux_loss, each a 1-rank reference, FSDP2 and EP2
+# at 2 ranks (10), and the per-rank scope kept as an option, whose row must miss one process (2)
+# (tests/test_moe_aux_runs.py).
+RANK_ROW_BUDGET = 329
 
 
 def _row_lists() -> dict[str, list[Row]]:

@@ -115,6 +115,14 @@ class Training:
         "a step whose loss or grad norm is NaN/inf (checked on every rank before the optimizer step): stop "
         "(exit 4 naming the step; the last good checkpoint is kept) or skip (drop its update)",
     )
+    moe_aux_loss_scope: Literal["global_micro_batch", "local_micro_batch"] = _f(
+        "global_micro_batch",
+        "MoE switch aux loss (flavors with load_balance = 'aux_loss'): its tokens per expert and mean router "
+        "probabilities over every rank's tokens of the micro-batch (global_micro_batch: one small all-reduce per MoE "
+        "layer; the same loss under every layout, equal to one process) or over each rank's own tokens "
+        "(local_micro_batch: a per-rank regulariser, as transformers computes it; layouts then train differently). "
+        "With gradient accumulation each micro-batch is balanced on its own (docs/moe.md)",
+    )
     max_nonfinite_skips: int = _f(
         3, "with on_nonfinite = 'skip': stop after this many skipped steps in a row", bound=_POSITIVE
     )
