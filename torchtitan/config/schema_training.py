@@ -121,7 +121,8 @@ class Training:
         "probabilities over every rank's tokens of the micro-batch (global_micro_batch: one small all-reduce per MoE "
         "layer; the same loss under every layout, equal to one process) or over each rank's own tokens "
         "(local_micro_batch: a per-rank regulariser, as transformers computes it; layouts then train differently). "
-        "With gradient accumulation each micro-batch is balanced on its own (docs/moe.md)",
+        "With gradient accumulation each micro-batch is balanced on its own, so the loss then depends on the dp "
+        "degree too (docs/moe.md)",
     )
     max_nonfinite_skips: int = _f(
         3, "with on_nonfinite = 'skip': stop after this many skipped steps in a row", bound=_POSITIVE

@@ -21,9 +21,9 @@ process and against torch's autograd all-reduce.
 Scope: the ranks of one pipeline stage (an aux loss under PP is refused before launch), i.e. the world
 when pp = 1; fault tolerance's replica groups each balance their own (the groups' gradients are averaged,
 as their losses are). Gradient accumulation: each micro-batch is balanced on its own (its global
-micro-batch); the micro-batches of a step are not summed (the later ones do not exist when the first
-runs backward), so with accumulation the loss equals one process with the same accumulation over the
-ranks' combined micro-batches, not one process over the whole step's batch at once (docs/moe.md).
+micro-batch: every dp rank's m-th micro-batch); the micro-batches of a step are not summed (the later ones
+are not routed when the first runs backward). So with accumulation the loss is the same for every layout of
+the same dp degree, but not across dp degrees, whose m-th micro-batches hold other samples (docs/moe.md).
 """
 
 from __future__ import annotations
