@@ -180,13 +180,9 @@ class Trainer:
         (``StepFunction.reduce_loss`` sums it in)."""
         replicas = self.replicas
         replica_sum = replicas.replica_sum if replicas is not None else None
-        loss_sum = torch.zeros((), device=self.device)
         # block_causal: every counted token (of every replica group) weighs the same
         token_weight = self.step_fn.count_tokens(batches, replica_sum=replica_sum)
-        for batch in batches:
-            loss = self.step_fn.forward_backward(batch, accum_steps=len(batches), token_weight=token_weight)
-            if loss is not None:
-                loss_sum += loss
+        loss_sum = self.step_fn.train_micro_batches(batches, token_weight=token_weight)
         params = None
         if replicas is not None:  # the gradients and loss of every live group, then clipped like HSDP's
             params = self.step_fn.finish_gradients()
