@@ -40,6 +40,7 @@ from torchtitan.distributed.init import init_model_weights
 from torchtitan.distributed.mesh import WorldMesh
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline import PipelineParts, build_pipeline
+from torchtitan.dtypes import to_dtype
 from torchtitan.models.attention import resolve_attention_backend
 from torchtitan.spec import chain_hooks, get_model_spec
 
@@ -254,7 +255,6 @@ def build_step_function(
     world: WorldMesh,
     device: torch.device,
     *,
-    amp_dtype: torch.dtype | None,
     eos_id: int,
     cp_positions: torch.Tensor | None,
 ) -> StepFunction:
@@ -273,7 +273,7 @@ def build_step_function(
         parts,
         world=world,
         device=device,
-        amp_dtype=amp_dtype,
+        amp_dtype=_autocast_dtype(config.training, world.dims),
         loss_fn=loss_fn,
         loss_chunk_size=config.training.loss_chunk_size,
         pipeline=pipeline,
@@ -288,6 +288,13 @@ def build_step_function(
             group=world.group("dp_cp"),
         ),
     )
+
+
+def _autocast_dtype(training: Training, dims: ParallelDims) -> torch.dtype | None:
+    """The step's autocast dtype: FSDP applies mixed precision itself; without FSDP, autocast gives the same
+    compute dtype; None in fp32."""
+    dtype = to_dtype(training.mixed_precision_param)
+    return None if dims.fsdp_enabled or dtype == torch.float32 else dtype
 
 
 def build_model(

@@ -30,7 +30,6 @@ from torchtitan.distributed.context_parallel import compute_cp_positions, shard_
 from torchtitan.distributed.device import get_device_info, init_distributed, set_determinism, set_pg_timeout
 from torchtitan.distributed.mesh import WorldMesh
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.dtypes import to_dtype
 from torchtitan.fault_tolerance.errors import ReplicaGroupsFailed
 from torchtitan.launch.failures import report_exception, report_failure
 from torchtitan.launch.parent_watch import watch_parent
@@ -126,7 +125,6 @@ class Trainer:
             self.config,
             self.world,
             self.device,
-            amp_dtype=self._autocast_dtype(),
             eos_id=eos_id,
             cp_positions=self.cp_positions,
         )
@@ -144,13 +142,6 @@ class Trainer:
             device=str(self.device),
             dump_folder=self.run_folder,
         )
-
-    def _autocast_dtype(self) -> torch.dtype | None:
-        """FSDP applies mixed precision itself; without FSDP, autocast gives the same compute dtype."""
-        dtype = to_dtype(self.config.training.mixed_precision_param)
-        if self.parallel_dims.fsdp_enabled or dtype == torch.float32:
-            return None
-        return dtype
 
     def next_batches(self, data_iter: Iterator) -> list[Batch]:
         """One step's micro-batches (fine-tuning's with their PackedDocs), on the device, sharded for CP."""
