@@ -22,7 +22,7 @@ from torchtitan.build import TrainerBuilders, build_data_shard, build_step_funct
 from torchtitan.checkpointing.manager import resumes_from
 from torchtitan.components.document_feed import Batch
 from torchtitan.components.optimizer import apply_optimizer_config, build_lr_scheduler, build_optimizer
-from torchtitan.components.run_control import NonFiniteStep, RunStopped, StopSignals
+from torchtitan.components.run_control import NonFiniteStep, ReplayMismatch, RunStopped, StopSignals
 from torchtitan.components.step import StepFunction
 from torchtitan.config.manager import JobConfig, format_help, wants_help
 from torchtitan.datasets.sft.packing import PackedDocs
@@ -109,6 +109,7 @@ class Trainer:
         self.validator = b.validator(self, tokenizer) if config.validation.enabled else None
         self.signals = StopSignals()
         self.guard = b.guard(self)
+        self.replay = b.replay(self)  # training.replay_every_n_steps: the SDC check (components/replay.py)
         self.stop_requested = False
         self.data_iter: Iterator | None = None
         if rank == 0:
@@ -173,7 +174,7 @@ class Trainer:
         replica_sum = replicas.replica_sum if replicas is not None else None
         # block_causal: every counted token (of every replica group) weighs the same
         token_weight = self.step_fn.count_tokens(batches, replica_sum=replica_sum)
-        loss_sum = self.step_fn.train_micro_batches(batches, token_weight=token_weight)
+        loss_sum = self.replay.run(self.step, self.step_fn.train_micro_batches, batches, token_weight=token_weight)
         params = None
         if replicas is not None:  # the gradients and loss of every live group, then clipped like HSDP's
             params = self.step_fn.finish_gradients()
@@ -373,7 +374,7 @@ def main(argv: list[str] | None = None, *, builders: TrainerBuilders | None = No
     watch_parent()  # under torchrun: stop when the launcher dies
     try:
         run(JobConfig.parse_args(argv, world_size=world_size), world_size=world_size, rank=rank, builders=builders)
-    except (RunStopped, NonFiniteStep, ReplicaGroupsFailed) as e:  # every rank agreed on it (or sees it): one line
+    except (RunStopped, NonFiniteStep, ReplayMismatch, ReplicaGroupsFailed) as e:  # every rank agreed: one line
         return report_failure(rank, "stopped" if isinstance(e, RunStopped) else "error", str(e), e.exit_code)
     except BaseException as e:  # DCP's CheckpointException is a BaseException; told once (launch/failures.py)
         if isinstance(e, SystemExit):

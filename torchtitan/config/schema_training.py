@@ -124,6 +124,19 @@ class Training:
         "With gradient accumulation each micro-batch is balanced on its own, so the loss then depends on the dp "
         "degree too (docs/moe.md)",
     )
+    replay_every_n_steps: int = _f(
+        0,
+        "step replay, a check against silent data corruption: every N steps each rank trains the step twice from the "
+        "same inputs and weights and compares its loss and gradients bit for bit (costs one more forward + backward "
+        "per N steps; needs deterministic = true; not with pipeline parallel, early_step_in_backward or fault "
+        "tolerance); 0 = off (docs/reliability.md)",
+        bound=Bound(ge=0, text=">= 0 (0 turns step replay off)"),
+    )
+    on_replay_mismatch: Literal["stop", "warn"] = _f(
+        "stop",
+        "a replayed step that differs (one line naming the rank, host, step and tensor): stop (exit 6 before the "
+        "optimizer step; the last checkpoint is kept) or warn (log it and go on with the replay's gradients)",
+    )
     max_nonfinite_skips: int = _f(
         3, "with on_nonfinite = 'skip': stop after this many skipped steps in a row", bound=_POSITIVE
     )
