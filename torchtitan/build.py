@@ -40,6 +40,7 @@ from torchtitan.distributed.init import init_model_weights
 from torchtitan.distributed.mesh import WorldMesh
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline import PipelineParts, build_pipeline
+from torchtitan.dtypes import to_dtype
 from torchtitan.models.attention import resolve_attention_backend
 from torchtitan.spec import chain_hooks, get_model_spec
 
@@ -174,9 +175,10 @@ class TrainerBuilders:
         checkpointer(trainer) -> CheckpointManager-like (``load``, ``maybe_save``, ``summary``, ``close``)
         validator(trainer, tokenizer) -> Validator-like (``run``)
         guard(trainer) -> StepGuard-like (``check(step, loss, grad_norm) -> Verdict``; it syncs with the host)
+        replay(trainer) -> StepReplay-like (``run(step, train_pass, *args, **kwargs) -> loss``; components/replay.py)
         replicas(trainer) -> fault tolerance's ``ReplicaGroups`` (called only with fault_tolerance.enable), or None
             (the estimator models one replica group)
-    The trainer-level defaults (metrics, checkpointer, validator, guard, replicas) are in trainer_parts.py.
+    The trainer-level defaults (metrics, checkpointer, validator, guard, replay, replicas) are in trainer_parts.py.
     """
 
     mesh: Callable[..., Any] = _build_world_mesh
@@ -188,6 +190,7 @@ class TrainerBuilders:
     checkpointer: Callable[..., Any] | None = None
     validator: Callable[..., Any] | None = None
     guard: Callable[..., Any] | None = None
+    replay: Callable[..., Any] | None = None
     replicas: Callable[..., Any] | None = None
 
 
@@ -265,7 +268,6 @@ def build_step_function(
     world: WorldMesh,
     device: torch.device,
     *,
-    amp_dtype: torch.dtype | None,
     eos_id: int,
     cp_positions: torch.Tensor | None,
 ) -> StepFunction:
@@ -284,7 +286,7 @@ def build_step_function(
         parts,
         world=world,
         device=device,
-        amp_dtype=amp_dtype,
+        amp_dtype=_autocast_dtype(config.training, world.dims),
         loss_fn=loss_fn,
         loss_chunk_size=config.training.loss_chunk_size,
         pipeline=pipeline,
@@ -299,6 +301,13 @@ def build_step_function(
             group=world.group("dp_cp"),
         ),
     )
+
+
+def _autocast_dtype(training: Training, dims: ParallelDims) -> torch.dtype | None:
+    """The step's autocast dtype: FSDP applies mixed precision itself; without FSDP, autocast gives the same
+    compute dtype; None in fp32."""
+    dtype = to_dtype(training.mixed_precision_param)
+    return None if dims.fsdp_enabled or dtype == torch.float32 else dtype
 
 
 def build_model(

@@ -22,7 +22,7 @@ from torchtitan.build import TrainerBuilders, build_data_shard, build_step_funct
 from torchtitan.checkpointing.manager import resumes_from
 from torchtitan.components.document_feed import Batch
 from torchtitan.components.optimizer import apply_optimizer_config, build_lr_scheduler, build_optimizer
-from torchtitan.components.run_control import NonFiniteStep, RunStopped, StopSignals
+from torchtitan.components.run_control import NonFiniteStep, ReplayMismatch, RunStopped, StopSignals
 from torchtitan.components.step import StepFunction
 from torchtitan.config.manager import JobConfig, format_help, wants_help
 from torchtitan.datasets.sft.packing import PackedDocs
@@ -30,7 +30,6 @@ from torchtitan.distributed.context_parallel import compute_cp_positions, shard_
 from torchtitan.distributed.device import get_device_info, init_distributed, set_determinism, set_pg_timeout
 from torchtitan.distributed.mesh import WorldMesh
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.dtypes import to_dtype
 from torchtitan.fault_tolerance.errors import ReplicaGroupsFailed
 from torchtitan.launch.failures import exit_without_finalization, report_exception, report_failure
 from torchtitan.launch.parent_watch import watch_parent
@@ -110,6 +109,7 @@ class Trainer:
         self.validator = b.validator(self, tokenizer) if config.validation.enabled else None
         self.signals = StopSignals()
         self.guard = b.guard(self)
+        self.replay = b.replay(self)  # training.replay_every_n_steps: the SDC check (components/replay.py)
         self.stop_requested = False
         self.data_iter: Iterator | None = None
         if rank == 0:
@@ -126,7 +126,6 @@ class Trainer:
             self.config,
             self.world,
             self.device,
-            amp_dtype=self._autocast_dtype(),
             eos_id=eos_id,
             cp_positions=self.cp_positions,
         )
@@ -144,13 +143,6 @@ class Trainer:
             device=str(self.device),
             dump_folder=self.run_folder,
         )
-
-    def _autocast_dtype(self) -> torch.dtype | None:
-        """FSDP applies mixed precision itself; without FSDP, autocast gives the same compute dtype."""
-        dtype = to_dtype(self.config.training.mixed_precision_param)
-        if self.parallel_dims.fsdp_enabled or dtype == torch.float32:
-            return None
-        return dtype
 
     def next_batches(self, data_iter: Iterator) -> list[Batch]:
         """One step's micro-batches (fine-tuning's with their PackedDocs), on the device, sharded for CP."""
@@ -180,13 +172,9 @@ class Trainer:
         (``StepFunction.reduce_loss`` sums it in)."""
         replicas = self.replicas
         replica_sum = replicas.replica_sum if replicas is not None else None
-        loss_sum = torch.zeros((), device=self.device)
         # block_causal: every counted token (of every replica group) weighs the same
         token_weight = self.step_fn.count_tokens(batches, replica_sum=replica_sum)
-        for batch in batches:
-            loss = self.step_fn.forward_backward(batch, accum_steps=len(batches), token_weight=token_weight)
-            if loss is not None:
-                loss_sum += loss
+        loss_sum = self.replay.run(self.step, self.step_fn.train_micro_batches, batches, token_weight=token_weight)
         params = None
         if replicas is not None:  # the gradients and loss of every live group, then clipped like HSDP's
             params = self.step_fn.finish_gradients()
@@ -386,7 +374,7 @@ def main(argv: list[str] | None = None, *, builders: TrainerBuilders | None = No
     watch_parent()  # under torchrun: stop when the launcher dies
     try:
         run(JobConfig.parse_args(argv, world_size=world_size), world_size=world_size, rank=rank, builders=builders)
-    except (RunStopped, NonFiniteStep, ReplicaGroupsFailed) as e:  # every rank agreed on it (or sees it): one line
+    except (RunStopped, NonFiniteStep, ReplayMismatch, ReplicaGroupsFailed) as e:  # every rank agreed: one line
         return report_failure(rank, "stopped" if isinstance(e, RunStopped) else "error", str(e), e.exit_code)
     except BaseException as e:  # DCP's CheckpointException is a BaseException; told once (launch/failures.py)
         if isinstance(e, SystemExit):

@@ -1,5 +1,5 @@
-"""The trainer's default builders of its outside-world parts: metrics, checkpoints, validation, the step guard
-and fault tolerance's replica groups (the ``TrainerBuilders`` fields the memory estimator replaces; build.py).
+"""The trainer's default builders of its outside-world parts: metrics, checkpoints, validation, the step guard,
+the step replay and fault tolerance's replica groups (the ``TrainerBuilders`` fields the memory estimator replaces; build.py).
 
 Each takes the ``Trainer`` being built (torchtitan.train, which imports this module), complete up to the part
 being built.
@@ -16,6 +16,7 @@ import torch
 from torchtitan.build import TrainerBuilders
 from torchtitan.checkpointing.common import model_info
 from torchtitan.checkpointing.manager import CheckpointManager
+from torchtitan.components.replay import build_step_replay
 from torchtitan.components.run_control import StepGuard
 from torchtitan.components.validation import Validator
 from torchtitan.datasets.shard import DataShard, ReportsDataMix
@@ -134,5 +135,5 @@ def build_replicas(trainer: Trainer) -> Replicas:
 def with_trainer_defaults(builders: TrainerBuilders) -> TrainerBuilders:
     """``builders`` with this module's default for every trainer-level part it leaves None."""
     defaults: dict[str, Any] = dict(metrics=_build_metrics, checkpointer=build_checkpointer, guard=build_guard)
-    defaults.update(validator=_build_validator, replicas=build_replicas)
+    defaults.update(validator=_build_validator, replicas=build_replicas, replay=build_step_replay)
     return dataclasses.replace(builders, **{k: v for k, v in defaults.items() if getattr(builders, k) is None})

@@ -236,3 +236,29 @@ def test_expert_load_metrics():
 def test_debugmodel_aux_loss_flavor():
     args = get_model_spec("llama3_moe").flavors["debugmodel_aux_loss"]
     assert (args.load_balance, args.score_func, args.num_experts) == ("aux_loss", "softmax", 8)
+
+
+def test_aux_loss_over_one_rank_equals_the_local_loss():
+    """A stats sum over one rank (the identity) gives the per-rank form's loss and gradient."""
+    torch.manual_seed(0)
+    logits = torch.randn(12, 4, requires_grad=True)
+    counts = torch.bincount(logits.detach().topk(2).indices.flatten(), minlength=4)
+    losses = [compute_aux_loss(logits.softmax(-1), counts, 2, stats_sum) for stats_sum in (None, lambda s: s)]
+    grads = [torch.autograd.grad(loss, logits)[0] for loss in losses]
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-9)
+
+
+def test_aux_loss_scope_key_and_its_no_effect_warning():
+    from torchtitan.config.manager import JobConfig, format_help
+    from torchtitan.preflight import run_preflight
+
+    assert "training.moe_aux_loss_scope" in format_help() and "global_micro_batch" in format_help()
+    local = ["--training.moe_aux_loss_scope", "local_micro_batch"]
+    aux = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel_aux_loss"]
+    assert not any("moe_aux_loss_scope" in w for w in run_preflight(JobConfig.parse_args([*aux, *local]), 1))
+    for model in (["--model.name", "llama3"], ["--model.name", "llama3_moe"]):  # dense; expert-bias balanced
+        warnings = run_preflight(JobConfig.parse_args([*model, *local]), 1)
+        assert any("training.moe_aux_loss_scope = 'local_micro_batch' has no effect" in w for w in warnings)
+    with pytest.raises(ValueError, match="moe_aux_loss_scope"):
+        JobConfig.parse_args(["--training.moe_aux_loss_scope", "rank"])

@@ -29,7 +29,12 @@ from tests.integration_tests import Row
 # rule, memory-mapped windows), so its parity needs its own reference (1) and the layouts that read it differently:
 # FSDP2, FSDP2 + accumulation 2, PP2 (6); and its resume from the reference's step 3 on the same layout (1) and
 # as FSDP2 (2): tests/test_indexed_runs.py, the 6 jobs ~40 s of the suite.
-RANK_ROW_BUDGET = 327
+# Issue 45 (item 5, MoE aux loss over the global micro-batch) raised it by 12 to 339: the switch aux loss's new
+# all-reduce runs only in the flavors balanced by it, which no row trained (every tiny MoE flavor balances with
+# the expert bias): gpt-oss debugmodel and qwen3_moe debugmodel_aux_loss, each a 1-rank reference, FSDP2 and EP2
+# at 2 ranks (10), and the per-rank scope kept as an option, whose row must miss one process (2)
+# (tests/test_moe_aux_runs.py).
+RANK_ROW_BUDGET = 339
 
 
 def _row_lists() -> dict[str, list[Row]]:

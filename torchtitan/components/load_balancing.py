@@ -115,9 +115,10 @@ class LoadBalancer:
     def aux_loss(self, model_part: nn.Module, scale: float) -> torch.Tensor | None:
         """The switch-style balance loss (load_balance = "aux_loss"), at the micro-batch's scale.
 
-        The aux loss is a per-rank regulariser on the rank's own tokens: FSDP averages it over the
-        data-parallel ranks; TP ranks (each routing its own sequence shard) get 1/tp so the sum of
-        their router grads is their mean.
+        Every rank adds it with the same weight (distributed/moe_balance.py relies on that): data parallel
+        averages its gradients over the dp x cp ranks; TP ranks (each routing its own sequence shard) get
+        1/tp so the sum of their router grads is their mean. Its statistics are those of the global
+        micro-batch or, with training.moe_aux_loss_scope = "local_micro_batch", of this rank's tokens.
         """
         if self.args.load_balance != "aux_loss":
             return None

@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 # Exit codes besides 0 (done), 1 (a bug: traceback) and 2 (a user error: one line).
 EXIT_STOPPED = 3  # stopped by SIGTERM/SIGINT after finishing the step (and saving it)
 EXIT_NONFINITE = 4  # stopped on a non-finite loss or grad norm; no checkpoint holds that step
+# (5: fault tolerance gave up, fault_tolerance/errors.py)
+EXIT_REPLAY_MISMATCH = 6  # a replayed step computed other numbers (components/replay.py); no checkpoint holds it
 
 ECHO_SECONDS = 2.0
 
@@ -46,6 +48,12 @@ class NonFiniteStep(Exception):
     """Raised (on every rank) when the non-finite policy says stop."""
 
     exit_code = EXIT_NONFINITE
+
+
+class ReplayMismatch(Exception):
+    """Raised (on every rank) when a replayed step differs and ``training.on_replay_mismatch`` says stop."""
+
+    exit_code = EXIT_REPLAY_MISMATCH
 
 
 @dataclass(frozen=True)

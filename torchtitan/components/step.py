@@ -172,6 +172,16 @@ class StepFunction:
                 self._backward(loss, 1.0 / accum_steps)
             return _plain(loss)
 
+    def train_micro_batches(self, batches: list[Batch], *, token_weight: float | None) -> torch.Tensor:
+        """``forward_backward`` on each of a step's micro-batches; returns this rank's share of the step's loss
+        (0 where a pipeline rank does not hold it), its gradients accumulated in the parameters'."""
+        loss_sum = torch.zeros((), device=self.device)
+        for batch in batches:
+            loss = self.forward_backward(batch, accum_steps=len(batches), token_weight=token_weight)
+            if loss is not None:
+                loss_sum += loss
+        return loss_sum
+
     @torch.no_grad()
     def forward_loss(self, batch: Batch, *, token_weight: float | None) -> torch.Tensor:
         """Evaluate one batch (``token_weight``: its ``count_tokens``): the plain mean loss (0 where a

@@ -12,6 +12,7 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.context_parallel import apply_cp, compute_cp_positions
 from torchtitan.distributed.expert_parallel import apply_ep
 from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
+from torchtitan.distributed.moe_balance import apply_global_balance
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import apply_tp
 from torchtitan.distributed.torch_context_parallel import apply_torch_cp
@@ -92,7 +93,8 @@ def parallelize(
     Why this order: TP first because it rewrites each linear's parameters into DTensors and its
     plan addresses the model's own module names, which wrappers would change (on MoE blocks it
     parallelizes attention, router and shared expert, not the experts); EP then shards each MoE's
-    experts over the "ep" axis (dp_shard_in_ep x tp), also by module; CP swaps each
+    experts over the "ep" axis (dp_shard_in_ep x tp), also by module (then the MoE aux loss gets its sum over the
+    ranks, moe_balance.py: no parameters, so anywhere before FSDP would do); CP swaps each
     attention's core (no parameters) for ring attention, also by module name; AC wraps each
     (TP'd) block before compile so the compiled graph contains the recomputation policy; compile
     before FSDP so FSDP's hooks stay outside the compiled region (its communication is not traced);
@@ -105,6 +107,8 @@ def parallelize(
     if parallel_dims.ep_enabled:
         apply_ep(model, world_mesh[parallel_dims.axis_name("ep")], tp=parallel_dims.tp)
         logger.info("applied expert parallel over %d ranks (%d of them TP ranks)", parallel_dims.ep, parallel_dims.tp)
+    if training.moe_aux_loss_scope == "global_micro_batch":
+        apply_global_balance(model, parallel_dims)  # the MoE aux loss over every rank's tokens
     if parallel_dims.cp_enabled:
         _apply_cp(model, world_mesh["cp"], parallel_dims, experimental=experimental, seq_len=training.seq_len)
     apply_ac(model, activation_checkpoint)

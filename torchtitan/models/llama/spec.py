@@ -21,7 +21,7 @@ def check_dense_config(args: Any, *, model: Model, training: Training, experimen
     """The FFN width under TP (llama's formula, or a family's ``ffn_dim``); no expert parallel without experts.
 
     Returns:
-        warnings (none so far); raises ConfigError naming the key.
+        warnings (the MoE aux-loss scope on a model without the switch aux loss); raises ConfigError naming the key.
     """
     tp, ep = training.tensor_parallel_degree, experimental.expert_parallel_degree
     hidden = getattr(args, "ffn_dim", None) or ffn_hidden_dim(args)
@@ -35,6 +35,12 @@ def check_dense_config(args: Any, *, model: Model, training: Training, experimen
             f"experimental.expert_parallel_degree = {ep} but model.name = {model.name!r} (flavor "
             f"{model.flavor!r}) has no experts; use an MoE family (llama3_moe) or set expert_parallel_degree = 1"
         )
+    switch_aux = getattr(args, "load_balance", None) == "aux_loss" and not getattr(args, "aux_loss_per_sequence", False)
+    if training.moe_aux_loss_scope != "global_micro_batch" and not switch_aux:
+        return [
+            f"training.moe_aux_loss_scope = {training.moe_aux_loss_scope!r} has no effect: model.name = "
+            f"{model.name!r} (flavor {model.flavor!r}) has no switch aux loss (MoE load_balance = 'aux_loss')"
+        ]
     return []
 
 

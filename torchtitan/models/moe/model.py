@@ -42,7 +42,8 @@ class MoETransformer(Transformer):
         """Sum of the MoE layers' weighted balance losses of the last forward (0 unless load_balance="aux_loss"),
         taken from the layers (a second call before the next forward returns 0).
 
-        Each layer's loss is computed on this rank's tokens. Add it to the training loss with the
+        Each layer's loss is computed on this rank's tokens, or on the global micro-batch where a layer has a
+        stats sum (``MoE.set_stats_sum``). Add it to the training loss with the
         same scale as the cross-entropy (e.g. divided by the gradient-accumulation steps).
         """
         layers = self.moe_layers().values()

@@ -8,6 +8,9 @@ Load balancing (``MoEArgs.load_balance``):
 * ``"aux_loss"``: a switch-style balance loss per layer, kept in ``MoE.aux_loss`` (a tensor attached
   to the graph of the last forward). The trainer adds ``model.aux_loss()`` to its loss; nothing is
   injected into autograd behind its back, so the trainer controls the scale (gradient accumulation).
+  Its statistics (slots per expert, summed probabilities) are this rank's tokens unless a ``StatsSum``
+  is set (``set_stats_sum``): then they are summed over the ranks that hold the rest of the micro-batch,
+  and the loss is that of the global micro-batch, the same whatever the layout (distributed/moe_balance.py).
   With ``aux_loss_per_sequence`` it is DeepSeek's sequence-wise loss: one per batch row, averaged
   (the rows this rank holds: under sequence or context parallel, each rank's shard of a row).
 * ``"bias"``: aux-loss-free balancing (DeepSeek-V3). A per-expert ``expert_bias`` buffer is added to
@@ -18,6 +21,8 @@ Load balancing (``MoEArgs.load_balance``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +30,10 @@ from torch import nn
 from torchtitan.models.init import trunc_normal_
 from torchtitan.models.llama.model import FeedForward
 from torchtitan.models.moe.args import MoEArgs
+
+# Sums a small statistics tensor over the ranks that hold the other tokens of this micro-batch, with the
+# gradient an all-reduce would have (distributed/moe_balance.py builds it; the model never communicates).
+StatsSum = Callable[[torch.Tensor], torch.Tensor]
 
 
 class TokenChoiceRouter(nn.Module):
@@ -148,17 +157,26 @@ def _looped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
     return torch.cat(outs)  # (T, dim)
 
 
-def compute_aux_loss(scores: torch.Tensor, num_tokens_per_expert: torch.Tensor, top_k: int) -> torch.Tensor:
+def compute_aux_loss(
+    scores: torch.Tensor, num_tokens_per_expert: torch.Tensor, top_k: int, stats_sum: StatsSum | None = None
+) -> torch.Tensor:
     """Switch-style balance loss E * sum_i f_i * P_i (1.0 when routing is perfectly balanced).
 
     f_i = the fraction of the T * top_k routing slots given to expert i (not differentiable);
     P_i = the mean over tokens of expert i's routing probability (the scores, row-normalised so
     sigmoid scores are probabilities too). scores (T, E); num_tokens_per_expert (E,).
+    ``stats_sum``: T, f and P are those of every rank's tokens (the global micro-batch); None: this rank's.
     """
     num_tokens, num_experts = scores.shape
     probs = scores / scores.sum(dim=-1, keepdim=True)  # (T, E); a no-op for softmax
-    frac = num_tokens_per_expert.float() / max(num_tokens * top_k, 1)  # (E,)
-    return num_experts * (frac * probs.mean(dim=0)).sum()
+    if stats_sum is None:
+        frac = num_tokens_per_expert.float() / max(num_tokens * top_k, 1)  # (E,)
+        return num_experts * (frac * probs.mean(dim=0)).sum()
+    # One (2, E) sum for both: the slots (detached: f carries no gradient) and the summed probabilities.
+    stats = stats_sum(torch.stack([num_tokens_per_expert.float(), probs.sum(dim=0)]))  # (2, E), every rank alike
+    slots = stats[0].detach()  # (E,) global routing slots per expert
+    total_slots = slots.sum().clamp(min=1.0)  # global T * top_k
+    return num_experts * top_k * (slots * stats[1]).sum() / (total_slots * total_slots)
 
 
 def compute_sequence_aux_loss(scores: torch.Tensor, experts: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -207,6 +225,12 @@ class MoE(nn.Module):
         # Assigned (not accumulated) each forward, so an activation-checkpoint recompute is harmless.
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         self.aux_loss: torch.Tensor | None = None
+        self.stats_sum: StatsSum | None = None  # see set_stats_sum
+
+    def set_stats_sum(self, stats_sum: StatsSum | None) -> None:
+        """Compute the switch balance loss over the global micro-batch: ``stats_sum`` adds the other ranks'
+        statistics (distributed/moe_balance.py installs it); None: over this rank's tokens only."""
+        self.stats_sum = stats_sum
 
     def init_weights(self, init_std: float) -> None:
         self.router.init_weights()
@@ -225,11 +249,11 @@ class MoE(nn.Module):
         weights, experts, scores = self.router(x, self.expert_bias)  # (T, k), (T, k), (T, E)
         counts = self.count_tokens(experts)  # (E,)
         self.tokens_per_expert = counts.detach().float()
-        if self.load_balance == "aux_loss":
+        if self.load_balance == "aux_loss" and torch.is_grad_enabled():  # only training backpropagates it
             aux_loss = self.aux_loss_coeff * (
                 compute_sequence_aux_loss(scores.view(bs, seqlen, -1), experts.view(bs, seqlen, -1), self.top_k)
                 if self.aux_loss_per_sequence
-                else compute_aux_loss(scores, counts, self.top_k)
+                else compute_aux_loss(scores, counts, self.top_k, self.stats_sum)
             )
             # Kept only from a forward the autograd engine is not running: activation checkpointing's recompute
             # (in backward; computed all the same, so it saves the tensors the first forward saved) would keep

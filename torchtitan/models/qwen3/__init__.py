@@ -7,8 +7,8 @@ width), untied so that every layout, pipeline parallel included, can train it.
 Qwen3-MoE ("qwen3_moe"): 30B-A3B and 235B-A22B as published (128 experts, top 8, every layer MoE);
 debugmodel: the dense debug model's attention with 8 experts of width 128, top 2, balanced with the
 expert bias (aux-loss free), whose updates use the global token counts, so every layout trains it
-to the same loss; debugmodel_aux_loss: the same with Qwen3-MoE's own aux loss, which each rank
-computes on its own tokens (as transformers does), so layouts differ by more than fp32 noise.
+to the same loss; debugmodel_aux_loss: the same with Qwen3-MoE's own aux loss, over the global
+micro-batch (training.moe_aux_loss_scope; per rank, as transformers computes it, layouts differ).
 """
 
 import dataclasses
