@@ -35,13 +35,12 @@ from torchtitan.fault_tolerance.errors import ReplicaGroupsFailed
 from torchtitan.launch.failures import report_exception, report_failure
 from torchtitan.launch.parent_watch import watch_parent
 from torchtitan.launch.run_folder import RunLock, checkpoint_root, run_folder, set_aside_earlier_run
-from torchtitan.observability.console import format_layout, format_start_summary
 from torchtitan.observability.logging import init_logger
 from torchtitan.observability.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.observability.run_records import run_record_names, write_run_records
 from torchtitan.preflight import run_preflight
 from torchtitan.spec import get_model_spec, merge_metrics
-from torchtitan.trainer_parts import with_trainer_defaults
+from torchtitan.trainer_parts import start_summary, with_trainer_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +112,7 @@ class Trainer:
         self.stop_requested = False
         self.data_iter: Iterator | None = None
         if rank == 0:
-            logger.info("\n%s", self._start_summary(num_params))
+            logger.info("\n%s", start_summary(self, num_params))
 
     def _build_step(self, whole: torch.nn.Module, eos_id: int) -> StepFunction:
         """The model parts, parallelized and materialised, and the one step function over them (build.py)."""
@@ -129,20 +128,6 @@ class Trainer:
             amp_dtype=self._autocast_dtype(),
             eos_id=eos_id,
             cp_positions=self.cp_positions,
-        )
-
-    def _start_summary(self, num_params: int) -> str:
-        cfg, dims = self.config, self.parallel_dims
-        return format_start_summary(
-            model=f"{cfg.model.name} {cfg.model.flavor}",
-            params=num_params,
-            flop_params=self.num_flop_params,
-            layout=format_layout(dims.degrees()),
-            world_size=dims.world_size,
-            global_batch=self.shard.degree * cfg.training.batch_size * cfg.training.gradient_accumulation_steps,
-            training=cfg.training,
-            device=str(self.device),
-            dump_folder=self.run_folder,
         )
 
     def _autocast_dtype(self) -> torch.dtype | None:

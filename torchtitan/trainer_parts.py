@@ -20,6 +20,7 @@ from torchtitan.components.run_control import StepGuard
 from torchtitan.components.validation import Validator
 from torchtitan.datasets.shard import DataShard
 from torchtitan.launch.run_folder import checkpoint_root
+from torchtitan.observability.console import format_layout, format_start_summary
 from torchtitan.observability.step_metrics import StepMetrics
 
 if TYPE_CHECKING:
@@ -125,6 +126,22 @@ def build_replicas(trainer: Trainer) -> Replicas:
         optimizer=trainer.optimizer,
         lr_scheduler=trainer.lr_scheduler,
         data_loader=trainer.data_loader,
+    )
+
+
+def start_summary(trainer: Trainer, num_params: int) -> str:
+    """The block rank 0 logs before the first step: model, layout, batch, device, dump folder."""
+    cfg, dims = trainer.config, trainer.parallel_dims
+    return format_start_summary(
+        model=f"{cfg.model.name} {cfg.model.flavor}",
+        params=num_params,
+        flop_params=trainer.num_flop_params,
+        layout=format_layout(dims.degrees()),
+        world_size=dims.world_size,
+        global_batch=trainer.shard.degree * cfg.training.batch_size * cfg.training.gradient_accumulation_steps,
+        training=cfg.training,
+        device=str(trainer.device),
+        dump_folder=trainer.run_folder,
     )
 
 
