@@ -162,10 +162,11 @@ class TrainerBuilders:
             ``end_summary``, ``close``)
         checkpointer(trainer) -> CheckpointManager-like (``load``, ``maybe_save``, ``summary``, ``close``)
         validator(trainer, tokenizer) -> Validator-like (``run``)
+        evaluator(trainer) -> InLoopEval-like (``maybe_run(step)``; called only with ``[eval] enabled``)
         guard(trainer) -> StepGuard-like (``check(step, loss, grad_norm) -> Verdict``; it syncs with the host)
         replicas(trainer) -> fault tolerance's ``ReplicaGroups`` (called only with fault_tolerance.enable), or None
             (the estimator models one replica group)
-    The trainer-level defaults (metrics, checkpointer, validator, guard, replicas) are in trainer_parts.py.
+    The trainer-level defaults (metrics, checkpointer, validator, evaluator, guard, replicas) are in trainer_parts.py.
     """
 
     mesh: Callable[..., Any] = _build_world_mesh
@@ -176,6 +177,7 @@ class TrainerBuilders:
     metrics: Callable[..., Any] | None = None
     checkpointer: Callable[..., Any] | None = None
     validator: Callable[..., Any] | None = None
+    evaluator: Callable[..., Any] | None = None
     guard: Callable[..., Any] | None = None
     replicas: Callable[..., Any] | None = None
 

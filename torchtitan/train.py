@@ -107,6 +107,7 @@ class Trainer:
             self.replicas.resume_at(self.step)
         self.metrics = b.metrics(self)
         self.validator = b.validator(self, tokenizer) if config.validation.enabled else None
+        self.evaluator = b.evaluator(self) if config.eval.enabled else None  # lm-eval tasks ([eval], torchtitan/eval)
         self.signals = StopSignals()
         self.guard = b.guard(self)
         self.stop_requested = False
@@ -284,6 +285,8 @@ class Trainer:
         v = cfg.validation
         if self.validator is not None and (self.step % v.freq == 0 or self.step == cfg.training.steps):
             self.metrics.log_validation(self.step, self.validator.run())
+        if self.evaluator is not None:
+            self.evaluator.maybe_run(self.step)
         if self.replicas is None or self.replicas.writes_checkpoints:  # fault tolerance: the lowest live group
             self.checkpointer.maybe_save(self.step, last=self.step == cfg.training.steps)
         # at the last step the run is done anyway; semi-sync fault tolerance stops at a synchronization

@@ -109,6 +109,12 @@ def _build_validator(trainer: Trainer, tokenizer) -> Validator:
     )
 
 
+def _build_evaluator(trainer: Trainer) -> Any:
+    from torchtitan.eval.loop import build_in_loop_eval  # lm-eval loads only for a run with [eval] enabled
+
+    return build_in_loop_eval(trainer)
+
+
 def _build_guard(trainer: Trainer) -> StepGuard:
     cfg = trainer.config.training
     return StepGuard(cfg.on_nonfinite, cfg.max_nonfinite_skips, trainer.device, trainer.signals)
@@ -148,5 +154,5 @@ def start_summary(trainer: Trainer, num_params: int) -> str:
 def with_trainer_defaults(builders: TrainerBuilders) -> TrainerBuilders:
     """``builders`` with this module's default for every trainer-level part it leaves None."""
     defaults: dict[str, Any] = dict(metrics=_build_metrics, checkpointer=build_checkpointer, guard=_build_guard)
-    defaults.update(validator=_build_validator, replicas=build_replicas)
+    defaults.update(validator=_build_validator, evaluator=_build_evaluator, replicas=build_replicas)
     return dataclasses.replace(builders, **{k: v for k, v in defaults.items() if getattr(builders, k) is None})

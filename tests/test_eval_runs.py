@@ -1,0 +1,157 @@
+"""lm-evaluation-harness backend (issue 49; docs/evaluation.md), on a tiny fine-tuned model of the shipped
+arithmetic chat data (20 steps of llama3 ``debugmodel_tiny``, its checkpoint and our HF export of it).
+
+- Our backend vs lm-eval's own ``hf`` backend (transformers on our export), same tokenizer, fp32: on the shipped
+  multiple-choice task and two tasks this test writes (rolling perplexity, greedy generation with stop strings),
+  every per-request loglikelihood within 1e-4, the same is-greedy flags, accuracy and exact match identical,
+  perplexities within relative 1e-5, the same generated strings.
+- The same numbers under FSDP2 (2 ranks, requests split over them) and TP2 (one model over both), within 1e-5.
+- In the loop: eval every 3 steps of a 9-step run logs metrics at 3, 6, 9 and the losses equal a run without
+  eval bit for bit.
+- Bad input, one line each: an unknown task (listing the tasks found), a task file that does not parse, a
+  checkpoint of another flavor, lm-eval missing.
+Offline: HF_DATASETS_OFFLINE / HF_HUB_OFFLINE are set; every task reads local JSON files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+
+from tests.distributed.harness import run_distributed  # noqa: E402
+from torchtitan.config.manager import JobConfig  # noqa: E402
+from torchtitan.train import run_job  # noqa: E402
+
+pytestmark = [pytest.mark.distributed, pytest.mark.pool(2)]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = "train_configs/sft_debug.toml"
+TINY = ["--model.flavor", "debugmodel_tiny", "--training.data_parallel_shard_degree", "1"]
+TASKS = ["arith_mc", "t_ppl", "t_gen"]
+LIMIT = 8
+ATOL_LL = 1e-4  # the issue's bound for per-request loglikelihoods (fp32); measured max 4e-7 (see the note)
+RTOL_LAYOUT = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(ROOT)
+
+
+def _train_argv(folder: str, steps: int, extra: list[str] = ()) -> list[str]:
+    return [
+        "--job.config_file", CONFIG, *TINY,
+        "--training.steps", str(steps), "--training.batch_size", "2", "--training.warmup_steps", "2",
+        "--optimizer.lr", "1e-2", "--validation.enabled", "false", "--metrics.log_freq", "1",
+        "--training.seed", "3", "--job.dump_folder", folder, *extra,
+    ]  # fmt: skip
+
+
+def _write_tasks(folder: str) -> None:
+    """A rolling-perplexity task and a greedy generation task over local JSON files, written here."""
+    os.makedirs(folder, exist_ok=True)
+    pairs = [(1, 2), (3, 14), (5, 6), (7, 8)]
+    turn = "<|im_start|>user\nWhat is {a} plus {b}?<|im_end|>\n<|im_start|>assistant\n"
+    with open(os.path.join(folder, "ppl.jsonl"), "w") as f:
+        for a, b in pairs:
+            f.write(json.dumps({"text": (turn + "{a} plus {b} is {c}.<|im_end|>\n").format(a=a, b=b, c=a + b) * 3}) + "\n")
+    with open(os.path.join(folder, "gen.jsonl"), "w") as f:
+        for a, b in pairs:
+            f.write(json.dumps({"q": turn.format(a=a, b=b), "a": f"{a} plus {b} is {a + b}."}) + "\n")
+    common = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {path}\ntest_split: test\n"
+    with open(os.path.join(folder, "ppl.yaml"), "w") as f:
+        f.write("task: t_ppl\n" + common.format(path=os.path.join(folder, "ppl.jsonl")))
+        f.write('output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n')
+        f.write("metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n")
+    with open(os.path.join(folder, "gen.yaml"), "w") as f:
+        f.write("task: t_gen\n" + common.format(path=os.path.join(folder, "gen.jsonl")))
+        f.write('output_type: generate_until\ndoc_to_text: "{{q}}"\ndoc_to_target: "{{a}}"\n')
+        f.write('generation_kwargs:\n  until: ["<|im_end|>", "\\n"]\n  max_gen_toks: 24\n  do_sample: false\n')
+        f.write("metric_list:\n  - metric: exact_match\n")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(run folder, task folder): 20 steps of the tiny model, its step-20 checkpoint and HF export."""
+    from torchtitan.checkpointing.hf import export_to_hf
+
+    os.chdir(ROOT)
+    base = tmp_path_factory.mktemp("eval")
+    run = str(base / "run")
+    run_job(JobConfig.parse_args(_train_argv(run, 20, ["--checkpoint.enable_checkpoint"])), world_size=1, rank=0)
+    export_to_hf(os.path.join(run, "checkpoint", "step-20"), os.path.join(run, "hf"))
+    _write_tasks(str(base / "tasks"))
+    return run, str(base / "tasks")
+
+
+def _evaluate(lm, task_folder: str) -> dict:
+    import lm_eval
+
+    from torchtitan.eval.tasks import build_task_manager
+
+    tm = build_task_manager(TASKS, task_folder)
+    return lm_eval.simple_evaluate(model=lm, tasks=TASKS, task_manager=tm, limit=LIMIT, log_samples=True)
+
+
+def _responses(out: dict) -> dict[str, list]:
+    return {t: [s["resps"] for s in out["samples"][t]] for t in TASKS}
+
+
+def _ours(run: str, overrides: list[str] = ()) -> object:
+    from torchtitan.eval.lm import TorchtitanLM
+
+    ckpt = os.path.join(run, "checkpoint", "step-20")
+    return TorchtitanLM(config=CONFIG, checkpoint=ckpt, overrides=" ".join([*TINY, *overrides]), batch_size=4)
+
+
+def _flat_lls(resps: list) -> list[float]:
+    out = []
+    for per_doc in resps:
+        for r in per_doc:
+            value = r[0]
+            out.append(value[0] if isinstance(value, (tuple, list)) else value)
+    return out
+
+
+def test_backend_equals_lm_eval_hf_backend(trained):
+    from lm_eval.models.huggingface import HFLM
+
+    run, tasks = trained
+    torch.set_num_threads(1)
+    ours = _evaluate(_ours(run), tasks)
+    hf = HFLM(
+        pretrained=os.path.join(run, "hf"),
+        tokenizer="tests/assets/sft/tokenizer",
+        batch_size=4,
+        max_length=128,
+        dtype="float32",
+        device="cpu",
+    )
+    theirs = _evaluate(hf, tasks)
+    a, b = _responses(ours), _responses(theirs)
+    worst = 0.0
+    for task in ("arith_mc", "t_ppl"):
+        x, y = _flat_lls(a[task]), _flat_lls(b[task])
+        assert len(x) == len(y) > 0
+        worst = max(worst, max(abs(p - q) for p, q in zip(x, y)))
+    print(f"max |loglikelihood ours - hf| {worst:.2e}")
+    assert worst <= ATOL_LL
+    greedy = [[r[0][1] for r in doc] for doc in a["arith_mc"]], [[r[0][1] for r in doc] for doc in b["arith_mc"]]
+    assert greedy[0] == greedy[1]
+    assert a["t_gen"] == b["t_gen"]  # the same strings
+    assert any(doc[0][0] for doc in a["t_gen"])  # something was generated
+    r1, r2 = ours["results"], theirs["results"]
+    for key in ("acc,none", "acc_norm,none"):
+        assert r1["arith_mc"][key] == r2["arith_mc"][key]
+    assert r1["t_gen"]["exact_match,none"] == r2["t_gen"]["exact_match,none"]
+    for key in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+        assert math.isclose(r1["t_ppl"][key], r2["t_ppl"][key], rel_tol=1e-5), key
