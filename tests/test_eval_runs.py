@@ -36,7 +36,7 @@ CONFIG = "train_configs/sft_debug.toml"
 TINY = ["--model.flavor", "debugmodel_tiny", "--training.data_parallel_shard_degree", "1"]
 TASKS = ["arith_mc", "t_ppl", "t_gen"]
 LIMIT = 8
-ATOL_LL = 1e-4  # the issue's bound for per-request loglikelihoods (fp32); measured max 4e-7 (see the note)
+ATOL_LL = 1e-4  # the issue's bound for per-request loglikelihoods (fp32); measured max 3.1e-5 (a rolling sum of ~300 nats)
 RTOL_LAYOUT = 1e-5
 
 
@@ -63,7 +63,9 @@ def _write_tasks(folder: str) -> None:
     turn = "<|im_start|>user\nWhat is {a} plus {b}?<|im_end|>\n<|im_start|>assistant\n"
     with open(os.path.join(folder, "ppl.jsonl"), "w") as f:
         for a, b in pairs:
-            f.write(json.dumps({"text": (turn + "{a} plus {b} is {c}.<|im_end|>\n").format(a=a, b=b, c=a + b) * 3}) + "\n")
+            f.write(
+                json.dumps({"text": (turn + "{a} plus {b} is {c}.<|im_end|>\n").format(a=a, b=b, c=a + b) * 3}) + "\n"
+            )
     with open(os.path.join(folder, "gen.jsonl"), "w") as f:
         for a, b in pairs:
             f.write(json.dumps({"q": turn.format(a=a, b=b), "a": f"{a} plus {b} is {a + b}."}) + "\n")
@@ -155,3 +157,158 @@ def test_backend_equals_lm_eval_hf_backend(trained):
     assert r1["t_gen"]["exact_match,none"] == r2["t_gen"]["exact_match,none"]
     for key in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
         assert math.isclose(r1["t_ppl"][key], r2["t_ppl"][key], rel_tol=1e-5), key
+
+
+def _layout_job(rank: int, world_size: int, run: str, task_folder: str) -> dict | None:
+    """On each rank: our backend under FSDP2 over both ranks, then TP2; rank 0 returns each layout's responses
+    (lm-eval's simple_evaluate returns results where LOCAL_RANK is 0 only)."""
+    os.chdir(ROOT)
+    os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
+    torch.set_num_threads(1)
+    out = {}
+    for name, overrides in {
+        "fsdp2": ["--training.data_parallel_shard_degree", "2"],
+        "tp2": ["--training.tensor_parallel_degree", "2"],
+    }.items():
+        result = _evaluate(_ours(run, overrides), task_folder)
+        assert (result is None) == (rank != 0)
+        out[name] = result and _responses(result)
+    return out if rank == 0 else None
+
+
+def test_fsdp2_and_tp2_give_the_single_process_numbers(trained):
+    run, tasks = trained
+    torch.set_num_threads(1)
+    single = _responses(_evaluate(_ours(run), tasks))
+    by_rank = run_distributed(_layout_job, 2, run, tasks, timeout_s=600)
+    for layout, got in by_rank[0].items():
+        for task in ("arith_mc", "t_ppl"):
+            x, y = _flat_lls(got[task]), _flat_lls(single[task])
+            worst = max(abs(p - q) / max(abs(q), 1.0) for p, q in zip(x, y))
+            print(f"{layout} {task}: {len(x)} loglikelihoods, max rel diff vs one process {worst:.1e}")
+            assert len(x) == len(y) and worst <= RTOL_LAYOUT, (layout, task)
+        assert got["t_gen"] == single["t_gen"], layout
+
+
+def _losses_and_evals(folder: str) -> tuple[list[float], dict[int, dict]]:
+    losses, evals = [], {}
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        for line in f:
+            record = json.loads(line)
+            if "loss" in record:
+                losses.append(record["loss"])
+            if any(k.startswith("eval/") for k in record):
+                evals[record["step"]] = record
+    return losses, evals
+
+
+def test_in_loop_eval_every_3_steps_leaves_training_bit_identical(tmp_path):
+    torch.set_num_threads(1)
+    plain, with_eval = str(tmp_path / "plain"), str(tmp_path / "eval")
+    det = ["--training.deterministic"]
+    run_job(JobConfig.parse_args(_train_argv(plain, 9, det)), world_size=1, rank=0)
+    ev = [
+        "--eval.enabled",
+        "--eval.tasks",
+        "arith_mc",
+        "--eval.freq",
+        "3",
+        "--eval.limit",
+        "4",
+        "--metrics.enable_tensorboard",
+    ]
+    run_job(JobConfig.parse_args(_train_argv(with_eval, 9, [*det, *ev])), world_size=1, rank=0)
+    base, _ = _losses_and_evals(plain)
+    losses, evals = _losses_and_evals(with_eval)
+    assert len(base) == 9 and losses == base  # bit for bit
+    assert sorted(evals) == [3, 6, 9]
+    for record in evals.values():
+        assert set(record) == {"step", "eval/arith_mc/acc", "eval/arith_mc/acc_norm"}
+        assert 0.0 <= record["eval/arith_mc/acc"] <= 1.0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (tb,) = [d for d, _, files in os.walk(os.path.join(with_eval, "tb")) if any("tfevents" in f for f in files)]
+    events = EventAccumulator(tb)
+    events.Reload()
+    assert [e.step for e in events.Scalars("eval/arith_mc/acc")] == [3, 6, 9]
+
+
+def _one_line_error(capsys, argv: list[str]) -> str:
+    from torchtitan.eval.__main__ import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
+def test_unknown_task_names_the_tasks_found(trained, capsys):
+    _, tasks = trained
+    err = _one_line_error(capsys, ["--model", "torchtitan", "--tasks", "arith_mcq", "--include_path", tasks])
+    assert "unknown task 'arith_mcq'" in err and "arith_mc, t_gen, t_ppl" in err, err
+
+
+def test_task_file_that_does_not_parse(trained, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "broken.yaml").write_text("task: broken\ndoc_to_text: [unclosed\n")
+    err = _one_line_error(capsys, ["--model", "torchtitan", "--tasks", "arith_mc", "--include_path", str(bad)])
+    assert "broken.yaml does not parse" in err, err
+
+
+def test_checkpoint_of_another_flavor(trained):
+    from torchtitan.eval.lm import TorchtitanLM
+
+    run, _ = trained
+    with pytest.raises(
+        ValueError, match="holds llama3 'debugmodel_tiny' .* but the config builds llama3 'debugmodel'"
+    ) as e:
+        TorchtitanLM(
+            config=CONFIG, checkpoint=os.path.join(run, "checkpoint", "step-20"), overrides="--model.flavor debugmodel"
+        )
+    assert "\n" not in str(e.value)
+
+
+def test_missing_lm_eval_is_one_line_naming_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
+    err = _one_line_error(capsys, ["--model", "torchtitan", "--tasks", "arith_mc"])
+    assert "pip install -e '.[eval]'" in err, err
+    from torchtitan.preflight.__main__ import main as preflight
+
+    assert preflight(["--job.config_file", CONFIG, "--eval.enabled", "--eval.tasks", "arith_mc"]) == 2
+    assert "pip install -e '.[eval]'" in capsys.readouterr().err
+
+
+def test_cli_runs_lm_eval_with_our_model(trained, tmp_path):
+    from torchtitan.eval.__main__ import main
+
+    run, _ = trained
+    out = tmp_path / "out"
+    args = f"config={CONFIG},checkpoint={run}/checkpoint/step-20,overrides=--model.flavor debugmodel_tiny"
+    argv = [
+        "--model",
+        "torchtitan",
+        "--model_args",
+        args,
+        "--tasks",
+        "arith_mc",
+        "--limit",
+        "4",
+        "--output_path",
+        str(out),
+    ]
+    assert main(argv) == 0
+    (result,) = [os.path.join(d, f) for d, _, fs in os.walk(out) for f in fs if f.startswith("results")]
+    with open(result) as f:
+        assert "acc,none" in json.load(f)["results"]["arith_mc"]
+
+
+def test_sampled_generation_is_seeded(trained):
+    from lm_eval.api.instance import Instance
+
+    run, _ = trained
+    prompt = "<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n"
+    sample = {"until": ["<|im_end|>"], "max_gen_toks": 12, "do_sample": True, "temperature": 1.0}
+    reqs = [Instance("generate_until", {}, (prompt, dict(sample)), i) for i in range(4)]
+    first, again = _ours(run).generate_until(reqs), _ours(run).generate_until(reqs)
+    assert first == again and len(set(first)) > 1  # the seed decides; rows differ

@@ -10,6 +10,7 @@ not touched (the forward passes run without grad).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -73,7 +74,8 @@ class InLoopEval:
             self.trainer.metrics.log_eval(step, self.run())
 
     def run(self) -> dict[str, float]:
-        """Every task on the live model; every rank gets the same record."""
+        """Every task on the live model: the record on rank 0 (lm-eval returns results where LOCAL_RANK is 0), {}
+        on the other ranks, which run the same forward passes."""
         import lm_eval
 
         from torchtitan.eval.lm import TorchtitanLM
@@ -81,7 +83,10 @@ class InLoopEval:
 
         t = self.trainer
         (model,) = t.step_fn.model_parts  # pipeline parallel is refused before launch
+        feed = t.step_fn.feed  # block_causal training: each request is one document, attended plain causal
         em = EvalModel(model, self.tokenizer, t.world, t.device, t.config.training.seq_len, t.step_fn.amp_dtype)
+        if feed is not None:
+            em = dataclasses.replace(em, forwards=feed.plain_causal)
         was_training = model.training
         seed = self.cfg.seed
         with kept_rng_state(t.device):
@@ -103,6 +108,8 @@ class InLoopEval:
                 )
             finally:
                 model.train(was_training)
+        if out is None:
+            return {}
         record = flatten_results(out["results"])
         return {k: v for k, v in record.items() if not math.isnan(v)}
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,8 @@ class EvalModel:
     device: torch.device
     max_seq_len: int
     amp_dtype: torch.dtype | None = None
+    forwards: Callable[[], AbstractContextManager] = nullcontext
+    """What every forward runs inside (the trainer's block_causal feed: plain causal attention per request)."""
 
 
 def load_config(config: str | JobConfig, overrides: list[str] | None = None) -> JobConfig:

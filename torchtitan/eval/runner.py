@@ -7,6 +7,11 @@ metrics; tensor-parallel ranks of one dp rank run the same batches together. Eac
 passes as the others (a rank short of batches repeats one and drops its result): under FSDP a forward is a
 collective. Generation runs every request on every rank, in lockstep: the number of tokens a batch runs for
 depends on when its rows stop, which all ranks must agree on.
+
+Under tensor parallel the model is the training one, whose sequence parallel splits every sequence evenly over
+the TP ranks: inputs are right-padded to a multiple of the TP degree (a causal model's earlier positions do not
+see the padding), and generation runs without the KV cache (one new token does not split), the whole sequence
+each step.
 """
 
 from __future__ import annotations
@@ -36,12 +41,21 @@ class ModelRunner:
         self.em, self.max_length = em, max_length
         self.dp_group = em.world.group("dp") if em.world.dims.dp_degree > 1 else None
         self.dp_rank, self.dp_degree = em.world.local_rank("dp"), em.world.dims.dp_degree
+        self.multiple = em.world.dims.tp  # sequence parallel: every input's length a multiple of this
+
+    def _padded(self, rows: Sequence[list[int]]) -> torch.Tensor:
+        """Right-padded (bs, width) ids, width a multiple of the TP degree."""
+        width = -(-max(len(x) for x in rows) // self.multiple) * self.multiple
+        batch = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, x in enumerate(rows):
+            batch[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+        return batch.to(self.em.device)
 
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (bs, n) -> fp32 logits (bs, n, vocab), whole on every rank (TP's vocab shards gathered)."""
         em = self.em
         amp = torch.autocast(em.device.type, dtype=em.amp_dtype) if em.amp_dtype else contextlib.nullcontext()
-        with torch.no_grad(), amp:
+        with torch.no_grad(), amp, em.forwards():
             out = em.model(tokens) if positions is None else em.model(tokens, positions)
         if hasattr(out, "full_tensor"):  # a DTensor: the TP head's vocab-sharded logits (loss parallel)
             out = out.full_tensor()
@@ -67,11 +81,7 @@ class ModelRunner:
 
     def _score_batch(self, rows: Sequence[tuple[list[int], list[int]]]) -> list[Scored]:
         inputs = [(ctx + cont)[-(self.max_length + 1) :][:-1] for ctx, cont in rows]
-        width = max(len(x) for x in inputs)
-        batch = torch.zeros(len(inputs), width, dtype=torch.long)
-        for i, x in enumerate(inputs):
-            batch[i, : len(x)] = torch.tensor(x, dtype=torch.long)
-        logprobs = F.log_softmax(self.logits(batch.to(self.em.device)), dim=-1)  # (bs, width, vocab)
+        logprobs = F.log_softmax(self.logits(self._padded(inputs)), dim=-1)  # (bs, width, vocab)
         out = []
         for i, (x, (_, cont)) in enumerate(zip(inputs, rows)):
             picked = logprobs[i, len(x) - len(cont) : len(x)]  # (len(cont), vocab): the continuation's positions
@@ -93,16 +103,19 @@ class ModelRunner:
         every row or ``max_new_tokens``; returns each row's new tokens, cut after the step that stopped it."""
         tokens = torch.tensor(contexts, dtype=torch.long, device=self.em.device)  # (bs, n)
         n = tokens.shape[1]
-        cache = KVCache(n + max_new_tokens)
-        swapped = cache.install(self.em.model)
+        cache = KVCache(n + max_new_tokens) if self.multiple == 1 else None
+        swapped = cache.install(self.em.model) if cache is not None else []
         done = [False] * len(contexts)
         ends = [max_new_tokens] * len(contexts)
         try:
             for step in range(max_new_tokens):
-                new = tokens[:, cache.length :]
-                positions = torch.arange(cache.length, tokens.shape[1], device=tokens.device)
-                logits = self.logits(new, positions)[:, -1]  # (bs, vocab)
-                cache.length = tokens.shape[1]
+                if cache is None:  # the whole sequence, padded for sequence parallel
+                    logits = self.logits(self._padded(tokens.tolist()))[:, tokens.shape[1] - 1]  # (bs, vocab)
+                else:  # only the tokens not yet cached, at their true positions
+                    new = tokens[:, cache.length :]
+                    positions = torch.arange(cache.length, tokens.shape[1], device=tokens.device)
+                    logits = self.logits(new, positions)[:, -1]  # (bs, vocab)
+                    cache.length = tokens.shape[1]
                 tokens = torch.cat([tokens, sampling.pick(logits, generator)[:, None]], dim=1)
                 rows = tokens[:, n:].tolist()
                 for i, row in enumerate(rows):
