@@ -155,20 +155,25 @@ class TorchtitanLM(TemplateLM):
         return self.tokenizer_.decode(list(tokens))
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
-        def longest_first(req):
-            toks = req[1] + req[2]
-            return -len(toks), tuple(toks)
-
-        order = Collator(requests, sort_fn=longest_first)
-        chunks = [list(chunk) for chunk in order.get_batched(n=self.batch_size)]
-        scored = self.runner.score([[(ctx, cont) for _, ctx, cont in chunk] for chunk in chunks])
-        results = []
-        for chunk, answers in zip(chunks, scored):
-            for (key, _, _), answer in zip(chunk, answers):
-                if key is not None:
-                    self.cache_hook.add_partial("loglikelihood", key, answer)
-                results.append(answer)
-        return order.get_original(results)
+        # as hf: requests whose context + continuation[:-1] agree share one forward row (its longest continuation's)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, (_, ctx, cont) in enumerate(requests):
+            groups.setdefault(tuple(ctx + cont[:-1]), []).append(i)
+        rows = [(max(members, key=lambda i: len(requests[i][2])), members) for members in groups.values()]
+        rows.sort(
+            key=lambda r: (-len(requests[r[0]][1] + requests[r[0]][2]), tuple(requests[r[0]][1] + requests[r[0]][2]))
+        )
+        chunks = [rows[i : i + self.batch_size] for i in range(0, len(rows), self.batch_size)]
+        batches = [[(requests[rep][1], requests[rep][2], [requests[m][2] for m in members]) for rep, members in chunk]
+                   for chunk in chunks]  # fmt: skip
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        for chunk, scored in zip(chunks, self.runner.score(batches)):
+            for (_, members), answers in zip(chunk, scored):
+                for m, answer in zip(members, answers):
+                    results[m] = answer
+                    if requests[m][0] is not None:
+                        self.cache_hook.add_partial("loglikelihood", requests[m][0], answer)
+        return results  # type: ignore[return-value]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         windows, counts = [], []

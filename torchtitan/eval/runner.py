@@ -30,8 +30,11 @@ from torchtitan.components.generation import KVCache, Sampling
 if TYPE_CHECKING:
     from torchtitan.eval.model import EvalModel
 
-# (context tokens, continuation tokens) -> (sum of the continuation's log-probabilities, whether it is greedy)
+# a continuation's (sum of its log-probabilities, whether it is greedy)
 Scored = tuple[float, bool]
+# one forward row: context, continuation, and every continuation scored on the same input (context +
+# continuation[:-1] equal: the choices of a multiple-choice question whose last token differs, as hf groups them)
+Row = tuple[list[int], list[int], list[list[int]]]
 
 
 class ModelRunner:
@@ -61,13 +64,14 @@ class ModelRunner:
             out = out.full_tensor()
         return out.float()
 
-    def score(self, batches: Sequence[Sequence[tuple[list[int], list[int]]]]) -> list[list[Scored]]:
+    def score(self, batches: Sequence[Sequence[Row]]) -> list[list[list[Scored]]]:
         """Each batch's rows scored as lm-eval's hf backend does (inputs cut to ``max_length`` from the left,
-        right-padded); this dp rank runs its share and every rank returns all of them."""
+        right-padded; each row's continuations on its one input); this dp rank runs its share and every rank
+        returns all of them: [batch][row][continuation]."""
         dp, rank = self.dp_degree, self.dp_rank
         mine = list(range(rank, len(batches), dp))
         rounds = math.ceil(len(batches) / dp) if batches else 0
-        results: list[list[Scored]] = []
+        results: list[list[list[Scored]]] = []
         for i in range(rounds):  # every dp rank runs `rounds` forwards
             index = mine[i] if i < len(mine) else 0
             scored = self._score_batch(batches[index])
@@ -75,19 +79,22 @@ class ModelRunner:
                 results.append(scored)
         if dp == 1:
             return results
-        gathered: list[list[list[Scored]] | None] = [None] * dp
+        gathered: list[list[list[list[Scored]]] | None] = [None] * dp
         dist.all_gather_object(gathered, results, group=self.dp_group)
         return [gathered[i % dp][i // dp] for i in range(len(batches))]  # type: ignore[index]
 
-    def _score_batch(self, rows: Sequence[tuple[list[int], list[int]]]) -> list[Scored]:
-        inputs = [(ctx + cont)[-(self.max_length + 1) :][:-1] for ctx, cont in rows]
+    def _score_batch(self, rows: Sequence[Row]) -> list[list[Scored]]:
+        inputs = [(ctx + cont)[-(self.max_length + 1) :][:-1] for ctx, cont, _ in rows]
         logprobs = F.log_softmax(self.logits(self._padded(inputs)), dim=-1)  # (bs, width, vocab)
         out = []
-        for i, (x, (_, cont)) in enumerate(zip(inputs, rows)):
-            picked = logprobs[i, len(x) - len(cont) : len(x)]  # (len(cont), vocab): the continuation's positions
-            target = torch.tensor(cont, dtype=torch.long, device=picked.device)
-            greedy = bool((picked.argmax(dim=-1) == target).all())
-            out.append((float(picked.gather(1, target[:, None]).sum()), greedy))
+        for i, (x, (_, _, conts)) in enumerate(zip(inputs, rows)):
+            scored = []
+            for cont in conts:
+                picked = logprobs[i, len(x) - len(cont) : len(x)]  # (len(cont), vocab): the continuation's positions
+                target = torch.tensor(cont, dtype=torch.long, device=picked.device)
+                greedy = bool((picked.argmax(dim=-1) == target).all())
+                scored.append((float(picked.gather(1, target[:, None]).sum()), greedy))
+            out.append(scored)
         return out
 
     @torch.no_grad()
