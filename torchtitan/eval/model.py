@@ -85,7 +85,12 @@ def build_eval_model(config: JobConfig, *, checkpoint: str | None = None, hf: st
     elif hf:
         weights = _hf_weights(hf, spec, args)
     mesh = dims.build_mesh(info.device.type) if world_size > 1 else None
-    model = build_model(config, args, dims, mesh, info.device)
+    # activation checkpointing saves memory for a backward an evaluation never runs: built without it (a copy
+    # of the config; the user's is not changed)
+    inference = dataclasses.replace(
+        config, activation_checkpoint=dataclasses.replace(config.activation_checkpoint, mode="none")
+    )
+    model = build_model(inference, args, dims, mesh, info.device)
     if weights is not None:
         _load(model, weights, source=checkpoint or hf)
     dtype = to_dtype(config.training.mixed_precision_param)
