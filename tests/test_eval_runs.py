@@ -36,7 +36,9 @@ CONFIG = "train_configs/sft_debug.toml"
 TINY = ["--model.flavor", "debugmodel_tiny", "--training.data_parallel_shard_degree", "1"]
 TASKS = ["arith_mc", "t_ppl", "t_gen"]
 LIMIT = 8
-ATOL_LL = 1e-4  # the issue's bound for per-request loglikelihoods (fp32); measured max 3.1e-5 (a rolling sum of ~300 nats)
+ATOL_LL = (
+    1e-4  # the issue's bound for per-request loglikelihoods (fp32); measured max 3.1e-5 (a rolling sum of ~300 nats)
+)
 RTOL_LAYOUT = 1e-5
 
 
@@ -312,3 +314,23 @@ def test_sampled_generation_is_seeded(trained):
     reqs = [Instance("generate_until", {}, (prompt, dict(sample)), i) for i in range(4)]
     first, again = _ours(run).generate_until(reqs), _ours(run).generate_until(reqs)
     assert first == again and len(set(first)) > 1  # the seed decides; rows differ
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2"])
+def test_in_loop_eval_under_a_layout_leaves_training_bit_identical(tmp_path, layout):
+    """The live FSDP2 / TP2 model evaluated in place (pool jobs): the losses of the run without eval, bit for bit,
+    and rank 0 logs the metrics at 3, 6, 9."""
+    from tests.pool import run_train_job
+
+    degree = {"fsdp2": "--training.data_parallel_shard_degree", "tp2": "--training.tensor_parallel_degree"}[layout]
+    ev = ["--eval.enabled", "--eval.tasks", "arith_mc", "--eval.freq", "3", "--eval.limit", "4"]
+    folders = {}
+    for name, extra in {"plain": [], "eval": ev}.items():
+        folders[name] = str(tmp_path / name)
+        argv = _train_argv(folders[name], 9, ["--training.deterministic", degree, "2", *extra])
+        status = run_train_job(2, argv)
+        assert status["ok"], status["error"]
+    base, _ = _losses_and_evals(folders["plain"])
+    losses, evals = _losses_and_evals(folders["eval"])
+    assert len(base) == 9 and losses == base
+    assert sorted(evals) == [3, 6, 9]
