@@ -42,6 +42,16 @@ ATOL_LL = (
 RTOL_LAYOUT = 1e-5
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One thread for this file's in-process runs (on a loaded 2-core machine two threads made a training step
+    ~20x slower); the thread count is put back for the files after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _offline(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -130,7 +140,6 @@ def test_backend_equals_lm_eval_hf_backend(trained):
     from lm_eval.models.huggingface import HFLM
 
     run, tasks = trained
-    torch.set_num_threads(1)
     ours = _evaluate(_ours(run), tasks)
     hf = HFLM(
         pretrained=os.path.join(run, "hf"),
@@ -180,7 +189,6 @@ def _layout_job(rank: int, world_size: int, run: str, task_folder: str) -> dict 
 
 def test_fsdp2_and_tp2_give_the_single_process_numbers(trained):
     run, tasks = trained
-    torch.set_num_threads(1)
     single = _responses(_evaluate(_ours(run), tasks))
     by_rank = run_distributed(_layout_job, 2, run, tasks, timeout_s=600)
     for layout, got in by_rank[0].items():
@@ -205,7 +213,6 @@ def _losses_and_evals(folder: str) -> tuple[list[float], dict[int, dict]]:
 
 
 def test_in_loop_eval_every_3_steps_leaves_training_bit_identical(tmp_path):
-    torch.set_num_threads(1)
     plain, with_eval = str(tmp_path / "plain"), str(tmp_path / "eval")
     det = ["--training.deterministic"]
     run_job(JobConfig.parse_args(_train_argv(plain, 9, det)), world_size=1, rank=0)
