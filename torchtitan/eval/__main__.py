@@ -6,13 +6,13 @@
     torchrun --nproc_per_node 2 -m torchtitan.eval ...   # the config's layout (FSDP2 or TP) over the ranks
 
 lm-eval 0.4.13 loads no model plugin by itself, so this registers ours first and then hands every flag to lm-eval
-unchanged. The shipped tasks (torchtitan/eval/tasks/) are always on the task path. Before lm-eval starts, the task
+unchanged, but for one addition: the shipped tasks (torchtitan/eval/tasks/) are on the task path before the
+``--include_path`` folder (lm-eval's parser takes one folder; its task manager takes a list). Before lm-eval starts, the task
 names and the task files under ``--include_path`` are checked (one line each, exit 2), as is a missing lm-eval.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 from torchtitan.eval.tasks import SHIPPED_TASKS, build_task_manager
@@ -29,33 +29,6 @@ def _flag(argv: list[str], name: str) -> str | None:
     return value
 
 
-def _with_shipped_tasks(argv: list[str], include_path: str | None) -> list[str]:
-    """``argv`` with ``--include_path`` naming the shipped tasks (and the user's folder after them)."""
-    rest, skip = [], False
-    for i, arg in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        if arg == "--include_path" and i + 1 < len(argv):
-            skip = True
-            continue
-        if not arg.startswith("--include_path="):
-            rest.append(arg)
-    # lm-eval's --include_path takes one folder: the shipped tasks are linked in beside the user's
-    return [*rest, "--include_path", _merged_task_folder(include_path)]
-
-
-def _merged_task_folder(include_path: str | None) -> str:
-    if include_path is None:
-        return SHIPPED_TASKS
-    import tempfile
-
-    merged = tempfile.mkdtemp(prefix="torchtitan_eval_tasks_")
-    os.symlink(SHIPPED_TASKS, os.path.join(merged, "torchtitan_shipped"))
-    os.symlink(os.path.abspath(include_path), os.path.join(merged, "user"))
-    return merged
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     tasks, include_path = _flag(argv, "--tasks"), _flag(argv, "--include_path")
@@ -69,13 +42,22 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from lm_eval.__main__ import cli_evaluate
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.utils import setup_logging
 
     import torchtitan.eval.lm  # noqa: F401  registers --model torchtitan
 
-    sys.argv = ["lm-eval", *_with_shipped_tasks(argv, include_path)]
+    setup_logging()  # what lm-eval's own entry point does first
+    saved, sys.argv = sys.argv, ["lm-eval", *argv]  # lm-eval's parser reads sys.argv (and inserts `run`)
     try:
-        cli_evaluate()
+        parser = HarnessCLI()
+        args = parser.parse_args()
+    finally:
+        sys.argv = saved
+    if hasattr(args, "include_path"):  # `run`: the shipped tasks, then the user's folder (a later path wins a name)
+        args.include_path = [SHIPPED_TASKS, *([args.include_path] if args.include_path else [])]
+    try:
+        parser.execute(args)
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
