@@ -341,3 +341,20 @@ def test_in_loop_eval_under_a_layout_leaves_training_bit_identical(tmp_path, lay
     losses, evals = _losses_and_evals(folders["eval"])
     assert len(base) == 9 and losses == base
     assert sorted(evals) == [3, 6, 9]
+
+
+def test_estimator_refuses_in_loop_eval(capsys):
+    from torchtitan.estimation.cli import main
+
+    argv = [
+        "--job.config_file",
+        CONFIG,
+        *TINY,
+        "--validation.enabled",
+        "false",
+        "--eval.enabled",
+        "--eval.tasks",
+        "arith_mc",
+    ]
+    assert main(argv) == 2
+    assert "eval.enabled = True is not modeled: the in-loop evaluation runs outside" in capsys.readouterr().err
