@@ -317,7 +317,7 @@ def test_sampled_generation_is_seeded(trained):
 
     run, _ = trained
     prompt = "<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n"
-    sample = {"until": ["<|im_end|>"], "max_gen_toks": 12, "do_sample": True}  # temperature 1.0, as transformers
+    sample = {"until": ["<|im_end|>"], "max_gen_toks": 12, "do_sample": True, "temperature": 1.0}
     reqs = [Instance("generate_until", {}, (prompt, dict(sample)), i) for i in range(4)]
     first, again = _ours(run).generate_until(reqs), _ours(run).generate_until(reqs)
     assert first == again and len(set(first)) > 1  # the seed decides; rows differ

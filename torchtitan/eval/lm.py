@@ -217,8 +217,8 @@ class TorchtitanLM(TemplateLM):
         max_gen = int(kwargs["max_gen_toks"])
         if max_gen >= self.max_length:
             raise ValueError(f"max_gen_toks {max_gen} leaves no room for a prompt in max_length {self.max_length}")
-        # as transformers' generate: do_sample without a temperature samples at 1.0; temperature 0 is greedy
-        temperature = float(kwargs.get("temperature", 1.0)) if kwargs.get("do_sample") else 0.0
+        # as lm-eval normalizes them: a missing temperature is 0.0, and do_sample at temperature 0 is greedy (it warns)
+        temperature = float(kwargs.get("temperature") or 0.0) if kwargs.get("do_sample") else 0.0
         sampling = Sampling(temperature, int(kwargs.get("top_k") or 0)) if temperature > 0 else Sampling()
         encoded = [self.tok_encode(c)[-(self.max_length - max_gen) :] for c in contexts]
         eot = self.eot_token_id
