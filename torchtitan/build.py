@@ -174,11 +174,13 @@ class TrainerBuilders:
             ``end_summary``, ``close``)
         checkpointer(trainer) -> CheckpointManager-like (``load``, ``maybe_save``, ``summary``, ``close``)
         validator(trainer, tokenizer) -> Validator-like (``run``)
+        evaluator(trainer) -> InLoopEval-like (``maybe_run(step)``; called only with ``[eval] enabled``)
         guard(trainer) -> StepGuard-like (``check(step, loss, grad_norm) -> Verdict``; it syncs with the host)
         replay(trainer) -> StepReplay-like (``run(step, train_pass, *args, **kwargs) -> loss``; components/replay.py)
         replicas(trainer) -> fault tolerance's ``ReplicaGroups`` (called only with fault_tolerance.enable), or None
             (the estimator models one replica group)
-    The trainer-level defaults (metrics, checkpointer, validator, guard, replay, replicas) are in trainer_parts.py.
+    The trainer-level defaults (metrics, checkpointer, validator, evaluator, guard, replay, replicas) are in
+    trainer_parts.py.
     """
 
     mesh: Callable[..., Any] = _build_world_mesh
@@ -189,6 +191,7 @@ class TrainerBuilders:
     metrics: Callable[..., Any] | None = None
     checkpointer: Callable[..., Any] | None = None
     validator: Callable[..., Any] | None = None
+    evaluator: Callable[..., Any] | None = None
     guard: Callable[..., Any] | None = None
     replay: Callable[..., Any] | None = None
     replicas: Callable[..., Any] | None = None

@@ -34,13 +34,12 @@ from torchtitan.fault_tolerance.errors import ReplicaGroupsFailed
 from torchtitan.launch.failures import exit_without_finalization, report_exception, report_failure
 from torchtitan.launch.parent_watch import watch_parent
 from torchtitan.launch.run_folder import RunLock, checkpoint_root, run_folder, set_aside_earlier_run
-from torchtitan.observability.console import format_layout, format_start_summary
 from torchtitan.observability.logging import init_logger
 from torchtitan.observability.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.observability.run_records import run_record_names, write_run_records
 from torchtitan.preflight import run_preflight
 from torchtitan.spec import get_model_spec, merge_metrics
-from torchtitan.trainer_parts import with_trainer_defaults
+from torchtitan.trainer_parts import start_summary, with_trainer_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -107,13 +106,14 @@ class Trainer:
             self.replicas.resume_at(self.step)
         self.metrics = b.metrics(self)
         self.validator = b.validator(self, tokenizer) if config.validation.enabled else None
+        self.evaluator = b.evaluator(self) if config.eval.enabled else None  # lm-eval tasks ([eval], torchtitan/eval)
         self.signals = StopSignals()
         self.guard = b.guard(self)
         self.replay = b.replay(self)  # training.replay_every_n_steps: the SDC check (components/replay.py)
         self.stop_requested = False
         self.data_iter: Iterator | None = None
         if rank == 0:
-            logger.info("\n%s", self._start_summary(num_params))
+            logger.info("\n%s", start_summary(self, num_params))
 
     def _build_step(self, whole: torch.nn.Module, eos_id: int) -> StepFunction:
         """The model parts, parallelized and materialised, and the one step function over them (build.py)."""
@@ -128,20 +128,6 @@ class Trainer:
             self.device,
             eos_id=eos_id,
             cp_positions=self.cp_positions,
-        )
-
-    def _start_summary(self, num_params: int) -> str:
-        cfg, dims = self.config, self.parallel_dims
-        return format_start_summary(
-            model=f"{cfg.model.name} {cfg.model.flavor}",
-            params=num_params,
-            flop_params=self.num_flop_params,
-            layout=format_layout(dims.degrees()),
-            world_size=dims.world_size,
-            global_batch=self.shard.degree * cfg.training.batch_size * cfg.training.gradient_accumulation_steps,
-            training=cfg.training,
-            device=str(self.device),
-            dump_folder=self.run_folder,
         )
 
     def next_batches(self, data_iter: Iterator) -> list[Batch]:
@@ -287,6 +273,8 @@ class Trainer:
         v = cfg.validation
         if self.validator is not None and (self.step % v.freq == 0 or self.step == cfg.training.steps):
             self.metrics.log_validation(self.step, self.validator.run())
+        if self.evaluator is not None:
+            self.evaluator.maybe_run(self.step)
         if self.replicas is None or self.replicas.writes_checkpoints:  # fault tolerance: the lowest live group
             self.checkpointer.maybe_save(self.step, last=self.step == cfg.training.steps)
         # at the last step the run is done anyway; semi-sync fault tolerance stops at a synchronization

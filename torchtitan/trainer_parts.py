@@ -21,6 +21,7 @@ from torchtitan.components.run_control import StepGuard
 from torchtitan.components.validation import Validator
 from torchtitan.datasets.shard import DataShard, ReportsDataMix
 from torchtitan.launch.run_folder import checkpoint_root
+from torchtitan.observability.console import format_layout, format_start_summary
 from torchtitan.observability.step_metrics import StepMetrics
 
 if TYPE_CHECKING:
@@ -110,6 +111,12 @@ def _build_validator(trainer: Trainer, tokenizer) -> Validator:
     )
 
 
+def _build_evaluator(trainer: Trainer) -> Any:
+    from torchtitan.eval.loop import build_in_loop_eval  # lm-eval loads only for a run with [eval] enabled
+
+    return build_in_loop_eval(trainer)
+
+
 def build_guard(trainer: Trainer) -> StepGuard:
     """The trainer's default ``TrainerBuilders.guard``."""
     cfg = trainer.config.training
@@ -132,8 +139,26 @@ def build_replicas(trainer: Trainer) -> Replicas:
     )
 
 
+def start_summary(trainer: Trainer, num_params: int) -> str:
+    """The block rank 0 logs before the first step: model, layout, batch, device, dump folder."""
+    cfg, dims = trainer.config, trainer.parallel_dims
+    return format_start_summary(
+        model=f"{cfg.model.name} {cfg.model.flavor}",
+        params=num_params,
+        flop_params=trainer.num_flop_params,
+        layout=format_layout(dims.degrees()),
+        world_size=dims.world_size,
+        global_batch=trainer.shard.degree * cfg.training.batch_size * cfg.training.gradient_accumulation_steps,
+        training=cfg.training,
+        device=str(trainer.device),
+        dump_folder=trainer.run_folder,
+    )
+
+
 def with_trainer_defaults(builders: TrainerBuilders) -> TrainerBuilders:
     """``builders`` with this module's default for every trainer-level part it leaves None."""
     defaults: dict[str, Any] = dict(metrics=_build_metrics, checkpointer=build_checkpointer, guard=build_guard)
-    defaults.update(validator=_build_validator, replicas=build_replicas, replay=build_step_replay)
+    defaults.update(
+        validator=_build_validator, evaluator=_build_evaluator, replicas=build_replicas, replay=build_step_replay
+    )
     return dataclasses.replace(builders, **{k: v for k, v in defaults.items() if getattr(builders, k) is None})

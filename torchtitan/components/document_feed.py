@@ -112,6 +112,7 @@ class DocumentFeed:
         self.n_microbatches, self.shard = n_microbatches, shard
         self.queues: list[deque[Documents]] = [deque() for _ in model_parts]
         self.active = False
+        self.causal = False  # inside ``plain_causal``: forwards get no documents
         self.stats: torch.Tensor | None = None  # see record / take_stats
         self.group = group  # the data-parallel x CP group the statistics are summed over
         for part, queue in zip(model_parts, self.queues):
@@ -176,9 +177,19 @@ class DocumentFeed:
             for queue in self.queues:
                 queue.clear()
 
+    @contextlib.contextmanager
+    def plain_causal(self) -> Iterator[None]:
+        """The forwards inside run plain causal attention over each row (the in-loop evaluation's independent
+        requests, torchtitan/eval/loop.py), at positions 0..n-1 or those the caller passes."""
+        self.causal = True
+        try:
+            yield
+        finally:
+            self.causal = False
+
     def _hook(self, queue: deque[Documents]) -> Callable:
         def add_documents(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            if in_shape_inference():
+            if in_shape_inference() or self.causal:
                 return args, kwargs  # a pipeline stage's meta forward: shapes do not depend on the mask
             if not self.active:
                 raise RuntimeError(

@@ -14,6 +14,7 @@ from torchtitan.config.bounds import Bound
 from torchtitan.config.fields import POSITIVE as _POSITIVE
 from torchtitan.config.fields import config_field as _f
 from torchtitan.config.schema_checkpoint import Checkpoint
+from torchtitan.config.schema_eval import Eval
 from torchtitan.config.schema_fault_tolerance import FaultTolerance
 from torchtitan.config.schema_metrics import Metrics
 from torchtitan.config.schema_training import DatasetName, Training
@@ -252,6 +253,7 @@ class JobConfigTree:
     optimizer: Optimizer = field(default_factory=Optimizer)
     training: Training = field(default_factory=Training)
     validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
     experimental: Experimental = field(default_factory=Experimental)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)

@@ -72,6 +72,7 @@ _UNMODELED = (
         "host memory; the trackers do not separate host from device memory on a CPU run",
     ),
     ("validation.enabled", False, "validation runs outside the training step; the estimate covers the step"),
+    ("eval.enabled", False, "the in-loop evaluation runs outside the training step; the estimate covers the step"),
     ("optimizer.fused", False, "the fused optimizer kernel is CUDA-only and its temporaries are not modeled"),
 )
 

@@ -135,6 +135,13 @@ def _no_validation(trainer, tokenizer):
     )
 
 
+def _no_eval(trainer):
+    raise NotImplementedError(
+        "eval.enabled = true: the estimator models the training step, not the in-loop evaluation; "
+        "set eval.enabled = false to estimate"
+    )
+
+
 def estimation_builders(vocab: int, *, n_layers: int | None = None) -> TrainerBuilders:
     """The trainer's builders for an estimate: no tokenizer file, data, metrics, checkpoint or output.
 
@@ -165,6 +172,7 @@ def estimation_builders(vocab: int, *, n_layers: int | None = None) -> TrainerBu
         metrics=lambda trainer: _NoMetrics(),
         checkpointer=lambda trainer: _NoCheckpoint(),
         validator=_no_validation,
+        evaluator=_no_eval,
         # The guard reads the step's flags on the host, which fake tensors cannot answer; a fake step
         # is never non-finite and never asked to stop.
         guard=lambda trainer: _NoGuard(),

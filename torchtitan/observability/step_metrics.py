@@ -204,6 +204,14 @@ class StepMetrics:
         # validation time must not count as training time in the next window's tokens/s
         self._reset_window()
 
+    def log_eval(self, step: int, record: dict[str, float]) -> None:
+        """Downstream task metrics (``[eval]``): one console line, metrics.jsonl and TensorBoard."""
+        if self.enabled:
+            shown = "  ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in record.items())
+            logger.info("eval at step %d/%d  %s", step, self.total_steps, shown)
+            self.logger.log(step, record)
+        self._reset_window()  # evaluation time must not count as training time either
+
     def end_summary(self, steps: int, checkpoint: str) -> str:
         mean_tps = sum(self.tps_history) / len(self.tps_history) if self.tps_history else 0.0
         return format_end_summary(

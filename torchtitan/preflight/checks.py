@@ -20,6 +20,7 @@ from torchtitan.distributed.activation_checkpoint import check_activation_checkp
 from torchtitan.distributed.cp_checks import check_context_parallel
 from torchtitan.distributed.parallel_dims import ParallelDims, check_data_parallel
 from torchtitan.distributed.tp_checks import check_async_tp_device, check_tensor_parallel
+from torchtitan.eval.checks import check_eval, check_eval_tasks
 from torchtitan.fault_tolerance.checks import check_fault_tolerance, check_fault_tolerance_machine
 from torchtitan.launch.run_folder import check_dump_folder
 from torchtitan.observability.metrics import check_metrics
@@ -67,6 +68,8 @@ CHECKS: tuple[Check, ...] = (
     Check(check_data_paths, this_machine=True),
     Check(check_initial_load, this_machine=True),
     Check(check_dump_folder, this_machine=True),
+    Check(check_eval),
+    Check(check_eval_tasks, this_machine=True),
     Check(check_profiling),
     Check(check_metrics),
     Check(check_checkpoint),
