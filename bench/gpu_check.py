@@ -19,7 +19,9 @@ left, else it is recorded as skipped for the time budget):
    tokens (documents of 256-2048 tokens): tokens/s and the step-by-step loss differences.
 6. float8: tensorwise and rowwise vs bf16, compiled; skipped with a note where torchao is not installed.
 7. families: gpt_oss and deepseek_v3 debug flavors, 10 steps each, finite losses.
-8. if time allows (added to throughput): 1B compile at seq 8192, then the 3B shape (full AC).
+8. features: Muon with the no-decay preset, step replay every 2nd step (deterministic), in-loop lm-eval:
+   finite losses, and a replay that finds the same numbers twice (a mismatch stops the run: an error).
+9. if time allows (added to throughput): 1B compile at seq 8192, then the 3B shape (full AC).
 
 Every run is the trainer itself (``torchtitan.train.Trainer`` through its ``TrainerBuilders`` seam, as the
 memory estimator builds it) on seeded random tokens, one process, world size 1: see bench/gpu_check_runs.py.
@@ -95,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_check(ctx, hard_limit_s: float) -> int:
     """Every stage in order, each recorded as it ends; the final JSON on stdout. Exit 1 if a section failed."""
+    import gpu_check_features as features
     import gpu_check_sections as sections
     import torch
     from gpu_check_report import Report
@@ -109,7 +112,8 @@ def run_check(ctx, hard_limit_s: float) -> int:
         ("estimator", sections.estimator),
         ("attention", sections.attention),
         ("float8", sections.float8),
-        ("families", sections.families),
+        ("families", features.families),
+        ("features", features.features),
         ("throughput", lambda c: sections.more_throughput(c, report.sections["throughput"])),
     ]
     for name, stage in stages:

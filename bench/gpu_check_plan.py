@@ -21,6 +21,7 @@ class Plan:
     attention: list[RunSpec]  # causal sdpa, block_causal auto (flex on CUDA), block_causal sdpa: same data
     float8: list[RunSpec]  # the bf16 reference first, then each recipe
     families: list[RunSpec]
+    features: list[RunSpec]  # newer training features, each one run that must train (finite losses)
     if_time_allows: list[RunSpec]  # more throughput rows, last (a longer compile, the 3B shape)
 
 
@@ -48,6 +49,7 @@ def gpu_plan() -> Plan:  # declarative table
             RunSpec("gpt_oss debugmodel", "debugmodel", 256, 4, model="gpt_oss", warmup=0, steps=10, cost_s=25),
             RunSpec("deepseek_v3 debugmodel", "debugmodel", 256, 4, model="deepseek_v3", warmup=0, steps=10, cost_s=25),
         ],
+        features=features(RunSpec("debugmodel", "debugmodel", 256, 4, warmup=0, steps=6, cost_s=20)),
         if_time_allows=[
             replace(long, name="1B compile seq 8192", compile=True, cost_s=120),
             three_b,
@@ -77,5 +79,23 @@ def dry_run_plan() -> Plan:  # declarative table
             replace(tiny, name="tiny float8 rowwise", float8_recipe="rowwise"),
         ],
         families=[moe, replace(moe, name="deepseek_v3 debugmodel", model="deepseek_v3")],
+        features=features(replace(tiny, dtype="float32", warmup=0, steps=4)),
         if_time_allows=[replace(tiny, name="tiny eager seq 128 full AC", seq_len=128, batch_size=1, ac="full")],
     )
+
+
+def features(base: RunSpec) -> list[RunSpec]:  # declarative table
+    """The features section's runs on ``base``'s shapes."""
+    return [
+        replace(
+            base,
+            name=f"{base.flavor} Muon + no_decay",
+            extra=("--optimizer.name", "Muon", "--optimizer.no_decay", "norm,bias,embedding"),
+        ),
+        replace(
+            base,
+            name=f"{base.flavor} step replay every 2nd step",
+            dtype="float32",
+            extra=("--training.deterministic", "--training.replay_every_n_steps", "2"),
+        ),
+    ]

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 # The JSON's top-level sections (issue 44), in this order; the check runs them in order of value.
-SECTIONS = ("environment", "sanity", "throughput", "float8", "attention", "estimator", "families")
+SECTIONS = ("environment", "sanity", "throughput", "float8", "attention", "estimator", "families", "features")
 JSON_FILE, MARKDOWN_FILE = "gpu_check.json", "gpu_check.md"
 
 

@@ -56,6 +56,7 @@ class RunSpec:
     warmup: int = 2
     steps: int = 5
     cost_s: float = 30.0  # expected seconds on the target device, for the time budget
+    extra: tuple[str, ...] = ()  # more trainer flags (the features section: Muon, step replay, ...)
 
     def flags(self, dump_folder: Path) -> list[str]:
         """The run's config as trainer flags (everything else: the schema's defaults)."""
@@ -71,7 +72,7 @@ class RunSpec:
         ]
         if self.float8_recipe is not None:
             flags += ["--float8.enable_float8_linear", "true", "--float8.recipe_name", self.float8_recipe]
-        return flags
+        return flags + list(self.extra)
 
     def describe(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k not in ("cost_s", "tokenizer")}

@@ -11,7 +11,6 @@ import datetime
 import importlib.metadata
 import importlib.util
 import json
-import math
 import os
 import platform
 import shutil
@@ -386,15 +385,3 @@ def float8(ctx: Context) -> dict[str, Any]:
         return {"status": "skipped", "reason": str(e)}
     runs = [ctx.run(spec) for spec in ctx.plan.float8]
     return runs_section(runs, vs_bf16=[_compare(r, runs[0]) for r in runs[1:]])
-
-
-def families(ctx: Context) -> dict[str, Any]:
-    """Each family's debug flavor trains its steps; every loss must be finite."""
-    runs = [ctx.run(spec) for spec in ctx.plan.families]
-    for r in runs:
-        if r["status"] == "ok":
-            r["finite"] = all(math.isfinite(x) for x in r["losses"])
-    section = runs_section(runs)
-    if section["status"] == "ok" and not all(r.get("finite", True) for r in runs):
-        section.update(status="error", error="a family's loss is not finite")
-    return section
