@@ -62,7 +62,11 @@ class Rule:
     settings: dict[str, Any] = field(default_factory=dict)
 
     def label(self) -> str:
-        return f"optimizer.param_groups[{self.index}] (pattern {self.pattern!r})" if self.index >= 0 else "(every parameter)"
+        return (
+            f"optimizer.param_groups[{self.index}] (pattern {self.pattern!r})"
+            if self.index >= 0
+            else "(every parameter)"
+        )
 
 
 @dataclass
