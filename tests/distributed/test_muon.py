@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from tests.distributed.harness import run_distributed
 from torchtitan.build import build_model
 from torchtitan.components.muon import MuonAdam
+from torchtitan.components.muon_round_robin import RoundRobin
 from torchtitan.components.optimizer import build_optimizer
 from torchtitan.config.manager import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -35,6 +36,16 @@ LAYOUTS = {  # name: (world, flags)
     "fsdp4": (4, []),
     "fsdp2_tp2": (4, ["--training.tensor_parallel_degree", "2"]),
     "ep2": (2, ["--model.name", "llama3_moe", "--experimental.expert_parallel_degree", "2"]),
+}
+
+# Muon matrices per orthogonalisation path (components/muon_round_robin.py): FSDP alone shards Shard(0) on one
+# axis (round-robin); FSDP x TP's strided shards gather. EP2: the dense matrices on FSDP's axis (round-robin), the
+# 9 expert stacks on a two-axis mesh (the experts' FSDP axis of size 1 x EP): gather.
+EXPECTED_PATHS = {
+    "fsdp2": {"round_robin": 28, "gather": 0},
+    "fsdp4": {"round_robin": 28, "gather": 0},
+    "fsdp2_tp2": {"round_robin": 0, "gather": 28},
+    "ep2": {"round_robin": 28, "gather": 9},
 }
 
 
@@ -149,11 +160,18 @@ def _check(rank: int, world: int, layout: str) -> dict:
     )
     osd = get_optimizer_state_dict(model, opt)
     set_optimizer_state_dict(model, opt, osd)
-    return {"losses": losses, "step1_max_diff": step1}
+    muon = [p for g in opt.param_groups if g["optimizer"] == "Muon" for p in g["params"]]
+    paths = {
+        "round_robin": sum(RoundRobin.takes(p) for p in muon),
+        "gather": sum(not RoundRobin.takes(p) for p in muon),
+    }
+    return {"losses": losses, "step1_max_diff": step1, "paths": paths}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_distributed_muon_equals_one_process(layout):
     world = LAYOUTS[layout][0]
     results = run_distributed(_check, world, layout)
-    print(f"{layout}: step-1 max |param - one process| {max(r['step1_max_diff'] for r in results):.2e}")
+    paths = results[0]["paths"]
+    print(f"{layout}: step-1 max |param - one process| {max(r['step1_max_diff'] for r in results):.2e}; {paths}")
+    assert paths == EXPECTED_PATHS[layout]

@@ -6,11 +6,11 @@ The math is ``torch.optim.Muon``'s (torch 2.13, ``torch/optim/_muon.py``), op fo
 
 Distributed: the momentum buffer is created like the gradient (a DTensor with the parameter's placements), so it
 is sharded like the parameter and DCP saves it sharded. The elementwise momentum runs on the local shards; the
-orthogonalisation needs the whole matrix, so the Nesterov update is all-gathered (``full_tensor``) and every
-rank runs Newton-Schulz on the full matrix (an expert stack: per expert) and keeps its own shard of the result.
-The alternative, each matrix assigned to one rank round-robin and its result scattered back, runs each matrix
-once in the world instead of once per rank, but needs a second exchange; docs/performance.md has the
-measurement behind this choice.
+orthogonalisation needs the whole matrix (an expert stack: each expert's), orthogonalised once per step:
+on a one-axis mesh with a plain shard (FSDP, TP or EP alone) the matrices are assigned to ranks round-robin
+(components/muon_round_robin.py: gather to the owner, scatter the result back); on other meshes (FSDP x TP,
+HSDP) every rank all-gathers the update, orthogonalises the whole matrix and keeps its own shard. Both give
+bit-identical results; bench/muon.py measured round-robin faster on FSDP2 (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from torchtitan.components.muon_round_robin import RoundRobin
 from torchtitan.components.optim_lowp import LowPrecisionAdamW
 from torchtitan.distributed.dtensor import local_shard
 
@@ -60,6 +61,8 @@ class _MuonGroups:
 
     param_groups: list[dict[str, Any]]
     state: Any
+    round_robin = True
+    """False: every matrix takes the all-gather path (bench/muon.py times both)."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -74,11 +77,16 @@ class _MuonGroups:
             super().step()  # type: ignore[misc]
         finally:
             self.param_groups = groups
-        for group in groups:
-            if group["optimizer"] == "Muon":
-                for p in group["params"]:
-                    if p.grad is not None:
-                        self._muon_update(p, group)
+        items = [(p, g) for g in groups if g["optimizer"] == "Muon" for p in g["params"] if p.grad is not None]
+        assigned = RoundRobin(_orthogonalize)
+        for p, group in items:
+            update = self._momentum(p, group)
+            if self.round_robin and assigned.takes(p):
+                assigned.send(p, group, update)
+            else:
+                _apply(p, group, _orthogonalize_whole(p, update, group))
+        for p, group, ortho in assigned.finish():
+            _apply(p, group, ortho)
         return loss
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -87,7 +95,8 @@ class _MuonGroups:
         super().__setstate__({**state, "param_groups": [g for g in groups if g.get("optimizer") != "Muon"]})
         self.param_groups = groups
 
-    def _muon_update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+    def _momentum(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """The momentum step on this rank's shard; returns the (Nesterov) update's shard."""
         grad = p.grad
         if isinstance(p, DTensor) and grad.placements != p.placements:
             grad = grad.redistribute(p.device_mesh, p.placements)  # e.g. a Partial gradient under plain TP
@@ -97,18 +106,24 @@ class _MuonGroups:
         buf, g = local_shard(state["momentum_buffer"]), local_shard(grad)
         momentum = group["momentum"]
         buf.lerp_(g, 1 - momentum)
-        update = g.lerp(buf, momentum) if group["nesterov"] else buf
-        if isinstance(p, DTensor):
-            whole = DTensor.from_local(update, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-            ortho = _orthogonalize(whole.full_tensor(), group)
-            # Every rank holds the same full result; each keeps its own shard (no communication).
-            ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None).to_local()
-        else:
-            ortho = _orthogonalize(update, group)
-        lr, wd = group["lr"], group["weight_decay"]
-        param = local_shard(p)
-        param.mul_(1 - lr * wd)
-        param.add_(ortho, alpha=-compute_adjusted_lr(lr, group["adjust_lr_fn"], tuple(p.shape)))
+        return g.lerp(buf, momentum) if group["nesterov"] else buf
+
+
+def _orthogonalize_whole(p: torch.Tensor, update: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    """Gather: every rank all-gathers the update and orthogonalises the whole matrix, keeping its own shard."""
+    if not isinstance(p, DTensor):
+        return _orthogonalize(update, group)
+    whole = DTensor.from_local(update, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+    ortho = _orthogonalize(whole.full_tensor(), group)
+    # Every rank holds the same full result; each keeps its own shard (no communication).
+    return distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None).to_local()
+
+
+def _apply(p: torch.Tensor, group: dict[str, Any], ortho: torch.Tensor) -> None:
+    lr, wd = group["lr"], group["weight_decay"]
+    param = local_shard(p)
+    param.mul_(1 - lr * wd)
+    param.add_(ortho, alpha=-compute_adjusted_lr(lr, group["adjust_lr_fn"], tuple(p.shape)))
 
 
 class MuonAdam(_MuonGroups, torch.optim.Adam):
