@@ -4,6 +4,7 @@ family's canonical names, the rules' one-line errors, and a run against hand-bui
 from __future__ import annotations
 
 import copy
+import math
 import re
 
 import pytest
@@ -13,7 +14,13 @@ from torch import nn
 
 from torchtitan.components.lr_schedule import lr_factor_fn
 from torchtitan.components.optimizer import build_lr_scheduler, build_optimizer
-from torchtitan.components.param_groups import assign_groups, canonical_name, check_param_groups, format_group_table
+from torchtitan.components.param_groups import (
+    assign_groups,
+    canonical_name,
+    check_param_groups,
+    format_group_table,
+    optimizer_state_by_group,
+)
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import JobConfig
 from torchtitan.config.schema import Optimizer as OptimizerConfig
@@ -158,3 +165,25 @@ def test_no_decay_run_equals_two_group_torch_adamw():
         assert losses[0] == pytest.approx(losses[1], rel=1e-6)
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=0, msg=n)
+
+
+def test_estimator_counts_state_per_group():
+    """AdamW keeps 2 moments per parameter, Muon 1: the report's groups and the planner's lower bound."""
+    from torchtitan.estimation.plan import Layout, lower_bound_bytes
+
+    model = _meta_model("llama3")
+    named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    muon_rows = optimizer_state_by_group(named, OptimizerConfig(name="Muon"))
+    hidden = sum(math.prod(s) for n, s in named if n.startswith("layers.") and len(s) == 2)
+    total = sum(math.prod(s) for _, s in named)
+    assert [(r["optimizer"], r["params"], r["states_per_param"]) for r in muon_rows] == [
+        ("AdamW", total - hidden, 2),
+        ("Muon", hidden, 1),
+    ]
+    assert sum(r["state_bytes"] for r in muon_rows) == 4 * (2 * (total - hidden) + hidden)
+    config = JobConfig.parse_args(["--model.flavor", "debugmodel_tiny"])
+    args = get_model_spec("llama3").flavors["debugmodel_tiny"]
+    layout = Layout(pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=1)
+    adamw = lower_bound_bytes(args, layout, config)
+    config.optimizer.name = "Muon"
+    assert adamw - lower_bound_bytes(args, layout, config) == 4 * hidden // 2  # one fp32 state fewer, sharded over 2

@@ -257,3 +257,24 @@ def check_param_groups(config: JobConfig, dims: ParallelDims) -> list[str]:
         model = get_model_spec(config.model.name).model_cls(args)
     check_rules_match([(n, tuple(p.shape)) for n, p in model.named_parameters()], opt)
     return []
+
+
+def optimizer_state_by_group(named_shapes: list[tuple[str, tuple[int, ...]]], config: OptimizerConfig) -> list[dict]:
+    """Per group of the whole model (before sharding): its optimizer, parameters and state (the estimator's report
+    and the planner's lower bound). Adam/AdamW keep 2 moments (``state_dtype`` bytes each), Muon 1 momentum (fp32);
+    Muon's transient full-matrix buffers of the distributed step are not state: the estimator's run measures them."""
+    moment_bytes = 2 if config.state_dtype == "bfloat16" else 4
+    rows = []
+    for g in assign_groups(named_shapes, config):
+        states, nbytes = (1, 4) if g.optimizer == "Muon" else (2, moment_bytes)
+        rows.append(
+            {
+                "rule": g.rule.label(),
+                "optimizer": g.optimizer,
+                "weight_decay": g.settings["weight_decay"],
+                "params": g.numel,
+                "states_per_param": states,
+                "state_bytes": g.numel * states * nbytes,
+            }
+        )
+    return rows
