@@ -1,6 +1,6 @@
 """Parameter groups through the trainer (issue 47): loss parity of FSDP2, TP2 and PP2 (1F1B) with one process.
 
-The rules ride on the matrix's settings (worker-pool jobs like tests/integration_tests.py's): the no-decay
+The rules ride on the matrix's settings (clipping at max_norm 1, FSDP2's row with gradient accumulation 2) (worker-pool jobs like tests/integration_tests.py's): the no-decay
 preset, the embedding at half the lr with other betas, Muon for the feed-forward matrices (its full-matrix
 step on FSDP's and TP's shards; on a pipeline stage each stage's own optimizer) and AdamW for the rest. The
 names are canonical, so the same rules give the same groups on every layout and stage; the one-process run is
@@ -32,7 +32,7 @@ RULES = (
 GROUPS = ["--optimizer.no_decay", "norm,bias,embedding", "--optimizer.param_groups", RULES]
 PG_REFERENCE = Row("pg_1proc", 1, GLOBAL_BATCH, GROUPS)
 PG_ROWS = [
-    Row("pg_fsdp2", 2, 4, GROUPS),
+    Row("pg_fsdp2_grad_accum2", 2, 2, [*GROUPS, "--training.gradient_accumulation_steps", "2"]),
     Row("pg_tp2", 2, 8, GROUPS, tp=2),
     Row("pg_pp2_1f1b", 2, 8, [*GROUPS, *pp_schedule("1F1B")], pp=2),
 ]

@@ -104,3 +104,21 @@ def test_state_round_trips():
     _steps([(model, [opt]), (twin, [opt2])], steps=2)
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p, q)
+
+
+def test_bf16_states_keep_muon_momentum_in_fp32():
+    from torchtitan.components.muon import MuonLowPrecisionAdam
+
+    torch.manual_seed(0)
+    model = Transformer(TINY)
+    ref = copy.deepcopy(model)
+    opt = build_optimizer([model], OptimizerConfig(name="Muon", state_dtype="bfloat16"))
+    ref_opt = build_optimizer([ref], OptimizerConfig(name="Muon"))
+    assert isinstance(opt, MuonLowPrecisionAdam)
+    _steps([(model, [opt]), (ref, [ref_opt])], steps=2)
+    wq = model.layers["0"].attention.wq.weight
+    assert opt.state[wq]["momentum_buffer"].dtype == torch.float32
+    assert opt.state[model.norm.weight]["exp_avg"].dtype == torch.bfloat16
+    # Bit-equal after 2 steps: the moments' bf16 rounding first shows in the second AdamW update, after the last
+    # gradient was taken, so Muon saw the same gradients; a bf16 momentum would differ already.
+    torch.testing.assert_close(wq, ref.layers["0"].attention.wq.weight, rtol=0, atol=0)
