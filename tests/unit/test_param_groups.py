@@ -187,3 +187,26 @@ def test_estimator_counts_state_per_group():
     adamw = lower_bound_bytes(args, layout, config)
     config.optimizer.name = "Muon"
     assert adamw - lower_bound_bytes(args, layout, config) == 4 * hidden // 2  # one fp32 state fewer, sharded over 2
+
+
+def test_toml_array_of_tables_and_the_dumped_config_round_trip(tmp_path):
+    path = tmp_path / "groups.toml"
+    path.write_text(
+        '[optimizer]\nno_decay = ["norm", "embedding"]\n'
+        '[[optimizer.param_groups]]\npattern = "^tok_embeddings\\\\."\nlr_multiplier = 0.5\nbetas = [0.8, 0.9]\n'
+        '[[optimizer.param_groups]]\npattern = ".*"\n'
+    )
+    config = JobConfig.parse_args(["--job.config_file", str(path)])
+    assert config.optimizer.param_groups == [
+        {"pattern": r"^tok_embeddings\.", "lr_multiplier": 0.5, "betas": [0.8, 0.9]},
+        {"pattern": ".*"},
+    ]
+    dumped = tmp_path / "dumped.toml"
+    dumped.write_text(config.to_toml())  # what a run writes into its dump folder
+    again = JobConfig.parse_args(["--job.config_file", str(dumped)])
+    assert again.optimizer.param_groups == config.optimizer.param_groups
+    assert again.optimizer.no_decay == ["norm", "embedding"]
+    cli = JobConfig.parse_args(["--optimizer.param_groups", r'[{pattern = "^tok_embeddings\\.", lr = 1e-3}]'])
+    assert cli.optimizer.param_groups == [{"pattern": r"^tok_embeddings\.", "lr": 1e-3}]
+    with pytest.raises(ConfigError, match="optimizer.param_groups': got 'norm'"):
+        JobConfig.parse_args(["--optimizer.param_groups", "norm"])
