@@ -39,13 +39,13 @@ LAYOUTS = {  # name: (world, flags)
 }
 
 # Muon matrices per orthogonalisation path (components/muon_round_robin.py): FSDP alone shards Shard(0) on one
-# axis (round-robin); FSDP x TP's strided shards gather. EP2: the dense matrices on FSDP's axis (round-robin), the
-# 9 expert stacks on a two-axis mesh (the experts' FSDP axis of size 1 x EP): gather.
+# axis (round-robin); FSDP x TP's strided shards gather. EP2: the dense matrices on FSDP's axis and the 9 expert
+# stacks on EP's (their mesh's other axis, the experts' FSDP axis, has size 1): round-robin.
 EXPECTED_PATHS = {
     "fsdp2": {"round_robin": 28, "gather": 0},
     "fsdp4": {"round_robin": 28, "gather": 0},
     "fsdp2_tp2": {"round_robin": 0, "gather": 28},
-    "ep2": {"round_robin": 28, "gather": 9},
+    "ep2": {"round_robin": 37, "gather": 0},
 }
 
 

@@ -6,11 +6,11 @@ The math is ``torch.optim.Muon``'s (torch 2.13, ``torch/optim/_muon.py``), op fo
 
 Distributed: the momentum buffer is created like the gradient (a DTensor with the parameter's placements), so it
 is sharded like the parameter and DCP saves it sharded. The elementwise momentum runs on the local shards; the
-orthogonalisation needs the whole matrix (an expert stack: each expert's), orthogonalised once per step:
-on a one-axis mesh with a plain shard (FSDP, TP or EP alone) the matrices are assigned to ranks round-robin
-(components/muon_round_robin.py: gather to the owner, scatter the result back); on other meshes (FSDP x TP,
-HSDP) every rank all-gathers the update, orthogonalises the whole matrix and keeps its own shard. Both give
-bit-identical results; bench/muon.py measured round-robin faster on FSDP2 (docs/performance.md).
+orthogonalisation needs the whole matrix (an expert stack: each expert's), orthogonalised once per step. On a
+mesh with one axis of size > 1 and a plain shard on it (FSDP, TP or EP alone) the matrices are assigned to ranks
+round-robin (components/muon_round_robin.py: gather to the owner, scatter the result back); on other meshes
+(FSDP x TP, HSDP) every rank all-gathers the update, orthogonalises the whole matrix and keeps its own shard.
+Both give bit-identical results; bench/muon.py measured round-robin faster on FSDP2 (docs/performance.md).
 """
 
 from __future__ import annotations
