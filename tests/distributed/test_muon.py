@@ -1,4 +1,4 @@
-"""Distributed Muon (components/muon.py) against one process: FSDP2 (2 and 4 ranks), FSDP2 x TP2, EP2 (MoE).
+"""Distributed Muon (components/muon.py) against one process: FSDP2 (2 and 4 ranks), FSDP2 x TP2, HSDP 2x2, EP2 (MoE).
 
 Each rank builds the parallel model and, from the same seed, the single-process model; both train on the same
 global batch (each data-parallel rank its slice). The reference optimizer is ``torch.optim.Muon`` on the hidden
@@ -35,6 +35,7 @@ LAYOUTS = {  # name: (world, flags)
     "fsdp2": (2, []),
     "fsdp4": (4, []),
     "fsdp2_tp2": (4, ["--training.tensor_parallel_degree", "2"]),
+    "hsdp_2x2": (4, ["--training.data_parallel_replicate_degree", "2", "--training.data_parallel_shard_degree", "2"]),
     "ep2": (2, ["--model.name", "llama3_moe", "--experimental.expert_parallel_degree", "2"]),
 }
 
@@ -45,6 +46,7 @@ EXPECTED_PATHS = {
     "fsdp2": {"round_robin": 28, "gather": 0},
     "fsdp4": {"round_robin": 28, "gather": 0},
     "fsdp2_tp2": {"round_robin": 0, "gather": 28},
+    "hsdp_2x2": {"round_robin": 0, "gather": 28},  # (Replicate, Shard(0)) on two axes of size 2
     "ep2": {"round_robin": 37, "gather": 0},
 }
 
