@@ -12,6 +12,8 @@ Runs are shared between checks to keep the file short (6 steps, seq 64, the matr
   per rank, one optimizer over both), the cp2 one under FSDP2 (the data-parallel degree changes
   1 -> 2), the MoE EP2 one under FSDP2 without EP (experts resharded; the expert_bias buffer is
   model state) -> within RTOL.
+* fsdp2 with Muon and the no-decay preset: save at 3, resume bit-exact; the checkpoint resumed on 1 process
+  within RTOL.
 * fsdp4 save at 3 -> fsdp2 x tp2 resume -> within RTOL (slow: two 4-process runs).
 """
 
@@ -136,6 +138,9 @@ def test_killed_save_resumes_from_previous_complete(seeded_fsdp2, tmp_path):
 # stages per rank: one optimizer over both parts, the whole-model names merged); the CP2 one, whose
 # ranks share one data-parallel rank, under FSDP2 (two data-parallel ranks); the MoE EP2 one
 # (experts split over the ranks) under FSDP2 without EP (expert_bias included).
+# Muon beside AdamW with the no-decay preset (issue 47): the momentum buffers, sharded like their parameters,
+# and the five param groups go through DCP; the FSDP2 checkpoint resumes on one process (every buffer resharded).
+MUON = ["--optimizer.name", "Muon", "--optimizer.no_decay", "norm,bias,embedding"]
 SAME_LAYOUT = {
     "tp2": (8, ["--training.tensor_parallel_degree", "2"]),
     "pp2_1f1b": (8, ["--experimental.pipeline_parallel_degree", "2", *pp_schedule("1F1B")]),
@@ -144,12 +149,14 @@ SAME_LAYOUT = {
         ["--experimental.context_parallel_degree", "2", "--experimental.context_parallel_rotate_method", "alltoall"],
     ),
     "moe_ep2": (4, ["--model.name", "llama3_moe", "--experimental.expert_parallel_degree", "2"]),
+    "fsdp2_muon": (4, MUON),
 }
 RESHARDED = {
     "tp2": (1, 8, []),
     "pp2_1f1b": (2, 8, ["--experimental.pipeline_parallel_degree", "2", *pp_schedule("Interleaved1F1B")]),
     "cp2": (2, 4, []),
     "moe_ep2": (2, 4, ["--model.name", "llama3_moe"]),
+    "fsdp2_muon": (1, 8, MUON),
 }
 
 

@@ -99,7 +99,7 @@ class Trainer:
         # A resumed run continues at checkpoint step + 1 (metrics.jsonl keeps the records up to it).
         self.step = self.start_step = self.checkpointer.load()
         if self.step > 0:
-            changed = apply_optimizer_config(self.optimizer, self.lr_scheduler, config.optimizer)
+            changed = apply_optimizer_config(self.optimizer, self.lr_scheduler, config.optimizer, self.model_parts)
             if rank == 0 and changed:
                 logger.info("resume: the config's optimizer settings replace the checkpoint's: %s", "; ".join(changed))
         if self.replicas is not None:

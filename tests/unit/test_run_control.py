@@ -67,7 +67,7 @@ def test_resume_applies_the_configs_optimizer_settings():
     opt2.load_state_dict(saved[0])
     sched2.load_state_dict(saved[1])
     assert opt2.param_groups[0]["weight_decay"] == 0.1  # what a plain load leaves: the checkpoint's
-    changed = apply_optimizer_config(opt2, sched2, new_cfg)
+    changed = apply_optimizer_config(opt2, sched2, new_cfg, [model])
     assert [c.split()[0] for c in changed] == [
         "optimizer.lr",
         "optimizer.betas",

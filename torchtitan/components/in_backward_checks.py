@@ -23,6 +23,13 @@ def check_in_backward(config: JobConfig, dims: ParallelDims) -> list[str]:
     if not config.optimizer.early_step_in_backward:
         return []
     t, exp = config.training, config.experimental
+    opt = config.optimizer
+    if opt.name == "Muon" or any(rule.get("optimizer") == "Muon" for rule in opt.param_groups):
+        raise NotImplementedError(
+            f"{_KEY} with Muon (optimizer.name or a param_groups rule): Muon orthogonalises whole matrices, which "
+            "needs every shard's gradient at once, not one parameter's as its hook fires; use AdamW or turn the "
+            "in-backward step off"
+        )
     if t.max_norm > 0:
         raise NotImplementedError(
             f"{_KEY} with training.max_norm = {t.max_norm}: clipping needs the total gradient norm before any "

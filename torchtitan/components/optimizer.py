@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -10,8 +12,10 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from torchtitan.components.lr_schedule import lr_factor_fn
+from torchtitan.components.muon import MuonAdam, MuonLowPrecisionAdam
 from torchtitan.components.optim_lowp import LowPrecisionAdamW
 from torchtitan.components.optimizer_in_backward import OptimizerInBackward
+from torchtitan.components.param_groups import Group, assign_groups, canonical_name, format_group_table
 from torchtitan.config.schema import Optimizer as OptimizerConfig
 from torchtitan.config.schema import Training
 
@@ -19,8 +23,21 @@ logger = logging.getLogger(__name__)
 
 
 def build_optimizer(model_parts: list[nn.Module], config: OptimizerConfig) -> torch.optim.Optimizer:
-    """One optimizer over the parameters of every model part (several with pipeline stages per rank)."""
-    return _optimizer_over([p for part in model_parts for p in part.parameters()], config)
+    """One optimizer over the parameters of every model part (several with pipeline stages per rank), in the
+    param groups of components/param_groups.py; logs the group table once."""
+    named = [(n, p) for part in model_parts for n, p in part.named_parameters()]
+    groups = assign_groups([(n, tuple(p.shape)) for n, p in named], config)
+    logger.info("optimizer param groups (this rank's parameters):\n%s", format_group_table(groups))
+    return _optimizer_over_groups(_torch_groups(groups, dict(named)), config)
+
+
+def _torch_groups(groups: list[Group], params: dict[str, nn.Parameter]) -> list[dict[str, Any]]:
+    by_canonical = {canonical_name(n): p for n, p in params.items()}
+    out = []
+    for g in groups:
+        extra = {"decoupled_weight_decay": g.optimizer == "AdamW"} if g.optimizer != "Muon" else {}
+        out.append({"params": [by_canonical[n] for n in g.names], "optimizer": g.optimizer, **g.settings, **extra})
+    return out
 
 
 def build_optimizer_in_backward(
@@ -52,27 +69,32 @@ def build_optimizer_in_backward(
 
 
 def _optimizer_over(params: list[nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:
+    """One optimizer over ``params`` (the in-backward step's per-parameter optimizers): the groups' rules apply."""
+    groups = assign_groups([(str(i), tuple(p.shape)) for i, p in enumerate(params)], _catch_all(config))
+    by_name = {str(i): p for i, p in enumerate(params)}
+    return _optimizer_over_groups(_torch_groups(groups, by_name), config)
+
+
+def _catch_all(config: OptimizerConfig) -> OptimizerConfig:
+    """The in-backward step's hooks see parameters without names: one rule, the section's settings."""
+    return dataclasses.replace(config, param_groups=[], no_decay=[])
+
+
+def _optimizer_over_groups(groups: list[dict[str, Any]], config: OptimizerConfig) -> torch.optim.Optimizer:
+    kinds = {g["optimizer"] for g in groups}
+    common = {"lr": config.lr, "betas": (config.beta1, config.beta2), "eps": config.eps}
     if config.state_dtype == "bfloat16":
-        return LowPrecisionAdamW(
-            params,
-            lr=config.lr,
-            betas=(config.beta1, config.beta2),
-            eps=config.eps,
-            weight_decay=config.weight_decay,
-            decoupled_weight_decay=config.name == "AdamW",
-            state_dtype="bfloat16",
-        )
-    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[config.name]
+        cls = MuonLowPrecisionAdam if "Muon" in kinds else LowPrecisionAdamW
+        return cls(groups, **common, weight_decay=config.weight_decay, state_dtype="bfloat16")
+    if "Muon" in kinds:
+        cls = MuonAdam
+    elif kinds == {"Adam"}:
+        cls = torch.optim.Adam
+    else:  # AdamW alone, as before; Adam and AdamW groups together: Adam with each group's decoupled_weight_decay
+        cls = torch.optim.AdamW if kinds == {"AdamW"} else torch.optim.Adam
     # foreach (multi-tensor) is the default; fused only where asked (a CUDA kernel).
     impl = {"fused": True} if config.fused else {"foreach": True}
-    return cls(
-        params,
-        lr=config.lr,
-        betas=(config.beta1, config.beta2),
-        eps=config.eps,
-        weight_decay=config.weight_decay,
-        **impl,
-    )
+    return cls(groups, **common, weight_decay=config.weight_decay, **impl)
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: Training) -> LambdaLR:
@@ -80,27 +102,37 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: Training) -> La
     return LambdaLR(optimizer, lr_factor_fn(config))
 
 
-def apply_optimizer_config(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, config: OptimizerConfig) -> list[str]:
+def apply_optimizer_config(
+    optimizer: torch.optim.Optimizer, scheduler: LambdaLR, config: OptimizerConfig, model_parts: list[nn.Module]
+) -> list[str]:
     """After a resume: the current config's hyper-parameters replace the checkpoint's; returns what changed.
 
     A checkpoint carries the optimizer's param groups and the schedule's base LR as they were saved;
-    the config is the user's intent now. The schedule's position (its step) stays the checkpoint's,
-    so the LR continues on the current config's curve at that step.
+    the config is the user's intent now: each group's settings are derived again from its rules. The schedule's
+    position (its step) stays the checkpoint's, so the LR continues on the current config's curve at that step.
+
+    Raises:
+        ValueError: the config's rules make another number of groups than the checkpoint has.
     """
-    wanted = {
-        "lr": config.lr,
-        "betas": (config.beta1, config.beta2),
-        "eps": config.eps,
-        "weight_decay": config.weight_decay,
-    }
-    first = optimizer.param_groups[0]
-    saved = {"lr": scheduler.base_lrs[0], "betas": tuple(first["betas"]), "eps": first["eps"]}
-    saved["weight_decay"] = first["weight_decay"]
-    changed = [f"optimizer.{k} {saved[k]} -> {v}" for k, v in wanted.items() if saved[k] != v]
-    for i, group in enumerate(optimizer.param_groups):
-        group.update({k: v for k, v in wanted.items() if k != "lr"})
-        group["initial_lr"] = config.lr
-        group["lr"] = config.lr * scheduler.lr_lambdas[i](scheduler.last_epoch)
-    scheduler.base_lrs = [config.lr] * len(optimizer.param_groups)
+    named = [(n, tuple(p.shape)) for part in model_parts for n, p in part.named_parameters()]
+    groups = assign_groups(named, config)
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"resume: the checkpoint's optimizer has {len(optimizer.param_groups)} param groups, the config's "
+            f"optimizer.param_groups / no_decay make {len(groups)}; resume with the rules it was saved with"
+        )
+    changed = []
+    for i, (g, group) in enumerate(zip(groups, optimizer.param_groups)):
+        saved = {k: _plain(scheduler.base_lrs[i] if k == "lr" else group.get(k)) for k in g.settings}
+        prefix = "optimizer." if len(groups) == 1 else f"optimizer group {i} "
+        changed += [f"{prefix}{k} {saved[k]} -> {v}" for k, v in g.settings.items() if saved[k] != v]
+        group.update({k: v for k, v in g.settings.items() if k != "lr"})
+        group["initial_lr"] = g.settings["lr"]
+        group["lr"] = g.settings["lr"] * scheduler.lr_lambdas[i](scheduler.last_epoch)
+    scheduler.base_lrs = [g.settings["lr"] for g in groups]
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
     return changed
+
+
+def _plain(v: Any) -> Any:
+    return tuple(v) if isinstance(v, list) else v

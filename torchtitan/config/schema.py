@@ -17,6 +17,7 @@ from torchtitan.config.schema_checkpoint import Checkpoint
 from torchtitan.config.schema_eval import Eval
 from torchtitan.config.schema_fault_tolerance import FaultTolerance
 from torchtitan.config.schema_metrics import Metrics
+from torchtitan.config.schema_optimizer import Optimizer
 from torchtitan.config.schema_training import DatasetName, Training
 
 # The names of models/llama/model.py's NORM_TYPES (tests/unit/test_config.py keeps them equal).
@@ -82,27 +83,6 @@ class Model:
         "./torchtitan/datasets/assets/tokenizer/pydocs_bpe2048.tiktoken",
         "tokenizer: a tiktoken BPE file (Llama 3's tokenizer.model), or a Hugging Face tokenizer.json or its "
         "folder (Qwen3's); scripts/download_tokenizer.py fetches both kinds",
-    )
-
-
-@dataclass
-class Optimizer:
-    name: Literal["AdamW", "Adam"] = _f("AdamW", "optimizer")
-    lr: float = _f(8e-4, "peak learning rate", bound=Bound(gt=0))
-    eps: float = _f(1e-8, "Adam epsilon")
-    beta1: float = _f(0.9, "Adam beta1")
-    beta2: float = _f(0.95, "Adam beta2")
-    weight_decay: float = _f(0.1, "decoupled weight decay (AdamW) or L2 penalty (Adam)")
-    fused: bool = _f(False, "use the fused kernel (CUDA); default is the foreach implementation")
-    state_dtype: Literal["float32", "bfloat16"] = _f(
-        "float32",
-        "dtype of Adam's exp_avg / exp_avg_sq; bfloat16 halves the optimizer state (the update still runs in fp32)",
-    )
-    early_step_in_backward: bool = _f(
-        False,
-        "step each parameter as soon as its gradient is final, during backward, and free that gradient (less "
-        "memory: all gradients never live at once); needs training.max_norm = 0, gradient_accumulation_steps = 1, "
-        "on_nonfinite = 'stop'; not with DDP or zero-bubble pipeline schedules (docs/compatibility.md)",
     )
 
 

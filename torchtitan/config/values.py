@@ -21,6 +21,8 @@ def type_name(tp: Any) -> str:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return " | ".join(type_name(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is list:
+        if _is_table_list(tp):
+            return "list of tables ([[section.key]] in TOML; a TOML inline array on the CLI)"
         return "list[str] (comma-separated on the CLI)"
     return "None" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
@@ -47,6 +49,12 @@ def _coerce_plain(value: Any, tp: Any, from_cli: bool) -> Any:
         if value not in typing.get_args(tp):
             raise ValueError
         return value
+    if _is_table_list(tp):
+        if from_cli or isinstance(value, str):
+            value = _inline_toml(str(value))
+        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+            raise TypeError
+        return [dict(v) for v in value]
     if typing.get_origin(tp) is list:
         if from_cli or isinstance(value, str):
             return [v.strip() for v in str(value).split(",") if v.strip()]
@@ -79,13 +87,33 @@ def _coerce_plain(value: Any, tp: Any, from_cli: bool) -> Any:
     raise TypeError(f"unsupported config field type {tp}")
 
 
+def _is_table_list(tp: Any) -> bool:
+    """``list[dict[...]]``: an array of tables (``[[optimizer.param_groups]]``)."""
+    args = typing.get_args(tp)
+    return typing.get_origin(tp) is list and bool(args) and typing.get_origin(args[0]) is dict
+
+
+def _inline_toml(text: str) -> Any:
+    """A command-line value written as a TOML value (``[{pattern = "norm", weight_decay = 0.0}]``)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python < 3.11
+        import tomli as tomllib
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        raise ValueError from None
+
+
 def toml_value(v: Any) -> str:
     """``v`` as TOML writes it (messages and the dumped config)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
-    if isinstance(v, list):
+    if isinstance(v, (list, tuple)):
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + "}"
     s = str(v).replace("\\", "\\\\").replace('"', '\\"')
     return f'"{s}"'

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
 from torchtitan.build import build_model_args
+from torchtitan.components.param_groups import optimizer_state_by_group
 from torchtitan.distributed.device import get_device_info
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_layout import resolve_stage_layout, stage_ids_for_rank
@@ -95,6 +97,8 @@ class Estimate:
     seconds: float
     warnings: list[str] = field(default_factory=list)
     params: int = 0  # the whole model's parameters at full depth (meta device; buffers not counted)
+    optimizer_groups: list[dict] = field(default_factory=list)
+    """Per optimizer param group of the whole model: optimizer, parameters, state (components/param_groups.py)."""
 
     @property
     def peak(self) -> int:
@@ -312,10 +316,17 @@ def estimate_memory(config, world_size: int, *, full_depth: bool = False, pp_ran
         for role, rank, pp_rank in roles
     ]
     params = count_parameters(config.model.name, args)
-    return Estimate(world_size, dims.degrees(), source, roles, time.perf_counter() - start, warnings, params)
+    groups = optimizer_state_by_group(named_shapes(config.model.name, args), config.optimizer)
+    seconds = time.perf_counter() - start
+    return Estimate(world_size, dims.degrees(), source, roles, seconds, warnings, params, groups)
+
+
+def named_shapes(model_name: str, args: Any) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter of the whole model at full depth (meta device)."""
+    with torch.device("meta"):
+        return [(n, tuple(p.shape)) for n, p in get_model_spec(model_name).model_cls(args).named_parameters()]
 
 
 def count_parameters(model_name: str, args: Any) -> int:
     """The whole model's parameters at full depth (built on the meta device; buffers not counted)."""
-    with torch.device("meta"):
-        return sum(p.numel() for p in get_model_spec(model_name).model_cls(args).parameters())
+    return sum(math.prod(shape) for _, shape in named_shapes(model_name, args))

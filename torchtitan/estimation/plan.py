@@ -34,13 +34,17 @@ dp_shard, dp_replicate, pp outermost) fit in one node of ``gpus_per_node``, else
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+import json
 import time
 from dataclasses import dataclass, field
 
 from torchtitan.build import build_meta_model, build_model_args
+from torchtitan.components.param_groups import optimizer_state_by_group
+from torchtitan.config.schema_optimizer import Optimizer as OptimizerConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.estimation.estimate import estimate_memory
+from torchtitan.estimation.estimate import estimate_memory, named_shapes
 from torchtitan.estimation.fake_trainer import resolve_vocab
 from torchtitan.observability.flops import GPU_PEAK_FLOPS
 from torchtitan.observability.metrics import compute_num_flops_per_token
@@ -171,9 +175,19 @@ def lower_bound_bytes(args, layout: Layout, config) -> int:
     """
     params = sum(_param_counts(config, args))
     shards = layout.tp * layout.pp * layout.dp_shard * layout.cp
-    state = 2 if config.optimizer.state_dtype == "float32" else 1  # bytes per moment element / 2
     grads = 0 if config.optimizer.early_step_in_backward else 4
-    return int(params / shards * (4 + grads + 4 * state))
+    return int((params * (4 + grads) + _state_bytes(config, args)) / shards)
+
+
+def _state_bytes(config, args) -> int:
+    """The whole model's optimizer state, per param group (AdamW 2 moments, Muon 1 momentum)."""
+    return _state_bytes_of(config.model.name, args, json.dumps(dataclasses.asdict(config.optimizer), sort_keys=True))
+
+
+@functools.cache
+def _state_bytes_of(model_name: str, args, optimizer_json: str) -> int:
+    optimizer = OptimizerConfig(**json.loads(optimizer_json))  # a cache key: the section as JSON
+    return sum(g["state_bytes"] for g in optimizer_state_by_group(named_shapes(model_name, args), optimizer))
 
 
 def _param_counts(config, args) -> tuple[int, int]:

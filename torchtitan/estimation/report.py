@@ -19,6 +19,7 @@ def to_dict(est: Estimate) -> dict:
         "seconds": round(est.seconds, 2),
         "peak_bytes": est.peak,
         "warnings": est.warnings,
+        "optimizer_groups": est.optimizer_groups,
         "roles": [
             {
                 "role": r.role,
@@ -57,6 +58,13 @@ def format_table(est: Estimate, title: str) -> str:
     out.append(line("peak falls in", [r.memory.peak_phase for r in roles]))
     for r in roles:
         out += [f"note ({r.role}): {n}" for n in r.memory.notes]
+    if len(est.optimizer_groups) > 1 or any(g["optimizer"] == "Muon" for g in est.optimizer_groups):
+        out.append("optimizer state by param group (whole model, before sharding; included in the rows above):")
+        for g in est.optimizer_groups:
+            out.append(
+                f"  {g['optimizer']:<6} {g['params']:>14,} params x {g['states_per_param']} states = "
+                f"{g['state_bytes'] / GIB:.3f} GiB  (weight_decay {g['weight_decay']:g}; {g['rule']})"
+            )
     out += [f"warning: {w}" for w in est.warnings]
     out.append(f"estimated in {est.seconds:.1f} s (fake tensors, one simulated rank per role)")
     return "\n".join(out)

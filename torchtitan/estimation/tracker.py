@@ -248,6 +248,8 @@ def foreach_temp_bytes(optimizer: torch.optim.Optimizer) -> int:
     """
     total = 0
     for group in optimizer.param_groups:
+        if group.get("optimizer") == "Muon":
+            continue  # not a foreach step: its per-matrix buffers are allocated (and tracked) as it runs
         extra = 2 if group["weight_decay"] and not group.get("decoupled_weight_decay", False) else 1
         for p in group["params"]:
             local = p.to_local() if isinstance(p, DTensor) else p
@@ -266,7 +268,11 @@ def use_per_parameter_step(optimizer: torch.optim.Optimizer) -> int:
     """
     switched = False
     for group in optimizer.param_groups:
-        if group.get("foreach") and any(isinstance(p, DTensor) for p in group["params"]):
+        if (
+            group.get("foreach")
+            and group.get("optimizer") != "Muon"
+            and any(isinstance(p, DTensor) for p in group["params"])
+        ):
             group["foreach"] = False
             switched = True
     return foreach_temp_bytes(optimizer) if switched else 0

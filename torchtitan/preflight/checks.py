@@ -12,6 +12,7 @@ from torchtitan.components.float8 import check_float8, check_torchao_installed
 from torchtitan.components.in_backward_checks import check_in_backward
 from torchtitan.components.lr_schedule import check_lr_schedule
 from torchtitan.components.memory_checks import check_memory_options
+from torchtitan.components.param_groups import check_param_groups
 from torchtitan.components.replay_checks import check_replay
 from torchtitan.config.bounds import check_not_built, check_ranges
 from torchtitan.datasets.checks import check_data_paths
@@ -52,6 +53,7 @@ CHECKS: tuple[Check, ...] = (
     Check(check_data_parallel),
     Check(check_fault_tolerance),
     Check(check_fault_tolerance_machine, this_machine=True),
+    Check(check_param_groups),
     Check(check_in_backward),
     Check(check_replay),
     Check(check_lr_schedule),
