@@ -40,6 +40,7 @@ from torchtitan.distributed.init import init_model_weights
 from torchtitan.distributed.mesh import WorldMesh
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline import PipelineParts, build_pipeline
+from torchtitan.lora.apply import apply_lora, freeze_base, init_lora_adapters
 from torchtitan.models.attention import resolve_attention_backend
 from torchtitan.spec import chain_hooks, get_model_spec
 
@@ -183,13 +184,15 @@ class TrainerBuilders:
 def finish_model_part(
     part: nn.Module, spec: ModelSpec, config: JobConfig, world: WorldMesh, device: torch.device
 ) -> None:
-    """Float8-convert (if asked), parallelize a meta model (or pipeline stage), materialise it on ``device``, init
+    """Float8-convert or add LoRA adapters (if asked), parallelize a meta model (or pipeline stage), materialise it on ``device``, init
     from the seed. The float8 conversion comes first: TP picks float8 styles for converted linears."""
     if config.float8.enable_float8_linear:
         check_float8_runs(device, config.float8.recipe_name)
         if device.type == "cpu":
             choose_cpu_float8_gemm()
         apply_float8(part, config.float8)
+    if config.lora.enable:  # adapters on the frozen base, before TP so each adapter is sharded like its linear
+        apply_lora(part, config.lora, spec)
     spec.parallelize_fn(
         part,
         world_mesh=world.mesh,
@@ -199,12 +202,16 @@ def finish_model_part(
         activation_checkpoint=config.activation_checkpoint,
         float8=config.float8,
     )
+    if config.lora.enable:
+        freeze_base(part)  # torch's SequenceParallel re-creates the norms' weights as trainable
     # With FSDP CPU offload the sharded parameters live in CPU memory; FSDP copies them to the
     # device for each block's compute. Buffers (the RoPE table) stay on the device.
     offload = config.training.enable_cpu_offload and world.dims.fsdp_enabled
     part.to_empty(device=torch.device("cpu") if offload else device)
     seed = 0 if config.training.seed is None else config.training.seed
     init_model_weights(part, seed, buffer_device=device)
+    if config.lora.enable:
+        init_lora_adapters(part, seed)
     part.train()
 
 

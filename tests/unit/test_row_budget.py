@@ -25,7 +25,10 @@ from tests.integration_tests import Row
 # differ from every existing row: per family a 1-rank reference, FSDP2, EP2, TP2 x EP2, PP2 (gpt-oss also
 # CP2) at 2 ranks and FSDP2 x EP2 at 4 (tests/test_frontier_runs.py, 28), and one estimator row each (4).
 # All at the tiny flavor: the 22 jobs take ~25 s of the suite.
-RANK_ROW_BUDGET = 317
+# Issue 48 (LoRA) raised it by 18 to 335: LoRA's losses are not the full rows' (frozen base, adapters), so no
+# existing row can carry it; per family (llama3, qwen3) a 1-rank LoRA reference and FSDP2, TP2 (the adapter
+# styles of distributed/lora_tp.py), PP2 1F1B and FSDP2 + accumulation 2 at 2 ranks (tests/test_lora_runs.py).
+RANK_ROW_BUDGET = 335
 
 
 def _row_lists() -> dict[str, list[Row]]:

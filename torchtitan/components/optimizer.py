@@ -19,8 +19,9 @@ logger = logging.getLogger(__name__)
 
 
 def build_optimizer(model_parts: list[nn.Module], config: OptimizerConfig) -> torch.optim.Optimizer:
-    """One optimizer over the parameters of every model part (several with pipeline stages per rank)."""
-    return _optimizer_over([p for part in model_parts for p in part.parameters()], config)
+    """One optimizer over the trainable parameters of every model part (several with pipeline stages per rank);
+    a frozen parameter (LoRA's base) gets no optimizer state."""
+    return _optimizer_over([p for part in model_parts for p in part.parameters() if p.requires_grad], config)
 
 
 def build_optimizer_in_backward(

@@ -15,6 +15,7 @@ from torchtitan.config.fields import POSITIVE as _POSITIVE
 from torchtitan.config.fields import config_field as _f
 from torchtitan.config.schema_checkpoint import Checkpoint
 from torchtitan.config.schema_fault_tolerance import FaultTolerance
+from torchtitan.config.schema_lora import Lora
 
 # The names of torchtitan/datasets/registry.py's DATASETS (tests/unit/test_data_errors.py keeps them equal),
 # spelled out here so that the config check knows them without importing the data stack.
@@ -380,6 +381,7 @@ class JobConfigTree:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)
+    lora: Lora = field(default_factory=Lora)
     comm: Comm = field(default_factory=Comm)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)

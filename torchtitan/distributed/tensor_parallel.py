@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan.distributed.async_tp import AsyncColwiseParallel, AsyncRowwiseParallel
+from torchtitan.distributed.lora_tp import with_lora_styles
 from torchtitan.models.moe import MoE
 
 
@@ -285,5 +286,5 @@ def apply_tp(
             plan |= mla_attention_plan(block.attention)
         elif block.attention.q_norm is not None:  # QK-norm: (bs, seqlen, local heads, head_dim) per rank
             plan = {**plan, "attention.q_norm": TokenShardedReplicate(2), "attention.k_norm": TokenShardedReplicate(2)}
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, with_lora_styles(plan, block))  # LoRA linears: adapters sharded alike
         shard_sinks(block.attention, tp_mesh)
