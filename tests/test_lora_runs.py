@@ -11,17 +11,26 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import math
+import os
+import shutil
+
 import pytest
 
 from tests.integration_tests import (
     GLOBAL_BATCH,
     GRAD_NORM_RTOL,
+    ROOT,
     RTOL,
     MatrixLaunches,
     Row,
     check_grad_norms,
     check_row,
     pp_schedule,
+    read_metrics,
+    train,
     trainer_argv,
 )
 from tests.pool import run_in_pool
@@ -102,3 +111,180 @@ def test_lora_trains_only_the_adapters(tmp_path):
         assert result["frozen"] == result["all"] - adapters
         assert result["moved"] == adapters, sorted(result["moved"] ^ adapters)[:5]
         assert result["with_state"] == adapters
+
+
+# ---- adapter-only checkpoints ----
+
+CKPT = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "3"]
+
+
+def _train(ngpu: int, folder: str, args: list[str]) -> str:
+    result = train(ngpu, folder, args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stderr
+
+
+def _losses(folder: str) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(folder) if "loss" in r}
+
+
+def _tensor_bytes(path: str) -> dict[str, int]:
+    """Bytes of the tensors a DCP checkpoint holds, per top-level part (model, optimizer, ...)."""
+    from torchtitan.checkpointing.common import read_metadata
+
+    out: dict[str, int] = {}
+    for key, md in read_metadata(path).state_dict_metadata.items():
+        if hasattr(md, "size"):
+            part = key.split(".", 1)[0]
+            out[part] = out.get(part, 0) + math.prod(md.size) * md.properties.dtype.itemsize
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> dict[str, str]:
+    """A 2-rank FSDP2 LoRA run from a seed-7 base (checkpoint.initial_load_path; not the run's seed-42 init),
+    saving at steps 3 and 6 and exporting its last step as a PEFT folder; and its step-3 checkpoint resumed."""
+    tmp = tmp_path_factory.mktemp("lora_ckpt")
+    seed = str(tmp / "seed")
+    _train(1, seed, ["--checkpoint.enable_checkpoint", "--checkpoint.create_seed_checkpoint", "--training.seed", "7"])
+    base = os.path.join(seed, "checkpoint", "step-0")
+    run = [*LORA, *CKPT, "--training.batch_size", "4", "--checkpoint.initial_load_path", base]
+    full, resumed = str(tmp / "full"), str(tmp / "resumed")
+    _train(2, full, [*run, "--checkpoint.last_save_in_hf"])
+    shutil.copytree(os.path.join(full, "checkpoint", "step-3"), os.path.join(resumed, "checkpoint", "step-3"))
+    log = _train(2, resumed, run)
+    hf_base = str(tmp / "hf_base")
+    from torchtitan.checkpointing.hf import export_to_hf
+
+    export_to_hf(base, hf_base)
+    return {"tmp": str(tmp), "base": base, "full": full, "resumed": resumed, "resumed_log": log, "hf_base": hf_base}
+
+
+def test_lora_checkpoint_holds_adapters_and_resumes_bit_exact_on_the_base_it_loads(lora_run):
+    """The base comes from checkpoint.initial_load_path on the first start and again on resume; the checkpoint
+    holds the adapters, their optimizer state, data and step."""
+    full, base = lora_run["full"], lora_run["base"]
+    assert "resumed from step 3" in lora_run["resumed_log"]
+    assert "started from checkpoint weights" in lora_run["resumed_log"]
+    want, got = _losses(full), _losses(lora_run["resumed"])
+    assert [got[s] for s in (4, 5, 6)] == [want[s] for s in (4, 5, 6)]
+
+    from torchtitan.checkpointing.common import read_metadata
+
+    step3 = os.path.join(full, "checkpoint", "step-3")
+    keys = set(read_metadata(step3).state_dict_metadata)
+    model_keys = {k for k in keys if k.startswith("model.")}
+    assert model_keys and all(".lora_a." in k or ".lora_b." in k for k in model_keys), sorted(model_keys)[:3]
+    optim_keys = {k for k in keys if k.startswith("optimizer.state.")}
+    assert optim_keys and all(".lora_a." in k or ".lora_b." in k for k in optim_keys), sorted(optim_keys)[:3]
+    assert any(k.startswith("dataloader.") for k in keys) and "train_state.step" in keys
+    sizes, seed_sizes = _tensor_bytes(step3), _tensor_bytes(base)
+    adapters = 4 * (4 * 4 * (64 + 64) + 3 * 4 * (64 + 256))  # 4 layers: rank 4 on wq..wo (64 x 64), w1..w3 (64 x 256)
+    assert sizes["model"] == adapters * 4  # fp32
+    assert sizes["optimizer"] == 2 * sizes["model"] + 56 * 4  # AdamW exp_avg, exp_avg_sq and a step per adapter
+    ratio = (sizes["model"] + sizes["optimizer"]) / (3 * seed_sizes["model"])
+    print(f"LoRA checkpoint: {sizes}; vs a full run's model + AdamW state: {ratio:.4f}")
+    assert ratio < 0.05
+
+    # the same base from its Hugging Face export: the same step-1 loss (B = 0: the base's own)
+    from_hf = os.path.join(lora_run["tmp"], "from_hf")
+    hf_run = [*LORA, "--training.batch_size", "8", "--training.steps", "1"]
+    _train(
+        1, from_hf, [*hf_run, "--checkpoint.initial_load_path", lora_run["hf_base"], "--checkpoint.initial_load_in_hf"]
+    )
+    assert abs(_losses(from_hf)[1] - want[1]) <= RTOL * want[1], (_losses(from_hf), want)
+
+
+def _adapters_job(rank: int, world_size: int, argv: list[str]) -> dict:
+    """Build the trainer (no step) and return its adapters as whole tensors."""
+    from torch.distributed.tensor import DTensor
+
+    from torchtitan.config.manager import JobConfig
+    from torchtitan.train import Trainer
+
+    trainer = Trainer(JobConfig.parse_args(argv, world_size=world_size), world_size=world_size, rank=rank)
+    try:
+        return {
+            n: (p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
+            for n, p in trainer.model_parts[0].named_parameters()
+            if ".lora_" in n
+        }
+    finally:
+        trainer.close()
+
+
+def test_peft_export_loads_in_peft_merges_and_loads_back(lora_run):
+    """checkpoint.last_save_in_hf wrote a PEFT folder: peft on transformers (built from our HF export of the base)
+    gives our logits; --merge_lora's full model too, and generate.py --adapter's; the folder loads back into the
+    trainer (lora.adapter_path) as the very adapters of step 6, sharded under TP2."""
+    peft = pytest.importorskip("peft")
+    import torch
+    import transformers
+
+    from torchtitan.checkpointing.common import load_model_weights
+
+    convert_to_hf, generate = _script("convert_to_hf"), _script("generate")
+
+    peft_dir = os.path.join(lora_run["full"], "hf", "step-6")
+    step6 = os.path.join(lora_run["full"], "checkpoint", "step-6")
+    with open(os.path.join(peft_dir, "adapter_config.json")) as f:
+        config = json.load(f)
+    assert config["r"] == 4 and config["lora_alpha"] == 32 and config["base_model_name_or_path"] == lora_run["base"]
+    assert sorted(config["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    cpu = torch.device("cpu")
+    tokens = torch.randint(0, 2000, (2, 24), generator=torch.Generator().manual_seed(0))
+    ours = generate.load_model(step6, None, 64, _n_words(), cpu)  # our model: the recorded base + the adapters
+    hf = transformers.AutoModelForCausalLM.from_pretrained(lora_run["hf_base"], dtype=torch.float32).eval()
+    merged_dir = os.path.join(lora_run["tmp"], "merged")
+    assert convert_to_hf.main([step6, merged_dir, "--merge_lora"]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    with_adapter = generate.load_model(None, lora_run["hf_base"], 64, _n_words(), cpu, adapter=peft_dir)
+    with torch.no_grad():
+        want = ours(tokens)
+        gaps = {"base": (hf(tokens).logits - want).abs().max().item()}
+        gaps["peft"] = (peft.PeftModel.from_pretrained(hf, peft_dir).eval()(tokens).logits - want).abs().max().item()
+        gaps["merged"] = (merged(tokens).logits - want).abs().max().item()
+        gaps["generate --adapter"] = (with_adapter(tokens) - want).abs().max().item()
+    print("logit gaps to ours:", gaps)
+    assert gaps["base"] > 1e-3 and max(v for k, v in gaps.items() if k != "base") <= 1e-5, gaps
+
+    argv = trainer_argv(
+        [
+            *LORA,
+            "--training.batch_size",
+            "8",
+            "--training.tensor_parallel_degree",
+            "2",
+            "--lora.adapter_path",
+            peft_dir,
+        ],
+        os.path.join(lora_run["tmp"], "from_peft"),
+    )
+    loaded = run_in_pool(_adapters_job, 2, argv)[0]
+    saved = {k: v for k, v in load_model_weights(step6)[0].items() if ".lora_" in k}
+    assert set(loaded) == set(saved) and all(torch.equal(loaded[k], saved[k]) for k in saved)
+
+
+def _script(name: str):
+    """scripts/<name>.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_script", os.path.join(ROOT, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _n_words() -> int:
+    from torchtitan.config.manager import JobConfig
+    from torchtitan.datasets.tokenizer import build_tokenizer
+
+    return build_tokenizer(JobConfig.parse_args(trainer_argv([], "/tmp/unused")).model.tokenizer_path).n_words
+
+
+def test_merge_lora_without_adapters_and_a_seeded_base_are_one_line(lora_run, capsys):
+    convert_to_hf = _script("convert_to_hf")
+    out = os.path.join(lora_run["tmp"], "not_written")
+    assert convert_to_hf.main([lora_run["base"], out, "--merge_lora"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "holds no LoRA adapters" in err, err

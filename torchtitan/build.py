@@ -42,6 +42,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline import PipelineParts, build_pipeline
 from torchtitan.lora.apply import apply_lora, freeze_base, init_lora_adapters
 from torchtitan.models.attention import resolve_attention_backend
+from torchtitan.models.lora import is_base_key
 from torchtitan.spec import chain_hooks, get_model_spec
 
 logger = logging.getLogger(__name__)
@@ -321,6 +322,9 @@ def create_seed_checkpoint(config: JobConfig) -> str:
         None,
         get_device_info().device,
     )
-    save_model_weights(ModelState(model).state_dict(), path, model_info(model=config.model, model_args=args))
+    # a seed is a base: with LoRA, its adapters are drawn again from the seed at every start
+    save_model_weights(
+        ModelState(model, keys=is_base_key).state_dict(), path, model_info(model=config.model, model_args=args)
+    )
     logger.info("seed checkpoint written to %s", path)
     return path

@@ -29,3 +29,8 @@ class Lora:
         "linears that get adapters, in every block: our names (wq wk wv wo w1 w2 w3) or PEFT's (q_proj k_proj "
         "v_proj o_proj gate_proj up_proj down_proj), mapped through the family's Hugging Face adapter",
     )
+    adapter_path: str = _f(
+        "",
+        "a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) to start the adapters from instead of "
+        "their init (a fresh start; a resume takes the checkpoint's); its r, lora_alpha and targets must match",
+    )

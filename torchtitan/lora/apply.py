@@ -14,7 +14,7 @@ from torch import nn
 from torchtitan.config.schema_lora import Lora
 from torchtitan.distributed.init import init_named_units
 from torchtitan.lora.names import Target, resolve_targets
-from torchtitan.models.lora import LoRALinear
+from torchtitan.models.lora import LoRALinear, is_adapter_key
 from torchtitan.spec import ModelSpec
 
 
@@ -58,11 +58,6 @@ def init_lora_adapters(model: nn.Module, seed: int) -> None:
     so every layout (sharded A/B included) and every pipeline stage draws the single-process values."""
     units: list[tuple[str, Callable[[], None]]] = [(f"lora.{n}", m.init_adapter) for n, m in lora_modules(model)]
     init_named_units(units, seed)
-
-
-def is_adapter_key(fqn: str) -> bool:
-    """A state-dict key of an adapter weight (``....wq.lora_a.weight``)."""
-    return ".lora_a." in fqn or ".lora_b." in fqn
 
 
 __all__ = ["Target", "apply_lora", "freeze_base", "init_lora_adapters", "is_adapter_key", "lora_modules"]

@@ -58,7 +58,6 @@ def _check_combinations(config: JobConfig, dims: ParallelDims) -> None:
         (config.optimizer.early_step_in_backward, "optimizer.early_step_in_backward"),
         (config.fault_tolerance.enable, "fault_tolerance.enable"),
         (dims.tp_enabled and config.lora.dropout > 0, "lora.dropout > 0 under tensor parallel"),
-        (config.checkpoint.last_save_in_hf, "checkpoint.last_save_in_hf (a PEFT-format export)"),
     ]
     for refused, what in refusals:
         if refused:

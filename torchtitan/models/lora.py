@@ -19,6 +19,15 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def is_adapter_key(fqn: str) -> bool:
+    """A parameter / state-dict key of an adapter weight (``layers.0.attention.wq.lora_a.weight``)."""
+    return ".lora_a." in fqn or ".lora_b." in fqn
+
+
+def is_base_key(fqn: str) -> bool:
+    return not is_adapter_key(fqn)
+
+
 class LoRALinear(nn.Linear):
     """An ``nn.Linear`` (the frozen base) plus the low-rank adapter ``lora_b(lora_a(dropout(x))) * scaling``."""
 
