@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from torchtitan.config.schema_lora import Lora
 from torchtitan.distributed.init import init_named_units
@@ -32,7 +33,10 @@ def apply_lora(model: nn.Module, lora: Lora, spec: ModelSpec) -> list[str]:
             parent = block.get_submodule(parent_path)
             base = getattr(parent, leaf)
             assert type(base) is nn.Linear, f"layers.{layer_id}.{target.path} is {type(base).__name__}"
-            new = LoRALinear.from_linear(base, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
+            # Plain meta tensors like the rest of the meta model, also where the memory estimator builds under a
+            # FakeTensorMode (a fake parameter made here could not be materialised by to_empty).
+            with unset_fake_temporarily():
+                new = LoRALinear.from_linear(base, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
             setattr(parent, leaf, new)
             adapted.append(f"layers.{layer_id}.{target.path}")
     freeze_base(model)
