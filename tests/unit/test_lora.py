@@ -89,3 +89,22 @@ def test_lora_under_tp_with_dropout_is_refused():
     config = _config("--lora.enable", "--lora.dropout", "0.1", "--training.tensor_parallel_degree", "2", world_size=2)
     with pytest.raises(NotImplementedError, match="lora.dropout > 0 under tensor parallel"):
         run_preflight(config, 2, this_machine=False)
+
+
+def test_planner_floor_counts_gradients_and_adamw_state_for_the_adapters_only():
+    """estimation.py --plan's lower bound for Llama 3 8B on one rank: full = 16 bytes per parameter; LoRA (rank 16,
+    every linear) = the base's 4 + 12 per adapter parameter, so its floor alone (~30 GiB) rules out 24 GiB."""
+    from torchtitan.estimation.plan import Layout, adapter_param_count, lower_bound_bytes
+    from torchtitan.spec import flavor_args
+
+    full = JobConfig.parse_args(["--job.config_file", "./train_configs/llama3_8b.toml"])
+    lora = JobConfig.parse_args(
+        ["--job.config_file", "./train_configs/llama3_8b.toml", "--lora.enable", "--lora.rank", "16"]
+    )
+    args, layout = flavor_args(full.model), Layout(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=1)
+    params = 8_030_261_248
+    adapters = adapter_param_count(lora, args.n_layers)
+    assert adapters == 32 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336))  # q o, k v, ffn
+    assert lower_bound_bytes(args, layout, full) == params * 16
+    assert lower_bound_bytes(args, layout, lora) == params * 4 + adapters * 12
+    assert lower_bound_bytes(args, layout, lora) > 24 * 2**30 > 0.5 * lower_bound_bytes(args, layout, lora)

@@ -42,6 +42,7 @@ from torchtitan.build import build_meta_model, build_model_args
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.estimation.estimate import estimate_memory
 from torchtitan.estimation.fake_trainer import resolve_vocab
+from torchtitan.lora.checks import target_shapes
 from torchtitan.observability.flops import GPU_PEAK_FLOPS
 from torchtitan.observability.metrics import compute_num_flops_per_token
 from torchtitan.preflight import run_preflight
@@ -167,13 +168,20 @@ def _with_overrides(config, layout: Layout, local_batch: int):
 def lower_bound_bytes(args, layout: Layout, config) -> int:
     """Parameters + gradients + AdamW state per rank, sharded over everything that shards them.
 
-    With the optimizer step in backward the gradients never live all at once: they are left out.
+    With the optimizer step in backward the gradients never live all at once: they are left out. With LoRA
+    only the adapters have gradients and optimizer state (the frozen base: its parameters alone).
     """
     params = sum(_param_counts(config, args))
+    trainable = adapter_param_count(config, args.n_layers) if config.lora.enable else params
     shards = layout.tp * layout.pp * layout.dp_shard * layout.cp
     state = 2 if config.optimizer.state_dtype == "float32" else 1  # bytes per moment element / 2
     grads = 0 if config.optimizer.early_step_in_backward else 4
-    return int(params / shards * (4 + grads + 4 * state))
+    return int((params * 4 + trainable * (grads + 4 * state)) / shards)
+
+
+def adapter_param_count(config, n_layers: int) -> int:
+    """LoRA's trainable parameters: rank x (in + out) per target linear, in every block."""
+    return n_layers * sum(config.lora.rank * (out + inp) for out, inp in target_shapes(config).values())
 
 
 def _param_counts(config, args) -> tuple[int, int]:
