@@ -40,7 +40,7 @@ from torchtitan.distributed.init import init_model_weights
 from torchtitan.distributed.mesh import WorldMesh
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline import PipelineParts, build_pipeline
-from torchtitan.lora.apply import apply_lora, freeze_base, init_lora_adapters
+from torchtitan.lora.apply import apply_lora, init_lora_adapters
 from torchtitan.models.attention import resolve_attention_backend
 from torchtitan.models.lora import is_base_key
 from torchtitan.spec import chain_hooks, get_model_spec
@@ -203,8 +203,6 @@ def finish_model_part(
         activation_checkpoint=config.activation_checkpoint,
         float8=config.float8,
     )
-    if config.lora.enable:
-        freeze_base(part)  # torch's SequenceParallel re-creates the norms' weights as trainable
     # With FSDP CPU offload the sharded parameters live in CPU memory; FSDP copies them to the
     # device for each block's compute. Buffers (the RoPE table) stay on the device.
     offload = config.training.enable_cpu_offload and world.dims.fsdp_enabled

@@ -44,8 +44,8 @@ def apply_lora(model: nn.Module, lora: Lora, spec: ModelSpec) -> list[str]:
 
 
 def freeze_base(model: nn.Module) -> None:
-    """Every parameter but the adapters' stops requiring gradients. Called again after the parallelisms: some
-    styles re-create parameters as trainable (torch's SequenceParallel does not carry ``requires_grad`` over)."""
+    """Every parameter but the adapters' stops requiring gradients (the parallelisms keep it so: TP re-freezes what
+    torch's SequenceParallel re-creates, distributed/tensor_parallel.py)."""
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter_key(name))
 
