@@ -104,7 +104,7 @@ CI_ROWS = {
     "docs_fsdp2",
     "dsv3_tp2_ep2",  # multi-head latent attention: latent projections replicated over TP, v heads narrower
     "gpt_oss_ep2",  # attention sinks and sliding windows (an fp32 masked-softmax kernel), biased experts
-    "lora_llama3_fsdp2",  # a frozen base: no gradients or optimizer state for it (measured 74.6 vs 110.8 MiB full)
+    "lora_llama3_fsdp2",  # a frozen base: no gradients or optimizer state (full AC: 36.16 vs fsdp2_ac_full's 80.31 MiB)
 }
 TRACKER_ROWS = (
     ALL_ROWS if os.environ.get("TORCHTITAN_ESTIMATION_ALL_ROWS") else [r for r in ALL_ROWS if r.name in CI_ROWS]
@@ -218,11 +218,11 @@ def test_estimate_matches_the_tracker_on_the_real_step(row: Row, measured):
 
 
 def test_lora_estimate_is_below_full_fine_tuning():
-    """The same debug-flavor FSDP2 layout: LoRA's frozen base has no gradients or optimizer state (estimated and
-    measured on CPU: 74.60 vs 110.81 MiB), the adapters' AdamW state is theirs alone."""
-    full = _estimate(next(r for r in ROWS if r.name == "fsdp2")).roles[0].memory
+    """The same debug-flavor FSDP2 layout with full AC: LoRA's frozen base has no gradients or optimizer state
+    (estimated and measured on CPU: 36.16 vs 80.31 MiB), the adapters' AdamW state is theirs alone."""
+    full = _estimate(next(r for r in ESTIMATOR_ROWS if r.name == "fsdp2_ac_full")).roles[0].memory
     lora = _estimate(next(r for r in LORA_ROWS if r.name == "lora_llama3_fsdp2")).roles[0].memory
-    assert lora.peak < 0.8 * full.peak, (lora.peak, full.peak)
+    assert lora.peak < 0.6 * full.peak, (lora.peak, full.peak)
     assert lora.breakdown["optimizer state"] < 0.05 * full.breakdown["optimizer state"]
 
 

@@ -1,8 +1,8 @@
 """LoRA through the trainer (worker-pool jobs): loss parity per layout, a frozen base, adapter-only state.
 
-* Parity: llama3 and qwen3 at the tiny flavor with adapters (rank 4) on every block linear; FSDP2, TP2 (each
-  adapter sharded like its base linear: distributed/lora_tp.py), PP2 1F1B and FSDP2 with gradient
-  accumulation 2 against one process's LoRA run, loss within the matrix's RTOL (1e-5) and grad norm within
+* Parity: llama3 and qwen3 at the tiny flavor with adapters (rank 4) on every block linear; FSDP2 (with full /
+  selective-op activation checkpointing riding on it), TP2 (each adapter sharded like its base linear:
+  distributed/lora_tp.py), PP2 1F1B and FSDP2 with gradient accumulation 2, and CP2 (llama3), against one process's LoRA run, loss within the matrix's RTOL (1e-5) and grad norm within
   GRAD_NORM_RTOL. LoRA runs are compared with LoRA runs: their losses are not the full fine-tuning rows'.
 * The one-process run's losses fall; with lora.enable the step-1 loss equals the full run's exactly (B = 0).
 * TP2, in the pool: after 6 steps every base weight is bit-identical to its initial value, every
@@ -20,9 +20,12 @@ import shutil
 import pytest
 
 from tests.integration_tests import (
+    AC_FULL,
+    AC_OP,
     GLOBAL_BATCH,
     GRAD_NORM_RTOL,
     ROOT,
+    ROTATE_ALLGATHER,
     RTOL,
     MatrixLaunches,
     Row,
@@ -41,19 +44,22 @@ LORA = ["--lora.enable", "--lora.rank", "4", "--lora.alpha", "32"]
 ACCUM2 = ["--training.gradient_accumulation_steps", "2"]
 
 
-def _rows(family: str) -> tuple[Row, list[Row]]:
+def _rows(family: str, ac: list[str]) -> tuple[Row, list[Row]]:
+    """``ac``: an activation-checkpointing mode riding on the FSDP2 row (numerically neutral)."""
     args = [*LORA, "--model.name", family]
     reference = Row(f"lora_{family}_1proc", 1, GLOBAL_BATCH, args)
     return reference, [
-        Row(f"lora_{family}_fsdp2", 2, 4, args),
+        Row(f"lora_{family}_fsdp2", 2, 4, [*args, *ac]),
         Row(f"lora_{family}_tp2", 2, 8, args, tp=2),
         Row(f"lora_{family}_pp2_1f1b", 2, 8, [*args, *pp_schedule("1F1B")], pp=2),
         Row(f"lora_{family}_fsdp2_accum2", 2, 2, [*args, *ACCUM2]),
     ]
 
 
-LLAMA_REFERENCE, LLAMA_ROWS = _rows("llama3")
-QWEN3_REFERENCE, QWEN3_ROWS = _rows("qwen3")
+LLAMA_REFERENCE, LLAMA_ROWS = _rows("llama3", AC_FULL)
+QWEN3_REFERENCE, QWEN3_ROWS = _rows("qwen3", AC_OP)
+# context parallel: the adapters see each rank's sequence shard (one family: nothing family-specific in it)
+LLAMA_ROWS.append(Row("lora_llama3_cp2", 2, 8, [*LORA, "--model.name", "llama3", *ROTATE_ALLGATHER], cp=2))
 LORA_REFERENCES = [LLAMA_REFERENCE, QWEN3_REFERENCE]  # counted by the rank-row budget
 LORA_ROWS = [*LLAMA_ROWS, *QWEN3_ROWS]
 PAIRS = [(r, LLAMA_REFERENCE) for r in LLAMA_ROWS] + [(r, QWEN3_REFERENCE) for r in QWEN3_ROWS]

@@ -77,6 +77,7 @@ def test_peft_names_map_onto_ours():
         (["--lora.dropout", "1.0"], ConfigError, r"lora.dropout = 1.0"),
         (["--model.name", "llama3_moe"], NotImplementedError, r"model.name = 'llama3_moe'.*MoE experts"),
         (["--float8.enable_float8_linear"], NotImplementedError, r"lora.enable with float8.enable_float8_linear"),
+        (["--training.compile"], NotImplementedError, r"lora.enable with training.compile"),
     ],
 )
 def test_bad_lora_config_is_one_line(extra: list[str], error: type, match: str):
@@ -108,3 +109,12 @@ def test_planner_floor_counts_gradients_and_adamw_state_for_the_adapters_only():
     assert lower_bound_bytes(args, layout, full) == params * 16
     assert lower_bound_bytes(args, layout, lora) == params * 4 + adapters * 12
     assert lower_bound_bytes(args, layout, lora) > 24 * 2**30 > 0.5 * lower_bound_bytes(args, layout, lora)
+
+
+def test_adapter_init_does_not_depend_on_activation_checkpointing():
+    """The adapters are drawn from the seed and their layer's name; AC's wrapper adds a part to the FQN."""
+    plain = _model("--lora.enable", "--activation_checkpoint.mode", "none").state_dict()
+    wrapped = _model("--lora.enable", "--activation_checkpoint.mode", "full").state_dict()
+    wrapped = {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in wrapped.items()}
+    adapters = [k for k in plain if ".lora_a." in k]
+    assert adapters and all(torch.equal(plain[k], wrapped[k]) for k in adapters)

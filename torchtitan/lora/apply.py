@@ -60,8 +60,21 @@ def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
 def init_lora_adapters(model: nn.Module, seed: int) -> None:
     """PEFT's default init of every adapter (A Kaiming-uniform, B zero), a function of the seed and the FQN only,
     so every layout (sharded A/B included) and every pipeline stage draws the single-process values."""
-    units: list[tuple[str, Callable[[], None]]] = [(f"lora.{n}", m.init_adapter) for n, m in lora_modules(model)]
+    units: list[tuple[str, Callable[[], None]]] = [
+        (f"lora.{_plain(n)}", m.init_adapter) for n, m in lora_modules(model)
+    ]
     init_named_units(units, seed)
+
+
+# Module-name parts that wrappers insert (activation checkpointing, torch.compile): not part of a layer's name.
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _plain(fqn: str) -> str:
+    """The FQN without wrapper parts, so the adapters' init does not depend on AC or compile."""
+    for part in _WRAPPERS:
+        fqn = fqn.replace(part, "")
+    return fqn
 
 
 __all__ = ["Target", "apply_lora", "freeze_base", "init_lora_adapters", "is_adapter_key", "lora_modules"]

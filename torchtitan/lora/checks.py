@@ -57,6 +57,7 @@ def _check_combinations(config: JobConfig, dims: ParallelDims) -> None:
         ),
         (config.optimizer.early_step_in_backward, "optimizer.early_step_in_backward"),
         (config.fault_tolerance.enable, "fault_tolerance.enable"),
+        (config.training.compile, "training.compile (untested with the adapters)"),
         (dims.tp_enabled and config.lora.dropout > 0, "lora.dropout > 0 under tensor parallel"),
     ]
     for refused, what in refusals:
