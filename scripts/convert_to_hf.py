@@ -7,7 +7,9 @@ Writes safetensors and ``config.json`` (``LlamaForCausalLM``, ``Qwen3ForCausalLM
 ``transformers.AutoModelForCausalLM.from_pretrained(outputs/hf_debug)`` loads with our logits. q/k
 projection rows are permuted from our interleaved RoPE to HF's rotate-half layout. Weights with no
 Hugging Face counterpart (``llama3_moe``; a ``qwen3_moe`` flavor balanced with an expert bias) are
-refused with one line saying why and what to train instead (docs/models.md). The tokenizer is not
+refused with one line saying why and what to train instead (docs/models.md). A LoRA run's checkpoint
+becomes a PEFT adapter folder, or with ``--merge_lora`` its base with the adapters merged (docs/lora.md). The
+tokenizer is not
 converted. The folder is checked against its marker (sizes, CRC32s) and its pickles are read
 restricted to plain checkpoint data (docs/checkpoint.md, Integrity).
 """
@@ -29,12 +31,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", help="a complete step-N checkpoint folder")
     parser.add_argument("output", help="output folder for model.safetensors and config.json")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's dtype")
+    parser.add_argument(
+        "--merge_lora",
+        action="store_true",
+        help="a LoRA run's checkpoint: write its base with the adapters merged (a full HF model), not a PEFT folder",
+    )
     args = parser.parse_args(argv)
     try:
-        config = export_to_hf(args.checkpoint, args.output, DTYPES.get(args.dtype))
+        config = export_to_hf(args.checkpoint, args.output, DTYPES.get(args.dtype), merge_lora=args.merge_lora)
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if config.get("peft_type"):
+        print(f"wrote {args.output}: a PEFT LoRA adapter (r {config['r']}, targets {config['target_modules']})")
+        return 0
     print(
         f"wrote {args.output}: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
         f"{config['torch_dtype']}"

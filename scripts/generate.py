@@ -4,11 +4,13 @@
     python scripts/generate.py outputs/debug_model/checkpoint/step-30 --prompt "def main(" \\
         [--max_new_tokens 64] [--temperature 0.8 --top_k 40] [--seed 0] [--no_cache]
     python scripts/generate.py --hf HF_DIR --prompt "..."          # a Hugging Face folder
+    python scripts/generate.py --hf HF_DIR --adapter PEFT_DIR --prompt "..."   # + a PEFT LoRA adapter, merged
     python scripts/generate.py CKPT --tokenizer tests/assets/sft/tokenizer --chat \\
         --prompt "What is 12 plus 7?" [--system "Answer with the number only."]   # a chat model
     NGPU=2 torchrun --nproc_per_node 2 scripts/generate.py CKPT ...  # tensor parallel over the ranks
 
-The model (family, shapes) comes from the checkpoint's marker (or the HF config.json); the tokenizer
+A LoRA run's checkpoint (adapters only) is merged into the base its marker names. The model (family, shapes)
+comes from the checkpoint's marker (or the HF config.json); the tokenizer
 from ``--tokenizer`` (default: the shipped one the debug configs train with). CPU without a GPU, else
 CUDA. Greedy by default (temperature 0); with a KV cache unless ``--no_cache``.
 
@@ -24,6 +26,7 @@ needs a Hugging Face tokenizer (``tokenizer.json`` + ``tokenizer_config.json``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Callable
@@ -39,8 +42,11 @@ from torchtitan.components.generation import Sampling, generate  # noqa: E402
 SHIPPED_TOKENIZER = "./torchtitan/datasets/assets/tokenizer/pydocs_bpe2048.tiktoken"
 
 
-def load_model(checkpoint: str | None, hf: str | None, max_len: int, n_words: int, device: torch.device):
-    """The model (eval mode, on ``device``) from a checkpoint folder or, with ``hf``, an HF folder.
+def load_model(
+    checkpoint: str | None, hf: str | None, max_len: int, n_words: int, device: torch.device, adapter: str | None = None
+):
+    """The model (eval mode, on ``device``) from a checkpoint folder or, with ``hf``, an HF folder; ``adapter``: a
+    PEFT LoRA folder merged into those weights.
 
     ``max_len`` bounds prompt + generated tokens; ``n_words`` is the tokenizer's vocabulary size.
 
@@ -48,6 +54,12 @@ def load_model(checkpoint: str | None, hf: str | None, max_len: int, n_words: in
         ValueError: not a checkpoint of this trainer, or a vocabulary other than the tokenizer's.
     """
     weights, spec, model_args = _weights_and_model(checkpoint, hf, max_len)
+    if adapter:
+        from torchtitan.lora.peft_io import check_adapters_fit_base, merge_adapters, read_peft_folder, scaling_of
+
+        config, adapters = read_peft_folder(adapter, spec, dataclasses.asdict(model_args))
+        check_adapters_fit_base(adapters, weights, adapter)
+        weights = merge_adapters(weights, adapters, scaling_of(config))
     if model_args.vocab_size != n_words:
         raise ValueError(
             f"the model has a vocabulary of {model_args.vocab_size} and the tokenizer {n_words} words; "
@@ -79,6 +91,10 @@ def _weights_and_model(checkpoint: str | None, hf: str | None, max_len: int):
         if not info.get("args"):
             raise ValueError(f"{checkpoint}: its marker records no model args; it was not written by this trainer")
         spec, fields = get_model_spec(info.get("name") or "llama3"), info["args"]
+        if info.get("lora"):  # a LoRA run's checkpoint holds its adapters: merge them into the recorded base
+            from torchtitan.checkpointing.hf_lora import merged_weights
+
+            weights = merged_weights(weights, info, checkpoint)
     model_args = type(next(iter(spec.flavors.values()))).from_dict({**fields, "max_seq_len": max_len})
     return weights, spec, model_args
 
@@ -109,6 +125,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", nargs="?", help="a complete checkpoint folder (step-N)")
     parser.add_argument("--hf", help="a Hugging Face folder (model.safetensors + config.json) instead")
+    parser.add_argument("--adapter", help="a PEFT LoRA adapter folder (adapter_config.json + safetensors) to merge in")
     parser.add_argument("--prompt", required=True, help="text to continue; with --chat, the user's message")
     parser.add_argument(
         "--tokenizer",
@@ -186,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prompt = build_prompt(args)
         max_len = len(prompt.ids) + args.max_new_tokens
-        model = load_model(args.checkpoint, args.hf, max_len, prompt.n_words, info.device)
+        model = load_model(args.checkpoint, args.hf, max_len, prompt.n_words, info.device, args.adapter)
     except (ValueError, NotImplementedError, FileNotFoundError, jinja2.TemplateError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

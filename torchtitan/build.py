@@ -41,7 +41,9 @@ from torchtitan.distributed.mesh import WorldMesh
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline import PipelineParts, build_pipeline
 from torchtitan.dtypes import to_dtype
+from torchtitan.lora.apply import apply_lora, init_lora_adapters
 from torchtitan.models.attention import resolve_attention_backend
+from torchtitan.models.lora import is_base_key
 from torchtitan.spec import chain_hooks, get_model_spec
 
 logger = logging.getLogger(__name__)
@@ -200,13 +202,15 @@ class TrainerBuilders:
 def finish_model_part(
     part: nn.Module, spec: ModelSpec, config: JobConfig, world: WorldMesh, device: torch.device
 ) -> None:
-    """Float8-convert (if asked), parallelize a meta model (or pipeline stage), materialise it on ``device``, init
+    """Float8-convert or add LoRA adapters (if asked), parallelize a meta model (or pipeline stage), materialise it on ``device``, init
     from the seed. The float8 conversion comes first: TP picks float8 styles for converted linears."""
     if config.float8.enable_float8_linear:
         check_float8_runs(device, config.float8.recipe_name)
         if device.type == "cpu":
             choose_cpu_float8_gemm()
         apply_float8(part, config.float8)
+    if config.lora.enable:  # adapters on the frozen base, before TP so each adapter is sharded like its linear
+        apply_lora(part, config.lora, spec)
     spec.parallelize_fn(
         part,
         world_mesh=world.mesh,
@@ -222,6 +226,8 @@ def finish_model_part(
     part.to_empty(device=torch.device("cpu") if offload else device)
     seed = 0 if config.training.seed is None else config.training.seed
     init_model_weights(part, seed, buffer_device=device)
+    if config.lora.enable:
+        init_lora_adapters(part, seed)
     part.train()
 
 
@@ -337,6 +343,9 @@ def create_seed_checkpoint(config: JobConfig) -> str:
         None,
         get_device_info().device,
     )
-    save_model_weights(ModelState(model).state_dict(), path, model_info(model=config.model, model_args=args))
+    # a seed is a base: with LoRA, its adapters are drawn again from the seed at every start
+    save_model_weights(
+        ModelState(model, keys=is_base_key).state_dict(), path, model_info(model=config.model, model_args=args)
+    )
     logger.info("seed checkpoint written to %s", path)
     return path

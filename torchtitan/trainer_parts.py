@@ -81,9 +81,10 @@ def build_checkpointer(trainer: Trainer, *, before_marker: Callable[[int], None]
         dp_rank=trainer.world.local_rank("dp"),
         rank=trainer.rank,
         device=trainer.device,
-        model_info=model_info(model=cfg.model, model_args=trainer.model_args),
+        model_info=model_info(model=cfg.model, model_args=trainer.model_args, lora=cfg.lora, checkpoint=cfg.checkpoint),
         data_info={"dataset": cfg.training.dataset, "dataset_path": cfg.training.dataset_path},
         before_marker=before_marker,
+        lora=cfg.lora if cfg.lora.enable else None,
     )
 
 

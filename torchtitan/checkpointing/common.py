@@ -21,6 +21,8 @@ from torchtitan.checkpointing.marker import SEED, read_marker, why_not_loadable,
 
 if TYPE_CHECKING:
     from torchtitan.config.schema import Model
+    from torchtitan.config.schema_checkpoint import Checkpoint
+    from torchtitan.config.schema_lora import Lora
 
 
 def agree(decide: Callable[[], Any], group: dist.ProcessGroup | None = None) -> Any:
@@ -64,9 +66,23 @@ def short_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def model_info(*, model: Model, model_args: Any) -> dict[str, Any]:
-    """What a marker records about the model (read by the conversion scripts)."""
-    return {"name": model.name, "flavor": model.flavor, "args": dataclasses.asdict(model_args)}
+def model_info(
+    *, model: Model, model_args: Any, lora: Lora | None = None, checkpoint: Checkpoint | None = None
+) -> dict[str, Any]:
+    """What a marker records about the model (read by the conversion scripts); with ``lora`` (enabled): the
+    adapters' settings and where the frozen base came from (``checkpoint.initial_load_path``; None: the seed)."""
+    info = {"name": model.name, "flavor": model.flavor, "args": dataclasses.asdict(model_args)}
+    if lora is not None and lora.enable:
+        base = checkpoint.initial_load_path if checkpoint is not None and checkpoint.initial_load_path else None
+        info["lora"] = {
+            "rank": lora.rank,
+            "alpha": lora.alpha,
+            "dropout": lora.dropout,
+            "target_modules": list(lora.target_modules),
+            "base": os.path.abspath(base) if base else None,
+            "base_in_hf": bool(base and checkpoint.initial_load_in_hf),
+        }
+    return info
 
 
 def save_model_weights(state_dict: dict[str, torch.Tensor], path: str, info: dict[str, Any]) -> None:

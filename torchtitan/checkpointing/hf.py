@@ -14,13 +14,13 @@ import os
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from torchtitan.checkpointing.common import (
     load_model_weights,
     save_model_weights,
 )
-from torchtitan.checkpointing.hf_files import hf_weight_files, read_hf_config
+from torchtitan.checkpointing.hf_files import hf_weight_files, read_hf_config, save_hf_folder
 from torchtitan.checkpointing.marker import read_marker
 from torchtitan.spec import get_model_spec, hf_conversion_refusal, spec_for_hf_model_type
 
@@ -39,10 +39,13 @@ def adapter_of(model_name: str) -> Any:
     return spec.state_dict_adapter
 
 
-def export_to_hf(checkpoint_path: str, output_dir: str, dtype: torch.dtype | None = None) -> dict[str, Any]:
+def export_to_hf(
+    checkpoint_path: str, output_dir: str, dtype: torch.dtype | None = None, *, merge_lora: bool = False
+) -> dict[str, Any]:
     """Write ``model.safetensors`` + ``config.json`` for a complete checkpoint folder; returns the config.
 
-    ``dtype`` defaults to the checkpoint's own (an export may be bf16/fp16).
+    ``dtype`` defaults to the checkpoint's own (an export may be bf16/fp16). A LoRA run's checkpoint (adapters
+    only) becomes a PEFT adapter folder, or with ``merge_lora`` its base with the adapters merged (hf_lora.py).
 
     Raises:
         NotImplementedError: weights the family says have no HF counterpart (refused before any is read).
@@ -53,6 +56,15 @@ def export_to_hf(checkpoint_path: str, output_dir: str, dtype: torch.dtype | Non
     why = hf_conversion_refusal(spec, info["args"]) if info.get("args") else None
     if why is not None:
         raise NotImplementedError(why)
+    if info.get("lora"):
+        from torchtitan.checkpointing.hf_lora import export_lora
+
+        return export_lora(checkpoint_path, output_dir, merge=merge_lora, dtype=dtype)
+    if merge_lora:
+        raise ValueError(
+            f"--merge_lora: {checkpoint_path} holds no LoRA adapters (its run had lora.enable off); convert it "
+            "without --merge_lora"
+        )
     weights, marker = load_model_weights(checkpoint_path)
     args = _marker_args(marker, checkpoint_path)
     adapter = spec.state_dict_adapter
@@ -62,47 +74,6 @@ def export_to_hf(checkpoint_path: str, output_dir: str, dtype: torch.dtype | Non
     del weights
     save_hf_folder(hf, config, output_dir)
     return config
-
-
-# transformers' default shard size for save_pretrained
-MAX_SHARD_BYTES = 5 * 10**9
-
-
-def save_hf_folder(
-    hf: dict[str, torch.Tensor], config: dict[str, Any], output_dir: str, max_shard_bytes: int = MAX_SHARD_BYTES
-) -> None:
-    """``config.json`` and the weights: ``model.safetensors``, or shards over ``max_shard_bytes``
-    (``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``, as transformers writes)."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key, w in hf.items():
-        nbytes = w.numel() * w.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = w
-        size += nbytes
-    os.makedirs(output_dir, exist_ok=True)
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(output_dir, name), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, name))
-        total = sum(w.numel() * w.element_size() for w in hf.values())
-        with open(os.path.join(output_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    config_path = os.path.join(output_dir, "config.json")
-    with open(config_path, "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2)
-    # safetensors writes through a private temporary file (mode 0600); give the weights the mode every
-    # other file here gets (0666 less the umask: config.json's), as save_pretrained's do.
-    mode = os.stat(config_path).st_mode & 0o777
-    for name in os.listdir(output_dir):
-        if name.endswith(".safetensors"):
-            os.chmod(os.path.join(output_dir, name), mode)
 
 
 def import_from_hf(hf_dir: str, output_path: str, model_name: str | None = None) -> None:

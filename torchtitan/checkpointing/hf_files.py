@@ -1,4 +1,4 @@
-"""Reading a Hugging Face model folder's files (config.json, the safetensors index): light, so the
+"""A Hugging Face model folder's files (config.json, the safetensors index, writing weights): light, so the
 pre-launch checks use it without the conversion machinery (hf.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,9 @@ import json
 import os
 from typing import Any
 
+import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 
 def read_hf_config(hf_dir: str) -> dict[str, Any]:
@@ -49,3 +51,44 @@ def hf_weight_files(hf_dir: str) -> dict[str, str]:
         with safe_open(os.path.join(hf_dir, name), framework="pt") as f:
             files.update(dict.fromkeys(f.keys(), os.path.join(hf_dir, name)))
     return files
+
+
+# transformers' default shard size for save_pretrained
+MAX_SHARD_BYTES = 5 * 10**9
+
+
+def save_hf_folder(
+    hf: dict[str, torch.Tensor], config: dict[str, Any], output_dir: str, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> None:
+    """``config.json`` and the weights: ``model.safetensors``, or shards over ``max_shard_bytes``
+    (``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``, as transformers writes)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, w in hf.items():
+        nbytes = w.numel() * w.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = w
+        size += nbytes
+    os.makedirs(output_dir, exist_ok=True)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(output_dir, name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
+        total = sum(w.numel() * w.element_size() for w in hf.values())
+        with open(os.path.join(output_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    config_path = os.path.join(output_dir, "config.json")
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    # safetensors writes through a private temporary file (mode 0600); give the weights the mode every
+    # other file here gets (0666 less the umask: config.json's), as save_pretrained's do.
+    mode = os.stat(config_path).st_mode & 0o777
+    for name in os.listdir(output_dir):
+        if name.endswith(".safetensors"):
+            os.chmod(os.path.join(output_dir, name), mode)

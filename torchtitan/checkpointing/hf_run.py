@@ -28,6 +28,9 @@ from torchtitan.checkpointing.folders import CheckpointInfo, verify_files
 from torchtitan.checkpointing.hf import adapter_of, check_hf_matches, export_to_hf, hf_weight_files
 from torchtitan.checkpointing.marker import SEED, read_marker, why_not_loadable
 from torchtitan.dtypes import to_dtype
+from torchtitan.lora.peft_io import check_peft_fits, read_peft_folder
+from torchtitan.models.lora import is_adapter_key, is_base_key
+from torchtitan.spec import get_model_spec
 
 if TYPE_CHECKING:
     from torchtitan.config.schema import Checkpoint as CheckpointConfig
@@ -51,7 +54,7 @@ def load_hf_into(view: nn.Module, hf_dir: str, model_name: str, args: dict[str, 
 
     check_hf_matches(hf_dir, model_name, args)
     adapter = adapter_of(model_name)
-    model = ModelState(view)
+    model = ModelState(view, keys=is_base_key)  # LoRA's adapters are not in an HF model: they keep their init
     targets = model.state_dict()
     params = {name for name, _ in view.named_parameters(remove_duplicate=False)}
     files = hf_weight_files(hf_dir)
@@ -76,7 +79,7 @@ def load_hf_into(view: nn.Module, hf_dir: str, model_name: str, args: dict[str, 
             converted = adapter.from_hf_state_dict({k: read(k) for k in keys}, args)
             for key, full in converted.items():
                 if key in targets:
-                    loaded[key] = _local_slice(targets[key], full, key, hf_dir)
+                    loaded[key] = local_slice(targets[key], full, key, hf_dir)
             del converted
     missing = sorted(k for k in targets if k not in loaded and k in params)
     if missing:
@@ -88,7 +91,7 @@ def load_hf_into(view: nn.Module, hf_dir: str, model_name: str, args: dict[str, 
     return len(loaded)
 
 
-def _local_slice(target: torch.Tensor, full: torch.Tensor, key: str, hf_dir: str) -> torch.Tensor:
+def local_slice(target: torch.Tensor, full: torch.Tensor, key: str, hf_dir: str) -> torch.Tensor:
     """``full`` (the whole weight) cut to ``target``'s shard, in its dtype, device and placements."""
     if tuple(full.shape) != tuple(target.shape):
         raise ValueError(
@@ -105,6 +108,22 @@ def _local_slice(target: torch.Tensor, full: torch.Tensor, key: str, hf_dir: str
     return DTensor.from_local(
         local, target.device_mesh, target.placements, run_check=False, shape=target.shape, stride=target.stride()
     )
+
+
+def load_peft_into(view: torch.nn.Module, lora: Any, model_info: dict[str, Any]) -> None:
+    """``lora.adapter_path`` (a PEFT folder) into the (parallelized) model's adapters, each rank its shards.
+
+    Raises:
+        FileNotFoundError / ValueError: not a PEFT LoRA folder; another rank, alpha, targets or base model.
+    """
+    from torchtitan.checkpointing.state import ModelState
+
+    spec, args = get_model_spec(model_info["name"]), model_info["args"]
+    config, adapters = read_peft_folder(lora.adapter_path, spec, args)
+    state = ModelState(view, keys=is_adapter_key)
+    targets = state.state_dict()
+    check_peft_fits(config, adapters, targets, lora.adapter_path, lora)
+    state.load_state_dict({k: local_slice(t, adapters[k], k, lora.adapter_path) for k, t in targets.items()})
 
 
 # How long the other ranks wait for rank 0's Hugging Face export (checkpoint.last_save_in_hf).

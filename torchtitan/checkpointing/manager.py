@@ -52,11 +52,13 @@ from torchtitan.checkpointing.state import (
     check_model_keys,
 )
 from torchtitan.dtypes import to_dtype
+from torchtitan.models.lora import is_adapter_key, is_base_key
 
 if TYPE_CHECKING:
     from torch import nn
 
     from torchtitan.config.schema import Checkpoint as CheckpointConfig
+    from torchtitan.config.schema_lora import Lora
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,9 @@ class CheckpointManager:
     checkpoint (fault tolerance's DiLoCo outer optimizer); a checkpoint without one loads, that part fresh.
     ``sets_aside_later``: a resume moves the checkpoints newer than its step aside (False in a folder other
     replica groups write into, where a newer one may be a live group's save that just completed).
+    ``lora`` (the ``[lora]`` section of a LoRA run, else None): a checkpoint's model part is the adapters; the
+    frozen base comes from ``checkpoint.initial_load_path`` (or the seed) on every start, resume included, a
+    seed or initial load fills the base only, and a fresh start takes ``lora.adapter_path`` (PEFT) if set.
     """
 
     def __init__(
@@ -96,6 +101,7 @@ class CheckpointManager:
         root: str | None = None,
         extra: dict[str, Stateful] | None = None,
         sets_aside_later: bool = True,
+        lora: Lora | None = None,
     ):
         self.config = config
         self.run_folder = run_folder or dump_folder
@@ -103,6 +109,8 @@ class CheckpointManager:
         self.dump_folder, self.root = dump_folder, root or os.path.join(dump_folder, config.folder)
         self.extra = extra or {}
         self.sets_aside_later = sets_aside_later
+        self.lora = lora
+        self.adapters_only = lora is not None
         self.hf_root = os.path.join(dump_folder, "hf")  # checkpoint.last_save_in_hf writes step-N here
         self.view = build_model_view(model_parts)
         self.optimizer, self.lr_scheduler, self.data_loader = optimizer, lr_scheduler, data_loader
@@ -133,15 +141,22 @@ class CheckpointManager:
         info = None
         if self.enabled:
             info = agree(lambda: find_resume_checkpoint(self.root, self.config.load_step, self.config.verify_checksums))
-        if info is None:
+        base_first = info is not None and self.adapters_only  # a LoRA checkpoint does not hold the base
+        if info is None or base_first:
             if self.config.initial_load_path:
                 from torchtitan.checkpointing.hf_run import initial_load
 
                 self.loaded = initial_load(
                     self.config, self.view, self.model_info, self._load_targets, self.rank, self.pg
                 )
-            return 0
-        if self.config.initial_load_path and self.rank == 0:
+            if not base_first:
+                if self.lora is not None and self.lora.adapter_path:
+                    from torchtitan.checkpointing.hf_run import load_peft_into
+
+                    load_peft_into(self.view, self.lora, self.model_info)
+                    self.loaded = f"PEFT adapter {self.lora.adapter_path}"
+                return 0
+        if self.config.initial_load_path and self.rank == 0 and not base_first:
             logger.info("checkpoint.initial_load_path is not read: resuming from %s", info.path)
         marker = info.marker or {}
         check_model_matches(marker.get("model"), self.model_info, info.path)
@@ -175,8 +190,14 @@ class CheckpointManager:
             )
         return step
 
+    def _model_keys(self, full: bool) -> Callable[[str], bool] | None:
+        """LoRA: a full checkpoint's model part is the adapters, a seed's or an initial load's the base."""
+        if not self.adapters_only:
+            return None
+        return is_adapter_key if full else is_base_key
+
     def _load_targets(self, info: CheckpointInfo, metadata: Any) -> dict[str, Any]:
-        model = ModelState(self.view)
+        model = ModelState(self.view, keys=self._model_keys(info.kind == FULL))
         model_sd = model.state_dict()
         all_keys = set(model_sd)
         if dist.is_initialized():  # under PP each rank holds some stages: the union is the whole model
@@ -265,10 +286,10 @@ class CheckpointManager:
 
     def _save_state(self, step: int, kind: str) -> dict[str, Any]:
         if kind == EXPORT:
-            return {"model": ModelState(self.view, to_dtype(self.config.export_dtype))}
+            return {"model": ModelState(self.view, to_dtype(self.config.export_dtype), keys=self._model_keys(True))}
         self.train_state.step = step
         return {
-            "model": ModelState(self.view),
+            "model": ModelState(self.view, keys=self._model_keys(True)),
             "optimizer": OptimizerState(self.view, self.optimizer),
             "lr_scheduler": self.lr_scheduler,
             "dataloader": DataLoaderState(self.data_loader, self.dp_rank),

@@ -9,6 +9,7 @@ different data-parallel degree resumes every stream exactly where it stopped.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,20 +60,32 @@ def build_model_view(parts: list[nn.Module]) -> nn.Module:
 
 
 class ModelState(Stateful):
-    """The model's weights; ``export_dtype`` casts them (a weights-only export)."""
+    """The model's weights; ``export_dtype`` casts them (a weights-only export); ``keys``: only the weights whose
+    FQN it accepts (LoRA: the adapters in a checkpoint, the base from an initial load), the rest untouched."""
 
-    def __init__(self, view: nn.Module, export_dtype: torch.dtype | None = None):
+    def __init__(
+        self, view: nn.Module, export_dtype: torch.dtype | None = None, keys: Callable[[str], bool] | None = None
+    ):
         self.view = view
         self.export_dtype = export_dtype
+        self.keys = keys
 
     def state_dict(self) -> dict[str, Any]:
         sd = get_model_state_dict(self.view)
+        if self.keys is not None:
+            sd = {k: v for k, v in sd.items() if self.keys(k)}
         if self.export_dtype is not None:
             sd = {k: v.to(self.export_dtype) for k, v in sd.items()}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.view, state_dict)  # strict: a key mismatch raises
+        if self.keys is None:
+            set_model_state_dict(self.view, state_dict)  # strict: a key mismatch raises
+            return
+        # strict over the accepted keys: every one of them loaded, nothing else
+        missing, unexpected = set_model_state_dict(self.view, state_dict, options=StateDictOptions(strict=False))
+        wrong = [k for k in missing if self.keys(k)] + list(unexpected)
+        assert not wrong, f"model keys not loaded / not wanted: {wrong[:5]}"
 
 
 class OptimizerState(Stateful):

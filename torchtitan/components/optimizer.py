@@ -23,9 +23,12 @@ logger = logging.getLogger(__name__)
 
 
 def build_optimizer(model_parts: list[nn.Module], config: OptimizerConfig) -> torch.optim.Optimizer:
-    """One optimizer over the parameters of every model part (several with pipeline stages per rank), in the
-    param groups of components/param_groups.py; logs the group table once."""
-    named = [(n, p) for part in model_parts for n, p in part.named_parameters()]
+    """One optimizer over the trainable parameters of every model part (several with pipeline stages per rank), in
+    the param groups of components/param_groups.py; logs the group table once. A frozen parameter (LoRA's base)
+    gets no optimizer state."""
+    named = [
+        (n, p) for part in model_parts for n, p in part.named_parameters() if p.requires_grad
+    ]  # not LoRA's frozen base
     groups = assign_groups([(n, tuple(p.shape)) for n, p in named], config)
     logger.info("optimizer param groups (this rank's parameters):\n%s", format_group_table(groups))
     return _optimizer_over_groups(_torch_groups(groups, dict(named)), config)

@@ -16,6 +16,7 @@ from torchtitan.config.fields import config_field as _f
 from torchtitan.config.schema_checkpoint import Checkpoint
 from torchtitan.config.schema_eval import Eval
 from torchtitan.config.schema_fault_tolerance import FaultTolerance
+from torchtitan.config.schema_lora import Lora
 from torchtitan.config.schema_metrics import Metrics
 from torchtitan.config.schema_optimizer import Optimizer
 from torchtitan.config.schema_training import DatasetName, Training
@@ -238,6 +239,7 @@ class JobConfigTree:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)
+    lora: Lora = field(default_factory=Lora)
     comm: Comm = field(default_factory=Comm)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)

@@ -17,6 +17,7 @@ parity and resume-on-another-layout possible.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -67,8 +68,16 @@ def init_model_weights(model: nn.Module, seed: int, buffer_device: torch.device)
     The global RNG is left reseeded from ``seed``.
     """
     model.init_buffers(buffer_device)
+    init_named_units(model.init_units(), seed)
+
+
+@torch.no_grad()
+def init_named_units(units: Iterable[tuple[str, Callable[[], None]]], seed: int) -> None:
+    """Run each ``(name, init)`` with the RNG reseeded from ``seed`` and the name, every DTensor drawn at full
+    size (the module docstring); e.g. LoRA's adapters (torchtitan/lora/apply.py), named by their FQNs. The
+    global RNG is left reseeded from ``seed``."""
     with _FullTensorInitMode():
-        for name, init in model.init_units():
+        for name, init in units:
             torch.manual_seed(unit_seed(seed, name))
             init()
     torch.manual_seed(seed)

@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan.distributed.async_tp import AsyncColwiseParallel, AsyncRowwiseParallel
+from torchtitan.distributed.lora_tp import with_lora_styles
 from torchtitan.models.moe import MoE
 
 
@@ -259,6 +260,7 @@ def apply_tp(
     plan = {k: v for k, v in top_level_plan(loss_parallel).items() if getattr(model, k, None) is not None}
     embedding, output = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
     tied = embedding is not None and output is not None and output.weight is embedding.weight
+    frozen = _frozen(model)
     parallelize_module(model, tp_mesh, plan)
     if tied:
         # Each style distributed its own copy of the one table; both are Shard(0) over the vocab,
@@ -285,5 +287,18 @@ def apply_tp(
             plan |= mla_attention_plan(block.attention)
         elif block.attention.q_norm is not None:  # QK-norm: (bs, seqlen, local heads, head_dim) per rank
             plan = {**plan, "attention.q_norm": TokenShardedReplicate(2), "attention.k_norm": TokenShardedReplicate(2)}
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, with_lora_styles(plan, block))  # LoRA linears: adapters sharded alike
         shard_sinks(block.attention, tp_mesh)
+    _refreeze(model, frozen)
+
+
+def _frozen(model: nn.Module) -> set[str]:
+    return {name for name, p in model.named_parameters() if not p.requires_grad}
+
+
+def _refreeze(model: nn.Module, frozen: set[str]) -> None:
+    """torch's SequenceParallel re-creates the weights it replicates as trainable: a frozen one (LoRA's base) is
+    frozen again, before FSDP wraps it."""
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)

@@ -46,6 +46,7 @@ from torchtitan.config.schema_optimizer import Optimizer as OptimizerConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.estimation.estimate import estimate_memory, named_shapes
 from torchtitan.estimation.fake_trainer import resolve_vocab
+from torchtitan.lora.checks import target_shapes
 from torchtitan.observability.flops import GPU_PEAK_FLOPS
 from torchtitan.observability.metrics import compute_num_flops_per_token
 from torchtitan.preflight import run_preflight
@@ -171,12 +172,18 @@ def _with_overrides(config, layout: Layout, local_batch: int):
 def lower_bound_bytes(args, layout: Layout, config) -> int:
     """Parameters + gradients + AdamW state per rank, sharded over everything that shards them.
 
-    With the optimizer step in backward the gradients never live all at once: they are left out.
+    With the optimizer step in backward the gradients never live all at once: they are left out. With LoRA
+    only the adapters have gradients and optimizer state (the frozen base: its parameters alone).
     """
     params = sum(_param_counts(config, args))
+    trainable = adapter_param_count(config, args.n_layers) if config.lora.enable else params
     shards = layout.tp * layout.pp * layout.dp_shard * layout.cp
     grads = 0 if config.optimizer.early_step_in_backward else 4
-    return int((params * (4 + grads) + _state_bytes(config, args)) / shards)
+    if config.lora.enable:  # the adapters train with the run's AdamW (lora/checks.py): 2 moments each
+        state_bytes = trainable * 4 * (2 if config.optimizer.state_dtype == "float32" else 1)
+    else:
+        state_bytes = _state_bytes(config, args)
+    return int((params * 4 + trainable * grads + state_bytes) / shards)
 
 
 def _state_bytes(config, args) -> int:
@@ -188,6 +195,11 @@ def _state_bytes(config, args) -> int:
 def _state_bytes_of(model_name: str, args, optimizer_json: str) -> int:
     optimizer = OptimizerConfig(**json.loads(optimizer_json))  # a cache key: the section as JSON
     return sum(g["state_bytes"] for g in optimizer_state_by_group(named_shapes(model_name, args), optimizer))
+
+
+def adapter_param_count(config, n_layers: int) -> int:
+    """LoRA's trainable parameters: rank x (in + out) per target linear, in every block."""
+    return n_layers * sum(config.lora.rank * (out + inp) for out, inp in target_shapes(config).values())
 
 
 def _param_counts(config, args) -> tuple[int, int]:

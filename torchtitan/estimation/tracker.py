@@ -166,9 +166,24 @@ def _total(snapshot: dict) -> int:
 
 def _build_tracker(model_parts, optimizer):
     if len(model_parts) == 1 and isinstance(model_parts[0], FSDPModule):
-        return FSDPMemTracker(mod=model_parts[0], optm=optimizer)
-    tracker = MemTracker()
+        return _skip_frozen(FSDPMemTracker(mod=model_parts[0], optm=optimizer), model_parts)
+    tracker = _skip_frozen(MemTracker(), model_parts)
     tracker.track_external(*model_parts, optimizer)
+    return tracker
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _skip_frozen(tracker, model_parts):
+    """torch's trackers hook every parameter's gradient and refuse a frozen one (LoRA's base: no gradient to
+    count); its hook entry is filled with no-ops, so the parameter itself is still counted."""
+    for part in model_parts:
+        for p in part.parameters():
+            if not p.requires_grad:
+                tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
     return tracker
 
 

@@ -26,6 +26,8 @@ _BLOCK = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
+# the same map, public: LoRA's target names and PEFT keys (torchtitan/lora/names.py) are read from it
+BLOCK_NAMES = _BLOCK
 _TOP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",

@@ -13,6 +13,7 @@ import torch
 
 from torchtitan.models.llama import hf_adapter as llama
 
+BLOCK_NAMES = llama.BLOCK_NAMES  # the linears are llama's (LoRA's names: torchtitan/lora/names.py)
 _NORMS = {"attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight"}
 
 

@@ -1,0 +1,80 @@
+"""The LoRA model transform: target linears become ``LoRALinear``, everything else is frozen.
+
+Applied to a meta model (or pipeline stage) before the parallelisms, like float8's conversion (build.py):
+TP then shards each adapter to match its base linear (distributed/lora_tp.py), FSDP shards adapters and
+frozen base alike (the frozen weights get no gradient, so no reduce-scatter). The model's code is untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from torchtitan.config.schema_lora import Lora
+from torchtitan.distributed.init import init_named_units
+from torchtitan.lora.names import Target, resolve_targets
+from torchtitan.models.lora import LoRALinear, is_adapter_key
+from torchtitan.spec import ModelSpec
+
+
+def apply_lora(model: nn.Module, lora: Lora, spec: ModelSpec) -> list[str]:
+    """Swap ``lora.target_modules`` of every block ``model`` holds for LoRALinears and freeze the rest (in place).
+
+    Returns:
+        the FQNs of the adapted linears.
+    """
+    targets = resolve_targets(spec, lora.target_modules)
+    adapted = []
+    for layer_id, block in model.layers.items():
+        for target in targets:
+            parent_path, _, leaf = target.path.rpartition(".")
+            parent = block.get_submodule(parent_path)
+            base = getattr(parent, leaf)
+            assert type(base) is nn.Linear, f"layers.{layer_id}.{target.path} is {type(base).__name__}"
+            # Plain meta tensors like the rest of the meta model, also where the memory estimator builds under a
+            # FakeTensorMode (a fake parameter made here could not be materialised by to_empty).
+            with unset_fake_temporarily():
+                new = LoRALinear.from_linear(base, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
+            setattr(parent, leaf, new)
+            adapted.append(f"layers.{layer_id}.{target.path}")
+    freeze_base(model)
+    return adapted
+
+
+def freeze_base(model: nn.Module) -> None:
+    """Every parameter but the adapters' stops requiring gradients (the parallelisms keep it so: TP re-freezes what
+    torch's SequenceParallel re-creates, distributed/tensor_parallel.py)."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter_key(name))
+
+
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
+    """(FQN, module) of every LoRALinear in ``model``."""
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            yield name, module
+
+
+def init_lora_adapters(model: nn.Module, seed: int) -> None:
+    """PEFT's default init of every adapter (A Kaiming-uniform, B zero), a function of the seed and the FQN only,
+    so every layout (sharded A/B included) and every pipeline stage draws the single-process values."""
+    units: list[tuple[str, Callable[[], None]]] = [
+        (f"lora.{_plain(n)}", m.init_adapter) for n, m in lora_modules(model)
+    ]
+    init_named_units(units, seed)
+
+
+# Module-name parts that wrappers insert (activation checkpointing, torch.compile): not part of a layer's name.
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _plain(fqn: str) -> str:
+    """The FQN without wrapper parts, so the adapters' init does not depend on AC or compile."""
+    for part in _WRAPPERS:
+        fqn = fqn.replace(part, "")
+    return fqn
+
+
+__all__ = ["Target", "apply_lora", "freeze_base", "init_lora_adapters", "is_adapter_key", "lora_modules"]
