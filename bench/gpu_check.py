@@ -19,8 +19,8 @@ left, else it is recorded as skipped for the time budget):
    tokens (documents of 256-2048 tokens): tokens/s and the step-by-step loss differences.
 6. float8: tensorwise and rowwise vs bf16, compiled; skipped with a note where torchao is not installed.
 7. families: gpt_oss and deepseek_v3 debug flavors, 10 steps each, finite losses.
-8. features: Muon with the no-decay preset, step replay every 2nd step (deterministic), in-loop lm-eval:
-   finite losses, and a replay that finds the same numbers twice (a mismatch stops the run: an error).
+8. features: Muon with the no-decay preset, step replay every 2nd step (deterministic), LoRA rank 16 with full
+   AC: finite losses, and a replay that finds the same numbers twice (a mismatch stops the run: an error).
 9. if time allows (added to throughput): 1B compile at seq 8192, then the 3B shape (full AC).
 
 Every run is the trainer itself (``torchtitan.train.Trainer`` through its ``TrainerBuilders`` seam, as the

@@ -98,4 +98,5 @@ def features(base: RunSpec) -> list[RunSpec]:  # declarative table
             dtype="float32",
             extra=("--training.deterministic", "--training.replay_every_n_steps", "2"),
         ),
+        replace(base, name=f"{base.flavor} LoRA r16 full AC", ac="full", extra=("--lora.enable", "--lora.rank", "16")),
     ]
