@@ -39,7 +39,7 @@ from torchtitan.observability.profiling import maybe_enable_memory_snapshot, may
 from torchtitan.observability.run_records import run_record_names, write_run_records
 from torchtitan.preflight import run_preflight
 from torchtitan.spec import get_model_spec, merge_metrics
-from torchtitan.trainer_parts import start_summary, with_trainer_defaults
+from torchtitan.trainer_parts import load_start_weights, start_summary, with_trainer_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class Trainer:
         self.replicas = b.replicas(self) if config.fault_tolerance.enable else None
         self.checkpointer = b.checkpointer(self)
         # A resumed run continues at checkpoint step + 1 (metrics.jsonl keeps the records up to it).
-        self.step = self.start_step = self.checkpointer.load()
+        self.step = self.start_step = load_start_weights(self)
         if self.step > 0:
             changed = apply_optimizer_config(self.optimizer, self.lr_scheduler, config.optimizer, self.model_parts)
             if rank == 0 and changed:

@@ -8,6 +8,7 @@ being built.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,8 @@ from torchtitan.observability.step_metrics import StepMetrics
 
 if TYPE_CHECKING:
     from torchtitan.fault_tolerance.replicas import Replicas
+
+logger = logging.getLogger(__name__)
 
 Trainer = Any  # torchtitan.train.Trainer: a type import would be an import circle (tests/unit/test_structure.py)
 
@@ -138,6 +141,19 @@ def build_replicas(trainer: Trainer) -> Replicas:
         lr_scheduler=trainer.lr_scheduler,
         data_loader=trainer.data_loader,
     )
+
+
+def load_start_weights(trainer: Trainer) -> int:
+    """The checkpointer's load (returns the step training continues after); then, with ``lora.quantize_base``,
+    the frozen base just loaded becomes NF4 (lora/quantize.py), before the first forward."""
+    step = trainer.checkpointer.load()
+    if trainer.config.lora.enable and trainer.config.lora.quantize_base == "nf4":
+        from torchtitan.lora.quantize import quantize_base
+
+        n = quantize_base(trainer.model_parts)
+        if trainer.rank == 0:
+            logger.info("lora.quantize_base = 'nf4': %d frozen base linears stored as NF4", n)
+    return step
 
 
 def start_summary(trainer: Trainer, num_params: int) -> str:

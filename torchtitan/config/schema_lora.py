@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from torchtitan.config.bounds import Bound
 from torchtitan.config.fields import POSITIVE
@@ -33,4 +34,10 @@ class Lora:
         "",
         "a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) to start the adapters from instead of "
         "their init (a fresh start; a resume takes the checkpoint's); its r, lora_alpha and targets must match",
+    )
+    quantize_base: Literal["none", "nf4"] = _f(
+        "none",
+        "QLoRA: 'nf4' stores the frozen base weights of the adapted linears as 4-bit NormalFloat (torchao's "
+        "NF4Tensor: 0.52 byte/element), dequantized per layer in forward; needs torchao ('torchtitan[lora]'); "
+        "one process or FSDP2 only; 'none' keeps the base in the run's dtype; docs/lora.md",
     )

@@ -9,6 +9,7 @@ import torch
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.lora.names import resolve_targets
+from torchtitan.lora.quantize import check_nf4_shapes, check_torchao_for_nf4
 from torchtitan.spec import flavor_args, get_model_spec
 
 if TYPE_CHECKING:
@@ -20,6 +21,11 @@ def check_lora(config: JobConfig, dims: ParallelDims) -> list[str]:
     """Raises ConfigError (bad values) or NotImplementedError (combinations not built), one line each."""
     lora = config.lora
     if not lora.enable:
+        if lora.quantize_base != "none":
+            raise ConfigError(
+                f"lora.quantize_base = {lora.quantize_base!r} without lora.enable: QLoRA quantizes the frozen base "
+                "under adapters; set lora.enable = true or lora.quantize_base = 'none'"
+            )
         return []
     spec = get_model_spec(config.model.name)
     targets = resolve_targets(spec, lora.target_modules)  # the family and the names
@@ -32,6 +38,34 @@ def check_lora(config: JobConfig, dims: ParallelDims) -> list[str]:
     if not lora.dropout < 1:
         raise ConfigError(f"lora.dropout = {lora.dropout}: must be in [0, 1); 0 turns it off")
     _check_combinations(config, dims)
+    if lora.quantize_base != "none":
+        check_qlora_layout(config, dims)
+        check_nf4_shapes(target_shapes(config), dims.dp_shard if dims.fsdp_enabled else 1)
+    return []
+
+
+def check_qlora_layout(config: JobConfig, dims: ParallelDims) -> None:
+    """QLoRA runs in one process or under FSDP2 over one mesh axis (docs/lora.md); the rest is refused."""
+    refusals = [
+        (dims.tp_enabled, "training.tensor_parallel_degree > 1", "TP would shard NF4 blocks across ranks"),
+        (dims.pp_enabled, "experimental.pipeline_parallel_degree > 1", "no QLoRA pipeline row is tested"),
+        (dims.cp > 1, "experimental.context_parallel_degree > 1", "no QLoRA context-parallel row is tested"),
+        (dims.dp_replicate_enabled, "training.data_parallel_replicate_degree > 1", "DDP/HSDP would replicate it"),
+        (config.training.enable_cpu_offload, "training.enable_cpu_offload", "offload of NF4 shards is not built"),
+    ]
+    for refused, key, why in refusals:
+        if refused:
+            raise NotImplementedError(
+                f"lora.quantize_base = {config.lora.quantize_base!r} with {key}: not built ({why}); QLoRA runs in "
+                "one process or under FSDP2 (training.data_parallel_shard_degree) only: drop that key or set "
+                "lora.quantize_base = 'none'"
+            )
+
+
+def check_qlora_torchao(config: JobConfig, dims: ParallelDims) -> list[str]:
+    """This machine: ``lora.quantize_base = 'nf4'`` needs torchao."""
+    if config.lora.enable:
+        check_torchao_for_nf4(config.lora.quantize_base)
     return []
 
 

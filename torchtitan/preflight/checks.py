@@ -24,7 +24,7 @@ from torchtitan.distributed.tp_checks import check_async_tp_device, check_tensor
 from torchtitan.eval.checks import check_eval, check_eval_tasks
 from torchtitan.fault_tolerance.checks import check_fault_tolerance, check_fault_tolerance_machine
 from torchtitan.launch.run_folder import check_dump_folder
-from torchtitan.lora.checks import check_lora
+from torchtitan.lora.checks import check_lora, check_qlora_torchao
 from torchtitan.observability.metrics import check_metrics
 from torchtitan.observability.profiling import check_memory_snapshot_device, check_profiling
 from torchtitan.spec import check_model
@@ -63,6 +63,7 @@ CHECKS: tuple[Check, ...] = (
     # The family and flavor exist; the flavor's shapes under TP and PP; the family's own check (FFN width, experts).
     Check(check_model),
     Check(check_lora),
+    Check(check_qlora_torchao, this_machine=True),
     Check(check_tensor_parallel),
     Check(check_async_tp_device, this_machine=True),
     Check(check_context_parallel),
