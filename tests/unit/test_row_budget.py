@@ -41,7 +41,11 @@ from tests.integration_tests import Row
 # existing row can carry it; per family (llama3, qwen3) a 1-rank LoRA reference and FSDP2, TP2 (the adapter
 # styles of distributed/lora_tp.py), PP2 1F1B and FSDP2 + accumulation 2 at 2 ranks (tests/test_lora_runs.py);
 # +2 for llama3's LoRA CP2 row; +2 for lora_llama3_fsdp2 in the estimator's launch (the frozen base's memory).
-RANK_ROW_BUDGET = 368
+# Issue 48 item 5 (QLoRA) raised it by 3 to 371: the NF4 base is all-gathered by FSDP through torchao's extension and
+# quantized whole per rank, a path no LoRA row takes, and its losses are not LoRA's: a 1-rank QLoRA reference and
+# FSDP2 (+ full AC) at 2 ranks (tests/test_qlora_runs.py; its 30-step run and the estimator check are 1-rank pool
+# jobs, not rows).
+RANK_ROW_BUDGET = 371
 
 
 def _row_lists() -> dict[str, list[Row]]:

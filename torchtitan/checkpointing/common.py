@@ -82,6 +82,8 @@ def model_info(
             "base": os.path.abspath(base) if base else None,
             "base_in_hf": bool(base and checkpoint.initial_load_in_hf),
         }
+        if lora.quantize_base != "none":  # QLoRA: merges dequantize the base they read (hf_lora.merged_weights)
+            info["lora"]["quantize_base"] = lora.quantize_base
     return info
 
 

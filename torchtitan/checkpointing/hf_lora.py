@@ -44,7 +44,8 @@ def export_lora(checkpoint_path: str, output_dir: str, *, merge: bool, dtype: to
 
 
 def merged_weights(adapters: dict[str, torch.Tensor], info: dict[str, Any], checkpoint_path: str) -> dict:
-    """A LoRA checkpoint's adapters merged into the base its marker ``info`` records.
+    """A LoRA checkpoint's adapters merged into the base its marker ``info`` records; for a QLoRA run
+    (``quantize_base = 'nf4'``) into that base's adapted weights quantized to NF4 and dequantized, the base it trained on.
 
     Raises:
         ValueError: the run's base was its seeded init (not saved anywhere).
@@ -58,6 +59,11 @@ def merged_weights(adapters: dict[str, torch.Tensor], info: dict[str, Any], chec
         )
     spec, args = get_model_spec(info["name"]), info["args"]
     base = read_base(lora["base"], lora["base_in_hf"], spec, args)
+    if lora.get("quantize_base") == "nf4":
+        from torchtitan.lora.quantize import nf4_round_trip
+
+        targets = {k.removesuffix(".lora_a.weight") + ".weight" for k in adapters if k.endswith(".lora_a.weight")}
+        base = {k: nf4_round_trip(v) if k in targets else v for k, v in base.items()}
     return merge_adapters(base, adapters, lora["alpha"] / lora["rank"])
 
 

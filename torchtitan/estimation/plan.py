@@ -47,6 +47,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.estimation.estimate import estimate_memory, named_shapes
 from torchtitan.estimation.fake_trainer import resolve_vocab
 from torchtitan.lora.checks import target_shapes
+from torchtitan.lora.quantize import nf4_bytes
 from torchtitan.observability.flops import GPU_PEAK_FLOPS
 from torchtitan.observability.metrics import compute_num_flops_per_token
 from torchtitan.preflight import run_preflight
@@ -173,7 +174,7 @@ def lower_bound_bytes(args, layout: Layout, config) -> int:
     """Parameters + gradients + AdamW state per rank, sharded over everything that shards them.
 
     With the optimizer step in backward the gradients never live all at once: they are left out. With LoRA
-    only the adapters have gradients and optimizer state (the frozen base: its parameters alone).
+    only the adapters have gradients and optimizer state (the frozen base: its parameters alone, ``base_bytes``).
     """
     params = sum(_param_counts(config, args))
     trainable = adapter_param_count(config, args.n_layers) if config.lora.enable else params
@@ -183,7 +184,15 @@ def lower_bound_bytes(args, layout: Layout, config) -> int:
         state_bytes = trainable * 4 * (2 if config.optimizer.state_dtype == "float32" else 1)
     else:
         state_bytes = _state_bytes(config, args)
-    return int((params * 4 + trainable * grads + state_bytes) / shards)
+    return int((base_bytes(config, args, params) + trainable * grads + state_bytes) / shards)
+
+
+def base_bytes(config, args, params: int) -> int:
+    """Bytes of the model's parameters: 4 each (fp32), but NF4's for the adapted linears' weights under QLoRA."""
+    if not (config.lora.enable and config.lora.quantize_base == "nf4"):
+        return params * 4
+    sizes = [out * inp for out, inp in target_shapes(config).values()] * args.n_layers
+    return (params - sum(sizes)) * 4 + sum(nf4_bytes(n) for n in sizes)
 
 
 def _state_bytes(config, args) -> int:

@@ -21,7 +21,6 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from torchtitan.config.errors import ConfigError
 
@@ -64,14 +63,21 @@ def to_nf4(weight: torch.Tensor) -> torch.Tensor:
     return _to_nf4(weight.detach().contiguous(), block_size=NF4_BLOCK, scaler_block_size=NF4_SCALER_BLOCK)
 
 
+def nf4_round_trip(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` quantized to NF4 and dequantized (in its dtype): what a QLoRA run's forward uses as its base."""
+    return to_nf4(weight.float()).get_original_weight().to(weight.dtype)
+
+
 def is_nf4(t: torch.Tensor) -> bool:
-    local = t._local_tensor if isinstance(t, DTensor) else t
-    return type(local).__name__ == "NF4Tensor"
+    """A (local) NF4Tensor, or a DTensor over one (by name: no torchao import)."""
+    return type(getattr(t, "_local_tensor", t)).__name__ == "NF4Tensor"
 
 
 @torch.no_grad()
 def quantize_linear_weight(linear: nn.Linear) -> None:
     """Replace ``linear.weight`` (frozen; plain, or an FSDP Shard(0) DTensor) by its NF4 form, in place."""
+    from torch.distributed.tensor import DTensor  # not at import: the pre-launch checks import this module
+
     w = linear.weight
     if not isinstance(w, DTensor):
         linear.weight = nn.Parameter(to_nf4(w), requires_grad=False)
