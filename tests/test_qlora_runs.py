@@ -5,7 +5,8 @@ hold whole NF4 groups (64 x 256 elements), the tiny flavor's do not (tests/unit/
   grad norm within GRAD_NORM_RTOL: every rank quantizes the whole weight and keeps its chunk, so both layouts hold
   the same NF4 bytes (the NF4 shards are what FSDP all-gathers).
 * One process, 30 steps: the loss falls; the NF4 base (codes, scales, factors) is bit-identical after training,
-  only the adapters moved and have optimizer state, and the step-30 checkpoint holds adapters only.
+  only the adapters moved and have optimizer state, the step-30 checkpoint holds adapters only, its merges give the
+  trained logits, its PEFT export works, and the step-15 checkpoint resumes bit-exact.
 * The estimator, one process: QLoRA's estimate < LoRA's < full fine-tuning's on the same config, and QLoRA's
   estimate within 5% of torch's tracker on the real step (measured: equal).
 """
@@ -13,6 +14,7 @@ hold whole NF4 groups (64 x 256 elements), the tiny flavor's do not (tests/unit/
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -42,6 +44,8 @@ QV = ["--lora.target_modules", "q_proj,v_proj"]
 
 
 def test_qlora_fsdp2_equals_one_process(matrix: MatrixLaunches):
+    for row in QLORA_ROWS:  # both quantized: 8 layers x 7 linears
+        assert "56 frozen base linears stored as NF4" in matrix.run(row), row.name
     got, want = matrix.losses(QLORA_ROWS[1]), matrix.losses(QLORA_REFERENCE)
     gaps = [abs(g - w) / abs(w) for g, w in zip(got["loss"], want["loss"], strict=True)]
     print("qlora_llama3_fsdp2 gap to one process", [f"{g:.2e}" for g in gaps])
@@ -88,7 +92,8 @@ def _train_job(rank: int, world_size: int, argv: list[str]) -> dict:
 
 def test_qlora_trains_30_steps_on_a_bit_identical_nf4_base(tmp_path):
     """From a seed-7 base (checkpoint.initial_load_path); the merges of its step-30 checkpoint (generate.py's, and
-    convert_to_hf.py --merge_lora's HF model) dequantize that base, so their logits are the trained model's."""
+    convert_to_hf.py --merge_lora's HF model) dequantize that base, so their logits are the trained model's; its
+    step-15 checkpoint resumes bit-exact."""
     seed, folder = str(tmp_path / "seed"), str(tmp_path / "qlora30")
     made = train(
         1,
@@ -102,7 +107,7 @@ def test_qlora_trains_30_steps_on_a_bit_identical_nf4_base(tmp_path):
     overrides += [
         "--checkpoint.enable_checkpoint",
         "--checkpoint.interval",
-        "30",
+        "15",
         "--checkpoint.initial_load_path",
         base,
     ]
@@ -120,6 +125,15 @@ def test_qlora_trains_30_steps_on_a_bit_identical_nf4_base(tmp_path):
     model_keys = {k for k in keys if k.startswith(("model.", "optimizer.state."))}
     assert model_keys and all(".lora_a." in k or ".lora_b." in k for k in model_keys), sorted(model_keys)[:3]
     _check_merges(os.path.join(folder, "checkpoint", "step-30"), result["logits"], str(tmp_path / "merged"))
+    _check_peft_export(os.path.join(folder, "checkpoint", "step-30"), base, result["logits"], str(tmp_path))
+
+    # resume at step 15: the base is read and quantized again (the same bytes), the adapters come from the checkpoint
+    resumed = str(tmp_path / "resumed")
+    shutil.copytree(os.path.join(folder, "checkpoint", "step-15"), os.path.join(resumed, "checkpoint", "step-15"))
+    run = train(1, resumed, overrides)
+    assert run.returncode == 0 and "resumed from step 15" in run.stderr, run.stderr[-2000:]
+    again = [r["loss"] for r in read_metrics(resumed) if "loss" in r]
+    assert again == losses[15:], (again, losses[15:])
 
 
 def _check_merges(step: str, want, merged_dir: str) -> None:
@@ -137,6 +151,29 @@ def _check_merges(step: str, want, merged_dir: str) -> None:
         gaps["--merge_lora"] = (merged(TOKENS()).logits - want).abs().max().item()
     print("QLoRA merges, logit gaps to the trained NF4 model:", gaps)
     assert max(gaps.values()) <= 1e-5, gaps
+
+
+def _check_peft_export(step: str, base: str, want, tmp: str) -> None:
+    """The PEFT folder of a QLoRA checkpoint is LoRA's; generate.py --adapter merges it into the full-precision base
+    it is given, which is not the NF4 base the adapters trained on: near the trained logits, not equal."""
+    import json
+
+    import torch
+
+    from tests.test_lora_runs import _n_words, _script
+    from torchtitan.checkpointing.hf import export_to_hf
+
+    peft_dir, hf_base = os.path.join(tmp, "peft"), os.path.join(tmp, "hf_base")
+    assert _script("convert_to_hf").main([step, peft_dir]) == 0
+    with open(os.path.join(peft_dir, "adapter_config.json")) as f:
+        config = json.load(f)
+    assert config["r"] == 4 and sorted(config["target_modules"]) == ["q_proj", "v_proj"]
+    export_to_hf(base, hf_base)
+    model = _script("generate").load_model(None, hf_base, 64, _n_words(), torch.device("cpu"), adapter=peft_dir)
+    with torch.no_grad():
+        rel = ((model(TOKENS()) - want).norm() / want.norm()).item()
+    print(f"generate.py --adapter on the fp32 base vs the trained NF4 model: relative logit gap {rel:.4f}")
+    assert 1e-5 < rel < 0.05
 
 
 def _tracked_peak_job(rank: int, world_size: int, argv: list[str]) -> int:
