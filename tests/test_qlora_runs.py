@@ -3,7 +3,7 @@ hold whole NF4 groups (64 x 256 elements), the tiny flavor's do not (tests/unit/
 
 * Parity: FSDP2 x 2 (with full AC riding on it) against one process's QLoRA run, loss within the matrix's RTOL and
   grad norm within GRAD_NORM_RTOL: every rank quantizes the whole weight and keeps its chunk, so both layouts hold
-  the same NF4 bytes (the NF4 shards are what FSDP all-gathers).
+  the same NF4 bytes (checked directly, chunks gathered; the NF4 shards are what FSDP all-gathers).
 * One process, 30 steps: the loss falls; the NF4 base (codes, scales, factors) is bit-identical after training,
   only the adapters moved and have optimizer state, the step-30 checkpoint holds adapters only, its merges give the
   trained logits, its PEFT export works, and the step-15 checkpoint resumes bit-exact.
@@ -51,6 +51,43 @@ def test_qlora_fsdp2_equals_one_process(matrix: MatrixLaunches):
     print("qlora_llama3_fsdp2 gap to one process", [f"{g:.2e}" for g in gaps])
     assert max(gaps) <= RTOL, f"{got['loss']} vs single-process {want['loss']}"
     check_grad_norms("qlora_llama3_fsdp2", got["grad_norm"], want["grad_norm"], GRAD_NORM_RTOL)
+
+
+def _nf4_bytes_job(rank: int, world_size: int, argv: list[str]) -> dict:
+    """Build the trainer (no step); every NF4 base weight's codes, scales, factors and mean, whole (chunks gathered)."""
+    import torch
+    import torch.distributed as dist
+
+    from torchtitan.config.manager import JobConfig
+    from torchtitan.lora.quantize import is_nf4
+    from torchtitan.train import Trainer
+
+    trainer = Trainer(JobConfig.parse_args(argv, world_size=world_size), world_size=world_size, rank=rank)
+    try:
+        out = {}
+        for name, p in trainer.model_parts[0].named_parameters():
+            if is_nf4(p):
+                parts = _nf4_parts(getattr(p, "_local_tensor", p))
+                chunks = [parts]
+                if world_size > 1:
+                    chunks = [None] * world_size
+                    dist.all_gather_object(chunks, parts)
+                out[name] = [torch.cat([c[i] for c in chunks]) for i in range(3)] + [chunks[0][3]]
+                assert all(torch.equal(c[3], chunks[0][3]) for c in chunks)  # one mean per tensor, on every rank
+        return out
+    finally:
+        trainer.close()
+
+
+def test_fsdp2_holds_the_one_process_nf4_bytes(tmp_path):
+    """The base is quantized whole on every rank and chunked: the NF4 bytes do not depend on the layout."""
+    import torch
+
+    args = [*QLORA, "--training.batch_size", "4"]
+    one = run_in_pool(_nf4_bytes_job, 1, trainer_argv(args, str(tmp_path / "one")))[0]
+    two = run_in_pool(_nf4_bytes_job, 2, trainer_argv(args, str(tmp_path / "two")))[0]
+    assert len(one) == 8 * 7 and set(one) == set(two)
+    assert all(torch.equal(a, b) for k in one for a, b in zip(one[k], two[k], strict=True))
 
 
 def _nf4_parts(t) -> list:
