@@ -9,9 +9,11 @@ launches it on 2 ranks the way run_llama_train.sh launches the trainer.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -40,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 def popen_held_marker(step: int, seconds: float, overrides: list[str], *, stdout: int | IO) -> subprocess.Popen:
     """The trainer on 2 ranks (debug_model.toml plus ``overrides``), step ``step``'s marker held back
-    ``seconds``; in a session of its own, so a test kills the whole job with ``os.killpg``."""
+    ``seconds``; in a session of its own; ``kill_job`` kills it whole (launcher and ranks), as a crash would."""
     argv = [str(step), str(seconds), "--job.config_file", "./train_configs/debug_model.toml", *overrides]
     return subprocess.Popen(
         [*LAUNCH, "-m", "tests.held_marker_train", *argv],
@@ -49,6 +51,40 @@ def popen_held_marker(step: int, seconds: float, overrides: list[str], *, stdout
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (Linux /proc): the launcher's ranks run in sessions of their own."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher's session and every rank below it at once (a machine crash), and reap the launcher.
+
+    ``os.killpg`` alone leaves the ranks (torch's launcher starts each in a session of its own) to their parent
+    watch, which stops them ~30 s later: the next run on the same folder would wait for them (run_folder.py).
+    """
+    ranks = _descendants(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
 
 
 def hold_marker(held_step: int, seconds: float, step: int) -> None:

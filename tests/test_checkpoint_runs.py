@@ -22,13 +22,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import time
 
 import pytest
 
-from tests.held_marker_train import popen_held_marker
+from tests.held_marker_train import kill_job, popen_held_marker
 from tests.integration_tests import (
     COMMON,
     ROOT,
@@ -122,8 +121,7 @@ def test_killed_save_resumes_from_previous_complete(seeded_fsdp2, tmp_path):
     deadline = time.monotonic() + 300
     while not os.path.isfile(os.path.join(step4, ".metadata")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)  # data written, marker held back: a crash mid-save
-    proc.wait()
+    kill_job(proc)  # data written, marker held back: a crash mid-save
     assert os.path.isfile(os.path.join(step4, ".metadata")) and not os.path.exists(os.path.join(step4, ".complete"))
     log = train(2, folder, args)
     assert "ignoring incomplete checkpoint" in log and "resumed from step 2" in log

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.held_marker_train import popen_held_marker
+from tests.held_marker_train import kill_job, popen_held_marker
 from tests.integration_tests import COMMON, ROOT, check_job, launch_jobs, read_metrics, run_train
 from tests.test_checkpoint_runs import complete_steps, losses
 
@@ -98,8 +98,7 @@ def runs(tmp_path_factory) -> dict:
         )
 
     wait_for(resaving_step4, proc, d["rollback"], "step-4's data written again")
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_job(proc)
     out["after_kill"] = complete_steps(d["rollback"])
     out["set_aside"] = sorted(
         name for _, dirs, _ in os.walk(os.path.join(d["rollback"], "checkpoint", "set-aside")) for name in dirs
