@@ -52,6 +52,8 @@ def test_upstream_2025_debug_model_toml_trains(tmp_path, hf_assets):
         hf_assets,
         "--training.seq_len",
         "128",
+        "--training.local_batch_size",  # the file's 8 x 128 tokens per rank: 4x the compute this check needs
+        "2",
         "--training.mixed_precision_param",  # bf16 on an AVX2-only CPU is ~15x slower; this run is not about bf16
         "float32",
         "--job.dump_folder",
