@@ -207,8 +207,7 @@ def _state_bytes_of(model_name: str, args, optimizer_json: str) -> int:
 
 
 def adapter_param_count(config, n_layers: int) -> int:
-    """LoRA's trainable parameters: rank x (in + out) per adapted linear, in every block (an MoE family's dense and
-    MoE layers each with their own targets)."""
+    """LoRA's trainable parameters: rank x (in + out) per adapted linear of every block (dense or MoE: its own)."""
     return sum(config.lora.rank * (out + inp) for out, inp in adapted_shapes(config, n_layers))
 
 
