@@ -45,7 +45,11 @@ from tests.integration_tests import Row
 # quantized whole per rank, a path no LoRA row takes, and its losses are not LoRA's: a 1-rank QLoRA reference and
 # FSDP2 (+ full AC) at 2 ranks (tests/test_qlora_runs.py; its 30-step run and the estimator check are 1-rank pool
 # jobs, not rows).
-RANK_ROW_BUDGET = 371
+# Issue 48 (LoRA on the MoE families) raised it by 5 to 376: the adapters beside frozen grouped experts, whose EP
+# shards must stay frozen and whose expert bias must not move, are a path no LoRA row takes, and the losses are not
+# the dense rows': a 1-rank qwen3_moe LoRA reference and FSDP2, EP2 at 2 ranks (tests/test_lora_moe_runs.py; its
+# frozen-base check under EP2 for llama3_moe and qwen3_moe and the estimator check are pool jobs, not rows).
+RANK_ROW_BUDGET = 376
 
 
 def _row_lists() -> dict[str, list[Row]]:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan.distributed.pipeline import in_shape_inference
+from torchtitan.models.lora import is_base_key
 
 if TYPE_CHECKING:
     from torchtitan.distributed.mesh import ReplicaSum, WorldMesh
@@ -109,8 +110,10 @@ class ExpertLoadTracker:
 class LoadBalancer:
     """The MoE family's step hooks (``models.spec.StepHooks``): aux loss, expert-bias update, load metrics."""
 
-    def __init__(self, args, tracker: ExpertLoadTracker, tp: int):
+    def __init__(self, args, tracker: ExpertLoadTracker, tp: int, *, base_frozen: bool = False):
+        """``base_frozen`` (LoRA): the expert bias is part of the frozen base and is not updated (docs/lora.md)."""
         self.args, self.tracker, self.tp = args, tracker, tp
+        self.update_bias = args.load_balance == "bias" and not base_frozen
 
     def aux_loss(self, model_part: nn.Module, scale: float) -> torch.Tensor | None:
         """The switch-style balance loss (load_balance = "aux_loss"), at the micro-batch's scale.
@@ -129,7 +132,7 @@ class LoadBalancer:
             self.tracker.drop()  # assumed counts (memory estimation) are not the router's: they must not move the bias
             return
         # global token counts: the expert bias update and the load metrics
-        self.tracker.reduce(update_bias=self.args.load_balance == "bias", keep=keep_metrics, replica_sum=replica_sum)
+        self.tracker.reduce(update_bias=self.update_bias, keep=keep_metrics, replica_sum=replica_sum)
 
     def after_optimizer_step(self) -> None:
         self.tracker.apply()
@@ -153,7 +156,11 @@ def build_load_balancer(
     layers = list(whole.moe_layers())
     if not layers:
         return None
-    return LoadBalancer(args, ExpertLoadTracker(layers, args.num_experts, model_parts, device), world.dims.tp)
+    # LoRA: every parameter but the adapters is frozen (the same on every rank, pipeline stages included), and the
+    # expert bias, a base buffer, stays as loaded too: the adapters alone describe the fine-tuned model.
+    base_frozen = not any(p.requires_grad for part in model_parts for n, p in part.named_parameters() if is_base_key(n))
+    tracker = ExpertLoadTracker(layers, args.num_experts, model_parts, device)
+    return LoadBalancer(args, tracker, world.dims.tp, base_frozen=base_frozen)
 
 
 def compute_load_metrics(load: dict[str, list[float]]) -> dict[str, object]:

@@ -28,7 +28,9 @@ class Lora:
     target_modules: list[str] = _f(
         DEFAULT_TARGETS,
         "linears that get adapters, in every block: our names (wq wk wv wo w1 w2 w3) or PEFT's (q_proj k_proj "
-        "v_proj o_proj gate_proj up_proj down_proj), mapped through the family's Hugging Face adapter",
+        "v_proj o_proj gate_proj up_proj down_proj), mapped through the family's Hugging Face adapter; the default "
+        "means every linear the family adapts (MoE families: attention, dense FFNs, shared experts; never the routed "
+        "experts or the router: docs/lora.md)",
     )
     adapter_path: str = _f(
         "",

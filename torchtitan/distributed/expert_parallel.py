@@ -135,8 +135,9 @@ class ExpertParallel(ParallelStyle):
 def _shard_experts(name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
     # Shard(0): the expert dim of the stacked (E, ., .) weights, so rank r holds experts
     # [r * E/ep, (r+1) * E/ep), matching the contiguous per-rank chunks of the dispatch.
+    # requires_grad kept: a frozen expert (LoRA's base) stays frozen (nn.Parameter's default would make it trainable).
     for param_name, param in list(module.named_parameters(recurse=False)):
-        sharded = nn.Parameter(distribute_tensor(param, device_mesh, [Shard(0)]))
+        sharded = nn.Parameter(distribute_tensor(param, device_mesh, [Shard(0)]), requires_grad=param.requires_grad)
         module.register_parameter(param_name, sharded)
 
 

@@ -46,7 +46,7 @@ from torchtitan.config.schema_optimizer import Optimizer as OptimizerConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.estimation.estimate import estimate_memory, named_shapes
 from torchtitan.estimation.fake_trainer import resolve_vocab
-from torchtitan.lora.checks import target_shapes
+from torchtitan.lora.checks import adapted_shapes, target_shapes
 from torchtitan.lora.quantize import nf4_bytes
 from torchtitan.observability.flops import GPU_PEAK_FLOPS
 from torchtitan.observability.metrics import compute_num_flops_per_token
@@ -207,8 +207,8 @@ def _state_bytes_of(model_name: str, args, optimizer_json: str) -> int:
 
 
 def adapter_param_count(config, n_layers: int) -> int:
-    """LoRA's trainable parameters: rank x (in + out) per target linear, in every block."""
-    return n_layers * sum(config.lora.rank * (out + inp) for out, inp in target_shapes(config).values())
+    """LoRA's trainable parameters: rank x (in + out) per adapted linear of every block (dense or MoE: its own)."""
+    return sum(config.lora.rank * (out + inp) for out, inp in adapted_shapes(config, n_layers))
 
 
 def _param_counts(config, args) -> tuple[int, int]:

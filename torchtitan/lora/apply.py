@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from torchtitan.config.schema_lora import Lora
 from torchtitan.distributed.init import init_named_units
-from torchtitan.lora.names import Target, resolve_targets
+from torchtitan.lora.names import Target, resolve_targets, target_paths
 from torchtitan.models.lora import LoRALinear, is_adapter_key
 from torchtitan.spec import ModelSpec
 
@@ -28,17 +28,17 @@ def apply_lora(model: nn.Module, lora: Lora, spec: ModelSpec) -> list[str]:
     targets = resolve_targets(spec, lora.target_modules)
     adapted = []
     for layer_id, block in model.layers.items():
-        for target in targets:
-            parent_path, _, leaf = target.path.rpartition(".")
+        for path in target_paths(block, targets):
+            parent_path, _, leaf = path.rpartition(".")
             parent = block.get_submodule(parent_path)
             base = getattr(parent, leaf)
-            assert type(base) is nn.Linear, f"layers.{layer_id}.{target.path} is {type(base).__name__}"
+            assert type(base) is nn.Linear, f"layers.{layer_id}.{path} is {type(base).__name__}"
             # Plain meta tensors like the rest of the meta model, also where the memory estimator builds under a
             # FakeTensorMode (a fake parameter made here could not be materialised by to_empty).
             with unset_fake_temporarily():
                 new = LoRALinear.from_linear(base, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
             setattr(parent, leaf, new)
-            adapted.append(f"layers.{layer_id}.{target.path}")
+            adapted.append(f"layers.{layer_id}.{path}")
     freeze_base(model)
     return adapted
 
@@ -77,4 +77,12 @@ def _plain(fqn: str) -> str:
     return fqn
 
 
-__all__ = ["Target", "apply_lora", "freeze_base", "init_lora_adapters", "is_adapter_key", "lora_modules"]
+__all__ = [
+    "Target",
+    "apply_lora",
+    "freeze_base",
+    "init_lora_adapters",
+    "is_adapter_key",
+    "lora_modules",
+    "target_paths",
+]

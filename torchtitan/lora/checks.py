@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.lora.names import resolve_targets
+from torchtitan.lora.names import DENSE_FAMILIES, family_targets, resolve_targets, target_paths
+from torchtitan.lora.peft_io import check_peft_exportable
 from torchtitan.lora.quantize import check_nf4_shapes, check_torchao_for_nf4
-from torchtitan.spec import flavor_args, get_model_spec
+from torchtitan.spec import flavor_args, get_model_spec, hf_conversion_refusal
 
 if TYPE_CHECKING:
     from torchtitan.config.manager import JobConfig
@@ -29,7 +30,14 @@ def check_lora(config: JobConfig, dims: ParallelDims) -> list[str]:
         return []
     spec = get_model_spec(config.model.name)
     targets = resolve_targets(spec, lora.target_modules)  # the family and the names
-    smallest = min(min(shape) for shape in target_shapes(config).values() if shape)
+    shapes = [s for kind in _kind_shapes(config).values() for s in kind.values()]
+    if not shapes:
+        raise ConfigError(
+            f"lora.target_modules = {lora.target_modules}: model {config.model.name} flavor {config.model.flavor} has "
+            f"none of them (deepseek_v3's wq_a/wq_b exist only with q_lora_rank > 0, its wq only without); name "
+            f"linears it has: {' '.join(family_targets(spec))}"
+        )
+    smallest = min(min(s) for s in shapes)
     if lora.rank > smallest:
         raise ConfigError(
             f"lora.rank = {lora.rank} is larger than the smallest dim ({smallest}) of the targets "
@@ -38,7 +46,18 @@ def check_lora(config: JobConfig, dims: ParallelDims) -> list[str]:
     if not lora.dropout < 1:
         raise ConfigError(f"lora.dropout = {lora.dropout}: must be in [0, 1); 0 turns it off")
     _check_combinations(config, dims)
+    if spec.name not in DENSE_FAMILIES:
+        _check_moe_layout(config, dims)
+    if config.checkpoint.last_save_in_hf:
+        check_peft_exportable(spec, lora.target_modules)
+    if lora.adapter_path and spec.state_dict_adapter is None:  # a PEFT folder is in HF names (llama3_moe has none)
+        raise NotImplementedError(f"lora.adapter_path = {lora.adapter_path!r}: {hf_conversion_refusal(spec, {})}")
     if lora.quantize_base != "none":
+        if spec.name not in DENSE_FAMILIES:
+            raise NotImplementedError(
+                f"lora.quantize_base = {lora.quantize_base!r} with model.name = {spec.name!r}: not built (QLoRA runs on "
+                f"the dense families {', '.join(DENSE_FAMILIES)}); set lora.quantize_base = 'none' for LoRA on it"
+            )
         check_qlora_layout(config, dims)
         check_nf4_shapes(target_shapes(config), dims.dp_shard if dims.fsdp_enabled else 1)
     return []
@@ -70,15 +89,35 @@ def check_qlora_torchao(config: JobConfig, dims: ParallelDims) -> list[str]:
 
 
 def target_shapes(config: JobConfig) -> dict[str, tuple[int, int]]:
-    """Our target name -> (out, in) of that linear in a block of the configured flavor (a meta build of one block)."""
+    """Our target name -> (out, in) of that linear in block 0 of the configured flavor (a dense family's every
+    block; QLoRA's shape check)."""
+    shapes = _kind_shapes(config)
+    first = shapes[min(shapes)]
+    return {path.rsplit(".", 1)[-1]: shape for path, shape in first.items()}
+
+
+def adapted_shapes(config: JobConfig, n_layers: int) -> list[tuple[int, int]]:
+    """(out, in) of every linear LoRA adapts in a model of ``n_layers`` blocks of the configured flavor: an MoE
+    family's dense layers, MoE layers (attention, shared expert) each with their own."""
+    shapes, args = _kind_shapes(config), flavor_args(config.model)
+    kind = getattr(args, "is_moe_layer", lambda i: False)
+    return [shape for i in range(n_layers) for shape in shapes[int(kind(i))].values()]
+
+
+def _kind_shapes(config: JobConfig) -> dict[int, dict[str, tuple[int, int]]]:
+    """Per layer kind (0 dense, 1 MoE; only those the flavor has): the block path -> (out, in) of its targets,
+    from a meta build of the first layers (enough to hold both kinds)."""
     spec = get_model_spec(config.model.name)
-    args = dataclasses.replace(flavor_args(config.model), n_layers=1)
+    args = flavor_args(config.model)
+    targets = resolve_targets(spec, config.lora.target_modules)
+    kind = getattr(args, "is_moe_layer", None)
+    n = 1 if kind is None else min(args.n_layers, args.first_k_dense + args.moe_every + 1)
     with torch.device("meta"):
-        block = spec.model_cls(args).layers["0"]
-    out = {}
-    for t in resolve_targets(spec, config.lora.target_modules):
-        w = block.get_submodule(t.path).weight
-        out[t.name] = tuple(w.shape)
+        model = spec.model_cls(dataclasses.replace(args, n_layers=n))
+    out: dict[int, dict[str, tuple[int, int]]] = {}
+    for i, block in model.layers.items():
+        k = 0 if kind is None else int(kind(int(i)))
+        out.setdefault(k, {p: tuple(block.get_submodule(p).weight.shape) for p in target_paths(block, targets)})
     return out
 
 
@@ -103,4 +142,20 @@ def _check_combinations(config: JobConfig, dims: ParallelDims) -> None:
         if refused:
             raise NotImplementedError(
                 f"lora.enable with {what}: not built; turn that off (docs/lora.md lists what LoRA runs with)"
+            )
+
+
+def _check_moe_layout(config: JobConfig, dims: ParallelDims) -> None:
+    """LoRA on an MoE family runs in one process, under FSDP2 and expert parallel (the tested rows); the rest is
+    refused (the dense families' TP/PP/CP rows do not cover the MoE blocks' plans)."""
+    refusals = [
+        (dims.tp_enabled, "training.tensor_parallel_degree > 1"),
+        (dims.pp_enabled, "experimental.pipeline_parallel_degree > 1"),
+        (dims.cp > 1, "experimental.context_parallel_degree > 1"),
+    ]
+    for refused, key in refusals:
+        if refused:
+            raise NotImplementedError(
+                f"lora.enable with model.name = {config.model.name!r} and {key}: not built (no MoE LoRA row tests it); "
+                "LoRA on MoE families runs in one process, under FSDP2 and expert parallel: drop that key"
             )

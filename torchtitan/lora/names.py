@@ -4,20 +4,39 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import nn
+
 from torchtitan.config.errors import ConfigError
+from torchtitan.config.schema_lora import DEFAULT_TARGETS
+from torchtitan.models.llama import hf_adapter as llama_hf
 from torchtitan.spec import ModelSpec
 
-# The families whose every block is dense (attention + one FFN): their linears are the targets. The MoE
-# families' experts are grouped weights (no nn.Linear per expert) and are not adapted.
-LORA_FAMILIES = ("llama3", "qwen3")
+# family -> where its plain-nn.Linear FFNs sit in a block (w1/w2/w3 under each). Dense families: the one FFN.
+# MoE families: the attention linears (llama's names and modules) and the FFNs that are nn.Linears: a dense
+# layer's (llama3_moe's layer 0) and the shared expert's. The routed experts are grouped weights (one
+# (E, out, in) tensor per w1/w2/w3, run by a grouped matmul) and the router is the base's choice of experts:
+# neither is adapted. Qwen3-MoE has every layer MoE and no shared expert: attention only. DeepSeek-V3's attention is
+# MLA (wq or wq_a/wq_b, wkv_a, wkv_b, wo: its HF map, one to one).
+_FFN_PATHS = {
+    "llama3": ("feed_forward",),
+    "qwen3": ("feed_forward",),
+    "llama3_moe": ("feed_forward", "feed_forward.shared_expert"),
+    "qwen3_moe": (),
+    "deepseek_v3": ("feed_forward", "feed_forward.shared_expert"),
+}
+LORA_FAMILIES = tuple(_FFN_PATHS)
+DENSE_FAMILIES = ("llama3", "qwen3")  # QLoRA's (lora/quantize.py): the MoE families' LoRA is not quantized
+# Names a user may give for the MoE parts that are never adapted (besides a family's expert-only w1/w2/w3).
+_EXPERT_WORDS = ("experts", "router", "gate", "expert_bias")
 
 
 @dataclass(frozen=True)
 class Target:
     name: str
     """Our short name (``wq``)."""
-    path: str
-    """The module's path in a block (``attention.wq``)."""
+    paths: tuple[str, ...]
+    """Where the module sits in a block (``attention.wq``; ``w1``: ``feed_forward.w1`` and, in an MoE family,
+    ``feed_forward.shared_expert.w1``); a block holds one or none of them."""
     peft: str
     """The Hugging Face module name PEFT uses (``q_proj``)."""
     hf_path: str
@@ -25,41 +44,75 @@ class Target:
 
 
 def family_targets(spec: ModelSpec) -> dict[str, Target]:
-    """Our short name -> Target, for every linear of a block of ``spec``'s family.
+    """Our short name -> Target, for every linear LoRA adapts in ``spec``'s family.
 
     Raises:
         NotImplementedError: the family is not one LoRA supports (one line naming those that are).
     """
     if spec.name not in LORA_FAMILIES:
         raise NotImplementedError(
-            f"lora.enable with model.name = {spec.name!r}: LoRA is built for the dense families "
-            f"{', '.join(LORA_FAMILIES)} (MoE experts are grouped weights, not adapted: llama3_moe, qwen3_moe, "
-            "deepseek_v3, gpt_oss); use one of those families or turn lora.enable off"
+            f"lora.enable with model.name = {spec.name!r}: not built for this family (no LoRA targets or rows); LoRA "
+            f"runs on {', '.join(LORA_FAMILIES)}: use one of those or turn lora.enable off"
         )
+    ffn = _FFN_PATHS[spec.name]
     out = {}
-    for ours, hf in spec.state_dict_adapter.BLOCK_NAMES.items():
+    for ours, hf in getattr(spec.state_dict_adapter, "BLOCK_NAMES", llama_hf.BLOCK_NAMES).items():
         path, hf_path = ours.removesuffix(".weight"), hf.removesuffix(".weight")
-        if "norm" in path:
-            continue
-        name = path.rsplit(".", 1)[-1]
-        out[name] = Target(name, path, hf_path.rsplit(".", 1)[-1], hf_path)
+        parent, _, name = path.rpartition(".")
+        if "norm" in name or name == "expert_bias" or parent not in ("attention", "feed_forward") or name in out:
+            continue  # norms, the router and expert bias, the shared expert's (its w1 is the FFN's w1)
+        paths = (path,) if parent == "attention" else tuple(f"{p}.{name}" for p in ffn)
+        if paths:
+            out[name] = Target(name, paths, hf_path.rsplit(".", 1)[-1], hf_path)
     return out
 
 
 def resolve_targets(spec: ModelSpec, requested: list[str]) -> list[Target]:
-    """``lora.target_modules`` (ours or PEFT's names, mixed) -> the family's Targets, in block order.
+    """``lora.target_modules`` (ours or PEFT's names, mixed) -> the family's Targets, in block order. The default
+    list (the seven linears of a dense block) means every linear the family adapts.
 
     Raises:
-        ConfigError: an unknown name (one line listing the valid ones) or an empty list.
+        ConfigError: an unknown name, an MoE expert's or router's name (one line listing the valid ones), or an
+            empty list.
     """
     targets = family_targets(spec)
+    if list(requested) == DEFAULT_TARGETS:
+        return list(targets.values())
     by_any = {**{t.peft: t for t in targets.values()}, **targets}
     unknown = [n for n in requested if n not in by_any]
     if unknown or not requested:
         valid = " ".join(f"{t.name}/{t.peft}" for t in targets.values())
         what = f"has no linear named {', '.join(map(repr, unknown))}" if unknown else "is empty"
+        experts = [n for n in unknown if _names_expert(spec, n)]
+        if experts:
+            what = (
+                f"does not adapt {', '.join(map(repr, experts))}: MoE experts (grouped weights) and the router are "
+                "not adapted (frozen base)"
+            )
         raise ConfigError(
             f"lora.target_modules = {requested}: model.name = {spec.name!r} {what}; valid names (ours/PEFT's): {valid}"
         )
     wanted = {by_any[n].name for n in requested}
     return [t for t in targets.values() if t.name in wanted]
+
+
+def _names_expert(spec: ModelSpec, name: str) -> bool:
+    """``name`` is an MoE part this family has and does not adapt (routed experts, router, or an FFN linear name
+    whose only nn.Linear home in this family would be the experts)."""
+    if spec.name in DENSE_FAMILIES:
+        return False
+    ffn_names = {"w1", "w2", "w3", "gate_proj", "up_proj", "down_proj"}
+    return any(w in name for w in _EXPERT_WORDS) or (name in ffn_names and not _FFN_PATHS[spec.name])
+
+
+def target_paths(block: nn.Module, targets: list[Target]) -> list[str]:
+    """The paths in ``block`` of the targets it holds (an MoE layer has no dense ``feed_forward.w1``, a dense
+    layer no shared expert)."""
+    return [path for t in targets for path in t.paths if _holds(block, path)]
+
+
+def _holds(block: nn.Module, path: str) -> bool:
+    try:
+        return isinstance(block.get_submodule(path), nn.Linear)
+    except AttributeError:
+        return False

@@ -73,8 +73,30 @@ def from_peft_state_dict(peft: dict[str, torch.Tensor], spec: ModelSpec, args: d
     return out
 
 
+# Families whose FFN names peft (0.21, on transformers 5) re-targets: it maps gate_proj/up_proj/down_proj of these
+# model types onto the fused routed experts' parameters (and drops them as module targets), so an adapter of the
+# dense layers' and shared experts' FFNs would load onto the wrong weights.
+PEFT_FFN_REMAPPED = ("deepseek_v3",)
+
+
+def check_peft_exportable(spec: ModelSpec, target_modules: list[str]) -> None:
+    """Raises NotImplementedError (one line) for a PEFT export that peft would load onto other weights."""
+    ffn = [t.name for t in resolve_targets(spec, target_modules) if t.name in ("w1", "w2", "w3")]
+    if spec.name in PEFT_FFN_REMAPPED and ffn:
+        raise NotImplementedError(
+            f"a PEFT export of {spec.name} adapters on {ffn}: peft maps gate_proj/up_proj/down_proj of this model "
+            "type onto its fused routed experts, not the dense and shared FFNs; export merged (scripts/convert_to_hf.py "
+            "--merge_lora) or train attention targets only (lora.target_modules = wq,wkv_a,wkv_b,wo or wq_a,wq_b,...)"
+        )
+
+
 def adapter_config(lora: dict[str, Any], spec: ModelSpec, base_model: str | None) -> dict[str, Any]:
-    """``adapter_config.json``: ``lora`` as a marker records it (rank, alpha, dropout, our target names)."""
+    """``adapter_config.json``: ``lora`` as a marker records it (rank, alpha, dropout, our target names).
+
+    Raises:
+        NotImplementedError: a PEFT folder peft would load onto other weights (``check_peft_exportable``).
+    """
+    check_peft_exportable(spec, lora["target_modules"])
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

@@ -43,6 +43,8 @@ _BLOCK = {
     "feed_forward.shared_expert.w3.weight": "mlp.shared_experts.up_proj.weight",
     "feed_forward.shared_expert.w2.weight": "mlp.shared_experts.down_proj.weight",
 }
+# the same map, public: LoRA's target names and PEFT keys (torchtitan/lora/names.py) are read from it
+BLOCK_NAMES = _BLOCK
 _EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
