@@ -266,7 +266,8 @@ def _needs(item: pytest.Item) -> set[str]:
 
 
 _BACKGROUND: dict[str, Future] = {}
-_EXECUTORS: list[Executor | _Remove] = []
+_EXECUTORS: list[Executor] = []
+_MEASURE_FOLDERS: list[str] = []  # the measure launches' folders, removed at the file's end
 
 
 def start_background(items: list[pytest.Item]) -> None:
@@ -288,21 +289,11 @@ def start_background(items: list[pytest.Item]) -> None:
     _EXECUTORS.extend([workers, threads])
     if "measured" in needed:
         folder = tempfile.mkdtemp(prefix="estimation-measure-")
-        _EXECUTORS.append(_Remove(folder))
+        _MEASURE_FOLDERS.append(folder)
         _BACKGROUND["measured"] = threads.submit(_measure, folder)
     for key, (fn, args) in _background_work().items():
         if key in needed:
             _BACKGROUND[key] = workers.submit(_in_worker, fn, *args)
-
-
-class _Remove:
-    """The measure launches' folder, removed with the executors at the file's end."""
-
-    def __init__(self, folder: str):
-        self.folder = folder
-
-    def shutdown(self, cancel_futures: bool = False) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -314,6 +305,8 @@ def background(request) -> Iterator[dict[str, Future]]:
     finally:
         for executor in _EXECUTORS:
             executor.shutdown(cancel_futures=True)
+        for folder in _MEASURE_FOLDERS:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

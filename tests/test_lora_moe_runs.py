@@ -27,10 +27,10 @@ from tests.integration_tests import (
     trainer_argv,
 )
 from tests.pool import run_in_pool
+from tests.test_lora_runs import LORA
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]
 
-LORA = ["--lora.enable", "--lora.rank", "4", "--lora.alpha", "32"]
 EP2 = ["--experimental.expert_parallel_degree", "2"]
 QWEN3_MOE = [*LORA, "--model.name", "qwen3_moe"]
 LORA_MOE_REFERENCE = Row("lora_qwen3_moe_1proc", 1, GLOBAL_BATCH, QWEN3_MOE)

@@ -31,11 +31,11 @@ from tests.integration_tests import (
     trainer_argv,
 )
 from tests.pool import run_in_pool
+from tests.test_lora_runs import LORA
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]
 pytest.importorskip("torchao")
 
-LORA = ["--lora.enable", "--lora.rank", "4", "--lora.alpha", "32"]
 QLORA = [*LORA, "--lora.quantize_base", "nf4", "--model.flavor", "debugmodel"]
 QLORA_REFERENCE = Row("qlora_llama3_1proc", 1, GLOBAL_BATCH, QLORA)
 QLORA_ROWS = [QLORA_REFERENCE, Row("qlora_llama3_fsdp2", 2, 4, [*QLORA, *AC_FULL])]
