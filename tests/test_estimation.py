@@ -36,6 +36,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.background_priority import lower_priority
 from tests.integration_tests import (
     AC_FULL,
     DOC_ROWS,
@@ -179,7 +180,12 @@ def _measure(base: str) -> dict[str, list[dict]]:
         folder.mkdir()
         cases, result = folder / "cases.json", folder / "measured.json"
         cases.write_text(json.dumps({r.name: _argv(r) for r in rows}))
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+        # every rank lowers its own priority (torchrun starts each in a session of its own): tests/background_priority.py
+        env = dict(
+            os.environ,
+            MALLOC_MMAP_THRESHOLD_="131072",
+            PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+        )
         cmd = [
             sys.executable,
             "-m",
@@ -188,25 +194,19 @@ def _measure(base: str) -> dict[str, list[dict]]:
             "--rdzv_backend",
             "c10d",
             "--rdzv_endpoint=localhost:0",
-            "-m",
+            os.path.join(ROOT, "tests", "background_priority.py"),
             "torchtitan.estimation.measure",
             str(result),
             str(cases),
         ]
         run = subprocess.run(
-            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800, preexec_fn=_lower_priority
+            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800, preexec_fn=lower_priority
         )
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
         per_rank = json.loads(result.read_text())
         for name in per_rank[0]:
             out[name] = [ranks[name] for ranks in per_rank]
     return out
-
-
-def _lower_priority() -> None:
-    """The background's processes yield the cores to every other test (nice 19: they get what the rest leaves idle;
-    the figures they produce are memory, which does not depend on CPU time)."""
-    os.nice(19)
 
 
 def _in_worker(fn_name: str, *args):
@@ -275,7 +275,8 @@ def start_background(items: list[pytest.Item]) -> None:
     runs this file last, so the work uses the cores the rest of the session leaves idle.
 
     The real runs (``_measure``: a torchrun launch per world size, from a thread of this process) and every estimate
-    (fake tensors and a fake group: one Python-bound process each, two spawn workers) run side by side, at nice 19.
+    (fake tensors and a fake group: one Python-bound process each, two spawn workers) run side by side, at the
+    lowest priority (tests/background_priority.py: nice 19, for their sessions too).
     Memory figures do not depend on CPU time, so running them beside other work changes no number (each estimate is
     the same as in process: nothing is shared but the code); the time checks below read CPU seconds.
     """
@@ -284,7 +285,7 @@ def start_background(items: list[pytest.Item]) -> None:
         return
     threads = ThreadPoolExecutor(max_workers=1)
     workers = ProcessPoolExecutor(
-        max_workers=2, mp_context=multiprocessing.get_context("spawn"), initializer=_lower_priority
+        max_workers=2, mp_context=multiprocessing.get_context("spawn"), initializer=lower_priority
     )
     _EXECUTORS.extend([workers, threads])
     if "measured" in needed:
