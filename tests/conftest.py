@@ -120,7 +120,7 @@ def _world_sizes(item: pytest.Item) -> set[int]:
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The estimator's file last: its real runs and estimates start at nice 19 once collection is done
+    # The estimator's file last: its real runs and estimates start at the lowest priority once collection is done
     # (pytest_collection_finish) and use the cores the rest of the session leaves idle.
     items.sort(key=lambda item: item.path.name == ESTIMATION_FILE)
     last: dict[int, int] = {}
@@ -135,11 +135,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     selected = [item for item in session.items if item.path.name == ESTIMATION_FILE]
     if selected and not session.config.option.collectonly:
         selected[0].module.start_background(selected)
+        session.config.stash[_BACKGROUND_MODULE] = selected[0].module
 
 
 ESTIMATION_FILE = "test_estimation.py"
 _LAST_USE = pytest.StashKey[dict]()
 _INDEX = pytest.StashKey[dict]()
+_BACKGROUND_MODULE = pytest.StashKey[object]()
 
 
 @pytest.hookimpl(trylast=True)
@@ -155,6 +157,10 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     pool.close_all()
+    # the estimator's background is in sessions of its own (tests/background_priority.py): a Ctrl-C does not reach it
+    module = session.config.stash.get(_BACKGROUND_MODULE, None)
+    if module is not None:
+        module.stop_background()
 
 
 # ---- the time report: seconds per test file and per pool (what CI spends, docs/testing.md) ----

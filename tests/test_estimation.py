@@ -19,6 +19,7 @@ with like.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -199,10 +200,19 @@ def _measure(base: str) -> dict[str, list[dict]]:
             str(result),
             str(cases),
         ]
-        run = subprocess.run(
-            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800, preexec_fn=lower_priority
+        if _STOPPING:
+            raise RuntimeError("the background was stopped")
+        run = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=lower_priority
         )
-        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+        _MEASURE_PROCS.append(run)
+        try:
+            stdout, stderr = run.communicate(timeout=1800)
+        finally:
+            if run.poll() is None:  # timed out or interrupted: torchrun stops its ranks on SIGTERM
+                run.terminate()
+                run.wait(timeout=60)
+        assert run.returncode == 0, stdout[-2000:] + stderr[-4000:]
         per_rank = json.loads(result.read_text())
         for name in per_rank[0]:
             out[name] = [ranks[name] for ranks in per_rank]
@@ -268,6 +278,8 @@ def _needs(item: pytest.Item) -> set[str]:
 _BACKGROUND: dict[str, Future] = {}
 _EXECUTORS: list[Executor] = []
 _MEASURE_FOLDERS: list[str] = []  # the measure launches' folders, removed at the file's end
+_MEASURE_PROCS: list[subprocess.Popen] = []
+_STOPPING = False
 
 
 def start_background(items: list[pytest.Item]) -> None:
@@ -304,10 +316,26 @@ def background(request) -> Iterator[dict[str, Future]]:
     try:
         yield _BACKGROUND
     finally:
-        for executor in _EXECUTORS:
-            executor.shutdown(cancel_futures=True)
-        for folder in _MEASURE_FOLDERS:
-            shutil.rmtree(folder, ignore_errors=True)
+        stop_background()
+
+
+def stop_background() -> None:
+    """Stop whatever still runs (this file's end, or an interrupted session: tests/conftest.py calls it then).
+
+    The background's processes are in sessions of their own, out of reach of a terminal's Ctrl-C: without this
+    an interrupted session waited minutes for them (``ProcessPoolExecutor.shutdown`` waits for running work)."""
+    global _STOPPING
+    _STOPPING = True
+    for run in _MEASURE_PROCS:
+        if run.poll() is None:
+            run.terminate()  # torchrun stops its ranks on SIGTERM
+    for executor in _EXECUTORS:
+        for process in list((getattr(executor, "_processes", None) or {}).values()):  # private: a rename costs a wait
+            with contextlib.suppress(Exception):
+                process.terminate()
+        executor.shutdown(cancel_futures=True)
+    for folder in _MEASURE_FOLDERS:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
