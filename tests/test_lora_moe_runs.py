@@ -18,16 +18,12 @@ import pytest
 
 from tests.integration_tests import (
     GLOBAL_BATCH,
-    GRAD_NORM_RTOL,
-    RTOL,
     MatrixLaunches,
     Row,
-    check_grad_norms,
-    check_row,
     trainer_argv,
 )
 from tests.pool import run_in_pool
-from tests.test_lora_runs import LORA
+from tests.test_lora_runs import LORA, check_lora_parity
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]
 
@@ -42,12 +38,7 @@ LORA_MOE_ROWS = [
 
 @pytest.mark.parametrize("row", LORA_MOE_ROWS, ids=[r.name for r in LORA_MOE_ROWS])
 def test_lora_moe_loss_parity(row: Row, matrix: MatrixLaunches):
-    check_row(row)
-    got, want = matrix.losses(row), matrix.losses(LORA_MOE_REFERENCE)
-    gaps = [abs(g - w) / abs(w) for g, w in zip(got["loss"], want["loss"], strict=True)]
-    print(row.name, "gap to one process", [f"{g:.2e}" for g in gaps])
-    assert max(gaps) <= RTOL, f"{row.name}: {got['loss']} vs single-process {want['loss']}"
-    check_grad_norms(row.name, got["grad_norm"], want["grad_norm"], GRAD_NORM_RTOL)
+    want = check_lora_parity(row, LORA_MOE_REFERENCE, matrix)
     assert want["loss"][-1] < want["loss"][0] - 0.1, f"LoRA loss did not fall: {want['loss']}"
 
 

@@ -67,12 +67,19 @@ PAIRS = [(r, LLAMA_REFERENCE) for r in LLAMA_ROWS] + [(r, QWEN3_REFERENCE) for r
 
 @pytest.mark.parametrize(("row", "reference"), PAIRS, ids=[r.name for r, _ in PAIRS])
 def test_lora_loss_parity(row: Row, reference: Row, matrix: MatrixLaunches):
+    check_lora_parity(row, reference, matrix)
+
+
+def check_lora_parity(row: Row, reference: Row, matrix: MatrixLaunches) -> dict[str, list[float]]:
+    """The row's losses within RTOL of the one-process LoRA run's, its grad norms within GRAD_NORM_RTOL; the
+    reference's records (also the MoE LoRA rows' check: tests/test_lora_moe_runs.py)."""
     check_row(row)
     got, want = matrix.losses(row), matrix.losses(reference)
     gaps = [abs(g - w) / abs(w) for g, w in zip(got["loss"], want["loss"], strict=True)]
     print(row.name, "gap to one process", [f"{g:.2e}" for g in gaps])
     assert max(gaps) <= RTOL, f"{row.name}: {got['loss']} vs single-process {want['loss']}"
     check_grad_norms(row.name, got["grad_norm"], want["grad_norm"], GRAD_NORM_RTOL)
+    return want
 
 
 def test_lora_reference_learns_from_the_base(matrix: MatrixLaunches, reference: dict[str, list[float]]):
