@@ -82,7 +82,7 @@ def _in_loop_cost(argv: list[str], out: str) -> None:
         steps.append(time.perf_counter() - start)
     for _ in range(2):
         start = time.perf_counter()
-        record = trainer.evaluator.run()
+        record = trainer.parts.after_step[-1].run()  # the in-loop evaluation (after validation, if on)
         evals.append(time.perf_counter() - start)
     trainer.close()
     step = sorted(steps[1:])[len(steps[1:]) // 2]

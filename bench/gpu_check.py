@@ -23,7 +23,7 @@ left, else it is recorded as skipped for the time budget):
    AC: finite losses, and a replay that finds the same numbers twice (a mismatch stops the run: an error).
 9. if time allows (added to throughput): 1B compile at seq 8192, then the 3B shape (full AC).
 
-Every run is the trainer itself (``torchtitan.train.Trainer`` through its ``TrainerBuilders`` seam, as the
+Every run is the trainer itself (``torchtitan.train.Trainer`` through its ``Builders`` seam (engine/builders.py), as the
 memory estimator builds it) on seeded random tokens, one process, world size 1: see bench/gpu_check_runs.py.
 
 Packages: torch (2.11 or newer), numpy, tiktoken, tokenizers, safetensors, transformers; nothing is installed.

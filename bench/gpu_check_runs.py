@@ -1,6 +1,6 @@
 """The trainer on synthetic tokens, for bench/gpu_check.py: build one run, time its steps, measure it, free it.
 
-Every run is ``torchtitan.train.Trainer`` built through its public ``TrainerBuilders`` seam, as the memory
+Every run is ``torchtitan.train.Trainer`` built through its public ``Builders`` seam (engine/builders.py), as the memory
 estimator builds it: model, parallelisms, optimizer, compile, float8 and the step are the trainer's own. Only
 the outside world is swapped: the tokenizer is its vocabulary size (``resolve_vocab``, as the estimator reads
 it: the tokenizer file if it exists, else the flavor's), the data are seeded random tokens (so ``datasets`` and
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from torchtitan.build import TrainerBuilders
 from torchtitan.config.manager import JobConfig
 from torchtitan.distributed.device import synchronize
+from torchtitan.engine.builders import Builders
 from torchtitan.estimation.fake_trainer import FlavorVocabTokenizer, resolve_vocab
 from torchtitan.observability.metrics import compute_mfu, compute_num_flops_per_token
 from torchtitan.observability.step_metrics import build_peak_flops
@@ -149,13 +149,13 @@ class NoCheckpoint:
 
 def build_trainer(config: JobConfig, spec: RunSpec, vocab: int) -> Trainer:
     tokenizer = FlavorVocabTokenizer(vocab)
-    builders = TrainerBuilders(
+    builders = Builders(
         tokenizer=lambda model: tokenizer,
         data_loader=lambda training, tok, shard: SyntheticTokens(
             training.batch_size, training.seq_len, tok.eos_id, spec.doc_len
         ),
-        metrics=lambda trainer: LossLog(),
-        checkpointer=lambda trainer: NoCheckpoint(),
+        metrics=lambda core, replicas, *, start_step: LossLog(),
+        checkpointer=lambda core, replicas: NoCheckpoint(),
     )
     return Trainer(config, world_size=1, rank=0, builders=builders)
 

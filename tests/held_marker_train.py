@@ -2,7 +2,7 @@
 
 ``python -m torchtitan.launch ... -m tests.held_marker_train STEP SECONDS --job.config_file FILE [--section.key value ...]``
 runs ``torchtitan.train.main`` on the rest of the arguments; its checkpointer is the trainer's own
-(``trainer_parts.build_checkpointer``) with an injected ``before_marker`` that sleeps SECONDS once step STEP's
+(``engine.builders.build_checkpointer``) with an injected ``before_marker`` that sleeps SECONDS once step STEP's
 data is written and before its marker, so a test can SIGKILL the job mid-save. ``popen_held_marker``
 launches it on 2 ranks the way run_llama_train.sh launches the trainer.
 """
@@ -95,12 +95,11 @@ def hold_marker(held_step: int, seconds: float, step: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from torchtitan.build import TrainerBuilders
+    from torchtitan.engine.builders import Builders, build_checkpointer
     from torchtitan.train import main as train_main
-    from torchtitan.trainer_parts import build_checkpointer
 
     before_marker = functools.partial(hold_marker, int(argv[0]), float(argv[1]))
-    builders = TrainerBuilders(checkpointer=functools.partial(build_checkpointer, before_marker=before_marker))
+    builders = Builders(checkpointer=functools.partial(build_checkpointer, before_marker=before_marker))
     return train_main(argv[2:], builders=builders)
 
 

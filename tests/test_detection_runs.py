@@ -36,10 +36,10 @@ SLEEP_S = 1.0  # against a step of 0.1-0.4 s on a loaded 2-core machine: a sprea
 class _SlowRank:
     """The trainer's step guard; on rank ``rank`` every step first sleeps ``seconds`` (a slow rank)."""
 
-    def __init__(self, trainer, rank: int, seconds: float):
-        from torchtitan.trainer_parts import build_guard
+    def __init__(self, core, metrics, signals, *, rank: int, seconds: float):
+        from torchtitan.engine.builders import build_guard
 
-        self.guard, self.slow = build_guard(trainer), trainer.rank == rank
+        self.guard, self.slow = build_guard(core, metrics, signals), core.rank == rank
         self.seconds = seconds
 
     def check(self, step, loss, grad_norm):
@@ -57,13 +57,13 @@ def _job(folder: str, *extra: str, builders=None) -> str:
 
 
 def test_a_slow_rank_is_named_in_one_line_and_a_clean_run_is_not(tmp_path):
-    from torchtitan.build import TrainerBuilders
+    from torchtitan.engine.builders import Builders
 
     off = str(tmp_path / "off")
     _job(off)
     clean, slowed = str(tmp_path / "clean"), str(tmp_path / "slowed")
     clean_log = _job(clean, *STRAGGLER)
-    slow = TrainerBuilders(guard=functools.partial(_SlowRank, rank=1, seconds=SLEEP_S))
+    slow = Builders(guard=functools.partial(_SlowRank, rank=1, seconds=SLEEP_S))
     slowed_log = _job(slowed, *STRAGGLER, builders=slow)
 
     want = [r["loss"] for r in read_metrics(off)]

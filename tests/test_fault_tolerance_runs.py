@@ -326,23 +326,23 @@ def _pause_serving(marker: str) -> dict:
     return {}
 
 
-def pausing_replicas(trainer, *, marker: str):
-    """A ``TrainerBuilders.replicas`` whose group hands its state to a healing group only after a long pause,
-    announced in ``marker`` (torchft gathers every registered state before serving): the test kills it then."""
-    from torchtitan.trainer_parts import build_replicas
+def pausing_replicas(core, *, marker: str):
+    """A ``replicas`` seam whose group hands its state to a healing group only after a long pause, announced in
+    ``marker`` (torchft gathers every registered state before serving): the test kills it then."""
+    from torchtitan.fault_tolerance.setup import build_replicas
 
-    replicas = build_replicas(trainer)
+    replicas = build_replicas(core)
     replicas.manager.register_state_dict_fn("test_pause", lambda state: None, functools.partial(_pause_serving, marker))
     return replicas
 
 
 def test_a_heal_source_dying_mid_transfer_is_one_line(tmp_path):
-    from torchtitan.build import TrainerBuilders
+    from torchtitan.engine.builders import Builders
 
     folder, marker = str(tmp_path / "ft"), str(tmp_path / "serving")
     extra = ["--training.steps", "400", "--fault_tolerance.quorum_timeout_seconds", "10"]
     with FtJob(2, 1, min_replicas=1) as job:
-        builders = TrainerBuilders(replicas=functools.partial(pausing_replicas, marker=marker))
+        builders = Builders(overrides={"outer": functools.partial(pausing_replicas, marker=marker)})
         source = job.start(0, _argv(folder, 0, 2, *extra), builders=builders)
         _wait("group 0's first steps", lambda: _last_step(_replica(folder, 0)) >= 3)
         healing = job.start(1, _argv(folder, 1, 2, *extra))
@@ -365,33 +365,35 @@ def test_groups_on_different_configs_are_one_line(tmp_path):
     assert "fault tolerance: no quorum for step" in _the_error(results[0])
 
 
-class _NudgingGuard:
-    """The trainer's step guard; at the first step from ``step`` on that both groups train, one weight of this rank
-    is changed by 1e-3 (a silent fault), and ``marker`` gets that step."""
+def nudging_replicas(core, *, step: int, marker: str):
+    """The ``replicas`` seam; at the first commit from ``step`` on that both groups train, one weight of this rank is
+    changed by 1e-3 (a silent fault), and ``marker`` gets that step."""
+    from torchtitan.fault_tolerance.setup import build_replicas
 
-    def __init__(self, trainer, step: int, marker: str):
-        from torchtitan.trainer_parts import build_guard
+    replicas = build_replicas(core)
+    commit = replicas.commit
 
-        self.guard, self.trainer, self.step, self.marker = build_guard(trainer), trainer, step, marker
-
-    def check(self, step, loss, grad_norm):
-        if step >= self.step and self.trainer.replicas.members == (0, 1) and not os.path.exists(self.marker):
-            weight = next(self.trainer.model_parts[0].parameters())
+    def nudged_commit(at: int) -> bool:
+        if at >= step and replicas.members == (0, 1) and not os.path.exists(marker):
+            weight = next(core.model_parts[0].parameters())
             local = weight.to_local() if hasattr(weight, "to_local") else weight
             with torch.no_grad():
                 local.view(-1)[0] += 1e-3
-            with open(self.marker, "w") as f:
-                f.write(str(step))
-        return self.guard.check(step, loss, grad_norm)
+            with open(marker, "w") as f:
+                f.write(str(at))
+        return commit(at)
+
+    replicas.commit = nudged_commit
+    return replicas
 
 
 def test_a_group_whose_weights_drift_apart_stops_in_one_line(tmp_path):
-    from torchtitan.build import TrainerBuilders
+    from torchtitan.engine.builders import Builders
 
     folder, marker = str(tmp_path / "ft"), str(tmp_path / "nudged")
     extra = ["--training.batch_size", "4", "--training.steps", "20", "--fault_tolerance.quorum_timeout_seconds", "3"]
     with FtJob(2, 1, min_replicas=2) as job:  # both in every quorum: the step's check, not a heal
-        nudging = TrainerBuilders(guard=functools.partial(_NudgingGuard, step=3, marker=marker))
+        nudging = Builders(overrides={"outer": functools.partial(nudging_replicas, step=3, marker=marker)})
         results = [job.start(0, _argv(folder, 0, 2, *extra)), job.start(1, _argv(folder, 1, 2, *extra), nudging)]
         results = [r.result(timeout=DEADLINE_S) for r in results]
     with open(marker) as f:

@@ -3,7 +3,7 @@
 Clean runs with replay on (pool jobs) equal the matrix's rows without it bit for bit, losses and grad norms (and
 the MoE row's expert load, whose counts the replay must not double): FSDP2 with gradient accumulation 2 (the
 replay re-runs both micro-batches) and the MoE FSDP2 row. A flipped bit in rank 1's gradient on its second pass
-(tests/replay_flip.py, through the product's ``TrainerBuilders.replay`` seam): with 'warn' the run goes on and
+(tests/replay_flip.py, through the product's ``Builders.overrides['step_pass']`` seam): with 'warn' the run goes on and
 logs the line; with 'stop', launched like run_llama_train.sh, the launcher prints one line naming the rank, its
 host, the step and the tensor, exits 6, and the checkpoints are those before the step.
 """

@@ -42,7 +42,8 @@ def test_validation_runs_under_the_training_autocast(tmp_path, monkeypatch):
     trainer = Trainer(config, world_size=1, rank=0)
     try:
         assert trainer.step_fn.amp_dtype == torch.bfloat16  # no FSDP: autocast carries the compute dtype
-        validator = trainer.validator
+        (validation,) = trainer.parts.after_step
+        validator = validation.validator
         inputs, labels = next(iter(validator.loader))
         validation_loss = validator.run()["validation_loss"]
         train_loss = trainer.step_fn.forward_backward(Batch(inputs, labels), accum_steps=1, token_weight=None).item()

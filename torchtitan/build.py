@@ -1,11 +1,6 @@
-"""The one build path, shared by the trainer and the memory estimator.
-
-``TrainerBuilders`` is the public seam: the parts of a trainer that touch the outside world (the
-mesh, tokenizer file, data, metrics files, checkpoints, validation data) or that a tool must
-build differently (the memory estimator builds under fake tensors) are built through it. The
-trainer takes a ``TrainerBuilders``; the estimator passes one with its own fakes instead of
-overriding private methods. Everything else (parallelisms, optimizer, the step) is built here,
-the same way for both.
+"""The one build path of the model and its step, shared by the trainer, the memory estimator, evaluation and
+the seed checkpoint: model args, the meta model, the finished (parallelized, materialised, initialised) model
+parts, the step function, the data loader. The engine (engine/parts.py) calls it in its ordered pass.
 """
 
 from __future__ import annotations
@@ -15,7 +10,6 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,7 +46,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from torchtitan.config.manager import JobConfig
-    from torchtitan.config.schema import Model, Training
+    from torchtitan.config.schema import Training
     from torchtitan.config.schema_fault_tolerance import FaultTolerance
     from torchtitan.spec import ModelSpec
 
@@ -150,53 +144,6 @@ def build_data_loader(training: Training, tokenizer: Any, shard: DataShard) -> I
         seed=t.seed or 0,
         restart_mix=t.dataset_mix_restart,
     )
-
-
-def _build_world_mesh(parallel_dims: ParallelDims, device_type: str) -> DeviceMesh | None:
-    return parallel_dims.build_mesh(device_type)
-
-
-def _build_tokenizer(model: Model) -> Any:
-    return build_tokenizer(model.tokenizer_path)
-
-
-@dataclass(frozen=True)
-class TrainerBuilders:
-    """How a ``Trainer`` builds its swappable parts. Defaults: a real training run.
-
-    Signatures (``trainer`` is the Trainer being built, complete up to the part being built):
-        mesh(parallel_dims, device_type) -> DeviceMesh | None
-        tokenizer(model) -> an object with ``n_words`` (``model``: the ``[model]`` section)
-        model_args(config, spec, vocab_size, *, device_type) -> the family's args (``device_type``: the run's
-            device, for ``model.attention_backend = 'auto'``)
-        meta_model(spec, model_args) -> nn.Module on the meta device (called once per pipeline stage too)
-        data_loader(training, tokenizer, shard) -> iterable of (inputs, labels), stateful for checkpoints (``shard``:
-            the ``DataShard`` this rank reads)
-        metrics(trainer) -> StepMetrics-like (``add_data_time``, ``add_step``, ``log``, ``log_validation``,
-            ``end_summary``, ``close``)
-        checkpointer(trainer) -> CheckpointManager-like (``load``, ``maybe_save``, ``summary``, ``close``)
-        validator(trainer, tokenizer) -> Validator-like (``run``)
-        evaluator(trainer) -> InLoopEval-like (``maybe_run(step)``; called only with ``[eval] enabled``)
-        guard(trainer) -> StepGuard-like (``check(step, loss, grad_norm) -> Verdict``; it syncs with the host)
-        replay(trainer) -> StepReplay-like (``run(step, train_pass, *args, **kwargs) -> loss``; components/replay.py)
-        replicas(trainer) -> fault tolerance's ``ReplicaGroups`` (called only with fault_tolerance.enable), or None
-            (the estimator models one replica group)
-    The trainer-level defaults (metrics, checkpointer, validator, evaluator, guard, replay, replicas) are in
-    trainer_parts.py.
-    """
-
-    mesh: Callable[..., Any] = _build_world_mesh
-    tokenizer: Callable[..., Any] = _build_tokenizer
-    model_args: Callable[..., Any] = build_model_args
-    meta_model: Callable[..., nn.Module] = build_meta_model
-    data_loader: Callable[..., Iterable] = build_data_loader
-    metrics: Callable[..., Any] | None = None
-    checkpointer: Callable[..., Any] | None = None
-    validator: Callable[..., Any] | None = None
-    evaluator: Callable[..., Any] | None = None
-    guard: Callable[..., Any] | None = None
-    replay: Callable[..., Any] | None = None
-    replicas: Callable[..., Any] | None = None
 
 
 def finish_model_part(

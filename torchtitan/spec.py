@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from torchtitan.config.manager import JobConfig
     from torchtitan.config.schema import Model
-    from torchtitan.distributed.mesh import ReplicaSum, WorldMesh
+    from torchtitan.distributed.mesh import OuterSum, WorldMesh
     from torchtitan.distributed.parallel_dims import ParallelDims
 
 
@@ -65,9 +65,9 @@ class StepHooks(Protocol):
     def aux_loss(self, model_part: nn.Module, scale: float) -> torch.Tensor | None:
         """A loss term, already multiplied by the micro-batch's ``scale``, to back-propagate with its loss; or None."""
 
-    def reduce_step(self, *, keep_metrics: bool, replica_sum: ReplicaSum | None) -> None:
+    def reduce_step(self, *, keep_metrics: bool, outer_sum: OuterSum | None) -> None:
         """After backward, before the step is applied (or dropped): reduce the step's statistics; every rank
-        calls it (may communicate). ``replica_sum``: fault tolerance's sum over the replica groups, or None."""
+        calls it (may communicate). ``outer_sum``: fault tolerance's sum over the replica groups, or None."""
 
     def after_optimizer_step(self) -> None:
         """Called on every rank after each optimizer step (may communicate within the world)."""
@@ -89,9 +89,9 @@ class HookChain:
         terms = [t for t in (h.aux_loss(model_part, scale) for h in self.hooks) if t is not None]
         return sum(terms[1:], terms[0]) if terms else None
 
-    def reduce_step(self, *, keep_metrics: bool, replica_sum: ReplicaSum | None) -> None:
+    def reduce_step(self, *, keep_metrics: bool, outer_sum: OuterSum | None) -> None:
         for h in self.hooks:
-            h.reduce_step(keep_metrics=keep_metrics, replica_sum=replica_sum)
+            h.reduce_step(keep_metrics=keep_metrics, outer_sum=outer_sum)
 
     def after_optimizer_step(self) -> None:
         for h in self.hooks:

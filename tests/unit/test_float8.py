@@ -189,7 +189,7 @@ def test_precompute_hook_is_chained_with_the_family_hooks():
         def aux_loss(self, model_part, scale):
             return torch.tensor(2.0)
 
-        def reduce_step(self, *, keep_metrics, replica_sum):
+        def reduce_step(self, *, keep_metrics, outer_sum):
             Family.reduced = keep_metrics
 
         def after_optimizer_step(self):
@@ -204,7 +204,7 @@ def test_precompute_hook_is_chained_with_the_family_hooks():
     precompute = f8.Float8ScalePrecompute([nn.Linear(16, 16)])  # no float8 FSDP weights: a no-op
     chained = chain_hooks(Family(), precompute)
     assert isinstance(chained, HookChain) and chain_hooks(None, precompute) is precompute
-    chained.reduce_step(keep_metrics=True, replica_sum=None)
+    chained.reduce_step(keep_metrics=True, outer_sum=None)
     chained.after_optimizer_step()
     assert Family.calls == 1 and Family.reduced is True
     assert chained.aux_loss(nn.Linear(1, 1), 1.0).item() == 2.0 and chained.metrics() == ({"a": 1}, {"b": 2.0})

@@ -9,8 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchtitan.components.replay import StepReplay, bit_checksum
-from torchtitan.components.run_control import EXIT_REPLAY_MISMATCH, ReplayMismatch
+from torchtitan.components.replay import EXIT_REPLAY_MISMATCH, ReplayMismatch, StepReplay, bit_checksum
 from torchtitan.config.manager import JobConfig
 from torchtitan.preflight import run_preflight
 

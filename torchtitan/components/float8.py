@@ -33,7 +33,7 @@ from torchtitan.config.errors import ConfigError
 if TYPE_CHECKING:
     from torchtitan.config.manager import JobConfig
     from torchtitan.config.schema import Float8
-    from torchtitan.distributed.mesh import ReplicaSum
+    from torchtitan.distributed.mesh import OuterSum
     from torchtitan.distributed.parallel_dims import ParallelDims
 
 logger = logging.getLogger(__name__)
@@ -377,7 +377,7 @@ class Float8ScalePrecompute:
     def aux_loss(self, model_part: nn.Module, scale: float) -> None:
         return None
 
-    def reduce_step(self, *, keep_metrics: bool, replica_sum: ReplicaSum | None) -> None:
+    def reduce_step(self, *, keep_metrics: bool, outer_sum: OuterSum | None) -> None:
         pass
 
     def after_optimizer_step(self) -> None:

@@ -28,7 +28,7 @@ from torchtitan.distributed.pipeline import in_shape_inference
 from torchtitan.models.lora import is_base_key
 
 if TYPE_CHECKING:
-    from torchtitan.distributed.mesh import ReplicaSum, WorldMesh
+    from torchtitan.distributed.mesh import OuterSum, WorldMesh
 
 
 def _in_recompute() -> bool:
@@ -68,11 +68,11 @@ class ExpertLoadTracker:
         return count
 
     @torch.no_grad()
-    def reduce(self, *, update_bias: bool, keep: bool, replica_sum: ReplicaSum | None = None) -> None:
+    def reduce(self, *, update_bias: bool, keep: bool, outer_sum: OuterSum | None = None) -> None:
         """Reduce the step's counts over all ranks (and, for the bias, over fault tolerance's replica groups);
         ``apply`` then updates the bias and keeps them for metrics, ``drop`` forgets them.
 
-        Every rank must call it with the same flags (the all-reduce is collective); ``replica_sum`` is called
+        Every rank must call it with the same flags (the all-reduce is collective); ``outer_sum`` is called
         every step the bias updates, on every group alike.
         """
         counts, self.counts, self.pending = self.counts, None, None
@@ -82,8 +82,8 @@ class ExpertLoadTracker:
             counts = self._zeros()
         if dist.is_initialized():
             dist.all_reduce(counts)
-        if update_bias and replica_sum is not None:
-            replica_sum(counts)  # the counts of every live replica group's tokens, as HSDP's would be
+        if update_bias and outer_sum is not None:
+            outer_sum(counts)  # the counts of every live replica group's tokens, as HSDP's would be
         self.pending = (counts, update_bias, keep)
 
     @torch.no_grad()
@@ -127,12 +127,12 @@ class LoadBalancer:
             return None
         return model_part.aux_loss() * (scale / self.tp)
 
-    def reduce_step(self, *, keep_metrics: bool, replica_sum: ReplicaSum | None) -> None:
+    def reduce_step(self, *, keep_metrics: bool, outer_sum: OuterSum | None) -> None:
         if self.args.balanced_routing:
             self.tracker.drop()  # assumed counts (memory estimation) are not the router's: they must not move the bias
             return
         # global token counts: the expert bias update and the load metrics
-        self.tracker.reduce(update_bias=self.update_bias, keep=keep_metrics, replica_sum=replica_sum)
+        self.tracker.reduce(update_bias=self.update_bias, keep=keep_metrics, outer_sum=outer_sum)
 
     def after_optimizer_step(self) -> None:
         self.tracker.apply()

@@ -100,3 +100,24 @@ class OptimizerInBackward:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+
+
+class InBackwardStep:
+    """The ``optimizer_step`` seam with ``optimizer.early_step_in_backward``: the norm is the hooks' (nothing left
+    to clip), and a kept step has nothing left to apply."""
+
+    steps_in_backward = True
+
+    def __init__(self, in_backward: OptimizerInBackward):
+        self.in_backward = in_backward
+
+    def grad_norm(self, clip: Callable[[list | None], torch.Tensor], params: list | None) -> torch.Tensor:
+        return self.in_backward.finish_step()
+
+    def apply(self, optimizer: torch.optim.Optimizer, outer: object) -> None:
+        pass  # every parameter already stepped during backward
+
+
+def build_in_backward_step(step_fn, optimizer: torch.optim.Optimizer, config) -> InBackwardStep:
+    """The ``optimizer_step`` seam's builder (preflight/registry.py): hooks over ``step_fn``'s model parts."""
+    return InBackwardStep(step_fn.build_optimizer_in_backward(optimizer, config))

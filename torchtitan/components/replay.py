@@ -30,9 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan.components.run_control import EXIT_REPLAY_MISMATCH, ReplayMismatch
+from torchtitan.components.run_control import AgreedStop
 
 if TYPE_CHECKING:
+    from torchtitan.engine.parts import CoreParts
     from torchtitan.spec import StepHooks
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,15 @@ logger = logging.getLogger(__name__)
 # A test's fault injection (a seam, not an env var): called after each pass's backward with
 # (step, pass number 1 or 2, this rank's named parameters), before the checksums are taken.
 AfterPass = Callable[[int, int, Sequence[tuple[str, nn.Parameter]]], None]
+
+EXIT_REPLAY_MISMATCH = 6  # a replayed step computed other numbers; no checkpoint holds it (run_control.py has 3-4)
+
+
+class ReplayMismatch(AgreedStop):
+    """Raised (on every rank) when a replayed step differs and ``training.on_replay_mismatch`` says stop."""
+
+    exit_code = EXIT_REPLAY_MISMATCH
+
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -156,15 +166,16 @@ def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor
         getattr(torch, device.type).set_rng_state(state[1], device)
 
 
-def build_step_replay(trainer, *, after_pass: AfterPass | None = None) -> StepReplay:
-    """The trainer's default ``TrainerBuilders.replay``; ``after_pass``: a test's fault injection."""
-    t = trainer.config.training
+def build_step_replay(core: CoreParts, *, after_pass: AfterPass | None = None) -> StepReplay:
+    """The ``step_pass`` seam with ``training.replay_every_n_steps`` (preflight/registry.py); ``after_pass``: a
+    test's fault injection."""
+    t = core.config.training
     return StepReplay(
         every_n_steps=t.replay_every_n_steps,
         on_mismatch=t.on_replay_mismatch,
-        model_parts=trainer.model_parts,
-        device=trainer.device,
-        rank=trainer.rank,
-        hooks=trainer.step_fn.hooks,
+        model_parts=core.model_parts,
+        device=core.device,
+        rank=core.rank,
+        hooks=core.step_fn.hooks,
         after_pass=after_pass,
     )

@@ -33,27 +33,27 @@ logger = logging.getLogger(__name__)
 EXIT_STOPPED = 3  # stopped by SIGTERM/SIGINT after finishing the step (and saving it)
 EXIT_NONFINITE = 4  # stopped on a non-finite loss or grad norm; no checkpoint holds that step
 # (5: fault tolerance gave up, fault_tolerance/errors.py)
-EXIT_REPLAY_MISMATCH = 6  # a replayed step computed other numbers (components/replay.py); no checkpoint holds it
 
 ECHO_SECONDS = 2.0
 
 
-class RunStopped(Exception):
+class AgreedStop(Exception):
+    """An end of the run every rank agreed on (a stop signal, a non-finite step, a feature's verdict): told in one
+    line by the entry point, exiting with the subclass's ``exit_code``."""
+
+    exit_code = 1
+
+
+class RunStopped(AgreedStop):
     """Raised after a requested stop has been carried out (the step finished, the checkpoint saved)."""
 
     exit_code = EXIT_STOPPED
 
 
-class NonFiniteStep(Exception):
+class NonFiniteStep(AgreedStop):
     """Raised (on every rank) when the non-finite policy says stop."""
 
     exit_code = EXIT_NONFINITE
-
-
-class ReplayMismatch(Exception):
-    """Raised (on every rank) when a replayed step differs and ``training.on_replay_mismatch`` says stop."""
-
-    exit_code = EXIT_REPLAY_MISMATCH
 
 
 @dataclass(frozen=True)

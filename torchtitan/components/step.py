@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from torchtitan.components.optimizer_in_backward import OptimizerInBackward
     from torchtitan.config.schema import Optimizer as OptimizerConfig
-    from torchtitan.distributed.mesh import ReplicaSum, WorldMesh
+    from torchtitan.distributed.mesh import OuterSum, WorldMesh
     from torchtitan.distributed.pipeline import PipelineParts
     from torchtitan.spec import StepHooks
 
@@ -113,12 +113,12 @@ class StepFunction:
         self.feed = feed
 
     def count_tokens(
-        self, batches: list[Batch], *, record: bool = True, replica_sum: ReplicaSum | None = None
+        self, batches: list[Batch], *, record: bool = True, outer_sum: OuterSum | None = None
     ) -> float | None:
         """block_causal: the token weight that weighs each token equally over the global batch, for
         ``forward_backward`` / ``forward_loss`` of these batches; None without a feed (the plain mean).
         With ``record``, also adds the batches' document statistics to the feed's, which the step
-        metrics read (validation's are not recorded). ``replica_sum``: fault tolerance's replica groups
+        metrics read (validation's are not recorded). ``outer_sum``: fault tolerance's replica groups
         hold the rest of the global batch; their counts are added and each group's share weighs alike.
 
         Ignored labels (one per document) make the local batches' counted tokens differ, so the mean
@@ -136,7 +136,7 @@ class StepFunction:
         if group is not None:
             dist.all_reduce(count, group=group)
         ranks = dist.get_world_size(group) if group is not None else 1
-        replicas = replica_sum(count) if replica_sum is not None else 1  # the groups' means are averaged
+        replicas = outer_sum(count) if outer_sum is not None else 1  # the groups' means are averaged
         units = len(batches) * (self.pipeline.n_microbatches if self.pipeline is not None else 1) * ranks * replicas
         # Under the memory estimator's fake tensors the count cannot be read; the weight's value
         # changes no memory: every label of the global batch counted stands in.

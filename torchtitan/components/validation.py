@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from torchtitan.config.schema import Training, Validation
     from torchtitan.datasets.shard import DataShard
     from torchtitan.datasets.tokenizer import Tokenizer
+    from torchtitan.engine.builders import Metrics
+    from torchtitan.engine.parts import CoreParts
 
 
 class Validator:
@@ -88,3 +90,40 @@ class Validator:
         mean, _ = self.step_fn.reduce_loss(total, with_max=False)
         loss = mean / (self.steps * self.microbatches)
         return {"validation_loss": loss, "validation_perplexity": math.exp(min(loss, 700.0))}
+
+
+class PeriodicValidation:
+    """The ``after_step`` seam of ``validation.enabled``: the validator every ``validation.freq`` steps and at the
+    last step, its record logged through the run's metrics."""
+
+    def __init__(self, validator: Validator, *, freq: int, last_step: int, log: Callable[[int, dict], None]):
+        self.validator, self.freq, self.last_step, self.log = validator, freq, last_step, log
+
+    def maybe_run(self, step: int) -> None:
+        if step % self.freq == 0 or step == self.last_step:
+            self.log(step, self.validator.run())
+
+
+def build_validation(core: CoreParts, metrics: Metrics) -> PeriodicValidation:
+    """The ``after_step`` seam's builder (preflight/registry.py)."""
+    from torchtitan.datasets.shard import DataShard
+
+    cfg = core.config
+    shard, microbatches = core.shard, 1
+    if cfg.fault_tolerance.enable:  # each replica group evaluates the whole global batch (module docstring)
+        shard, microbatches = (
+            DataShard(core.world.local_rank("dp"), core.parallel_dims.dp_degree),
+            cfg.fault_tolerance.group_size,
+        )
+    validator = Validator(
+        core.tokenizer,
+        validation=cfg.validation,
+        training=cfg.training,
+        shard=shard,
+        step_fn=core.step_fn,
+        shard_batch=core.shard_batch,
+        microbatches=microbatches,
+    )
+    return PeriodicValidation(
+        validator, freq=cfg.validation.freq, last_step=cfg.training.steps, log=metrics.log_validation
+    )

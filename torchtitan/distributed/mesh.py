@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 # place over the live groups (torchft's all-reduce) and returns their number. Passed to the few reductions
 # that need every group's data (block-causal token counts, the MoE expert-bias counts); each is called at the
 # same point of every step on every group, between the quorum and the commit, so the groups' collectives pair.
-ReplicaSum = Callable[["torch.Tensor"], int]
+OuterSum = Callable[["torch.Tensor"], int]
 
 
 @dataclass(frozen=True)

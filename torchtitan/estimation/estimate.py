@@ -158,7 +158,9 @@ def estimate_rank(
             foreach_temp = use_per_parameter_step(trainer.optimizer)
             # In backward each parameter steps alone in a hook (its group's foreach flag is copied
             # there): the tracker sees that step's own temporaries, there are no list-wide ones.
-            memory = track_steps(trainer, foreach_temp=0 if trainer.in_backward is not None else foreach_temp)
+            memory = track_steps(
+                trainer, foreach_temp=0 if trainer.core.optimizer_step.steps_in_backward else foreach_temp
+            )
             add_fault_tolerance_terms(memory, config.fault_tolerance, trainer.model_parts, trainer.device)
             if trainer.parallel_dims.dp_replicate_enabled and not trainer.parallel_dims.dp_shard_enabled:
                 buckets = ddp_bucket_bytes(trainer.model_parts)

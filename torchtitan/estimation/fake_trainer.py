@@ -3,7 +3,7 @@ the fake-mode adaptations of torch internals.
 
 Everything that decides memory (model build, parallelisms, optimizer, lr scheduler, the training
 step with its accumulation, loss parallel, chunked loss and pipeline schedule) is the unchanged
-``Trainer`` code, assembled through its public ``TrainerBuilders`` seam.
+``Trainer`` code, assembled through its public ``Builders`` seam (engine/builders.py).
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from collections.abc import Iterator
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from torchtitan.build import TrainerBuilders
 from torchtitan.components.run_control import Verdict
 from torchtitan.datasets.tokenizer import build_tokenizer, find_tokenizer_file
 from torchtitan.distributed.c10d_compat import ALL_GATHER, REDUCE_SCATTER
-from torchtitan.estimation.ft_terms import EstimatedReplicas
+from torchtitan.engine.builders import Builders
 from torchtitan.spec import get_model_spec
 
 
@@ -128,29 +127,16 @@ class _NoMetrics:
         pass
 
 
-def _no_validation(trainer, tokenizer):
-    raise NotImplementedError(
-        "validation.enabled = true: the estimator models the training step, not validation; "
-        "set validation.enabled = false to estimate"
-    )
-
-
-def _no_eval(trainer):
-    raise NotImplementedError(
-        "eval.enabled = true: the estimator models the training step, not the in-loop evaluation; "
-        "set eval.enabled = false to estimate"
-    )
-
-
-def estimation_builders(vocab: int, *, n_layers: int | None = None) -> TrainerBuilders:
-    """The trainer's builders for an estimate: no tokenizer file, data, metrics, checkpoint or output.
+def estimation_builders(vocab: int, *, n_layers: int | None = None) -> Builders:
+    """The run's builders for an estimate: no tokenizer file, data, metrics, checkpoint or output; the
+    features' seams from the registry's estimator builders (a feature it does not model is refused).
 
     ``n_layers``: build the flavor with this many layers (the depth extrapolation's runs).
     The family builds its args for fake tensors (``ModelSpec.fake_tensor_args``: MoE routing assumed
     balanced, since real routing is data-dependent); the accuracy tests' real runs use the same
     builders, so both sides route alike.
     """
-    defaults = TrainerBuilders()
+    defaults = Builders()
 
     def model_args(config, spec, vocab_size, *, device_type=None):
         args = defaults.model_args(config, spec, vocab_size, device_type=device_type)
@@ -158,7 +144,7 @@ def estimation_builders(vocab: int, *, n_layers: int | None = None) -> TrainerBu
             args = dataclasses.replace(args, n_layers=n_layers)
         return spec.fake_tensor_args(args) if spec.fake_tensor_args is not None else args
 
-    return TrainerBuilders(
+    return Builders(
         # DeviceMesh reads rank coordinates with .item(), which fake tensors cannot answer.
         mesh=_outside_fake_mode(defaults.mesh),
         tokenizer=lambda model: FlavorVocabTokenizer(vocab),
@@ -169,15 +155,12 @@ def estimation_builders(vocab: int, *, n_layers: int | None = None) -> TrainerBu
         data_loader=lambda training, tokenizer, shard: _RandomTokens(
             training.batch_size, training.seq_len, tokenizer.n_words
         ),
-        metrics=lambda trainer: _NoMetrics(),
-        checkpointer=lambda trainer: _NoCheckpoint(),
-        validator=_no_validation,
-        evaluator=_no_eval,
+        metrics=lambda core, replicas, *, start_step: _NoMetrics(),
+        checkpointer=lambda core, replicas: _NoCheckpoint(),
         # The guard reads the step's flags on the host, which fake tensors cannot answer; a fake step
         # is never non-finite and never asked to stop.
-        guard=lambda trainer: _NoGuard(),
-        # fault tolerance: one replica group, its cross-group averaging's buckets tracked (ft_terms.py)
-        replicas=lambda trainer: EstimatedReplicas(trainer.config.fault_tolerance),
+        guard=lambda core, metrics, signals: _NoGuard(),
+        estimate=True,
     )
 
 

@@ -20,39 +20,39 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.tensor import DTensor
 
+from torchtitan.components.seams import SingleGroup
 from torchtitan.estimation.tracker import FT_OUTER_MOMENTUM, FT_SYNC_COPIES, FT_WEIGHT_BACKUP
-from torchtitan.fault_tolerance.replicas import ReplicaStep, average_in_buckets
+from torchtitan.fault_tolerance.replicas import average_in_buckets
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torchtitan.config.schema_fault_tolerance import FaultTolerance
+    from torchtitan.engine.parts import CoreParts
     from torchtitan.estimation.tracker import StepMemory
 
 
-class EstimatedReplicas:
-    """The trainer's ``Replicas`` on fake tensors: the same step, no lighthouse, no collective."""
+class EstimatedReplicas(SingleGroup):
+    """The ``replicas`` seam on fake tensors: the same step, no lighthouse, no collective."""
 
     def __init__(self, ft: FaultTolerance):
+        super().__init__()
         self.ft = ft
-        self.loss_max: torch.Tensor | None = None
-        self.replica_sum = (lambda tensor: ft.group_size) if ft.semi_sync_method is None else None
+        self.outer_sum = (lambda tensor: ft.group_size) if ft.semi_sync_method is None else None
 
-    def resume_at(self, step: int) -> None:
-        pass
-
-    def start_step(self) -> ReplicaStep:
-        raise NotImplementedError("the memory estimate tracks train_step only")
-
-    def average(self, params: list[torch.nn.Parameter], loss: torch.Tensor) -> torch.Tensor:
+    def reduce_gradients(
+        self, finish_gradients: Callable[[], list[torch.nn.Parameter]], loss: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.nn.Parameter]]:
+        params = finish_gradients()
         if self.ft.semi_sync_method is None:
             average_in_buckets(params, lambda flat: None)  # the real run's buckets, averaged by nobody
         self.loss_max = loss
-        return loss
+        return loss, params
 
-    def commit(self, step: int) -> bool:
-        return True
 
-    def step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.step()
+def build_estimated_replicas(core: CoreParts) -> EstimatedReplicas:
+    """The ``replicas`` seam of an estimate with ``fault_tolerance.enable`` (preflight/registry.py)."""
+    return EstimatedReplicas(core.config.fault_tolerance)
 
 
 def weight_bytes(model_parts: list[torch.nn.Module]) -> int:

@@ -191,14 +191,14 @@ def _label_in_backward_states(tracker, trainer) -> list:
     """With the optimizer step in backward, the state is created by one-parameter optimizers FSDP's
     tracker does not watch (torch's plain MemTracker watches every optimizer): label it as optimizer
     state right after each of their steps, not as temporaries."""
-    if trainer.in_backward is None or not isinstance(tracker, FSDPMemTracker):
+    if not trainer.core.optimizer_step.steps_in_backward or not isinstance(tracker, FSDPMemTracker):
         return []
     from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
 
     def label(optimizer, *_):
         tracker._track_optimizer_states(_FSDPRefType.OPT, optimizer)
 
-    return [one.register_step_post_hook(label) for one, _ in trainer.in_backward.one.values()]
+    return [one.register_step_post_hook(label) for one, _ in trainer.core.optimizer_step.in_backward.one.values()]
 
 
 @contextmanager

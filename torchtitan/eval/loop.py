@@ -15,11 +15,15 @@ import logging
 import math
 import random
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchtitan.config.schema_eval import Eval
+
+if TYPE_CHECKING:
+    from torchtitan.engine.builders import Metrics
+    from torchtitan.engine.parts import CoreParts
 
 logger = logging.getLogger(__name__)
 
@@ -57,21 +61,21 @@ def flatten_results(results: dict[str, dict[str, Any]]) -> dict[str, float]:
 class InLoopEval:
     """The trainer's ``[eval]``: ``maybe_run(step)`` evaluates at its steps and logs through the trainer's metrics."""
 
-    def __init__(self, trainer: Any, eval_config: Eval):
+    def __init__(self, core: CoreParts, metrics: Metrics, eval_config: Eval):
         from torchtitan.eval.tasks import build_task_manager
 
-        self.cfg, self.trainer = eval_config, trainer
+        self.cfg, self.core, self.metrics = eval_config, core, metrics
         self.task_manager = build_task_manager(list(eval_config.tasks), eval_config.include_path)
         from torchtitan.datasets.tokenizer import build_tokenizer
 
-        self.tokenizer = build_tokenizer(trainer.config.model.tokenizer_path)
+        self.tokenizer = build_tokenizer(core.config.model.tokenizer_path)
 
     def due(self, step: int) -> bool:
-        return step % self.cfg.freq == 0 or step == self.trainer.config.training.steps
+        return step % self.cfg.freq == 0 or step == self.core.config.training.steps
 
     def maybe_run(self, step: int) -> None:
         if self.due(step):
-            self.trainer.metrics.log_eval(step, self.run())
+            self.metrics.log_eval(step, self.run())
 
     def run(self) -> dict[str, float]:
         """Every task on the live model: the record on rank 0 (lm-eval returns results where LOCAL_RANK is 0), {}
@@ -81,7 +85,7 @@ class InLoopEval:
         from torchtitan.eval.lm import TorchtitanLM
         from torchtitan.eval.model import EvalModel
 
-        t = self.trainer
+        t = self.core
         (model,) = t.step_fn.model_parts  # pipeline parallel is refused before launch
         feed = t.step_fn.feed  # block_causal training: each request is one document, attended plain causal
         em = EvalModel(model, self.tokenizer, t.world, t.device, t.config.training.seq_len, t.step_fn.amp_dtype)
@@ -114,6 +118,6 @@ class InLoopEval:
         return {k: v for k, v in record.items() if not math.isnan(v)}
 
 
-def build_in_loop_eval(trainer: Any) -> InLoopEval:
-    """The trainer's default ``TrainerBuilders.evaluator`` (``[eval] enabled``)."""
-    return InLoopEval(trainer, trainer.config.eval)
+def build_in_loop_eval(core: CoreParts, metrics: Metrics) -> InLoopEval:
+    """The ``after_step`` seam's builder with ``eval.enabled`` (preflight/registry.py)."""
+    return InLoopEval(core, metrics, core.config.eval)

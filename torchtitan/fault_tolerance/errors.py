@@ -13,6 +13,8 @@ import re
 import warnings
 from typing import Any
 
+from torchtitan.components.run_control import AgreedStop
+
 # Exit code of a run that fault tolerance had to give up on (0 done, 1 bug, 2 user error, 3 stopped by a
 # signal, 4 non-finite step: components/run_control.py).
 EXIT_REPLICAS = 5
@@ -22,7 +24,7 @@ INSTALL_HINT = (
 )
 
 
-class ReplicaGroupsFailed(Exception):
+class ReplicaGroupsFailed(AgreedStop):
     """Fault tolerance cannot go on (no lighthouse, no quorum, nothing committed for too long): one line."""
 
     exit_code = EXIT_REPLICAS

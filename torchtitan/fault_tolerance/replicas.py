@@ -6,7 +6,7 @@ Each step, in this order on every live group (the cross-group collectives must p
 1. ``start_step``: the quorum (a restarted group heals here, before its forward pass), then one all-reduce of
    each group's config and weights fingerprints, which says who is in the step and that they run the same
    config on the same weights (a group whose weights differ stops: fingerprint.py);
-2. ``sum_`` (the world's ``replica_sum``): token counts of block-causal data, an MoE expert-bias update's counts;
+2. ``sum_`` (the world's ``outer_sum``): token counts of block-causal data, an MoE expert-bias update's counts;
 3. ``average``: after backward (FSDP's reduce-scatter inside the group done), the gradients and the loss are
    averaged over the live groups, in buckets; clipping then sees gradients equal in every group, so the
    norm a group computes over its own shard axes is the global norm, as under HSDP;
@@ -24,12 +24,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed import ReduceOp
 
+from torchtitan.components.run_control import RunStopped
+from torchtitan.components.seams import StepAttempt
 from torchtitan.fault_tolerance.errors import ReplicaGroupsFailed, short_reason
 from torchtitan.fault_tolerance.fingerprint import agreed_value, group_fingerprint
 from torchtitan.fault_tolerance.heal import weights_digest
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
 
     from torchtitan.config.schema_fault_tolerance import FaultTolerance
-    from torchtitan.distributed.mesh import ReplicaSum
+    from torchtitan.distributed.mesh import OuterSum
     from torchtitan.fault_tolerance.heal import HealState
     from torchtitan.fault_tolerance.manager import ManagerHandle
     from torchtitan.fault_tolerance.positions import DataPositions
@@ -49,19 +50,14 @@ logger = logging.getLogger(__name__)
 BUCKET_BYTES = 32 * 1024 * 1024  # gradients are averaged in flat buckets of at most this size (one extra buffer)
 
 
-@dataclass(frozen=True)
-class ReplicaStep:
-    step: int
-    """The step this attempt trains: the quorum's committed steps + 1 (a healed group jumps here)."""
-    data_moved: bool
-    """The loader's position was replaced (a heal): the trainer makes its data iterator again."""
-
-
 class Replicas:
-    """What both modes share: the Manager, the heal state, every group's data position, the live groups."""
+    """What both modes share: the Manager, the heal state, every group's data position, the live groups.
 
-    replica_sum: ReplicaSum | None = None
-    """Sums over the live groups inside a step (``WorldMesh``'s ReplicaSum), where the mode has them."""
+    Implements the step's ``OuterSync`` seam (components/seams.py) with the subclasses' quorum and commit.
+    """
+
+    outer_sum: OuterSum | None = None
+    """Sums over the live groups inside a step (``WorldMesh``'s OuterSum), where the mode has them."""
 
     def __init__(
         self,
@@ -73,8 +69,10 @@ class Replicas:
         lighthouse: str,
         fingerprint: int,
         log: bool,
+        sets_aside_later: bool,
     ):
         self.ft, self.handle, self.heal, self.positions = ft, handle, heal, positions
+        self.sets_aside_later = sets_aside_later  # see setup._sets_aside_later
         self.manager = handle.manager
         self.lighthouse, self.fingerprint, self.log = lighthouse, fingerprint, log
         self.members: tuple[int, ...] = ()  # the live groups (of this step, or the last synchronization), by id
@@ -85,6 +83,32 @@ class Replicas:
         samples each)."""
         groups = len(self.members)
         return {"replica_groups": groups, "global_batch_samples": groups * group_batch}, {"ft/replica_groups": groups}
+
+    def data_state(self, data_loader: Any) -> DataPositions:
+        """A shared checkpoint saves every group's data position, so it resumes all of them."""
+        return self.positions
+
+    def reduce_gradients(
+        self, finish_gradients: Callable[[], list[torch.nn.Parameter]], loss: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.nn.Parameter]]:
+        """The gradients and loss of every live group, averaged (clipping then sees them as HSDP's)."""
+        params = finish_gradients()
+        return self.average(params, loss), params
+
+    def average(self, params: list[torch.nn.Parameter], loss: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def before_stop(self, step: int) -> None:
+        """Of the groups sharing a checkpoint folder, only the one that writes it saves before stopping."""
+        if not self.writes_checkpoints:
+            raise RunStopped(
+                f"stopped by a signal after step {step}: replica group {self.members[0]} (the lowest live one) keeps "
+                "the shared checkpoint; this group leaves the quorum, the others go on"
+            )
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        raise NotImplementedError
 
     def checkpoint_state(self) -> dict[str, Stateful]:
         """Parts of a full checkpoint beside the trainer's own (the DiLoCo outer optimizer)."""
@@ -115,7 +139,7 @@ class ReplicaGroups(Replicas):
 
     def __init__(self, ft: FaultTolerance, **kwargs: Any):
         super().__init__(ft, **kwargs)
-        self.replica_sum = self.sum_
+        self.outer_sum = self.sum_
         self.last_commit = time.monotonic()
         self.discarded: str | None = None  # why the last attempt was discarded, told with the next quorum
         self.heal_target: tuple[int, int] | None = None  # (quorum id, step) of a heal that failed
@@ -136,7 +160,7 @@ class ReplicaGroups(Replicas):
 
     # ---- 1. quorum -----------------------------------------------------------------------------
 
-    def start_step(self) -> ReplicaStep:
+    def start_step(self) -> StepAttempt:
         """Join this step's quorum (healing if behind) and learn who is in it."""
         healed, start = self.heal.healed, time.perf_counter()
         step = self.manager.current_step() + 1
@@ -163,7 +187,7 @@ class ReplicaGroups(Replicas):
             )
         self._tell_members(members, self.manager.current_step() + 1)
         self.positions.snapshot(moved=moved)
-        return ReplicaStep(step=self.manager.current_step() + 1, data_moved=moved)
+        return StepAttempt(step=self.manager.current_step() + 1, data_moved=moved)
 
     def _check_heal(self, healed_before: int) -> None:
         """A heal that was due but failed (its source died mid-transfer) is retried at the next quorum; once no
@@ -271,7 +295,7 @@ class ReplicaGroups(Replicas):
     # ---- 2, 3. sums and averages over the live groups ---------------------------------------------
 
     def sum_(self, tensor: torch.Tensor) -> int:
-        """Sum ``tensor`` in place over the live groups; returns their number (``WorldMesh.replica_sum``)."""
+        """Sum ``tensor`` in place over the live groups; returns their number (``WorldMesh.outer_sum``)."""
         self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
         return self.manager.num_participants()
 

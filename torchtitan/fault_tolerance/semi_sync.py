@@ -25,7 +25,7 @@ import torch
 
 from torchtitan.checkpointing.state import OptimizerState
 from torchtitan.fault_tolerance.errors import ReplicaGroupsFailed, require_torchft, short_reason
-from torchtitan.fault_tolerance.replicas import Replicas, ReplicaStep
+from torchtitan.fault_tolerance.replicas import Replicas, StepAttempt
 
 if TYPE_CHECKING:
     from torch import nn
@@ -91,9 +91,9 @@ class SemiSyncReplicas(Replicas):
 
     # ---- the step (no communication but at a synchronization) -----------------------------------
 
-    def start_step(self) -> ReplicaStep:
+    def start_step(self) -> StepAttempt:
         self._before = (self.heal.healed, self.manager.current_step())
-        return ReplicaStep(step=self._step + 1, data_moved=False)  # a heal comes inside the step (finish_step)
+        return StepAttempt(step=self._step + 1, data_moved=False)  # a heal comes inside the step (finish_step)
 
     def average(self, params: list[torch.nn.Parameter], loss: torch.Tensor) -> torch.Tensor:
         """Nothing between synchronizations: the loss logged is this group's own."""

@@ -1,4 +1,5 @@
-"""Building a rank's fault-tolerance parts from the trainer (``TrainerBuilders.replicas``'s default)."""
+"""Building a rank's fault-tolerance parts from the run's parts (the ``replicas`` seam's builder,
+preflight/registry.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
     from torchtitan.config.manager import JobConfig
     from torchtitan.distributed.mesh import WorldMesh
+    from torchtitan.engine.parts import CoreParts
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,27 @@ def config_fingerprint(config: JobConfig, world_size: int) -> int:
     shared["world_size"] = world_size
     digest = hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()
     return int(digest[:15], 16) or 1
+
+
+def build_replicas(core: CoreParts) -> Replicas:
+    """The ``replicas`` seam with ``fault_tolerance.enable``: this rank's ``Replicas`` over the run's parts."""
+    return build_replica_groups(
+        core.config,
+        world=core.world,
+        rank=core.rank,
+        model_parts=core.model_parts,
+        optimizer=core.optimizer,
+        lr_scheduler=core.lr_scheduler,
+        data_loader=core.data_loader,
+    )
+
+
+def _sets_aside_later(cfg: JobConfig) -> bool:
+    """The groups share the checkpoint folder (but in semi-sync): only an explicit rollback (checkpoint.load_step)
+    moves newer checkpoints aside, and only replica group 0 does; a plain resume takes the newest, and anything
+    newer is a live group's save that completed meanwhile."""
+    ft = cfg.fault_tolerance
+    return ft.semi_sync_method is not None or (ft.replica_id == 0 and cfg.checkpoint.load_step >= 0)
 
 
 def build_replica_groups(
@@ -88,6 +111,7 @@ def build_replica_groups(
             else "gradients averaged every step",
         )
     parts = dict(handle=handle, heal=heal, positions=positions, lighthouse=lighthouse, fingerprint=fingerprint)
+    parts["sets_aside_later"] = _sets_aside_later(cfg)
     if ft.semi_sync_method is None:
         return ReplicaGroups(ft, **parts, log=rank == 0)
     return SemiSyncReplicas(ft, view=heal.view, optimizer=optimizer, **parts, log=rank == 0)

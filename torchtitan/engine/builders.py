@@ -1,0 +1,183 @@
+"""``Builders``: how a run builds the parts that touch the outside world (the mesh, tokenizer file, data, metrics
+files, checkpoints) or that a tool builds differently (the memory estimator builds under fake tensors).
+
+Each field has a declared signature over typed parts (``CoreParts``, the replica sync, the metrics), never a
+half-built trainer. The defaults are a real training run's; the estimator passes its own (estimation/
+fake_trainer.py). ``overrides`` swaps a feature's seam builder (tests inject faults through it) and
+``estimate`` picks the registry's estimator builders (preflight/registry.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+from torchtitan.build import build_data_loader, build_meta_model, build_model_args
+from torchtitan.checkpointing.common import model_info
+from torchtitan.checkpointing.manager import CheckpointManager
+from torchtitan.components.run_control import StepGuard, StopSignals, Verdict
+from torchtitan.datasets.shard import ReportsDataMix
+from torchtitan.datasets.tokenizer import build_tokenizer
+from torchtitan.launch.run_folder import checkpoint_root
+from torchtitan.observability.step_metrics import StepMetrics
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from torchtitan.components.seams import OuterSync
+    from torchtitan.config.schema import Model, Training
+    from torchtitan.datasets.shard import DataShard
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.engine.parts import CoreParts
+
+logger = logging.getLogger(__name__)
+
+
+class Tokenizer(Protocol):
+    n_words: int
+    eos_id: int
+
+
+class Checkpointer(Protocol):
+    """What the loop uses of ``CheckpointManager``."""
+
+    def load(self) -> int: ...
+    def maybe_save(self, step: int, *, last: bool) -> None: ...
+    def save_now(self, step: int) -> bool: ...
+    def summary(self) -> str: ...
+    def close(self) -> None: ...
+
+
+class Metrics(Protocol):
+    """What the loop and the after-step work use of ``StepMetrics``."""
+
+    def add_data_time(self, seconds: float) -> None: ...
+    def add_wait(self, seconds: float) -> None: ...
+    def add_step(self, tokens: float) -> None: ...
+    def log(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, *, lr: float, extra: Any) -> None: ...
+    def log_validation(self, step: int, record: dict[str, float]) -> None: ...
+    def log_eval(self, step: int, record: dict[str, float]) -> None: ...
+    def end_summary(self, steps: int, checkpoint: str) -> str: ...
+    def close(self) -> None: ...
+
+
+class Guard(Protocol):
+    def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> Verdict: ...
+
+
+def _build_world_mesh(parallel_dims: ParallelDims, device_type: str) -> DeviceMesh | None:
+    return parallel_dims.build_mesh(device_type)
+
+
+def _build_tokenizer(model: Model) -> Any:
+    return build_tokenizer(model.tokenizer_path)
+
+
+def build_metrics(core: CoreParts, outer: OuterSync, *, start_step: int) -> StepMetrics:
+    """The default ``Builders.metrics``: per-step records (console, metrics.jsonl, TensorBoard) on rank 0."""
+    cfg, reduce = core.config, core.step_fn.reduce_loss
+    return StepMetrics(
+        metrics=cfg.metrics,
+        training=cfg.training,
+        float8=cfg.float8,
+        cp_degree=core.parallel_dims.cp,
+        dump_folder=core.run_folder,
+        wandb_config=cfg.to_dict(),
+        start_step=start_step,
+        device=core.device,
+        enabled=core.rank == 0,
+        # the logged (mean, max) of a per-rank loss; with replica groups the max is over the groups' too
+        reduce_loss=lambda loss: reduce(loss, max_source=outer.loss_max),
+        num_params=core.num_flop_params,
+        model_args=core.model_args,
+        documents=core.step_fn.feed.take_stats if core.step_fn.feed is not None else None,
+        data_mix=core.data_loader.step_metrics if isinstance(core.data_loader, ReportsDataMix) else None,
+    )
+
+
+def build_checkpointer(
+    core: CoreParts, outer: OuterSync, *, before_marker: Callable[[int], None] | None = None
+) -> CheckpointManager:
+    """The default ``Builders.checkpointer``; ``before_marker``: see ``CheckpointManager``.
+
+    The data position saved is what ``outer`` says (with replica groups: every group's, so the shared
+    checkpoint one group writes resumes all of them); the run's own files (metrics) are in its run folder.
+    """
+    cfg = core.config
+    return CheckpointManager(
+        cfg.checkpoint,
+        dump_folder=cfg.job.dump_folder,
+        run_folder=core.run_folder,
+        root=checkpoint_root(cfg),
+        extra=outer.checkpoint_state(),
+        sets_aside_later=outer.sets_aside_later,
+        model_parts=core.model_parts,
+        optimizer=core.optimizer,
+        lr_scheduler=core.lr_scheduler,
+        data_loader=outer.data_state(core.data_loader),
+        dp_rank=core.world.local_rank("dp"),
+        rank=core.rank,
+        device=core.device,
+        model_info=model_info(model=cfg.model, model_args=core.model_args, lora=cfg.lora, checkpoint=cfg.checkpoint),
+        data_info={"dataset": cfg.training.dataset, "dataset_path": cfg.training.dataset_path},
+        before_marker=before_marker,
+        lora=cfg.lora if cfg.lora.enable else None,
+    )
+
+
+def load_start_weights(core: CoreParts, checkpointer: Checkpointer) -> int:
+    """The default ``Builders.load``: the checkpointer's load (returns the step training continues after); then,
+    with ``lora.quantize_base``, the frozen base just loaded becomes NF4 (lora/quantize.py), before the first
+    forward."""
+    step = checkpointer.load()
+    lora = core.config.lora
+    if lora.enable and lora.quantize_base == "nf4":
+        from torchtitan.lora.quantize import quantize_base
+
+        n = quantize_base(core.model_parts)
+        if core.rank == 0:
+            logger.info("lora.quantize_base = 'nf4': %d frozen base linears stored as NF4", n)
+    return step
+
+
+def build_guard(core: CoreParts, metrics: Metrics, signals: StopSignals) -> StepGuard:
+    """The default ``Builders.guard``: the per-step agreement on non-finite steps and stop signals."""
+    cfg = core.config
+    on_wait = metrics.add_wait if cfg.metrics.straggler_factor > 0 else None
+    t = cfg.training
+    return StepGuard(t.on_nonfinite, t.max_nonfinite_skips, core.device, signals, on_wait=on_wait)
+
+
+@dataclass(frozen=True)
+class Builders:
+    """How a run builds its swappable parts. Defaults: a real training run. Signatures:
+
+    mesh(parallel_dims, device_type) -> DeviceMesh | None
+    tokenizer(model) -> Tokenizer (``model``: the ``[model]`` section)
+    model_args(config, spec, vocab_size, *, device_type) -> the family's args
+    meta_model(spec, model_args) -> nn.Module on the meta device (called once per pipeline stage too)
+    data_loader(training, tokenizer, shard) -> iterable of (inputs, labels), stateful for checkpoints
+    checkpointer(core, outer) -> Checkpointer
+    load(core, checkpointer) -> the step the run continues after
+    metrics(core, outer, *, start_step) -> Metrics
+    guard(core, metrics, signals) -> Guard
+    """
+
+    mesh: Callable[[ParallelDims, str], DeviceMesh | None] = _build_world_mesh
+    tokenizer: Callable[[Model], Tokenizer] = _build_tokenizer
+    model_args: Callable[..., Any] = build_model_args
+    meta_model: Callable[[Any, Any], nn.Module] = build_meta_model
+    data_loader: Callable[[Training, Tokenizer, DataShard], Iterable] = build_data_loader
+    checkpointer: Callable[[CoreParts, OuterSync], Checkpointer] = build_checkpointer
+    load: Callable[[CoreParts, Checkpointer], int] = load_start_weights
+    metrics: Callable[..., Metrics] = build_metrics
+    guard: Callable[[CoreParts, Metrics, StopSignals], Guard] = build_guard
+    overrides: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
+    """A seam's builder (preflight/registry.py ``Slot``) used instead of the enabled feature's."""
+    estimate: bool = False
+    """Build the features' seams for the memory estimator (the registry's ``estimate`` builders)."""

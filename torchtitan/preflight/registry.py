@@ -1,0 +1,168 @@
+"""The one registry of the trainer's parts and optional features: each entry's pre-launch checks and, for an
+optional feature, when it is on and what it builds into which seam of the step.
+
+Core files (the engine, the preflight) do not name features: they read this table. An entry names its check
+functions (light modules beside each feature: no DTensor, DCP, pipelining or data stack) and its builders as
+``"module:function"`` strings (``spec.Deferred``), imported only when a run turns the feature on.
+
+Seams (``Slot``) and the signature of a builder for each:
+
+- ``outer``: ``(core: CoreParts) -> OuterSync`` (components/seams.py); one feature at most.
+- ``optimizer_step``: ``(step_fn, optimizer, optimizer_config) -> OptimizerStep``; one feature at most.
+- ``step_pass``: ``(core: CoreParts) -> StepPass``; one feature at most.
+- ``after_step``: ``(core: CoreParts, metrics) -> AfterStep``; every enabled one, in this table's order.
+
+``estimate``: the builders the memory estimator uses for the same seams; an enabled feature with builders but
+no ``estimate`` is refused by the estimator in one line (it models the training step, not that feature).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from torchtitan.checkpointing.checks import check_checkpoint, check_initial_load
+from torchtitan.components.attention_checks import check_attention, check_attention_device
+from torchtitan.components.float8 import check_float8, check_torchao_installed
+from torchtitan.components.in_backward_checks import check_in_backward
+from torchtitan.components.lr_schedule import check_lr_schedule
+from torchtitan.components.memory_checks import check_memory_options
+from torchtitan.components.param_groups import check_param_groups
+from torchtitan.components.replay_checks import check_replay
+from torchtitan.datasets.checks import check_data_paths
+from torchtitan.datasets.sft.checks import check_fine_tuning
+from torchtitan.distributed.activation_checkpoint import check_activation_checkpoint
+from torchtitan.distributed.cp_checks import check_context_parallel
+from torchtitan.distributed.parallel_dims import ParallelDims, check_data_parallel
+from torchtitan.distributed.tp_checks import check_async_tp_device, check_tensor_parallel
+from torchtitan.eval.checks import check_eval, check_eval_tasks
+from torchtitan.fault_tolerance.checks import check_fault_tolerance, check_fault_tolerance_machine
+from torchtitan.launch.run_folder import check_dump_folder
+from torchtitan.lora.checks import check_lora, check_qlora_torchao
+from torchtitan.observability.metrics import check_metrics
+from torchtitan.observability.profiling import check_memory_snapshot_device, check_profiling
+from torchtitan.spec import Deferred, check_model
+
+if TYPE_CHECKING:
+    from torchtitan.config.manager import JobConfig
+
+Slot = Literal["outer", "optimizer_step", "step_pass", "after_step"]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One pre-launch check, ``fn(config, dims) -> warnings``.
+
+    ``this_machine``: it reads this machine's files or devices; the memory estimator, which plans for
+    the machine the run will use, skips it.
+    """
+
+    fn: Callable[[JobConfig, ParallelDims], list[str]]
+    this_machine: bool = False
+
+
+@dataclass(frozen=True)
+class Feature:
+    """An entry: a part of every run (``enabled`` None) or an optional feature with its switch."""
+
+    name: str
+    checks: tuple[Check, ...] = ()
+    enabled: Callable[[JobConfig], bool] | None = None
+    switch: str = ""
+    """The config key that turns it on (for messages)."""
+    builds: Mapping[Slot, Deferred] = field(default_factory=dict)
+    estimate: Mapping[Slot, Deferred] | None = None
+
+    def is_on(self, config: JobConfig) -> bool:
+        return self.enabled is not None and self.enabled(config)
+
+
+def _d(target: str) -> Deferred:
+    return Deferred(target)
+
+
+_REPLAY = {"step_pass": _d("torchtitan.components.replay:build_step_replay")}
+_IN_BACKWARD = {"optimizer_step": _d("torchtitan.components.optimizer_in_backward:build_in_backward_step")}
+
+# The order is the order a config with several problems hears about them: the layout's features first, then
+# the model against the layout, then files, then the bookkeeping keys; and the order of the ``after_step`` work.
+FEATURES: tuple[Feature, ...] = (  # declarative table
+    Feature("memory_snapshot", (Check(check_memory_snapshot_device, this_machine=True),)),
+    Feature("activation_checkpoint", (Check(check_activation_checkpoint),)),
+    Feature("memory_options", (Check(check_memory_options),)),
+    Feature("data_parallel", (Check(check_data_parallel),)),
+    Feature(
+        "fault_tolerance",
+        (Check(check_fault_tolerance), Check(check_fault_tolerance_machine, this_machine=True)),
+        enabled=lambda c: c.fault_tolerance.enable,
+        switch="fault_tolerance.enable",
+        builds={"outer": _d("torchtitan.fault_tolerance.setup:build_replicas")},
+        estimate={"outer": _d("torchtitan.estimation.ft_terms:build_estimated_replicas")},
+    ),
+    Feature("param_groups", (Check(check_param_groups),)),
+    Feature(
+        "optimizer_in_backward",
+        (Check(check_in_backward),),
+        enabled=lambda c: c.optimizer.early_step_in_backward,
+        switch="optimizer.early_step_in_backward",
+        builds=_IN_BACKWARD,
+        estimate=_IN_BACKWARD,
+    ),
+    Feature(
+        "step_replay",
+        (Check(check_replay),),
+        enabled=lambda c: c.training.replay_every_n_steps > 0,
+        switch="training.replay_every_n_steps",
+        builds=_REPLAY,
+        estimate=_REPLAY,
+    ),
+    Feature("lr_schedule", (Check(check_lr_schedule),)),
+    Feature("float8", (Check(check_float8), Check(check_torchao_installed, this_machine=True))),
+    # The family and flavor exist; the flavor's shapes under TP and PP; the family's own check (FFN width, experts).
+    Feature("model", (Check(check_model),)),
+    Feature("lora", (Check(check_lora), Check(check_qlora_torchao, this_machine=True))),
+    Feature("tensor_parallel", (Check(check_tensor_parallel), Check(check_async_tp_device, this_machine=True))),
+    Feature("context_parallel", (Check(check_context_parallel),)),
+    Feature("attention", (Check(check_attention), Check(check_attention_device, this_machine=True))),
+    Feature("fine_tuning", (Check(check_fine_tuning),)),
+    Feature("data_paths", (Check(check_data_paths, this_machine=True),)),
+    Feature("initial_load", (Check(check_initial_load, this_machine=True),)),
+    Feature("dump_folder", (Check(check_dump_folder, this_machine=True),)),
+    Feature(
+        "validation",
+        enabled=lambda c: c.validation.enabled,
+        switch="validation.enabled",
+        builds={"after_step": _d("torchtitan.components.validation:build_validation")},
+    ),
+    Feature(
+        "eval",
+        (Check(check_eval), Check(check_eval_tasks, this_machine=True)),
+        enabled=lambda c: c.eval.enabled,
+        switch="eval.enabled",
+        builds={"after_step": _d("torchtitan.eval.loop:build_in_loop_eval")},
+    ),
+    Feature("profiling", (Check(check_profiling),)),
+    Feature("metrics", (Check(check_metrics),)),
+    Feature("checkpoint", (Check(check_checkpoint),)),
+)
+
+
+def enabled_builders(config: JobConfig, slot: Slot, *, estimate: bool = False) -> list[tuple[Feature, Deferred]]:
+    """The builders of ``slot`` of every feature ``config`` turns on, in the table's order.
+
+    ``estimate``: the memory estimator's builders; a feature without them raises NotImplementedError naming
+    its switch.
+    """
+    found = []
+    for feature in FEATURES:
+        if slot not in feature.builds or not feature.is_on(config):
+            continue
+        builds = feature.estimate if estimate else feature.builds
+        if builds is None:
+            raise NotImplementedError(
+                f"{feature.switch} = true: the memory estimator models the training step, not {feature.name}; "
+                f"set {feature.switch} = false to estimate"
+            )
+        found.append((feature, builds[slot]))
+    return found
