@@ -12,6 +12,7 @@ from collections import defaultdict
 import pytest
 
 from tests import pool
+from tests.golden import GoldenCheck, session_check
 from tests.integration_tests import (
     BF16,
     DOCS,
@@ -66,6 +67,14 @@ def moe_reference_run(tmp_path_factory) -> tuple[str, Launch]:
     result = train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH), *MOE])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return folder, result
+
+
+@pytest.fixture(scope="session")
+def golden(request) -> GoldenCheck:
+    """The matrix's golden values (tests/golden.py); the terminal summary says how they were compared."""
+    check = session_check()
+    request.config.stash[_GOLDEN] = check
+    return check
 
 
 @pytest.fixture(scope="session")
@@ -142,6 +151,7 @@ ESTIMATION_FILE = "test_estimation.py"
 _LAST_USE = pytest.StashKey[dict]()
 _INDEX = pytest.StashKey[dict]()
 _BACKGROUND_MODULE = pytest.StashKey[object]()
+_GOLDEN = pytest.StashKey[GoldenCheck]()
 
 
 @pytest.hookimpl(trylast=True)
@@ -217,6 +227,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if not _FILE_SECONDS:
         return
     write = terminalreporter.write_line
+    golden = config.stash.get(_GOLDEN, None)
+    if golden is not None:
+        terminalreporter.section("golden parity values (tests/golden.py)")
+        for line in golden.summary():
+            write(line)
     terminalreporter.section("time per test file (setup + call + teardown)")
     total = time.perf_counter() - _SESSION_START
     for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1]):

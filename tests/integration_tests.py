@@ -7,6 +7,10 @@ and global batch k holds the same samples whatever the data-parallel degree.
 
 Tolerance: relative 1e-5 per step in fp32 (RTOL). Layouts differ only in the order of the
 floating-point reductions (FSDP's reduce-scatter vs. one process's sum), ~1e-7 relative per step.
+
+Golden values (tests/golden.py): every row's and reference's logged numbers must also equal, bit for bit,
+those recorded on a machine like this one in tests/assets/golden_parity.json (within the tolerances above
+elsewhere); TORCHTITAN_GOLDEN_RECORD=PATH records them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from tests.golden import GoldenCheck, values_of
 from tests.pool import run_train_job
 
 pytestmark = pytest.mark.integration
@@ -206,6 +211,8 @@ MOE_ROWS = [
 # same gradients give grad norms that differ by ~7e-5 between one shard and two (dense fsdp2 too).
 # Counting the expert grads twice (or ep times) would change the norm far more than this.
 GRAD_NORM_RTOL = 3e-4
+# where a golden value is not compared exactly (tests/golden.py): another machine's, or a row in its rtol_rows
+FP32_TOLERANCE = {"loss": RTOL, "grad_norm": GRAD_NORM_RTOL, "validation_loss": RTOL}
 
 # bf16 mixed precision against one process in bf16 (``bf16_reference``: the trainer autocasts). The
 # rows: FSDP's MixedPrecisionPolicy, autocast over TP's DTensors, both, autocast around the pipeline
@@ -230,6 +237,7 @@ BF16_RTOL = 5e-4
 # (tp2, pp2); 3e-3 is 2.6x the largest. It catches a norm counted twice (41 %) or a shard left out; the
 # loss checks above catch a run in the wrong precision (the fp32 run's norms are 4.4e-4 from bf16's).
 BF16_GRAD_NORM_RTOL = 3e-3
+BF16_TOLERANCE = {"loss": BF16_RTOL, "grad_norm": BF16_GRAD_NORM_RTOL, "validation_loss": BF16_RTOL}
 
 
 # Document masking (docs/attention.md): block_causal rows against one process with block_causal, on a
@@ -399,9 +407,10 @@ def check_row(row: Row) -> None:
 
 
 @pytest.mark.parametrize("row", MOE_ROWS, ids=[r.name for r in MOE_ROWS])
-def test_moe_loss_parity(row: Row, moe_reference_run, matrix: MatrixLaunches):
+def test_moe_loss_parity(row: Row, moe_reference_run, matrix: MatrixLaunches, golden: GoldenCheck):
     check_row(row)
     losses = matrix.losses(row)
+    golden.check(row.name, values_of(losses, VAL_FREQ), FP32_TOLERANCE)
     ref_folder, _ = moe_reference_run
     reference = read_metrics(ref_folder)
     for i, (got, want) in enumerate(zip(losses["loss"], [r["loss"] for r in reference], strict=True)):
@@ -433,9 +442,10 @@ def test_moe_reference_learns_and_logs_expert_load(moe_reference_run):
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
-def test_loss_parity(row: Row, reference: dict[str, list[float]], matrix: MatrixLaunches):
+def test_loss_parity(row: Row, reference: dict[str, list[float]], matrix: MatrixLaunches, golden: GoldenCheck):
     check_row(row)
     losses = matrix.losses(row)
+    golden.check(row.name, values_of(losses, VAL_FREQ), FP32_TOLERANCE)
     for key in ("loss",):
         for i, (got, want) in enumerate(zip(losses[key], reference[key], strict=True)):
             assert abs(got - want) <= RTOL * abs(want), f"{key} #{i}: {row.name} {got} vs single-process {want}"
@@ -444,9 +454,10 @@ def test_loss_parity(row: Row, reference: dict[str, list[float]], matrix: Matrix
 
 @pytest.mark.bf16
 @pytest.mark.parametrize("row", BF16_ROWS, ids=[r.name for r in BF16_ROWS])
-def test_bf16_loss_parity(row: Row, bf16_reference: dict, reference: dict, matrix: MatrixLaunches):
+def test_bf16_loss_parity(row: Row, bf16_reference: dict, reference: dict, matrix: MatrixLaunches, golden: GoldenCheck):
     check_row(row)
     records = matrix.losses(row)
+    golden.check(row.name, values_of(records, VAL_FREQ), BF16_TOLERANCE)
     losses = records["loss"]
     check_grad_norms(row.name, records["grad_norm"], bf16_reference["grad_norm"], BF16_GRAD_NORM_RTOL)
     for i, (got, want) in enumerate(zip(losses, bf16_reference["loss"], strict=True)):
@@ -456,9 +467,10 @@ def test_bf16_loss_parity(row: Row, bf16_reference: dict, reference: dict, matri
 
 
 @pytest.mark.parametrize("row", DOC_ROWS + DOC_MOE_ROWS, ids=[r.name for r in DOC_ROWS + DOC_MOE_ROWS])
-def test_block_causal_loss_parity(row: Row, docs_reference, docs_moe_reference, matrix: MatrixLaunches):
+def test_block_causal_loss_parity(row: Row, docs_reference, docs_moe_reference, matrix: MatrixLaunches, golden):
     check_row(row)
     losses = matrix.losses(row)
+    golden.check(row.name, values_of(losses, VAL_FREQ), FP32_TOLERANCE)
     reference = docs_moe_reference if row in DOC_MOE_ROWS else docs_reference
     for key in ("loss", "validation_loss"):
         for i, (got, want) in enumerate(zip(losses[key], reference[key], strict=True)):
@@ -475,3 +487,22 @@ def test_fused_rmsnorm_one_process_equals_rmsnorm(reference: dict[str, list[floa
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "aten::_fused_rms_norm" in result.stdout + result.stderr  # the one line saying what it runs
     assert losses_of(folder)["loss"] == reference["loss"]
+
+
+# The single-process references' own golden values (tests/golden.py): the runs are the fixtures' (no new run).
+REFERENCES = [
+    "reference",
+    pytest.param("bf16_reference", marks=pytest.mark.bf16),
+    "moe_reference_run",
+    "docs_reference",
+    "docs_moe_reference",
+]
+
+
+@pytest.mark.pool(1)
+@pytest.mark.parametrize("fixture", REFERENCES)
+def test_reference_golden(fixture: str, request: pytest.FixtureRequest, golden: GoldenCheck):
+    value = request.getfixturevalue(fixture)
+    losses = losses_of(value[0]) if fixture == "moe_reference_run" else value  # (dump folder, its run)
+    tolerance = BF16_TOLERANCE if fixture == "bf16_reference" else FP32_TOLERANCE
+    golden.check(fixture.removesuffix("_run"), values_of(losses, VAL_FREQ), tolerance)
