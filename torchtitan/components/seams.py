@@ -8,6 +8,9 @@ the null object the engine uses where a feature is off (so the loop has no ``if 
   ``DirectPass``.
 - ``AfterStep``: work after a committed step at its own schedule (validation, evaluation); off: none.
 - ``NoStepHooks``: a family without per-step work (``spec.StepHooks``).
+
+And what a feature's builder reads (``Parts``: the engine's ``CoreParts`` is one) and writes to (``Metrics``),
+declared here, below the features, so a feature names no engine type.
 """
 
 from __future__ import annotations
@@ -20,9 +23,61 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable, Iterator
+
     from torch.distributed.checkpoint.stateful import Stateful
 
-    from torchtitan.distributed.mesh import OuterSum
+    from torchtitan.components.document_feed import Batch
+    from torchtitan.components.step import StepFunction
+    from torchtitan.config.manager import JobConfig
+    from torchtitan.datasets.shard import DataShard
+    from torchtitan.distributed.mesh import OuterSum, WorldMesh
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+
+class Tokenizer(Protocol):
+    n_words: int
+    eos_id: int
+
+
+class Parts(Protocol):
+    """The run's built parts, as a feature's builder reads them (the engine's ``CoreParts``)."""
+
+    config: JobConfig
+    rank: int
+    device: torch.device
+    parallel_dims: ParallelDims
+    world: WorldMesh
+    run_folder: str
+    shard: DataShard
+    tokenizer: Tokenizer
+    data_loader: Iterable
+    model_args: Any
+    num_params: int
+    num_flop_params: int
+    step_fn: StepFunction
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+
+    @property
+    def model_parts(self) -> list[nn.Module]: ...
+
+    def shard_batch(self, inputs: torch.Tensor, labels: torch.Tensor, packed: Any = None) -> Batch: ...
+
+    def next_batches(self, data_iter: Iterator) -> list[Batch]: ...
+
+
+class Metrics(Protocol):
+    """What the loop and the after-step work use of ``StepMetrics``."""
+
+    def add_data_time(self, seconds: float) -> None: ...
+    def add_wait(self, seconds: float) -> None: ...
+    def add_step(self, tokens: float) -> None: ...
+    def log(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, *, lr: float, extra: Any) -> None: ...
+    def log_validation(self, step: int, record: dict[str, float]) -> None: ...
+    def log_eval(self, step: int, record: dict[str, float]) -> None: ...
+    def end_summary(self, steps: int, checkpoint: str) -> str: ...
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,11 @@ import torch
 from torchtitan.components.document_feed import Batch
 
 if TYPE_CHECKING:
+    from torchtitan.components.seams import Metrics, Parts
     from torchtitan.components.step import StepFunction
     from torchtitan.config.schema import Training, Validation
     from torchtitan.datasets.shard import DataShard
     from torchtitan.datasets.tokenizer import Tokenizer
-    from torchtitan.engine.builders import Metrics
-    from torchtitan.engine.parts import CoreParts
 
 
 class Validator:
@@ -104,7 +103,7 @@ class PeriodicValidation:
             self.log(step, self.validator.run())
 
 
-def build_validation(core: CoreParts, metrics: Metrics) -> PeriodicValidation:
+def build_validation(core: Parts, metrics: Metrics) -> PeriodicValidation:
     """The ``after_step`` seam's builder (preflight/registry.py)."""
     from torchtitan.datasets.shard import DataShard
 

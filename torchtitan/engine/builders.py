@@ -1,7 +1,7 @@
 """``Builders``: how a run builds the parts that touch the outside world (the mesh, tokenizer file, data, metrics
 files, checkpoints) or that a tool builds differently (the memory estimator builds under fake tensors).
 
-Each field has a declared signature over typed parts (``CoreParts``, the replica sync, the metrics), never a
+Each field has a declared signature over typed parts (``Parts``, the replica sync, the metrics), never a
 half-built trainer. The defaults are a real training run's; the estimator passes its own (estimation/
 fake_trainer.py). ``overrides`` swaps a feature's seam builder (tests inject faults through it) and
 ``estimate`` picks the registry's estimator builders (preflight/registry.py).
@@ -21,6 +21,7 @@ from torchtitan.build import build_data_loader, build_meta_model, build_model_ar
 from torchtitan.checkpointing.common import model_info
 from torchtitan.checkpointing.manager import CheckpointManager
 from torchtitan.components.run_control import StepGuard, StopSignals, Verdict
+from torchtitan.components.seams import Metrics, Tokenizer
 from torchtitan.datasets.shard import ReportsDataMix
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.launch.run_folder import checkpoint_root
@@ -29,18 +30,12 @@ from torchtitan.observability.step_metrics import StepMetrics
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from torchtitan.components.seams import OuterSync
+    from torchtitan.components.seams import OuterSync, Parts
     from torchtitan.config.schema import Model, Training
     from torchtitan.datasets.shard import DataShard
     from torchtitan.distributed.parallel_dims import ParallelDims
-    from torchtitan.engine.parts import CoreParts
 
 logger = logging.getLogger(__name__)
-
-
-class Tokenizer(Protocol):
-    n_words: int
-    eos_id: int
 
 
 class Checkpointer(Protocol):
@@ -50,19 +45,6 @@ class Checkpointer(Protocol):
     def maybe_save(self, step: int, *, last: bool) -> None: ...
     def save_now(self, step: int) -> bool: ...
     def summary(self) -> str: ...
-    def close(self) -> None: ...
-
-
-class Metrics(Protocol):
-    """What the loop and the after-step work use of ``StepMetrics``."""
-
-    def add_data_time(self, seconds: float) -> None: ...
-    def add_wait(self, seconds: float) -> None: ...
-    def add_step(self, tokens: float) -> None: ...
-    def log(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, *, lr: float, extra: Any) -> None: ...
-    def log_validation(self, step: int, record: dict[str, float]) -> None: ...
-    def log_eval(self, step: int, record: dict[str, float]) -> None: ...
-    def end_summary(self, steps: int, checkpoint: str) -> str: ...
     def close(self) -> None: ...
 
 
@@ -78,7 +60,7 @@ def _build_tokenizer(model: Model) -> Any:
     return build_tokenizer(model.tokenizer_path)
 
 
-def build_metrics(core: CoreParts, outer: OuterSync, *, start_step: int) -> StepMetrics:
+def build_metrics(core: Parts, outer: OuterSync, *, start_step: int) -> StepMetrics:
     """The default ``Builders.metrics``: per-step records (console, metrics.jsonl, TensorBoard) on rank 0."""
     cfg, reduce = core.config, core.step_fn.reduce_loss
     return StepMetrics(
@@ -101,7 +83,7 @@ def build_metrics(core: CoreParts, outer: OuterSync, *, start_step: int) -> Step
 
 
 def build_checkpointer(
-    core: CoreParts, outer: OuterSync, *, before_marker: Callable[[int], None] | None = None
+    core: Parts, outer: OuterSync, *, before_marker: Callable[[int], None] | None = None
 ) -> CheckpointManager:
     """The default ``Builders.checkpointer``; ``before_marker``: see ``CheckpointManager``.
 
@@ -130,7 +112,7 @@ def build_checkpointer(
     )
 
 
-def load_start_weights(core: CoreParts, checkpointer: Checkpointer) -> int:
+def load_start_weights(core: Parts, checkpointer: Checkpointer) -> int:
     """The default ``Builders.load``: the checkpointer's load (returns the step training continues after); then,
     with ``lora.quantize_base``, the frozen base just loaded becomes NF4 (lora/quantize.py), before the first
     forward."""
@@ -145,7 +127,7 @@ def load_start_weights(core: CoreParts, checkpointer: Checkpointer) -> int:
     return step
 
 
-def build_guard(core: CoreParts, metrics: Metrics, signals: StopSignals) -> StepGuard:
+def build_guard(core: Parts, metrics: Metrics, signals: StopSignals) -> StepGuard:
     """The default ``Builders.guard``: the per-step agreement on non-finite steps and stop signals."""
     cfg = core.config
     on_wait = metrics.add_wait if cfg.metrics.straggler_factor > 0 else None
@@ -173,10 +155,10 @@ class Builders:
     model_args: Callable[..., Any] = build_model_args
     meta_model: Callable[[Any, Any], nn.Module] = build_meta_model
     data_loader: Callable[[Training, Tokenizer, DataShard], Iterable] = build_data_loader
-    checkpointer: Callable[[CoreParts, OuterSync], Checkpointer] = build_checkpointer
-    load: Callable[[CoreParts, Checkpointer], int] = load_start_weights
+    checkpointer: Callable[[Parts, OuterSync], Checkpointer] = build_checkpointer
+    load: Callable[[Parts, Checkpointer], int] = load_start_weights
     metrics: Callable[..., Metrics] = build_metrics
-    guard: Callable[[CoreParts, Metrics, StopSignals], Guard] = build_guard
+    guard: Callable[[Parts, Metrics, StopSignals], Guard] = build_guard
     overrides: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
     """A seam's builder (preflight/registry.py ``Slot``) used instead of the enabled feature's."""
     estimate: bool = False

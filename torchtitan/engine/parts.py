@@ -22,17 +22,19 @@ from torchtitan.components.seams import (
     AfterStep,
     ClipAndStep,
     DirectPass,
+    Metrics,
     NoStepHooks,
     OptimizerStep,
     OuterSync,
     SingleGroup,
     StepPass,
+    Tokenizer,
 )
 from torchtitan.distributed.context_parallel import compute_cp_positions, shard_sequence
 from torchtitan.distributed.device import set_determinism
 from torchtitan.distributed.mesh import WorldMesh
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.engine.builders import Builders, Checkpointer, Guard, Metrics, Tokenizer
+from torchtitan.engine.builders import Builders, Checkpointer, Guard
 from torchtitan.launch.run_folder import run_folder
 from torchtitan.preflight.registry import Slot, enabled_builders
 from torchtitan.spec import get_model_spec

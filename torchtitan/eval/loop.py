@@ -22,8 +22,7 @@ import torch
 from torchtitan.config.schema_eval import Eval
 
 if TYPE_CHECKING:
-    from torchtitan.engine.builders import Metrics
-    from torchtitan.engine.parts import CoreParts
+    from torchtitan.components.seams import Metrics, Parts
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +60,7 @@ def flatten_results(results: dict[str, dict[str, Any]]) -> dict[str, float]:
 class InLoopEval:
     """The trainer's ``[eval]``: ``maybe_run(step)`` evaluates at its steps and logs through the trainer's metrics."""
 
-    def __init__(self, core: CoreParts, metrics: Metrics, eval_config: Eval):
+    def __init__(self, core: Parts, metrics: Metrics, eval_config: Eval):
         from torchtitan.eval.tasks import build_task_manager
 
         self.cfg, self.core, self.metrics = eval_config, core, metrics
@@ -118,6 +117,6 @@ class InLoopEval:
         return {k: v for k, v in record.items() if not math.isnan(v)}
 
 
-def build_in_loop_eval(core: CoreParts, metrics: Metrics) -> InLoopEval:
+def build_in_loop_eval(core: Parts, metrics: Metrics) -> InLoopEval:
     """The ``after_step`` seam's builder with ``eval.enabled`` (preflight/registry.py)."""
     return InLoopEval(core, metrics, core.config.eval)

@@ -21,9 +21,9 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from torchtitan.components.seams import Parts
     from torchtitan.config.manager import JobConfig
     from torchtitan.distributed.mesh import WorldMesh
-    from torchtitan.engine.parts import CoreParts
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def config_fingerprint(config: JobConfig, world_size: int) -> int:
     return int(digest[:15], 16) or 1
 
 
-def build_replicas(core: CoreParts) -> Replicas:
+def build_replicas(core: Parts) -> Replicas:
     """The ``replicas`` seam with ``fault_tolerance.enable``: this rank's ``Replicas`` over the run's parts."""
     return build_replica_groups(
         core.config,
