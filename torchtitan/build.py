@@ -42,7 +42,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline import PipelineParts, build_pipeline
 from torchtitan.dtypes import to_dtype
 from torchtitan.lora.apply import apply_lora, init_lora_adapters
-from torchtitan.models.attention import resolve_attention_backend
+from torchtitan.models.common.attention import resolve_attention_backend
 from torchtitan.models.lora import is_base_key
 from torchtitan.spec import chain_hooks, get_model_spec
 

@@ -20,9 +20,9 @@ from torchtitan.checkpointing.hf import export_to_hf, import_from_hf
 from torchtitan.config.manager import JobConfig
 from torchtitan.models.deepseek_v3 import DeepSeekV3Args, DeepSeekV3Transformer, YarnScaling, deepseek_v3_configs
 from torchtitan.models.deepseek_v3.hf_adapter import model_args_from_hf
-from torchtitan.models.documents import document_ids, document_positions
+from torchtitan.models.common.documents import document_ids, document_positions
 from torchtitan.models.moe.moe import TokenChoiceRouter, compute_aux_loss, compute_sequence_aux_loss
-from torchtitan.models.yarn import yarn_attention_factor
+from torchtitan.models.common.rope.yarn import yarn_attention_factor
 from torchtitan.preflight import run_preflight
 from torchtitan.spec import get_model_spec, hf_conversion_refusal
 

@@ -18,7 +18,7 @@ import torch
 from torchtitan.checkpointing.common import load_model_weights
 from torchtitan.checkpointing.hf import export_to_hf, import_from_hf
 from torchtitan.config.manager import JobConfig
-from torchtitan.models.documents import document_positions
+from torchtitan.models.common.documents import document_positions
 from torchtitan.models.gpt_oss import GptOssArgs, GptOssTransformer, apply_sinks, gpt_oss_configs
 from torchtitan.models.gpt_oss.hf_adapter import model_args_from_hf
 from torchtitan.models.gpt_oss.model import attention_mask, masked_attention_with_lse

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from torchtitan.models.yarn import HF_YARN_KEYS, YarnScaling
+from torchtitan.models.common.rope.yarn import HF_YARN_KEYS, YarnScaling
 
 _TOP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",

@@ -21,7 +21,7 @@ import torch
 
 from torchtitan.models.gpt_oss.args import LAYER_KINDS, aux_loss_coeff_from_hf, aux_loss_coeff_to_hf
 from torchtitan.models.llama.hf_adapter import _halves_to_interleaved, _interleaved_to_halves
-from torchtitan.models.yarn import HF_YARN_KEYS, YarnScaling
+from torchtitan.models.common.rope.yarn import HF_YARN_KEYS, YarnScaling
 
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
 _TOP["output.weight"] = "lm_head.weight"
