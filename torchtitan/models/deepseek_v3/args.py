@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchtitan.models.moe.args import MoEArgs
 from torchtitan.models.common.rope.yarn import YarnScaling, yarn_mscale
+from torchtitan.models.moe.args import MoEArgs
 
 
 @dataclass(frozen=True)
