@@ -200,3 +200,19 @@ class HfAdapter:
 def torch_dtype_name(dtype: torch.dtype) -> str:
     """``config.json``'s ``torch_dtype``."""
     return str(dtype).removeprefix("torch.")
+
+
+def base_model_args(config: Mapping[str, Any], theta: float, *, norm_eps: float, max_len: int) -> dict[str, Any]:
+    """The model args every family reads alike from ``config.json`` (``norm_eps`` and ``max_len``: the family's
+    defaults, its transformers config class's)."""
+    return {
+        "dim": config["hidden_size"],
+        "n_layers": config["num_hidden_layers"],
+        "n_heads": config["num_attention_heads"],
+        "vocab_size": config["vocab_size"],
+        "norm_eps": config.get("rms_norm_eps", norm_eps),
+        "rope_theta": theta,
+        "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "max_seq_len": config.get("max_position_embeddings", max_len),
+        "norm_type": "rmsnorm",
+    }

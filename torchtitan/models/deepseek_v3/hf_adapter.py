@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from torchtitan.models.common.hf_adapter import HfAdapter, StackedExperts, torch_dtype_name
+from torchtitan.models.common.hf_adapter import HfAdapter, StackedExperts, base_model_args, torch_dtype_name
 from torchtitan.models.common.hf_rope import RopeDefaults, hf_rope_parameters, parse_hf_rope
 
 
@@ -117,16 +117,8 @@ class DeepSeekV3Adapter(HfAdapter):
         )
         n_shared = config.get("n_shared_experts", 1) or 0
         return {
-            "dim": config["hidden_size"],
-            "n_layers": config["num_hidden_layers"],
-            "n_heads": config["num_attention_heads"],
-            "vocab_size": config["vocab_size"],
-            "norm_eps": config.get("rms_norm_eps", 1e-6),
-            "rope_theta": rope.theta,
+            **base_model_args(config, rope.theta, norm_eps=1e-6, max_len=4096),
             "rope_scaling": rope.scaling,
-            "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
-            "max_seq_len": config.get("max_position_embeddings", 4096),
-            "norm_type": "rmsnorm",
             "ffn_dim": config["intermediate_size"],
             "q_lora_rank": config.get("q_lora_rank", 1536) or 0,  # null: no q compression
             "kv_lora_rank": config["kv_lora_rank"],

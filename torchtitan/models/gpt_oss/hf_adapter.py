@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from torchtitan.models.common.hf_adapter import HfAdapter, torch_dtype_name
+from torchtitan.models.common.hf_adapter import HfAdapter, base_model_args, torch_dtype_name
 from torchtitan.models.common.hf_rope import RopeDefaults, hf_rope_parameters, parse_hf_rope
 from torchtitan.models.gpt_oss.args import LAYER_KINDS, aux_loss_coeff_from_hf, aux_loss_coeff_to_hf
 
@@ -135,16 +135,10 @@ class GptOssAdapter(HfAdapter):
         n_layers, top_k = config["num_hidden_layers"], config["num_experts_per_tok"]
         rope = parse_hf_rope(config, family="gpt-oss", supports=("default", "yarn"), defaults=_ROPE_DEFAULTS)
         return {
-            "dim": config["hidden_size"],
-            "n_layers": n_layers,
-            "n_heads": config["num_attention_heads"],
+            **base_model_args(config, rope.theta, norm_eps=1e-5, max_len=131072),
             "n_kv_heads": config.get("num_key_value_heads") or config["num_attention_heads"],
             "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-            "vocab_size": config["vocab_size"],
-            "norm_eps": config.get("rms_norm_eps", 1e-5),
-            "rope_theta": rope.theta,
             "yarn": rope.scaling,
-            "max_seq_len": config.get("max_position_embeddings", 131072),
             "num_experts": config.get("num_local_experts") or config["num_experts"],
             "top_k": top_k,
             "moe_hidden_dim": config["intermediate_size"],
@@ -155,8 +149,6 @@ class GptOssAdapter(HfAdapter):
             "swiglu_alpha": config.get("swiglu_alpha", 1.702),
             "swiglu_limit": config.get("swiglu_limit", 7.0),
             "aux_loss_coeff": aux_loss_coeff_from_hf(config.get("router_aux_loss_coef", 0.001), top_k, n_layers),
-            "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
-            "norm_type": "rmsnorm",
         }
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from torchtitan.models.common.hf_adapter import HfAdapter, torch_dtype_name
+from torchtitan.models.common.hf_adapter import HfAdapter, base_model_args, torch_dtype_name
 from torchtitan.models.common.hf_rope import RopeDefaults, hf_rope_parameters, parse_hf_rope
 
 
@@ -75,19 +75,8 @@ class LlamaAdapter(HfAdapter):
             if config.get(key, False) not in (False, {}):
                 raise NotImplementedError(f"HF config {key} = {config[key]!r}: our {self.family} has no such feature")
         rope = parse_hf_rope(config, family=self.family, supports=("default", "llama3"), defaults=self.rope_defaults)
-        return {
-            "dim": config["hidden_size"],
-            "n_layers": config["num_hidden_layers"],
-            "n_heads": config["num_attention_heads"],
-            "n_kv_heads": config.get("num_key_value_heads"),
-            "vocab_size": config["vocab_size"],
-            "norm_eps": config.get("rms_norm_eps", 1e-5),
-            "rope_theta": rope.theta,
-            "rope_scaling": rope.scaling,
-            "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
-            "max_seq_len": config.get("max_position_embeddings", 2048),
-            "norm_type": "rmsnorm",
-        }
+        args = base_model_args(config, rope.theta, norm_eps=1e-5, max_len=2048)
+        return {**args, "n_kv_heads": config.get("num_key_value_heads"), "rope_scaling": rope.scaling}
 
 
 ADAPTER = LlamaAdapter()
