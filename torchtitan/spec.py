@@ -23,7 +23,6 @@ from torch import nn
 from torchtitan.config.errors import ConfigError
 from torchtitan.distributed.pipeline_layout import check_pipeline
 from torchtitan.distributed.tp_checks import check_tp_shapes
-from torchtitan.models.common.hf_adapter import StateDictAdapter
 
 if TYPE_CHECKING:
     import torch
@@ -129,6 +128,32 @@ def count_non_embedding_params(args: Any, model: nn.Module) -> int:
     if embed is None or (output is not None and output.weight is embed.weight):
         return total
     return total - embed.weight.numel()
+
+
+class StateDictAdapter(Protocol):
+    """A family's Hugging Face conversion (``ModelSpec.state_dict_adapter``; the shared mapping is
+    models/common/hf_adapter.py's ``HfAdapter``). ``args``: our model args as a dict."""
+
+    @property
+    def block_names(self) -> Mapping[str, str]:
+        """Our suffix -> HF suffix, per block (LoRA's targets and PEFT's module names are read from it)."""
+        ...
+
+    def to_hf_state_dict(self, sd: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Our weights (all, or some) -> HF names and layouts; ValueError for a weight without an HF name."""
+        ...
+
+    def from_hf_state_dict(self, hf: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """HF weights (all, or some) -> ours; ValueError for a weight the family does not know."""
+        ...
+
+    def hf_config(self, args: dict[str, Any], weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
+        """``config.json`` for our args and weights, saved in ``dtype``."""
+        ...
+
+    def model_args_from_hf(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Our model args (as a dict) from ``config.json``; ValueError / NotImplementedError for what we lack."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,7 @@ from torchtitan.checkpointing.common import (
 )
 from torchtitan.checkpointing.hf_files import load_hf_weights, read_hf_config, save_hf_folder
 from torchtitan.checkpointing.marker import read_marker
-from torchtitan.models.common.hf_adapter import StateDictAdapter
-from torchtitan.spec import get_model_spec, hf_conversion_refusal, spec_for_hf_model_type
+from torchtitan.spec import StateDictAdapter, get_model_spec, hf_conversion_refusal, spec_for_hf_model_type
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
-"""The Hugging Face conversion toolkit: the adapter protocol every family's spec carries, and the weight
-mapping the families share, written once (name maps, tied embeddings, the RoPE row order of q/k, stacked
-routed experts). A family's ``hf_adapter.py`` declares its maps and writes only its config.json fields.
+"""The Hugging Face conversion toolkit: the weight mapping the families share, written once (name maps, tied embeddings, the RoPE row order of q/k, stacked
+routed experts). A family's ``hf_adapter.py`` declares its maps and writes only its config.json fields; its
+``ADAPTER`` satisfies ``torchtitan.spec.StateDictAdapter`` (the protocol lives there: models/ imports no spec).
 
 RoPE: our ``apply_rotary_emb`` rotates interleaved pairs (x[2i], x[2i+1]) of each head; HF Llama-style
 models rotate halves (x[i], x[i + head_dim/2]) ("rotate_half"). Attention scores only need q and k
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -23,31 +23,6 @@ TOP = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-
-
-class StateDictAdapter(Protocol):
-    """A family's Hugging Face conversion (``ModelSpec.state_dict_adapter``). ``args``: our model args as a dict."""
-
-    @property
-    def block_names(self) -> Mapping[str, str]:
-        """Our suffix -> HF suffix, per block (LoRA's targets and PEFT's module names are read from it)."""
-        ...
-
-    def to_hf_state_dict(self, sd: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """Our weights (all, or some) -> HF names and layouts; ValueError for a weight without an HF name."""
-        ...
-
-    def from_hf_state_dict(self, hf: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """HF weights (all, or some) -> ours; ValueError for a weight the family does not know."""
-        ...
-
-    def hf_config(self, args: dict[str, Any], weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
-        """``config.json`` for our args and weights, saved in ``dtype``."""
-        ...
-
-    def model_args_from_hf(self, config: dict[str, Any]) -> dict[str, Any]:
-        """Our model args (as a dict) from ``config.json``; ValueError / NotImplementedError for what we lack."""
-        ...
 
 
 def interleaved_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
