@@ -139,16 +139,7 @@ def test_export_writes_rope_parameters_as_save_pretrained_does(tmp_path, case):
     saved.save_pretrained(tmp_path)
     on_disk = transformers.LlamaConfig.from_pretrained(tmp_path).to_dict()
     assert "rope_scaling" not in on_disk and "rope_theta" not in on_disk
-    assert (
-        on_disk["rope_parameters"]
-        == {
-            **written,
-            "original_max_position_embeddings": on_disk["rope_parameters"].get(
-                "original_max_position_embeddings", written.get("original_max_position_embeddings")
-            ),
-        }
-        or kind == "default"
-    )
+    assert on_disk["rope_parameters"] == written  # transformers keeps what we wrote, and writes nothing else
     again = parse_hf_rope(
         {"max_position_embeddings": MAX_LEN, "rope_parameters": written}, family="x", supports=supports
     )
