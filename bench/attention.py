@@ -37,8 +37,8 @@ from torch.distributed._tools import MemTracker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 from torchtitan.distributed.device import get_device_info, synchronize
-from torchtitan.models.attention import masked_attention, resolve_attention_backend
-from torchtitan.models.documents import document_stats
+from torchtitan.models.common.attention import masked_attention, resolve_attention_backend
+from torchtitan.models.common.documents import document_stats
 from torchtitan.models.llama.model import CausalAttention, Transformer
 from torchtitan.spec import get_model_spec
 

@@ -33,7 +33,7 @@ from torchtitan.components.float8 import check_float8_runs
 from torchtitan.distributed.device import DeviceInfo, get_device_info, init_distributed, synchronize
 from torchtitan.estimation.estimate import estimate_memory, estimate_rank
 from torchtitan.estimation.fake_trainer import resolve_vocab
-from torchtitan.models.attention import resolve_attention_backend
+from torchtitan.models.common.attention import resolve_attention_backend
 from torchtitan.observability.flops import get_peak_flops
 
 SANITY_TOLERANCE = 1e-4  # fp32 losses, device vs CPU (issue 44)

@@ -11,7 +11,8 @@
 
 A LoRA run's checkpoint (adapters only) is merged into the base its marker names. The model (family, shapes)
 comes from the checkpoint's marker (or the HF config.json); the tokenizer
-from ``--tokenizer`` (default: the shipped one the debug configs train with). CPU without a GPU, else
+from ``--tokenizer`` (default: an HF folder's own tokenizer.json, as transformers reads it, else the shipped
+one the debug configs train with). CPU without a GPU, else
 CUDA. Greedy by default (temperature 0); with a KV cache unless ``--no_cache``.
 
 Plain, the prompt is text to continue (after the tokenizer's bos, if it has one); generation stops at
@@ -48,7 +49,8 @@ def load_model(
     """The model (eval mode, on ``device``) from a checkpoint folder or, with ``hf``, an HF folder; ``adapter``: a
     PEFT LoRA folder merged into those weights.
 
-    ``max_len`` bounds prompt + generated tokens; ``n_words`` is the tokenizer's vocabulary size.
+    ``max_len`` bounds prompt + generated tokens; ``n_words`` is the tokenizer's vocabulary size (an HF model's
+    table may be padded past it, as the trainer accepts: the padding rows' logits are dropped).
 
     Raises:
         ValueError: not a checkpoint of this trainer, or a vocabulary other than the tokenizer's.
@@ -60,12 +62,15 @@ def load_model(
         config, adapters = read_peft_folder(adapter, spec, dataclasses.asdict(model_args))
         check_adapters_fit_base(adapters, weights, adapter)
         weights = merge_adapters(weights, adapters, scaling_of(config))
-    if model_args.vocab_size != n_words:
+    if model_args.vocab_size < n_words:  # more rows is an HF model's padded table: the extra rows are never sampled
         raise ValueError(
             f"the model has a vocabulary of {model_args.vocab_size} and the tokenizer {n_words} words; "
             "pass the tokenizer the model was trained with (--tokenizer)"
         )
-    return _build(spec, model_args, weights, device)
+    model = _build(spec, model_args, weights, device)
+    if model_args.vocab_size > n_words:
+        model.register_forward_hook(lambda _m, _args, logits: _full(logits)[..., :n_words])
+    return model
 
 
 def _weights_and_model(checkpoint: str | None, hf: str | None, max_len: int):
@@ -74,17 +79,12 @@ def _weights_and_model(checkpoint: str | None, hf: str | None, max_len: int):
     from torchtitan.spec import get_model_spec, spec_for_hf_model_type
 
     if hf:
-        from safetensors.torch import load_file
+        from torchtitan.checkpointing.hf_files import load_hf_weights, read_hf_config
 
-        from torchtitan.checkpointing.hf_files import hf_weight_files, read_hf_config
-
-        config = read_hf_config(hf)
-        spec = spec_for_hf_model_type(config.get("model_type", "llama"))
-        fields = spec.state_dict_adapter.model_args_from_hf(config)
-        hf_weights = {}
-        for path in sorted(set(hf_weight_files(hf).values())):  # one file, or save_pretrained's shards
-            hf_weights.update(load_file(path))
-        weights = spec.state_dict_adapter.from_hf_state_dict(hf_weights, fields)
+        spec = spec_for_hf_model_type(read_hf_config(hf).get("model_type", "llama"))
+        if spec.state_dict_adapter is None:
+            raise NotImplementedError(f"--hf {hf}: model family {spec.name} has no Hugging Face adapter")
+        fields, weights = load_hf_weights(hf, spec.state_dict_adapter)
     else:
         weights, marker = load_model_weights(checkpoint)
         info = marker.get("model") or {}
@@ -129,8 +129,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt", required=True, help="text to continue; with --chat, the user's message")
     parser.add_argument(
         "--tokenizer",
-        default=SHIPPED_TOKENIZER,
-        help="tokenizer the model was trained with: tiktoken BPE file or tokenizer.json (or its folder)",
+        help="tokenizer the model was trained with: tiktoken BPE file or tokenizer.json (or its folder); default: "
+        "the --hf folder's own tokenizer when it has one, else the shipped one the debug configs train with",
     )
     parser.add_argument(
         "--chat",
@@ -188,6 +188,18 @@ def build_prompt(args: argparse.Namespace) -> Prompt:
     return Prompt(ids, tokenizer.base.n_words, stop_ids, lambda out: decode_answer(tokenizer, out, stop_ids))
 
 
+def default_tokenizer(hf: str | None) -> str:
+    """Without ``--tokenizer``: an HF folder's own tokenizer (as transformers reads it), else the shipped one."""
+    from torchtitan.checkpointing.hf_files import hf_folder_tokenizer
+
+    return (hf_folder_tokenizer(hf) if hf else None) or SHIPPED_TOKENIZER
+
+
+def _full(logits: torch.Tensor) -> torch.Tensor:
+    """Plain logits (a DTensor under tensor parallel)."""
+    return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -200,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     info = get_device_info()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         init_distributed(info, 300, 0)
+    args.tokenizer = args.tokenizer or default_tokenizer(args.hf)
     try:
         prompt = build_prompt(args)
         max_len = len(prompt.ids) + args.max_new_tokens

@@ -175,7 +175,7 @@ def test_hf_model_fine_tuned_under_fsdp2_and_exported_back(tmp_path):
     from safetensors.torch import load_file
 
     from torchtitan.checkpointing.common import load_model_weights
-    from torchtitan.models.llama import hf_adapter
+    from torchtitan.models.llama.hf_adapter import ADAPTER as hf_adapter
 
     os.chdir(ROOT)
     for family in FAMILIES:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from torchtitan.checkpointing.common import model_info, save_model_weights
+from torchtitan.checkpointing.hf_files import hf_embedding_rows
 from torchtitan.checkpointing.marker import read_marker, step_folder
 from torchtitan.checkpointing.state import ModelState
 from torchtitan.components.document_feed import build_document_feed
@@ -36,7 +37,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline import PipelineParts, build_pipeline
 from torchtitan.dtypes import to_dtype
 from torchtitan.lora.apply import apply_lora, init_lora_adapters
-from torchtitan.models.attention import resolve_attention_backend
+from torchtitan.models.common.attention import resolve_attention_backend
 from torchtitan.models.lora import is_base_key
 from torchtitan.spec import chain_hooks, get_model_spec
 
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
 
 def build_model_args(config: JobConfig, spec: ModelSpec, vocab_size: int, *, device_type: str | None = None) -> Any:
     """The flavor's args with the tokenizer's vocab (the HF model's rows when a run starts from one, see
-    ``_hf_vocab``), the training seq_len, the norm type and the attention backend (a new object).
+    ``hf_embedding_rows``), the training seq_len, the norm type and the attention backend (a new object).
 
     ``device_type``: the run's device, which ``model.attention_backend = 'auto'`` resolves against;
     default the device this process trains on (``get_device_info``), as the trainer's.
@@ -61,7 +62,7 @@ def build_model_args(config: JobConfig, spec: ModelSpec, vocab_size: int, *, dev
     flavor = spec.flavors[config.model.flavor]
     ck = config.checkpoint
     if ck.initial_load_in_hf and ck.initial_load_path:
-        vocab_size = _hf_vocab(ck.initial_load_path, vocab_size, config.model.tokenizer_path)
+        vocab_size = hf_embedding_rows(ck.initial_load_path, vocab_size, config.model.tokenizer_path)
     tp = config.training.tensor_parallel_degree
     if vocab_size % tp:
         raise ValueError(
@@ -79,20 +80,6 @@ def build_model_args(config: JobConfig, spec: ModelSpec, vocab_size: int, *, dev
     device_type = device_type or get_device_info().device.type
     backend = resolve_attention_backend(config.model.attention_backend, device_type)
     return dataclasses.replace(args, attention_backend=backend)
-
-
-def _hf_vocab(hf_dir: str, tokenizer_vocab: int, tokenizer_path: str) -> int:
-    """The embedding rows of the HF model a run starts from: published models pad their table past the
-    tokenizer's words (Qwen3: 151,936 rows for 151,669 tokens); the padding rows are never looked up."""
-    from torchtitan.checkpointing.hf import read_hf_config
-
-    rows = read_hf_config(hf_dir).get("vocab_size", tokenizer_vocab)
-    if rows < tokenizer_vocab:
-        raise ValueError(
-            f"checkpoint.initial_load_path = {hf_dir!r} has vocab_size {rows}, fewer rows than the tokenizer's "
-            f"{tokenizer_vocab} words ({tokenizer_path}); use the tokenizer that model was trained with"
-        )
-    return rows
 
 
 @functools.cache

@@ -130,6 +130,49 @@ def count_non_embedding_params(args: Any, model: nn.Module) -> int:
     return total - embed.weight.numel()
 
 
+class StateDictAdapter(Protocol):
+    """A family's Hugging Face conversion (``ModelSpec.state_dict_adapter``; the shared mapping is
+    models/common/hf_adapter.py's ``HfAdapter``). ``args``: our model args as a dict."""
+
+    @property
+    def block_names(self) -> Mapping[str, str]:
+        """Our suffix -> HF suffix, per block (LoRA's targets and PEFT's module names are read from it)."""
+        ...
+
+    def to_hf_state_dict(self, sd: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Our weights (all, or some) -> HF names and layouts; ValueError for a weight without an HF name."""
+        ...
+
+    def from_hf_state_dict(self, hf: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """HF weights (all, or some) -> ours; ValueError for a weight the family does not know."""
+        ...
+
+    def hf_config(self, args: dict[str, Any], weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
+        """``config.json`` for our args and weights, saved in ``dtype``."""
+        ...
+
+    def model_args_from_hf(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Our model args (as a dict) from ``config.json``; ValueError / NotImplementedError for what we lack."""
+        ...
+
+
+@dataclass(frozen=True)
+class LoraLayout:
+    """Where LoRA adapts a family's linears and their PEFT names: the attention linears of its HF block map, and
+    the FFNs at ``ffn_paths``."""
+
+    block_names: Mapping[str, str]
+    """Our suffix -> HF suffix per block (its adapter's ``block_names``): LoRA's targets and PEFT's module names."""
+    ffn_paths: tuple[str, ...]
+    """Where its plain-nn.Linear FFNs sit in a block (w1/w2/w3 under each): a dense family's one FFN; an MoE
+    family's dense layers' and shared expert's. Routed experts (grouped weights) and the router are never adapted."""
+    dense: bool = False
+    """A dense family (no experts): QLoRA (``lora.quantize_base``) runs on it, and no name is an expert's."""
+    peft_ffn_remapped: bool = False
+    """peft re-targets gate_proj/up_proj/down_proj of this model type onto its fused routed experts, so a PEFT
+    export of FFN adapters would load onto other weights (peft 0.21 on transformers 5: deepseek_v3)."""
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One model family.
@@ -150,8 +193,10 @@ class ModelSpec:
         build_step_hooks: ``(args, meta_model, model_parts, device) -> StepHooks | None``.
         fake_tensor_args: ``args -> args`` to build under fake tensors (the memory estimator):
             data-dependent choices replaced by a fixed assumption; None: the args as they are.
-        state_dict_adapter: the Hugging Face conversion of the family (``to_hf_state_dict``,
-            ``from_hf_state_dict``, ``hf_config``, ``model_args_from_hf``), or None.
+        state_dict_adapter: the Hugging Face conversion of the family (a ``StateDictAdapter``,
+            models/common/hf_adapter.py), or None.
+        lora: where LoRA adapts the family's linears and their PEFT names (``LoraLayout``, read by
+            lora/names.py); None: LoRA is not built for the family.
         check_fn: ``(args, *, model, training, experimental) -> list[str]``: the family's own
             pre-launch checks of the flavor's ``args`` against the config sections (``Model``,
             ``Training``, ``Experimental``), beside the generic ones: raise ConfigError /
@@ -177,7 +222,8 @@ class ModelSpec:
         None
     )
     fake_tensor_args: Callable[[Any], Any] | None = None
-    state_dict_adapter: Any = None
+    state_dict_adapter: StateDictAdapter | None = None
+    lora: LoraLayout | None = None
     check_fn: Callable[..., list[str]] | None = None
     layer_pattern: Callable[[Any], tuple[int, int]] = lambda args: (0, 1)
     hf_model_type: str | None = None  # config.json's "model_type" this family imports (with state_dict_adapter)

@@ -25,7 +25,7 @@ from torchtitan.distributed.context_parallel import (
     compute_cp_positions,
     shard_sequence,
 )
-from torchtitan.models.documents import block_causal_mask
+from torchtitan.models.common.documents import block_causal_mask
 
 pytestmark = pytest.mark.distributed
 

@@ -1,4 +1,4 @@
-"""Block-causal attention backends (torchtitan/models/attention.py) against SDPA with the boolean mask.
+"""Block-causal attention backends (torchtitan/models/common/attention.py) against SDPA with the boolean mask.
 
 Tolerances are fp32's: outputs within rtol 1e-5 / atol 1e-5 and gradients within rtol 1e-4 /
 atol 1e-5 of the masked SDPA (the kernels sum the same products in another order).
@@ -17,7 +17,7 @@ from torchtitan.build import build_model_args
 from torchtitan.config.manager import JobConfig
 from torchtitan.config.schema import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.models.attention import (
+from torchtitan.models.common.attention import (
     build_document_block_mask,
     document_lengths,
     masked_attention,

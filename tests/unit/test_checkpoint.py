@@ -19,7 +19,7 @@ from torchtitan.checkpointing.marker import EXPORT, FULL, SEED, step_folder, wri
 from torchtitan.checkpointing.state import ModelPartsView
 from torchtitan.config.schema import Checkpoint as CheckpointConfig
 from torchtitan.models.llama import ModelArgs, Transformer
-from torchtitan.models.llama.hf_adapter import from_hf_state_dict, to_hf_state_dict
+from torchtitan.models.llama.hf_adapter import ADAPTER
 from torchtitan.preflight import run_preflight
 
 ARGS = ModelArgs(
@@ -331,7 +331,9 @@ def hf_llama_forward(sd: dict[str, torch.Tensor], cfg: dict, tokens: torch.Tenso
     """A reference LlamaForCausalLM forward written from HF's conventions (rotate-half RoPE)."""
     n_heads, n_kv, head_dim = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     bs, seqlen = tokens.shape
-    inv_freq = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    inv_freq = 1.0 / (
+        cfg["rope_parameters"]["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    )
     freqs = torch.outer(torch.arange(seqlen, dtype=torch.float32), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos()[None, None], emb.sin()[None, None]  # (1, 1, seqlen, head_dim)
@@ -355,9 +357,9 @@ def hf_llama_forward(sd: dict[str, torch.Tensor], cfg: dict, tokens: torch.Tenso
 def test_hf_round_trip_is_identical():
     sd = _model(0).state_dict()
     args = dataclasses.asdict(ARGS)
-    hf = to_hf_state_dict(sd, args)
+    hf = ADAPTER.to_hf_state_dict(sd, args)
     assert "model.layers.1.self_attn.q_proj.weight" in hf and "lm_head.weight" in hf
-    back = from_hf_state_dict(hf, args)
+    back = ADAPTER.from_hf_state_dict(hf, args)
     assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
 
 

@@ -18,11 +18,11 @@ import torch
 from torchtitan.checkpointing.common import load_model_weights
 from torchtitan.checkpointing.hf import export_to_hf, import_from_hf
 from torchtitan.config.manager import JobConfig
+from torchtitan.models.common.documents import document_ids, document_positions
+from torchtitan.models.common.rope.yarn import yarn_attention_factor
 from torchtitan.models.deepseek_v3 import DeepSeekV3Args, DeepSeekV3Transformer, YarnScaling, deepseek_v3_configs
-from torchtitan.models.deepseek_v3.hf_adapter import model_args_from_hf
-from torchtitan.models.documents import document_ids, document_positions
+from torchtitan.models.deepseek_v3.hf_adapter import ADAPTER
 from torchtitan.models.moe.moe import TokenChoiceRouter, compute_aux_loss, compute_sequence_aux_loss
-from torchtitan.models.yarn import yarn_attention_factor
 from torchtitan.preflight import run_preflight
 from torchtitan.spec import get_model_spec, hf_conversion_refusal
 
@@ -114,7 +114,7 @@ def test_import_and_export_match_transformers(tmp_path, config):
     hf_dir = _hf_folder(tmp_path, config)
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with open(os.path.join(hf_dir, "config.json")) as f:
-        args = model_args_from_hf(json.load(f))
+        args = ADAPTER.model_args_from_hf(json.load(f))
     seed = str(tmp_path / "seed" / "step-0")
     import_from_hf(hf_dir, seed, model_name="deepseek_v3")
     weights, _ = load_model_weights(seed)
@@ -143,7 +143,7 @@ def test_each_feature_moves_the_parity_logits(tmp_path):
     """Guards the parity test: dropping YaRN's softmax scale, the groups or the bias changes the logits."""
     hf_dir = _hf_folder(tmp_path, HF_CONFIG)
     with open(os.path.join(hf_dir, "config.json")) as f:
-        args = model_args_from_hf(json.load(f))
+        args = ADAPTER.model_args_from_hf(json.load(f))
     seed = str(tmp_path / "seed" / "step-0")
     import_from_hf(hf_dir, seed, model_name="deepseek_v3")
     weights, _ = load_model_weights(seed)
@@ -329,7 +329,7 @@ def test_published_config_json_is_the_flavor(flavor):
         "num_key_value_heads": PUBLISHED[flavor]["num_attention_heads"],
     }
     config |= {"hidden_act": "silu", "rms_norm_eps": 1e-6, "attention_bias": False, "tie_word_embeddings": False}
-    theirs = DeepSeekV3Args.from_dict(model_args_from_hf(config))
+    theirs = DeepSeekV3Args.from_dict(ADAPTER.model_args_from_hf(config))
     assert theirs == dataclasses.replace(deepseek_v3_configs[flavor], max_seq_len=theirs.max_seq_len)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan.models.documents import (
+from torchtitan.models.common.documents import (
     IGNORE_INDEX,
     block_causal_mask,
     document_ids,

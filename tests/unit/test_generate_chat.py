@@ -26,7 +26,7 @@ from torchtitan.checkpointing.hf import save_hf_folder
 from torchtitan.datasets.sft.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTokenizer
 from torchtitan.datasets.sft.prompting import answer_ids, chat_messages, chat_prompt_ids, chat_stop_ids
 from torchtitan.distributed.init import init_model_weights
-from torchtitan.models.llama import hf_adapter
+from torchtitan.models.llama.hf_adapter import ADAPTER as hf_adapter
 from torchtitan.models.llama.model import ModelArgs, Transformer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,9 +18,9 @@ import torch
 from torchtitan.checkpointing.common import load_model_weights
 from torchtitan.checkpointing.hf import export_to_hf, import_from_hf
 from torchtitan.config.manager import JobConfig
-from torchtitan.models.documents import document_positions
+from torchtitan.models.common.documents import document_positions
 from torchtitan.models.gpt_oss import GptOssArgs, GptOssTransformer, apply_sinks, gpt_oss_configs
-from torchtitan.models.gpt_oss.hf_adapter import model_args_from_hf
+from torchtitan.models.gpt_oss.hf_adapter import ADAPTER
 from torchtitan.models.gpt_oss.model import attention_mask, masked_attention_with_lse
 from torchtitan.models.gpt_oss.moe import GptOssExperts
 from torchtitan.spec import get_model_spec
@@ -93,7 +93,7 @@ def test_import_and_export_match_transformers(tmp_path):
     folder = _hf_folder(tmp_path)
     hf = _load_hf(folder)
     with open(os.path.join(folder, "config.json")) as f:
-        args = GptOssArgs.from_dict(model_args_from_hf(json.load(f)))
+        args = GptOssArgs.from_dict(ADAPTER.model_args_from_hf(json.load(f)))
     seed = str(tmp_path / "seed" / "step-0")
     import_from_hf(folder, seed)  # the family from config.json's model_type
     weights, _ = load_model_weights(seed)
@@ -229,7 +229,7 @@ def test_published_sizes_and_configs_match_transformers(flavor):
     print(f"\ngpt_oss {flavor}: {count:,} parameters (transformers {sum(p.numel() for p in hf.parameters()):,})")
     assert count == sum(p.numel() for p in hf.parameters()) == EXACT[flavor]
     # the published config.json converts to exactly this flavor (what initial_load_in_hf checks)
-    converted, flavor_dict = model_args_from_hf(PUBLISHED[flavor]), dataclasses.asdict(args)
+    converted, flavor_dict = ADAPTER.model_args_from_hf(PUBLISHED[flavor]), dataclasses.asdict(args)
     assert {k: v for k, v in converted.items() if flavor_dict[k] != v} == {}
 
 

@@ -17,9 +17,10 @@ import torch
 
 from torchtitan.checkpointing.common import load_model_weights
 from torchtitan.checkpointing.hf import export_to_hf, import_from_hf
-from torchtitan.models.llama.hf_adapter import model_args_from_hf
+from torchtitan.models.llama.hf_adapter import ADAPTER
 from torchtitan.models.llama.model import RopeScaling, Transformer
-from torchtitan.models.qwen3.hf_adapter import model_args_from_hf as qwen3_args_from_hf
+from torchtitan.models.qwen3.hf_adapter import QWEN3 as QWEN3_ADAPTER
+from torchtitan.models.qwen3.hf_adapter import QWEN3_MOE as QWEN3_MOE_ADAPTER
 from torchtitan.spec import get_model_spec
 
 transformers = pytest.importorskip("transformers")
@@ -89,7 +90,7 @@ def test_llama_import_and_export_match_transformers(tmp_path, config):
     hf_dir = _hf_model(tmp_path, config)
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with open(os.path.join(hf_dir, "config.json")) as f:
-        args = model_args_from_hf(json.load(f))
+        args = ADAPTER.model_args_from_hf(json.load(f))
     assert (args["rope_scaling"] is not None) == scaled
     seed = str(tmp_path / "seed" / "step-0")
     import_from_hf(hf_dir, seed)
@@ -143,7 +144,7 @@ def test_qwen3_import_and_export_match_transformers(tmp_path, tied):
             layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     hf.save_pretrained(hf_dir, safe_serialization=True)
     with open(os.path.join(hf_dir, "config.json")) as f:
-        args = qwen3_args_from_hf(json.load(f))
+        args = QWEN3_ADAPTER.model_args_from_hf(json.load(f))
     seed = str(tmp_path / "seed" / "step-0")
     import_from_hf(hf_dir, seed, model_name="qwen3")
     weights, _ = load_model_weights(seed)
@@ -176,12 +177,11 @@ QWEN3_MOE = {
 
 def test_qwen3_moe_import_and_export_match_transformers(tmp_path):
     """Per-expert HF weights stacked into our grouped experts, softmax top-k renormalised, QK-norm."""
-    from torchtitan.models.qwen3.hf_moe_adapter import model_args_from_hf as moe_args_from_hf
 
     hf_dir = _hf_model(tmp_path, QWEN3_MOE, family="Qwen3Moe")
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with open(os.path.join(hf_dir, "config.json")) as f:
-        args = moe_args_from_hf(json.load(f))
+        args = QWEN3_MOE_ADAPTER.model_args_from_hf(json.load(f))
     seed = str(tmp_path / "seed" / "step-0")
     import_from_hf(hf_dir, seed, model_name="qwen3_moe")
     weights, _ = load_model_weights(seed)

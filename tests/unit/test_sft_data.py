@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerFast
 from torchtitan.datasets.sft.chat_template import ChatTokenizer, render_chat
 from torchtitan.datasets.sft.examples import ColumnMap, build_example
 from torchtitan.datasets.sft.packing import pack_examples, windows_to_tensors
-from torchtitan.models.documents import IGNORE_INDEX, block_causal_mask
+from torchtitan.models.common.documents import IGNORE_INDEX, block_causal_mask
 
 SPECIAL = [
     "<|endoftext|>",

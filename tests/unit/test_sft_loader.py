@@ -17,7 +17,7 @@ from torchtitan.datasets.sft.chat_template import ChatTokenizer
 from torchtitan.datasets.sft.checks import check_fine_tuning
 from torchtitan.datasets.sft.columns import ColumnMap
 from torchtitan.datasets.sft.loader import SFTDataset, load_rows, tokenize_rows
-from torchtitan.models.documents import IGNORE_INDEX
+from torchtitan.models.common.documents import IGNORE_INDEX
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "sft"
 TOKENIZER = str(ASSETS / "tokenizer")

@@ -14,20 +14,19 @@ import os
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from torchtitan.checkpointing.common import (
     load_model_weights,
     save_model_weights,
 )
-from torchtitan.checkpointing.hf_files import hf_weight_files, read_hf_config, save_hf_folder
+from torchtitan.checkpointing.hf_files import load_hf_weights, read_hf_config, save_hf_folder
 from torchtitan.checkpointing.marker import read_marker
-from torchtitan.spec import get_model_spec, hf_conversion_refusal, spec_for_hf_model_type
+from torchtitan.spec import StateDictAdapter, get_model_spec, hf_conversion_refusal, spec_for_hf_model_type
 
 logger = logging.getLogger(__name__)
 
 
-def adapter_of(model_name: str) -> Any:
+def adapter_of(model_name: str) -> StateDictAdapter:
     """The family's adapter, for an import (HF -> ours).
 
     Raises:
@@ -87,13 +86,7 @@ def import_from_hf(hf_dir: str, output_path: str, model_name: str | None = None)
         hf_config = json.load(f)
     if model_name is None:
         model_name = spec_for_hf_model_type(hf_config.get("model_type", "llama")).name
-    adapter = adapter_of(model_name)
-    args = adapter.model_args_from_hf(hf_config)
-    files = hf_weight_files(hf_dir)
-    hf = {}
-    for path in sorted(set(files.values())):
-        hf.update(load_file(path))
-    weights = adapter.from_hf_state_dict(hf, args)
+    args, weights = load_hf_weights(hf_dir, adapter_of(model_name))
     save_model_weights(weights, output_path, {"name": model_name, "flavor": None, "args": args, "source": hf_dir})
 
 

@@ -92,3 +92,37 @@ def save_hf_folder(
     for name in os.listdir(output_dir):
         if name.endswith(".safetensors"):
             os.chmod(os.path.join(output_dir, name), mode)
+
+
+def hf_embedding_rows(hf_dir: str, tokenizer_words: int, tokenizer_path: str) -> int:
+    """The embedding rows of an HF model: published models pad their table past the tokenizer's words (Qwen3:
+    151,936 rows for 151,669 tokens); the padding rows are never looked up. The trainer, generation and
+    evaluation build the model with these rows.
+
+    Raises:
+        ValueError: fewer rows than the tokenizer has words (another model's tokenizer).
+    """
+    rows = read_hf_config(hf_dir).get("vocab_size", tokenizer_words)
+    if rows < tokenizer_words:
+        raise ValueError(
+            f"Hugging Face folder {hf_dir!r} has vocab_size {rows}, fewer rows than the tokenizer's "
+            f"{tokenizer_words} words ({tokenizer_path}); use the tokenizer that model was trained with"
+        )
+    return rows
+
+
+def hf_folder_tokenizer(hf_dir: str) -> str | None:
+    """The folder itself when it holds its tokenizer (``tokenizer.json``), as transformers' AutoTokenizer reads
+    a model folder; None when it has none."""
+    return hf_dir if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")) else None
+
+
+def load_hf_weights(hf_dir: str, adapter: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(our model args as a dict, our weights) of an HF folder, through the family's ``StateDictAdapter``."""
+    from safetensors.torch import load_file
+
+    fields = adapter.model_args_from_hf(read_hf_config(hf_dir))
+    hf: dict[str, torch.Tensor] = {}
+    for path in sorted(set(hf_weight_files(hf_dir).values())):  # one file, or save_pretrained's shards
+        hf.update(load_file(path))
+    return fields, adapter.from_hf_state_dict(hf, fields)

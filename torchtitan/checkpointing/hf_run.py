@@ -25,7 +25,8 @@ import torchtitan.checkpointing.integrity as integrity
 from torchtitan.checkpointing.common import agree, one_process_quiet, read_metadata, short_error
 from torchtitan.checkpointing.compat import check_model_matches
 from torchtitan.checkpointing.folders import CheckpointInfo, verify_files
-from torchtitan.checkpointing.hf import adapter_of, check_hf_matches, export_to_hf, hf_weight_files
+from torchtitan.checkpointing.hf import adapter_of, check_hf_matches, export_to_hf
+from torchtitan.checkpointing.hf_files import hf_weight_files
 from torchtitan.checkpointing.marker import SEED, read_marker, why_not_loadable
 from torchtitan.dtypes import to_dtype
 from torchtitan.lora.peft_io import check_peft_fits, read_peft_folder

@@ -1,6 +1,6 @@
 """Pre-launch checks of the attention keys: ``model.attn_mask_type``, ``positions_per_document`` and
 ``attention_backend`` (docs/attention.md), against the layout and the model family. Light: the
-preflight runs them; the masks themselves are models/documents.py and components/document_feed.py."""
+preflight runs them; the masks themselves are models/common/documents.py and components/document_feed.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Document masking in the trainer: from a packed batch to the ``doc_ids`` / ``positions`` every model
 part's forward receives (``model.attn_mask_type = "block_causal"``; the mask itself and the
-boundary rules are torchtitan/models/documents.py).
+boundary rules are torchtitan/models/common/documents.py).
 
 The batch is read before context parallel cuts it (a token's document depends on every EOS before it),
 then its document ids and per-document positions are cut with the same positions as inputs and
@@ -27,7 +27,7 @@ from torch import nn
 
 from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.pipeline import in_shape_inference
-from torchtitan.models.documents import (
+from torchtitan.models.common.documents import (
     IGNORE_INDEX,
     DocumentStats,
     document_ids,

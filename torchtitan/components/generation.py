@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.attention import apply_sinks, masked_attention_with_lse
+from torchtitan.models.common.attention import apply_sinks, masked_attention_with_lse
 
 
 class CachedAttention(nn.Module):

@@ -27,7 +27,7 @@ from torchtitan.components.loss import LossFn, chunked_cross_entropy, cross_entr
 from torchtitan.components.optimizer import build_optimizer_in_backward
 from torchtitan.distributed.grad_norm import clip_grad_norm_, reduce_partial_grads_
 from torchtitan.distributed.pipeline import pipeline_eval, pipeline_step
-from torchtitan.models.documents import IGNORE_INDEX
+from torchtitan.models.common.documents import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from torch import nn

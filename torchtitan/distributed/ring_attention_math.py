@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchtitan.models.documents import block_causal_mask
+from torchtitan.models.common.documents import block_causal_mask
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ class FlavorVocabTokenizer:
 
     ``eos_id`` (the trainer reads it for block_causal document boundaries) is the last id: the tokens
     are random and, under fake tensors, the documents cannot be read anyway (attention assumes one
-    per row, which takes the same memory; torchtitan/models/attention.py).
+    per row, which takes the same memory; torchtitan/models/common/attention.py).
     """
 
     def __init__(self, n_words: int):

@@ -49,7 +49,8 @@ def load_config(config: str | JobConfig, overrides: list[str] | None = None) -> 
 
 def build_eval_model(config: JobConfig, *, checkpoint: str | None = None, hf: str | None = None) -> EvalModel:
     """The config's model under its layout on this process, with the weights of ``checkpoint`` (a complete
-    ``step-N`` folder) or ``hf`` (a Hugging Face folder); neither: the seeded initialisation.
+    ``step-N`` folder) or ``hf`` (a Hugging Face folder: its own tokenizer when it holds one, else the config's,
+    and its embedding rows, which may be padded past the tokenizer); neither: the seeded initialisation.
 
     Raises:
         ValueError: a checkpoint of another family or flavor than the config's, or a tokenizer of another
@@ -57,6 +58,7 @@ def build_eval_model(config: JobConfig, *, checkpoint: str | None = None, hf: st
         NotImplementedError: pipeline or context parallel in the config.
     """
     from torchtitan.build import build_model, build_model_args
+    from torchtitan.checkpointing.hf_files import hf_embedding_rows, hf_folder_tokenizer
     from torchtitan.datasets.tokenizer import build_tokenizer
     from torchtitan.distributed.device import get_device_info, init_distributed
     from torchtitan.dtypes import to_dtype
@@ -77,8 +79,10 @@ def build_eval_model(config: JobConfig, *, checkpoint: str | None = None, hf: st
     if world_size > 1 and not dist.is_initialized():
         init_distributed(info, config.comm.init_timeout_seconds, 0)
     spec = get_model_spec(config.model.name)
-    tokenizer = build_tokenizer(config.model.tokenizer_path)
-    args = build_model_args(config, spec, tokenizer.n_words, device_type=info.device.type)
+    tokenizer_path = (hf_folder_tokenizer(hf) if hf else None) or config.model.tokenizer_path
+    tokenizer = build_tokenizer(tokenizer_path)
+    vocab = hf_embedding_rows(hf, tokenizer.n_words, tokenizer_path) if hf else tokenizer.n_words
+    args = build_model_args(config, spec, vocab, device_type=info.device.type)
     weights = None
     if checkpoint:
         weights = _checkpoint_weights(checkpoint, config, args)
@@ -129,13 +133,11 @@ def _checkpoint_weights(path: str, config: JobConfig, args: Any) -> dict[str, to
 
 def _hf_weights(folder: str, spec: Any, args: Any) -> dict[str, torch.Tensor]:
     """A Hugging Face folder's weights in our names (the family's adapter), checked against the config's shapes."""
-    from safetensors.torch import load_file
-
-    from torchtitan.checkpointing.hf_files import hf_weight_files, read_hf_config
+    from torchtitan.checkpointing.hf_files import load_hf_weights
 
     if spec.state_dict_adapter is None:
         raise NotImplementedError(f"hf={folder}: model family {spec.name} has no Hugging Face adapter")
-    fields = spec.state_dict_adapter.model_args_from_hf(read_hf_config(folder))
+    fields, weights = load_hf_weights(folder, spec.state_dict_adapter)
     want = dataclasses.asdict(args)
     differs = [
         f"{k} {fields[k]} != {want[k]}"
@@ -147,10 +149,7 @@ def _hf_weights(folder: str, spec: Any, args: Any) -> dict[str, torch.Tensor]:
             f"hf={folder} does not match the config's {spec.name} flavor: {'; '.join(differs)}; pass the config "
             "whose flavor (and tokenizer) the folder was made from"
         )
-    hf_weights: dict[str, torch.Tensor] = {}
-    for path in sorted(set(hf_weight_files(folder).values())):
-        hf_weights.update(load_file(path))
-    return spec.state_dict_adapter.from_hf_state_dict(hf_weights, fields)
+    return weights
 
 
 def _load(model: nn.Module, weights: dict[str, torch.Tensor], *, source: str) -> None:

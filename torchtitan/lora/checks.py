@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.lora.names import DENSE_FAMILIES, family_targets, resolve_targets, target_paths
+from torchtitan.lora.names import dense_families, family_targets, resolve_targets, target_paths
 from torchtitan.lora.peft_io import check_peft_exportable
 from torchtitan.lora.quantize import check_nf4_shapes, check_torchao_for_nf4
 from torchtitan.spec import flavor_args, get_model_spec, hf_conversion_refusal
@@ -46,17 +46,17 @@ def check_lora(config: JobConfig, dims: ParallelDims) -> list[str]:
     if not lora.dropout < 1:
         raise ConfigError(f"lora.dropout = {lora.dropout}: must be in [0, 1); 0 turns it off")
     _check_combinations(config, dims)
-    if spec.name not in DENSE_FAMILIES:
+    if not spec.lora.dense:
         _check_moe_layout(config, dims)
     if config.checkpoint.last_save_in_hf:
         check_peft_exportable(spec, lora.target_modules)
     if lora.adapter_path and spec.state_dict_adapter is None:  # a PEFT folder is in HF names (llama3_moe has none)
         raise NotImplementedError(f"lora.adapter_path = {lora.adapter_path!r}: {hf_conversion_refusal(spec, {})}")
     if lora.quantize_base != "none":
-        if spec.name not in DENSE_FAMILIES:
+        if not spec.lora.dense:
             raise NotImplementedError(
                 f"lora.quantize_base = {lora.quantize_base!r} with model.name = {spec.name!r}: not built (QLoRA runs on "
-                f"the dense families {', '.join(DENSE_FAMILIES)}); set lora.quantize_base = 'none' for LoRA on it"
+                f"the dense families {', '.join(dense_families())}); set lora.quantize_base = 'none' for LoRA on it"
             )
         check_qlora_layout(config, dims)
         check_nf4_shapes(target_shapes(config), dims.dp_shard if dims.fsdp_enabled else 1)

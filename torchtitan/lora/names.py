@@ -1,4 +1,6 @@
-"""Which linears LoRA can adapt, per family, and their PEFT names (read from the family's HF name map)."""
+"""Which linears LoRA can adapt, per family, and their PEFT names: read from the family's spec (``ModelSpec.lora``:
+its HF block map and where its plain-nn.Linear FFNs sit). MoE routed experts (grouped weights) and the router are
+never adapted; DeepSeek-V3's attention is MLA (wq or wq_a/wq_b, wkv_a, wkv_b, wo: its HF map, one to one)."""
 
 from __future__ import annotations
 
@@ -8,24 +10,8 @@ from torch import nn
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.schema_lora import DEFAULT_TARGETS
-from torchtitan.models.llama import hf_adapter as llama_hf
-from torchtitan.spec import ModelSpec
+from torchtitan.spec import LoraLayout, ModelSpec, get_model_spec, model_names
 
-# family -> where its plain-nn.Linear FFNs sit in a block (w1/w2/w3 under each). Dense families: the one FFN.
-# MoE families: the attention linears (llama's names and modules) and the FFNs that are nn.Linears: a dense
-# layer's (llama3_moe's layer 0) and the shared expert's. The routed experts are grouped weights (one
-# (E, out, in) tensor per w1/w2/w3, run by a grouped matmul) and the router is the base's choice of experts:
-# neither is adapted. Qwen3-MoE has every layer MoE and no shared expert: attention only. DeepSeek-V3's attention is
-# MLA (wq or wq_a/wq_b, wkv_a, wkv_b, wo: its HF map, one to one).
-_FFN_PATHS = {
-    "llama3": ("feed_forward",),
-    "qwen3": ("feed_forward",),
-    "llama3_moe": ("feed_forward", "feed_forward.shared_expert"),
-    "qwen3_moe": (),
-    "deepseek_v3": ("feed_forward", "feed_forward.shared_expert"),
-}
-LORA_FAMILIES = tuple(_FFN_PATHS)
-DENSE_FAMILIES = ("llama3", "qwen3")  # QLoRA's (lora/quantize.py): the MoE families' LoRA is not quantized
 # Names a user may give for the MoE parts that are never adapted (besides a family's expert-only w1/w2/w3).
 _EXPERT_WORDS = ("experts", "router", "gate", "expert_bias")
 
@@ -43,25 +29,39 @@ class Target:
     """Its path in an HF block (``self_attn.q_proj``)."""
 
 
+def lora_families() -> list[str]:
+    """The families whose spec says where LoRA adapts them."""
+    return [name for name in model_names() if get_model_spec(name).lora is not None]
+
+
+def dense_families() -> list[str]:
+    """The families QLoRA runs on (lora/quantize.py): the MoE families' LoRA is not quantized."""
+    return [name for name in lora_families() if get_model_spec(name).lora.dense]
+
+
+def _layout(spec: ModelSpec) -> LoraLayout:
+    if spec.lora is None:
+        raise NotImplementedError(
+            f"lora.enable with model.name = {spec.name!r}: not built for this family (no LoRA targets or rows); LoRA "
+            f"runs on {', '.join(lora_families())}: use one of those or turn lora.enable off"
+        )
+    return spec.lora
+
+
 def family_targets(spec: ModelSpec) -> dict[str, Target]:
     """Our short name -> Target, for every linear LoRA adapts in ``spec``'s family.
 
     Raises:
         NotImplementedError: the family is not one LoRA supports (one line naming those that are).
     """
-    if spec.name not in LORA_FAMILIES:
-        raise NotImplementedError(
-            f"lora.enable with model.name = {spec.name!r}: not built for this family (no LoRA targets or rows); LoRA "
-            f"runs on {', '.join(LORA_FAMILIES)}: use one of those or turn lora.enable off"
-        )
-    ffn = _FFN_PATHS[spec.name]
+    layout = _layout(spec)
     out = {}
-    for ours, hf in getattr(spec.state_dict_adapter, "BLOCK_NAMES", llama_hf.BLOCK_NAMES).items():
+    for ours, hf in layout.block_names.items():
         path, hf_path = ours.removesuffix(".weight"), hf.removesuffix(".weight")
         parent, _, name = path.rpartition(".")
         if "norm" in name or name == "expert_bias" or parent not in ("attention", "feed_forward") or name in out:
             continue  # norms, the router and expert bias, the shared expert's (its w1 is the FFN's w1)
-        paths = (path,) if parent == "attention" else tuple(f"{p}.{name}" for p in ffn)
+        paths = (path,) if parent == "attention" else tuple(f"{p}.{name}" for p in layout.ffn_paths)
         if paths:
             out[name] = Target(name, paths, hf_path.rsplit(".", 1)[-1], hf_path)
     return out
@@ -99,10 +99,11 @@ def resolve_targets(spec: ModelSpec, requested: list[str]) -> list[Target]:
 def _names_expert(spec: ModelSpec, name: str) -> bool:
     """``name`` is an MoE part this family has and does not adapt (routed experts, router, or an FFN linear name
     whose only nn.Linear home in this family would be the experts)."""
-    if spec.name in DENSE_FAMILIES:
+    layout = _layout(spec)
+    if layout.dense:
         return False
     ffn_names = {"w1", "w2", "w3", "gate_proj", "up_proj", "down_proj"}
-    return any(w in name for w in _EXPERT_WORDS) or (name in ffn_names and not _FFN_PATHS[spec.name])
+    return any(w in name for w in _EXPERT_WORDS) or (name in ffn_names and not layout.ffn_paths)
 
 
 def target_paths(block: nn.Module, targets: list[Target]) -> list[str]:

@@ -3,7 +3,7 @@
 A PEFT LoRA folder is ``adapter_config.json`` + ``adapter_model.safetensors`` whose keys are
 ``base_model.model.<HF module>.lora_A.weight`` / ``.lora_B.weight`` (what ``PeftModel.save_pretrained`` writes).
 Names and layouts go through the family's Hugging Face adapter: B is an output-side matrix, so for q/k it
-gets the same within-head RoPE row permutation as the base weight (models/llama/hf_adapter.py); A is
+gets the same within-head RoPE row permutation as the base weight (models/common/hf_adapter.py); A is
 input-side and unchanged.
 """
 
@@ -73,16 +73,10 @@ def from_peft_state_dict(peft: dict[str, torch.Tensor], spec: ModelSpec, args: d
     return out
 
 
-# Families whose FFN names peft (0.21, on transformers 5) re-targets: it maps gate_proj/up_proj/down_proj of these
-# model types onto the fused routed experts' parameters (and drops them as module targets), so an adapter of the
-# dense layers' and shared experts' FFNs would load onto the wrong weights.
-PEFT_FFN_REMAPPED = ("deepseek_v3",)
-
-
 def check_peft_exportable(spec: ModelSpec, target_modules: list[str]) -> None:
     """Raises NotImplementedError (one line) for a PEFT export that peft would load onto other weights."""
     ffn = [t.name for t in resolve_targets(spec, target_modules) if t.name in ("w1", "w2", "w3")]
-    if spec.name in PEFT_FFN_REMAPPED and ffn:
+    if spec.lora.peft_ffn_remapped and ffn:  # peft would load them onto the routed experts
         raise NotImplementedError(
             f"a PEFT export of {spec.name} adapters on {ffn}: peft maps gate_proj/up_proj/down_proj of this model "
             "type onto its fused routed experts, not the dense and shared FFNs; export merged (scripts/convert_to_hf.py "

@@ -28,7 +28,7 @@ from torchtitan.observability.stragglers import build_straggler_watch
 if TYPE_CHECKING:
     from torchtitan.config.schema import Float8, Metrics, Training
     from torchtitan.models import ModelArgs
-    from torchtitan.models.documents import DocumentStats
+    from torchtitan.models.common.documents import DocumentStats
 
 logger = logging.getLogger(__name__)
 

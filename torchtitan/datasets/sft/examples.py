@@ -29,7 +29,7 @@ import jinja2
 
 from torchtitan.datasets.sft.chat_template import ChatTokenizer
 from torchtitan.datasets.sft.columns import ColumnMap
-from torchtitan.models.documents import IGNORE_INDEX
+from torchtitan.models.common.documents import IGNORE_INDEX
 
 LossOn = Literal["assistant", "completion", "all"]
 LOSS_ON = ("assistant", "completion", "all")

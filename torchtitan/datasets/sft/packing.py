@@ -13,7 +13,7 @@ Per window (each list ``seq_len`` long):
   labels are ``IGNORE_INDEX``;
 * ``doc_ids``: 0, 1, ... per example in the window, the padding one id more (so it attends only
   to itself); what ``components.document_feed.Documents.doc_ids`` and
-  ``models.documents.block_causal_mask`` take, one row per window;
+  ``models.common.documents.block_causal_mask`` take, one row per window;
 * ``positions``: each token's position inside its example (0 at every start; the padding's count
   from 0 too), what ``Documents.positions`` takes with ``model.positions_per_document``.
 
@@ -30,7 +30,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from torchtitan.models.documents import IGNORE_INDEX
+from torchtitan.models.common.documents import IGNORE_INDEX
 
 Overlong = Literal["truncate", "drop"]
 

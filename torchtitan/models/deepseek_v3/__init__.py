@@ -17,9 +17,9 @@ tokenizer's (and ``max_seq_len`` with ``training.seq_len``).
 
 import dataclasses
 
+from torchtitan.models.common.rope.yarn import YarnScaling
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
 from torchtitan.models.deepseek_v3.model import DeepSeekV3Transformer, MLAttention
-from torchtitan.models.yarn import YarnScaling
 
 __all__ = ["DeepSeekV3Args", "DeepSeekV3Transformer", "MLAttention", "YarnScaling", "deepseek_v3_configs"]
 

@@ -1,4 +1,4 @@
-"""``DeepSeekV3Args`` (the MoE args plus multi-head latent attention, YaRN RoPE from models/yarn.py).
+"""``DeepSeekV3Args`` (the MoE args plus multi-head latent attention, YaRN RoPE from models/common/rope/yarn.py).
 
 Its own module, as models/moe/args.py is: the model (model.py) and the flavors import it.
 """
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torchtitan.models.common.rope.yarn import YarnScaling, yarn_mscale
 from torchtitan.models.moe.args import MoEArgs
-from torchtitan.models.yarn import YarnScaling, yarn_mscale
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchtitan.models.common.init import trunc_normal_
+from torchtitan.models.common.rope.yarn import compute_yarn_rope_cache
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args, softmax_scale_multiplier
-from torchtitan.models.init import trunc_normal_
 from torchtitan.models.llama.model import (
     CausalAttention,
     FeedForward,
@@ -30,7 +31,6 @@ from torchtitan.models.llama.model import (
     compute_rope_cache,
 )
 from torchtitan.models.moe import MoE, MoETransformer
-from torchtitan.models.yarn import compute_yarn_rope_cache
 
 # DeepSeek's q and kv latent norms use a fixed eps (transformers' too), whatever the model's norm_eps.
 LATENT_NORM_EPS = 1e-6

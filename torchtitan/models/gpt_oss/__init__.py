@@ -14,9 +14,9 @@ balanced by the expert bias as the other families' tiny MoE flavors (layout-inva
 
 import dataclasses
 
+from torchtitan.models.common.rope.yarn import YarnScaling
 from torchtitan.models.gpt_oss.args import GptOssArgs, aux_loss_coeff_from_hf
 from torchtitan.models.gpt_oss.model import GptOssTransformer, apply_sinks
-from torchtitan.models.yarn import YarnScaling
 
 __all__ = ["GptOssArgs", "GptOssTransformer", "YarnScaling", "apply_sinks", "gpt_oss_configs"]
 

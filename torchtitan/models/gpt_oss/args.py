@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torchtitan.models.common.rope.yarn import YarnScaling
 from torchtitan.models.moe.args import MoEArgs
-from torchtitan.models.yarn import YarnScaling
 
 LAYER_KINDS = ("sliding_attention", "full_attention")  # transformers' ``layer_types`` values
 

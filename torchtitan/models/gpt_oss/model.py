@@ -20,14 +20,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from torchtitan.models.attention import apply_sinks, masked_attention_with_lse
+from torchtitan.models.common.attention import apply_sinks, masked_attention_with_lse
+from torchtitan.models.common.init import trunc_normal_
+from torchtitan.models.common.rope.yarn import compute_yarn_rope_cache
 from torchtitan.models.gpt_oss.args import GptOssArgs
 from torchtitan.models.gpt_oss.moe import GptOssMoE
-from torchtitan.models.init import trunc_normal_
 from torchtitan.models.llama.model import Attention, TransformerBlock, compute_rope_cache
 from torchtitan.models.moe.model import MoETransformer
 from torchtitan.models.moe.moe import _local
-from torchtitan.models.yarn import compute_yarn_rope_cache
 
 
 def attention_mask(seqlen: int, window: int | None, doc_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:

@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from math import lcm
 from typing import TYPE_CHECKING, Any
 
-from torchtitan.models.gpt_oss import GptOssTransformer, gpt_oss_configs, hf_adapter
+from torchtitan.models.gpt_oss import GptOssTransformer, gpt_oss_configs
+from torchtitan.models.gpt_oss.hf_adapter import ADAPTER
 from torchtitan.models.moe.spec import MOE_WIRING, check_moe_config
 from torchtitan.spec import ModelSpec
 
@@ -63,7 +64,7 @@ SPEC = ModelSpec(
     GptOssTransformer,
     gpt_oss_configs,
     **{**MOE_WIRING, "check_fn": check_gpt_oss_config, "layer_pattern": gpt_oss_layer_pattern},
-    state_dict_adapter=hf_adapter,
+    state_dict_adapter=ADAPTER,
     hf_model_type="gpt_oss",
     hf_refusal=gpt_oss_hf_refusal,
 )

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.attention import ATTENTION_BACKENDS, DocumentLayoutCache, block_causal_attention
-from torchtitan.models.init import trunc_normal_
+from torchtitan.models.common.attention import ATTENTION_BACKENDS, DocumentLayoutCache, block_causal_attention
+from torchtitan.models.common.init import trunc_normal_
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class ModelArgs:
     # depth_init: scale each block's output-projection init by its depth (True) or by the model depth.
     depth_init: bool = True
     norm_type: str = "rmsnorm"
-    # block_causal kernel, "sdpa" or "flex" (models/attention.py); the config's "auto" is resolved
+    # block_causal kernel, "sdpa" or "flex" (models/common/attention.py); the config's "auto" is resolved
     # from the run's device before the model is built. Causal attention always runs SDPA.
     attention_backend: str = "sdpa"
     # The output head reuses the embedding table (Llama 3.2 1B/3B, small Qwen3): one parameter.
@@ -131,7 +131,7 @@ class CausalAttention(nn.Module):
     communication, so a CP ring passes the compact tensors.
 
     Args:
-        backend: the block-causal kernel, "sdpa" or "flex" (torchtitan/models/attention.py).
+        backend: the block-causal kernel, "sdpa" or "flex" (torchtitan/models/common/attention.py).
     """
 
     def __init__(self, backend: str = "sdpa"):
@@ -149,7 +149,7 @@ class CausalAttention(nn.Module):
         """q (bs, n_heads, seqlen, head_dim); k, v (bs, n_kv_heads, seqlen, head_dim) -> like q.
 
         doc_ids (bs, seqlen): block-causal attention, each token sees its own document's past only
-        (torchtitan/models/documents.py); None: plain causal.
+        (torchtitan/models/common/documents.py); None: plain causal.
         """
         if doc_ids is not None:
             return block_causal_attention(q, k, v, doc_ids, self.backend, self.documents)
@@ -361,7 +361,7 @@ class Transformer(nn.Module):
         positions (seqlen,) are the tokens' positions in their sequence (default 0..seqlen-1), or
         (bs, seqlen) positions inside each token's document (model.positions_per_document).
         doc_ids (bs, seqlen): block-causal attention over these documents (None: causal); the
-        trainer passes both through forward pre-hooks (torchtitan/models/documents.py).
+        trainer passes both through forward pre-hooks (torchtitan/models/common/documents.py).
         return_hidden: return the normed hidden state (bs, seqlen, dim) and skip ``output``, for a
         loss that applies the output projection itself (torchtitan.components.loss).
         """

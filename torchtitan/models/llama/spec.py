@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.models.llama import Transformer, hf_adapter, llama3_configs
+from torchtitan.models.llama import Transformer, llama3_configs
+from torchtitan.models.llama.hf_adapter import ADAPTER
 from torchtitan.models.llama.model import ffn_hidden_dim
-from torchtitan.spec import ModelSpec
+from torchtitan.spec import LoraLayout, ModelSpec
 
 if TYPE_CHECKING:
     from torchtitan.config.schema import Experimental, Model, Training
@@ -49,7 +50,8 @@ SPEC = ModelSpec(
     Transformer,
     llama3_configs,
     documents=True,
-    state_dict_adapter=hf_adapter,
+    state_dict_adapter=ADAPTER,
+    lora=LoraLayout(ADAPTER.block_names, ("feed_forward",), dense=True),
     check_fn=check_dense_config,
     hf_model_type="llama",
 )

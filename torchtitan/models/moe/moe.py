@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.init import trunc_normal_
+from torchtitan.models.common.init import trunc_normal_
 from torchtitan.models.llama.model import FeedForward
 from torchtitan.models.moe.args import MoEArgs
 

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.models.llama.hf_adapter import ADAPTER as LLAMA_HF
 from torchtitan.models.llama.spec import check_dense_config
 from torchtitan.models.moe import MoETransformer, moe_configs, num_active_params
-from torchtitan.spec import Deferred, ModelSpec
+from torchtitan.spec import Deferred, LoraLayout, ModelSpec
 
 if TYPE_CHECKING:
     from torchtitan.config.schema import Experimental, Model, Training
@@ -113,4 +114,11 @@ MOE_WIRING: dict[str, Any] = {
     "layer_pattern": moe_layer_pattern,
 }
 
-SPEC = ModelSpec("llama3_moe", MoETransformer, moe_configs, **MOE_WIRING, hf_refusal=llama3_moe_hf_refusal)
+SPEC = ModelSpec(
+    "llama3_moe",
+    MoETransformer,
+    moe_configs,
+    **MOE_WIRING,
+    hf_refusal=llama3_moe_hf_refusal,
+    lora=LoraLayout(LLAMA_HF.block_names, ("feed_forward", "feed_forward.shared_expert")),
+)

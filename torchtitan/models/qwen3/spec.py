@@ -16,12 +16,11 @@ from torchtitan.models.moe.spec import MOE_WIRING
 from torchtitan.models.qwen3 import (
     Qwen3MoETransformer,
     Qwen3Transformer,
-    hf_adapter,
-    hf_moe_adapter,
     qwen3_configs,
     qwen3_moe_configs,
 )
-from torchtitan.spec import ModelSpec
+from torchtitan.models.qwen3.hf_adapter import QWEN3, QWEN3_MOE
+from torchtitan.spec import LoraLayout, ModelSpec
 
 
 def qwen3_moe_hf_refusal(args: Mapping[str, Any]) -> str | None:
@@ -43,7 +42,8 @@ SPECS = {
         Qwen3Transformer,
         qwen3_configs,
         documents=True,
-        state_dict_adapter=hf_adapter,
+        state_dict_adapter=QWEN3,
+        lora=LoraLayout(QWEN3.block_names, ("feed_forward",), dense=True),
         check_fn=check_dense_config,
         hf_model_type="qwen3",
     ),
@@ -52,7 +52,8 @@ SPECS = {
         Qwen3MoETransformer,
         qwen3_moe_configs,
         **MOE_WIRING,
-        state_dict_adapter=hf_moe_adapter,
+        state_dict_adapter=QWEN3_MOE,
+        lora=LoraLayout(QWEN3_MOE.block_names, ()),
         hf_model_type="qwen3_moe",
         hf_refusal=qwen3_moe_hf_refusal,
     ),

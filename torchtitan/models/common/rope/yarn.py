@@ -11,18 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-# HF's yarn keys (``rope_scaling`` / ``rope_parameters``) -> our YarnScaling fields
-HF_YARN_KEYS = {
-    "factor": "factor",
-    "original_max_position_embeddings": "original_max_seq_len",
-    "beta_fast": "beta_fast",
-    "beta_slow": "beta_slow",
-    "mscale": "mscale",
-    "mscale_all_dim": "mscale_all_dim",
-    "attention_factor": "attention_factor",
-    "truncate": "truncate",
-}
-
 
 @dataclass(frozen=True)
 class YarnScaling:

@@ -1,6 +1,6 @@
 """Block-causal attention kernels (``model.attn_mask_type = "block_causal"``), by ``model.attention_backend``.
 
-Each token attends to the earlier tokens of its own document only (torchtitan/models/documents.py).
+Each token attends to the earlier tokens of its own document only (torchtitan/models/common/documents.py).
 A boolean mask over the whole window says that, but makes SDPA compute (and on CPU, materialise)
 every query-key pair of the window. The backends skip the pairs across documents instead:
 
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from torchtitan.models.documents import block_causal_mask
+from torchtitan.models.common.documents import block_causal_mask
 
 ATTENTION_BACKENDS = ("sdpa", "flex")  # what the model runs; the config's "auto" resolves to one
 

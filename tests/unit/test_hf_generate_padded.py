@@ -1,0 +1,64 @@
+"""``scripts/generate.py --hf FOLDER`` with no other flag on a folder transformers wrote: the folder's own
+tokenizer is read (as transformers' AutoTokenizer reads it), and an embedding padded past that tokenizer
+(Qwen3's 151,936 rows for 151,669 tokens) is accepted, as the trainer accepts it."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan.datasets.tokenizer import build_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKENIZER = str(ROOT / "tests" / "assets" / "sft" / "tokenizer")
+PADDING = 13  # rows past the tokenizer's words
+
+
+@functools.cache
+def _script():
+    """scripts/generate.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("generate_script", ROOT / "scripts" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _qwen3_folder(folder: Path) -> int:
+    """A tiny random Qwen3 saved by transformers with its tokenizer; returns the tokenizer's word count."""
+    words = build_tokenizer(TOKENIZER).n_words
+    config = transformers.Qwen3Config(
+        vocab_size=words + PADDING,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(folder)
+    return words
+
+
+def test_generate_answers_from_a_transformers_folder_padded_past_its_tokenizer(tmp_path, capsys):
+    words = _qwen3_folder(tmp_path / "qwen3")
+    assert _script().main(["--hf", str(tmp_path / "qwen3"), "--prompt", "Hello", "--max_new_tokens", "6"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert _script().default_tokenizer(str(tmp_path / "qwen3")) == str(tmp_path / "qwen3")
+    model = _script().load_model(None, str(tmp_path / "qwen3"), 16, words, torch.device("cpu"))
+    assert model.tok_embeddings.weight.shape[0] == words + PADDING  # the folder's rows, all of them loaded
+    assert model(torch.tensor([[1, 2, 3]])).shape[-1] == words  # the padding rows are never sampled
+
+
+def test_a_table_smaller_than_the_tokenizer_is_refused(tmp_path):
+    words = _qwen3_folder(tmp_path / "qwen3")
+    with pytest.raises(ValueError, match=f"vocabulary of {words + PADDING} and the tokenizer {words + 100} words"):
+        _script().load_model(None, str(tmp_path / "qwen3"), 16, words + 100, torch.device("cpu"))

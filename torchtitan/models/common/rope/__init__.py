@@ -1,0 +1,1 @@
+"""RoPE variants the families share (YaRN)."""
