@@ -5,7 +5,7 @@ SwiGLU blocks twice from one init (sync SP plan, and the async plan of
 torchtitan.distributed.async_tp), and alternates timed blocks of steps between them after a
 warmup so machine noise hits both alike. Rank 0 prints one JSON object; ratio = async / sync.
 
-    python bench/async_tp.py [--dim 1024] [--ffn_dim 4096] [--seq_len 512] [--batch_size 4]
+    python -m bench.async_tp [--dim 1024] [--ffn_dim 4096] [--seq_len 512] [--batch_size 4]
 """
 
 from __future__ import annotations

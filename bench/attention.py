@@ -16,7 +16,7 @@ what was allocated before the pass; on CPU, where torch keeps no allocator stati
 the tensors the pass allocates as torch's MemTracker sees them (op outputs; not a kernel's
 internal scratch, not the process RSS that bench/float8.py reports).
 
-    python bench/attention.py [--seq_len 2048] [--batch_size 2] [--min_doc 32] [--max_doc 256]
+    python -m bench.attention [--seq_len 2048] [--batch_size 2] [--min_doc 32] [--max_doc 256]
         [--flavor debugmodel] [--rounds 3] [--with_mask] [--skip_model]
 """
 
@@ -26,16 +26,13 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import nn
 from torch.distributed._tools import MemTracker
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 from torchtitan.distributed.device import get_device_info, synchronize
 from torchtitan.models.common.attention import masked_attention, resolve_attention_backend
 from torchtitan.models.common.documents import document_stats

@@ -8,7 +8,7 @@
 2. **scripts/tokenize_data.py**: tokens/s with 1 and 2 workers on the shipped corpus and on it repeated
    ``--repeat`` times (loading the rows included), the scaling, and whether the outputs are byte-identical.
 
-    python bench/data.py [--corpus_gb 1.0] [--seq_len 2048] [--batch_size 8] [--seconds 5] [--work_dir /tmp/...]
+    python -m bench.data [--corpus_gb 1.0] [--seq_len 2048] [--batch_size 8] [--seconds 5] [--work_dir /tmp/...]
 """
 
 from __future__ import annotations
@@ -18,20 +18,18 @@ import io
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
+from torchtitan.datasets.hf_datasets import compute_stream_groups
+from torchtitan.datasets.indexed.format import IndexedWriter
+from torchtitan.datasets.indexed.tokenize import tokenize_to_indexed
+from torchtitan.datasets.text_loader import build_text_data_loader
+from torchtitan.datasets.tokenizer import DEFAULT_TOKENIZER_PATH, build_tokenizer
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # run from a checkout
-
-import numpy as np  # noqa: E402
-
-from torchtitan.datasets.hf_datasets import compute_stream_groups  # noqa: E402
-from torchtitan.datasets.indexed.format import IndexedWriter  # noqa: E402
-from torchtitan.datasets.indexed.tokenize import tokenize_to_indexed  # noqa: E402
-from torchtitan.datasets.text_loader import build_text_data_loader  # noqa: E402
-from torchtitan.datasets.tokenizer import DEFAULT_TOKENIZER_PATH, build_tokenizer  # noqa: E402
 
 TOKENIZER = str(REPO / DEFAULT_TOKENIZER_PATH)
 CORPUS = str(REPO / "torchtitan/datasets/assets/pydocs/pydocs.jsonl")

@@ -4,7 +4,7 @@ our HF export of the same model, one process, one thread; and one in-loop eval o
 A seed checkpoint of train_configs/sft_debug.toml at ``FLAVOR`` (written once into OUT, with its HF export); the
 176 requests of arith_mc (44 questions x 4 choices), batch 8, fp32; the two backends alternate, best of 5.
 
-    python bench/eval_vs_hf.py OUT [FLAVOR]      # FLAVOR default debugmodel; needs the dev extra (accelerate)
+    python -m bench.eval_vs_hf OUT [FLAVOR]      # FLAVOR default debugmodel; needs the dev extra (accelerate)
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-
-import torch  # noqa: E402
+import torch
 
 CONFIG = "train_configs/sft_debug.toml"
 TURN = (

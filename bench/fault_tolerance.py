@@ -8,7 +8,7 @@ metrics.jsonl's ``step_time_s`` over the steps after ``--warmup`` is compared (r
 runs take turns, ``--reps`` times each, and the medians are compared. Prints one JSON object;
 ratio = fault tolerance / DDP (docs/performance.md has the measured figures).
 
-    python bench/fault_tolerance.py [--steps 40] [--warmup 10] [--reps 2] [--flavor debugmodel_tiny]
+    python -m bench.fault_tolerance [--steps 40] [--warmup 10] [--reps 2] [--flavor debugmodel_tiny]
                                     [--seq_len 64] [--batch_size 4]
 """
 
@@ -19,13 +19,11 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from torchtitan.fault_tolerance.lighthouse import start_lighthouse
 
-from torchtitan.fault_tolerance.lighthouse import start_lighthouse  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _common(args: argparse.Namespace, folder: str) -> list[str]:

@@ -15,7 +15,7 @@ The device is the trainer's one device choice: a GPU where there is one, else CP
 expected to be slower (no float8 GEMM units: ``torch._scaled_mm`` and the casts to float8 run in plain
 CPU code). Any arguments after ``--`` go to every run, e.g. a layout.
 
-    python bench/float8.py [--flavor debugmodel] [--steps 10] [--warmup 3] [--seq_len 256]
+    python -m bench.float8 [--flavor debugmodel] [--steps 10] [--warmup 3] [--seq_len 256]
         [--batch_size 8] [--recipe tensorwise --recipe rowwise] [--compile] [--ngpu 1] [--rounds 1]
         [--fsdp_float8_all_gather] [-- --training.tensor_parallel_degree 2]
 """

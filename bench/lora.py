@@ -7,27 +7,23 @@ on an NF4 base (``lora.quantize_base = 'nf4'``, quantized as the trainer does af
 business (``tests/test_estimation.py`` measures both with torch's tracker on the real step). Prints one JSON
 object.
 
-    python bench/lora.py [--flavor debugmodel] [--rank 16] [--seq_len 256] [--batch_size 4] [--rounds 8] [--qlora]
+    python -m bench.lora [--flavor debugmodel] [--rank 16] [--seq_len 256] [--batch_size 4] [--rounds 8] [--qlora]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import torch
 
-import torch  # noqa: E402
-
-from torchtitan.build import build_model, build_model_args  # noqa: E402
-from torchtitan.components.optimizer import build_optimizer  # noqa: E402
-from torchtitan.config.manager import JobConfig  # noqa: E402
-from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
-from torchtitan.spec import get_model_spec  # noqa: E402
+from torchtitan.build import build_model, build_model_args
+from torchtitan.components.optimizer import build_optimizer
+from torchtitan.config.manager import JobConfig
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.spec import get_model_spec
 
 
 def _build(argv: list[str]):

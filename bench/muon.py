@@ -13,7 +13,7 @@ checked bit-equal first):
 
 Prints one JSON object (docs/performance.md has the figures).
 
-    python bench/muon.py [--world 2] [--flavor debugmodel] [--steps 5] [--reps 3] [--threads 1]
+    python -m bench.muon [--world 2] [--flavor debugmodel] [--steps 5] [--reps 3] [--threads 1]
 """
 
 from __future__ import annotations
@@ -23,25 +23,20 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from torch.distributed.tensor import DTensor  # noqa: E402
-
-from torchtitan.build import build_model  # noqa: E402
-from torchtitan.components.muon import MuonAdam  # noqa: E402
-from torchtitan.components.optimizer import build_optimizer  # noqa: E402
-from torchtitan.config.manager import JobConfig  # noqa: E402
-from torchtitan.distributed.dtensor import local_shard  # noqa: E402
-from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
-from torchtitan.spec import get_model_spec  # noqa: E402
+from torchtitan.build import build_model
+from torchtitan.components.muon import MuonAdam
+from torchtitan.components.optimizer import build_optimizer
+from torchtitan.config.manager import JobConfig
+from torchtitan.distributed.dtensor import local_shard
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.spec import get_model_spec
 
 
 def _build(flavor: str, world: int, name: str):

@@ -23,7 +23,7 @@ The user's path, in four steps, each through the real entry point:
 
 Prints one JSON object (train time = the trainer subprocess's wall time, start-up included).
 
-    python bench/sft_arith.py [--steps 3000] [--seed 0] [--flavor debugmodel_tiny] [--lr 1e-3]
+    python -m bench.sft_arith [--steps 3000] [--seed 0] [--flavor debugmodel_tiny] [--lr 1e-3]
         [--batch_size 8] [--dump_folder /tmp/torchtitan_bench_sft_arith] [-- trainer flags]
 """
 
@@ -40,14 +40,13 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from torchtitan.components.generation import generate
+from torchtitan.datasets.sft.chat_template import ChatTokenizer
+from torchtitan.datasets.sft.prompting import chat_prompt_ids, chat_stop_ids, decode_answer
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # run from a checkout, as scripts/generate.py
-
-import torch  # noqa: E402
-
-from torchtitan.components.generation import generate  # noqa: E402
-from torchtitan.datasets.sft.chat_template import ChatTokenizer  # noqa: E402
-from torchtitan.datasets.sft.prompting import chat_prompt_ids, chat_stop_ids, decode_answer  # noqa: E402
 
 ASSETS = REPO / "tests" / "assets" / "sft"
 CONFIG = "train_configs/sft_debug.toml"

@@ -4,7 +4,7 @@ Both train the same model (same flavor, init, shapes, AdamW, clipping) on the sa
 alternate in blocks so machine noise hits both alike; each block's tokens/s is measured after a
 warmup, and the medians are compared. Prints one JSON object; ratio = trainer / minimal.
 
-    python bench/trainer_overhead.py [--steps 5] [--reps 4] [--seq_len 128] [--batch_size 8]
+    python -m bench.trainer_overhead [--steps 5] [--reps 4] [--seq_len 128] [--batch_size 8]
 """
 
 from __future__ import annotations

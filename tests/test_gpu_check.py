@@ -1,8 +1,8 @@
-"""bench/gpu_check.py: its CPU dry run end to end, so the GPU check cannot rot between GPU runs.
+"""bench/gpu_check: its CPU dry run end to end, so the GPU check cannot rot between GPU runs.
 
-The dry run is the command a user types (``python bench/gpu_check.py --cpu-dry-run --out DIR``), in a process
+The dry run is the command a user types (``python -m bench.gpu_check --cpu-dry-run --out DIR``, from the repository root), in a process
 of its own: it hides any GPU and sets its thread count before torch starts, and its sanity section starts a
-CPU-only child. The same sections and code as on a GPU, at tiny shapes (bench/gpu_check_plan.py); ~45 s on 2
+CPU-only child. The same sections and code as on a GPU, at tiny shapes (bench/gpu_check/plan.py); ~45 s on 2
 shared cores. The budget and error paths are checked in process.
 """
 
@@ -19,13 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))  # the check's modules live beside the script, as it imports them
+from bench.gpu_check.plan import dry_run_plan
+from bench.gpu_check.report import SECTIONS, format_markdown
+from bench.gpu_check.runs import RunSpec
+from bench.gpu_check.sections import Budget, Context, runs_section, throughput
 
-from gpu_check_plan import dry_run_plan  # noqa: E402
-from gpu_check_report import SECTIONS, format_markdown  # noqa: E402
-from gpu_check_runs import RunSpec  # noqa: E402
-from gpu_check_sections import Budget, Context, runs_section, throughput  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 # The only skips an honest dry run has: float8 without torchao; a block_causal twin whose kernel 'auto'
 # already ran on the CPU (auto = sdpa there).
@@ -36,9 +35,11 @@ ALLOWED_RUN_SKIPS = ("same kernel as",)
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, float]:
     out = tmp_path_factory.mktemp("gpu_check")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {
+        k: v for k, v in os.environ.items() if k != "PYTHONPATH"
+    }  # as typed: no PYTHONPATH, nothing installed needed
     start = time.perf_counter()
-    cmd = [sys.executable, "bench/gpu_check.py", "--cpu-dry-run", "--out", str(out)]
+    cmd = [sys.executable, "-m", "bench.gpu_check", "--cpu-dry-run", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     seconds = time.perf_counter() - start
     print(f"gpu_check --cpu-dry-run: {seconds:.1f} s")
@@ -129,8 +130,8 @@ def test_imports_without_the_packages_gpu_machines_lack():
     """The GPU machines have no datasets, torchdata, torchao or torchft: the check and all it imports load without."""
     lacking = ("datasets", "torchdata", "torchao", "torchft")
     # a None entry in sys.modules makes ``import name`` raise ImportError
-    code = f"import sys; sys.modules.update(dict.fromkeys({lacking!r})); sys.path.insert(0, 'bench')\n"
-    code += "import gpu_check_sections"
+    code = f"import sys; sys.modules.update(dict.fromkeys({lacking!r}))\n"
+    code += "import bench.gpu_check.sections"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

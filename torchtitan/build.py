@@ -24,7 +24,8 @@ from torchtitan.components.float8 import (
     Float8ScalePrecompute,
     apply_float8,
     check_float8_runs,
-    choose_cpu_float8_gemm,
+    cpu_float8_onednn_problem,
+    turn_off_onednn,
 )
 from torchtitan.components.loss import build_loss_fn
 from torchtitan.components.step import PipelineLoss, StepFunction
@@ -34,7 +35,7 @@ from torchtitan.distributed.device import get_device_info
 from torchtitan.distributed.init import init_model_weights
 from torchtitan.distributed.mesh import WorldMesh
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline import PipelineParts, build_pipeline
+from torchtitan.distributed.pipeline import PipelineParts, ShapeInference, build_pipeline
 from torchtitan.dtypes import to_dtype
 from torchtitan.lora.apply import apply_lora, init_lora_adapters
 from torchtitan.models.common.attention import resolve_attention_backend
@@ -140,8 +141,8 @@ def finish_model_part(
     from the seed. The float8 conversion comes first: TP picks float8 styles for converted linears."""
     if config.float8.enable_float8_linear:
         check_float8_runs(device, config.float8.recipe_name)
-        if device.type == "cpu":
-            choose_cpu_float8_gemm()
+        if device.type == "cpu" and (problem := cpu_float8_onednn_problem()) is not None:
+            turn_off_onednn(problem)  # the probes measure; the build decides for the process
         apply_float8(part, config.float8)
     if config.lora.enable:  # adapters on the frozen base, before TP so each adapter is sharded like its linear
         apply_lora(part, config.lora, spec)
@@ -173,8 +174,10 @@ def build_model_parts(
     world: WorldMesh,
     device: torch.device,
     loss_fn: PipelineLoss,
+    shape_inference: ShapeInference,
 ) -> tuple[list[nn.Module], PipelineParts | None]:
-    """This rank's model parts: the whole model, or its pipeline stages (each from ``build_stage_model``)."""
+    """This rank's model parts: the whole model, or its pipeline stages (each from ``build_stage_model``,
+    marking their shape-inference forwards in ``shape_inference``)."""
     dims = world.dims
     if not dims.pp_enabled:
         finish_model_part(whole, spec, config, world, device)
@@ -198,6 +201,7 @@ def build_model_parts(
         csv_path=exp.pipeline_parallel_schedule_csv,
         loss_fn=loss_fn,
         finish_stage=lambda part: finish_model_part(part, spec, config, world, device),
+        shape_inference=shape_inference,
     )
     return pipeline.model_parts, pipeline
 
@@ -219,10 +223,13 @@ def build_step_function(
     of document, ``cp_positions``: context parallel's positions of this rank, or None)."""
     loss_fn = build_loss_fn(compile=config.training.compile_loss)  # one loss for the schedule and the step
     pipeline_loss = PipelineLoss(loss_fn)
-    parts, pipeline = build_model_parts(whole, build_stage_model, spec, config, world, device, pipeline_loss)
+    shape_inference = ShapeInference()  # the stages mark it; the step hooks and the document feed read it
+    parts, pipeline = build_model_parts(
+        whole, build_stage_model, spec, config, world, device, pipeline_loss, shape_inference
+    )
     hooks = None
     if spec.build_step_hooks is not None:
-        hooks = spec.build_step_hooks(model_args, whole, parts, world, device)
+        hooks = spec.build_step_hooks(model_args, whole, parts, world, device, shape_inference=shape_inference)
     if config.float8.precompute_float8_dynamic_scale_for_fsdp:
         hooks = chain_hooks(hooks, Float8ScalePrecompute(parts))
     return StepFunction(
@@ -242,6 +249,7 @@ def build_step_function(
             n_microbatches=pipeline.n_microbatches if pipeline is not None else 1,
             cp_positions=cp_positions,
             group=world.group("dp_cp"),
+            shape_inference=shape_inference,
         ),
     )
 

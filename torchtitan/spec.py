@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from torchtitan.config.manager import JobConfig
     from torchtitan.config.schema import Model
-    from torchtitan.distributed.mesh import OuterSum, WorldMesh
+    from torchtitan.distributed.mesh import OuterSum
     from torchtitan.distributed.parallel_dims import ParallelDims
 
 
@@ -190,7 +190,8 @@ class ModelSpec:
             ``prune_to_stage``); None: no pipeline parallel.
         count_flop_params: ``(args, meta_model) -> int``: the parameters one token is multiplied
             by (the N of MFU's 6N; default: every parameter but the embedding table).
-        build_step_hooks: ``(args, meta_model, model_parts, device) -> StepHooks | None``.
+        build_step_hooks: ``(args, meta_model, model_parts, world, device, *, shape_inference) -> StepHooks |
+            None`` (``shape_inference``: the pipeline's ``ShapeInference``, whose forwards a hook must not count).
         fake_tensor_args: ``args -> args`` to build under fake tensors (the memory estimator):
             data-dependent choices replaced by a fixed assumption; None: the args as they are.
         state_dict_adapter: the Hugging Face conversion of the family (a ``StateDictAdapter``,
@@ -218,9 +219,7 @@ class ModelSpec:
     parallelize_fn: Callable[..., None] = PARALLELIZE
     count_flop_params: Callable[[Any, nn.Module], int] = count_non_embedding_params
     pipeline_split_fn: Callable[[nn.Module, int, int, bool, bool], None] | None = PRUNE_TO_STAGE
-    build_step_hooks: Callable[[Any, nn.Module, list[nn.Module], WorldMesh, torch.device], StepHooks | None] | None = (
-        None
-    )
+    build_step_hooks: Callable[..., StepHooks | None] | None = None
     fake_tensor_args: Callable[[Any], Any] | None = None
     state_dict_adapter: StateDictAdapter | None = None
     lora: LoraLayout | None = None

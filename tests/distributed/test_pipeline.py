@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten
 from tests.distributed.harness import run_distributed
 from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.distributed.init import init_model_weights
-from torchtitan.distributed.pipeline import build_pipeline, pipeline_step, prune_to_stage
+from torchtitan.distributed.pipeline import ShapeInference, build_pipeline, pipeline_step, prune_to_stage
 from torchtitan.models import ModelArgs
 from torchtitan.models.llama.model import Transformer
 
@@ -111,6 +111,7 @@ def _run_case(mesh, schedule, split_points, csv_path, batches, ref) -> float:
         csv_path=csv_path,
         loss_fn=cross_entropy_loss,
         finish_stage=_finish,
+        shape_inference=ShapeInference(),
     )
     params = [p for part in parts.model_parts for p in part.parameters()]
     opt = torch.optim.SGD(params, lr=0.1)
@@ -164,6 +165,7 @@ def _check_incomplete_csv_is_rejected(mesh, path: str) -> None:
             csv_path=path,
             loss_fn=cross_entropy_loss,
             finish_stage=_finish,
+            shape_inference=ShapeInference(),
         )
 
 
@@ -218,6 +220,7 @@ def _gpipe_peak(mesh, release: bool, x, y) -> tuple[int, torch.Tensor | None, di
         csv_path="",
         loss_fn=cross_entropy_loss,
         finish_stage=_finish,
+        shape_inference=ShapeInference(),
         release_sent_outputs=release,
     )
     pipeline_step(parts, x, y)  # the first step also infers shapes; measure the second

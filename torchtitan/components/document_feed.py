@@ -26,7 +26,6 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan.distributed.context_parallel import shard_sequence
-from torchtitan.distributed.pipeline import in_shape_inference
 from torchtitan.models.common.documents import (
     IGNORE_INDEX,
     DocumentStats,
@@ -39,6 +38,7 @@ from torchtitan.models.common.documents import (
 if TYPE_CHECKING:
     from torchtitan.config.schema import Model as ModelConfig
     from torchtitan.datasets.sft.packing import PackedDocs
+    from torchtitan.distributed.pipeline import ShapeInference
 
 
 def batch_stats(doc_ids: torch.Tensor, labels: torch.Tensor, real_tokens: torch.Tensor | None) -> torch.Tensor:
@@ -96,6 +96,7 @@ class DocumentFeed:
         n_microbatches: the pipeline's micro-batches per batch, or 1 without pipeline parallel.
         shard: context parallel's cut of a (bs, seqlen) tensor to this rank's positions, or None.
         group: the data-parallel x CP group ``take_stats`` sums over, or None (one such rank).
+        shape_inference: active while a pipeline stage runs its shape-inference forward (no documents then).
     """
 
     def __init__(
@@ -107,7 +108,9 @@ class DocumentFeed:
         n_microbatches: int = 1,
         shard: Callable[[torch.Tensor], torch.Tensor] | None = None,
         group: dist.ProcessGroup | None = None,
+        shape_inference: ShapeInference,
     ):
+        self.shape_inference = shape_inference
         self.eos_id, self.positions_per_document = eos_id, positions_per_document
         self.n_microbatches, self.shard = n_microbatches, shard
         self.queues: list[deque[Documents]] = [deque() for _ in model_parts]
@@ -189,7 +192,7 @@ class DocumentFeed:
 
     def _hook(self, queue: deque[Documents]) -> Callable:
         def add_documents(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            if in_shape_inference() or self.causal:
+            if self.shape_inference.active or self.causal:
                 return args, kwargs  # a pipeline stage's meta forward: shapes do not depend on the mask
             if not self.active:
                 raise RuntimeError(
@@ -218,6 +221,7 @@ def build_document_feed(
     n_microbatches: int,
     cp_positions: torch.Tensor | None,
     group: dist.ProcessGroup | None,
+    shape_inference: ShapeInference,
 ) -> DocumentFeed | None:
     """The feed for ``model.attn_mask_type = "block_causal"`` over ``model_parts``, else None.
 
@@ -237,4 +241,5 @@ def build_document_feed(
         n_microbatches=n_microbatches,
         shard=shard if cp_positions is not None else None,
         group=group,
+        shape_inference=shape_inference,
     )

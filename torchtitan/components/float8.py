@@ -19,6 +19,7 @@ prototype, so they stay in high precision, and the log says so.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
@@ -189,33 +190,27 @@ def check_float8_runs(device: torch.device, recipe_name: str = "tensorwise") -> 
 
 @functools.cache
 def _probe_scaled_mm(device_type: str) -> None:
-    """One 16x16 float8 GEMM: torch builds differ in which devices have ``_scaled_mm``."""
-    a = torch.ones(16, 16, device=device_type).to(torch.float8_e4m3fn)
-    one = torch.ones((), device=device_type)
-    try:
-        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    except (RuntimeError, NotImplementedError) as e:
-        if device_type == "cpu" and torch.backends.mkldnn.enabled and _runs_without_onednn(a, one):
-            # oneDNN builds no float8 matmul for this CPU's ISA (seen with oneDNN held to AVX2); torch's own does
-            logger.info(
-                "float8 on CPU: oneDNN cannot run a float8 GEMM here (%s); oneDNN is turned off for this process",
-                str(e).splitlines()[0],
-            )
-            torch.backends.mkldnn.enabled = False
-            return
-        raise NotImplementedError(
-            f"float8.enable_float8_linear = true: torch {torch.__version__} cannot run a float8 GEMM "
-            f"(torch._scaled_mm) on device '{device_type}': {str(e).splitlines()[0]}; turn float8 off"
-        ) from e
+    """One 16x16 float8 GEMM: torch builds differ in which devices have ``_scaled_mm``. On CPU either path will
+    do, oneDNN's or torch's own (``cpu_float8_onednn_problem`` says which one a run takes)."""
+    error = _float8_gemm_error(device_type, onednn=True if device_type == "cpu" else None)
+    if error is None or (device_type == "cpu" and _float8_gemm_error("cpu", onednn=False) is None):
+        return
+    raise NotImplementedError(
+        f"float8.enable_float8_linear = true: torch {torch.__version__} cannot run a float8 GEMM "
+        f"(torch._scaled_mm) on device '{device_type}': {error}; turn float8 off"
+    )
 
 
-def _runs_without_onednn(a: torch.Tensor, one: torch.Tensor) -> bool:
+@functools.cache
+def _float8_gemm_error(device_type: str, *, onednn: bool | None) -> str | None:
+    """Why a 16x16 float8 GEMM fails (with oneDNN on / off on CPU, None: as it is), or None where it runs."""
+    a, one = torch.ones(16, 16, device=device_type).to(torch.float8_e4m3fn), torch.ones((), device=device_type)
     try:
-        with torch.backends.mkldnn.flags(enabled=False):
+        with torch.backends.mkldnn.flags(enabled=onednn) if onednn is not None else contextlib.nullcontext():
             torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-        return True
-    except (RuntimeError, NotImplementedError):
-        return False
+    except (RuntimeError, NotImplementedError) as e:
+        return str(e).splitlines()[0]  # oneDNN held to AVX2 builds no float8 matmul for the CPU's ISA
+    return None
 
 
 @functools.cache
@@ -260,21 +255,29 @@ def _seconds_of(a: torch.Tensor, one: torch.Tensor, *, onednn: bool) -> float:
         return min(times)
 
 
-def choose_cpu_float8_gemm() -> None:
-    """On CPU, torch 2.13 runs ``_scaled_mm`` (torchao's float8 GEMMs) through oneDNN where it can; on some
-    CPUs that path is far slower than torch's own (measured on a Xeon with AMX: 200-300x at 64-512 rows, 17.8 s
-    for one forward and backward of a 2-layer MLP). Measured once per process: more than 10x slower, and oneDNN
-    is off for this process (which also slows its bf16 GEMMs: a float8 CPU run is fp32 otherwise)."""
-    if not torch.backends.mkldnn.enabled:  # off already (the probe found oneDNN without a float8 GEMM)
-        return
+def cpu_float8_onednn_problem() -> str | None:
+    """Why this process's float8 GEMMs must not go through oneDNN on CPU, or None where oneDNN may run them.
+
+    torch 2.13 runs ``_scaled_mm`` (torchao's float8 GEMMs) through oneDNN where it can; on some CPUs oneDNN
+    has no float8 GEMM at all, on others it is far slower than torch's own (measured on a Xeon with AMX:
+    200-300x at 64-512 rows, 17.8 s for one forward and backward of a 2-layer MLP). Measured once per process
+    (more than 10x slower counts); the caller applies the answer with ``turn_off_onednn`` at build time."""
+    error = _float8_gemm_error("cpu", onednn=True)
+    if error is not None:
+        return f"oneDNN cannot run a float8 GEMM here ({error})"
     slowdown = _onednn_float8_slowdown()
     if slowdown > 10:
-        if torch.backends.mkldnn.enabled:
-            logger.info(
-                "float8 on CPU: oneDNN's float8 GEMM is %.0fx slower than torch's own on this CPU; oneDNN is "
-                "turned off for this process (torch.backends.mkldnn.enabled = False)",
-                slowdown,
-            )
+        return f"oneDNN's float8 GEMM is {slowdown:.0f}x slower than torch's own on this CPU"
+    return None
+
+
+def turn_off_onednn(reason: str) -> None:
+    """Turn oneDNN off for this process (which also slows its bf16 GEMMs: a float8 CPU run is fp32 otherwise),
+    saying why once; a no-op where it is off already."""
+    if torch.backends.mkldnn.enabled:
+        logger.info(
+            "float8 on CPU: %s; oneDNN is turned off for this process (torch.backends.mkldnn.enabled = False)", reason
+        )
         torch.backends.mkldnn.enabled = False
 
 

@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan.distributed.pipeline import in_shape_inference
 from torchtitan.models.lora import is_base_key
 
 if TYPE_CHECKING:
     from torchtitan.distributed.mesh import OuterSum, WorldMesh
+    from torchtitan.distributed.pipeline import ShapeInference
 
 
 def _in_recompute() -> bool:
@@ -41,9 +41,17 @@ class ExpertLoadTracker:
     """Counts tokens per expert of this rank's MoE layers; ``reduce`` makes them global, ``apply`` uses them."""
 
     def __init__(
-        self, layer_names: Sequence[str], num_experts: int, model_parts: Sequence[nn.Module], device: torch.device
+        self,
+        layer_names: Sequence[str],
+        num_experts: int,
+        model_parts: Sequence[nn.Module],
+        device: torch.device,
+        *,
+        shape_inference: ShapeInference,
     ):
-        """``layer_names``: the whole model's MoE layers ("1", "2", ...), the same order on every rank."""
+        """``layer_names``: the whole model's MoE layers ("1", "2", ...), the same order on every rank;
+        ``shape_inference``: active during a pipeline stage's shape-inference forward (not counted)."""
+        self.shape_inference = shape_inference
         self.layer_names = list(layer_names)
         self.num_experts = num_experts
         self.counts: torch.Tensor | None = None  # (num_moe_layers, num_experts), this rank, this step
@@ -59,7 +67,7 @@ class ExpertLoadTracker:
         def count(module: nn.Module, inputs, output) -> None:
             # Training forwards only: validation runs without grad, a recompute inside backward,
             # a pipeline stage's shape inference on placeholder inputs.
-            if not torch.is_grad_enabled() or _in_recompute() or in_shape_inference():
+            if not torch.is_grad_enabled() or _in_recompute() or self.shape_inference.active:
                 return
             if self.counts is None:
                 self.counts = self._zeros()
@@ -150,7 +158,13 @@ class LoadBalancer:
 
 
 def build_load_balancer(
-    args, whole: nn.Module, model_parts: list[nn.Module], world: WorldMesh, device: torch.device
+    args,
+    whole: nn.Module,
+    model_parts: list[nn.Module],
+    world: WorldMesh,
+    device: torch.device,
+    *,
+    shape_inference: ShapeInference,
 ) -> LoadBalancer | None:
     """The MoE spec's ``build_step_hooks``; None for a model without MoE layers."""
     layers = list(whole.moe_layers())
@@ -159,7 +173,7 @@ def build_load_balancer(
     # LoRA: every parameter but the adapters is frozen (the same on every rank, pipeline stages included), and the
     # expert bias, a base buffer, stays as loaded too: the adapters alone describe the fine-tuned model.
     base_frozen = not any(p.requires_grad for part in model_parts for n, p in part.named_parameters() if is_base_key(n))
-    tracker = ExpertLoadTracker(layers, args.num_experts, model_parts, device)
+    tracker = ExpertLoadTracker(layers, args.num_experts, model_parts, device, shape_inference=shape_inference)
     return LoadBalancer(args, tracker, world.dims.tp, base_frozen=base_frozen)
 
 

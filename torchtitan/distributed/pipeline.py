@@ -17,9 +17,10 @@ only its gradient edge for backward); there the plain stage is used.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -57,17 +58,30 @@ def prune_to_stage(model: nn.Module, first_layer: int, end_layer: int, is_first:
         model.output = None
 
 
-_shape_inference_depth = 0
+class ShapeInference:
+    """Whether one of a pipeline's stages is running torch's metadata (shape) inference forward.
 
-
-def in_shape_inference() -> bool:
-    """True while a stage runs torch's metadata (shape) inference forward.
-
-    torch 2.13 stages infer their input/output shapes by running the stage once on the first
-    ``step`` (later stages on uninitialised tensors). Side effects of that forward, like MoE token
-    counts (expert_load.py), must be ignored.
+    torch 2.13 stages infer their input/output shapes by running the stage once on the first ``step`` (later
+    stages on uninitialised tensors). Side effects of that forward, like MoE token counts
+    (components/load_balancing.py) or the document feed's queue (components/document_feed.py), must be
+    ignored: the build makes one, hands it to the stages (the one writer) and to those hooks (readers).
+    Without pipeline parallel nothing enters it, so it is never active.
     """
-    return _shape_inference_depth > 0
+
+    def __init__(self) -> None:
+        self._depth = 0
+
+    @property
+    def active(self) -> bool:
+        return self._depth > 0
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
 
 
 # torch 2.15's stages release a sent forward output themselves (and no longer keep ``fwd_cache``); 2.11-2.14 do not
@@ -75,15 +89,15 @@ TORCH_RELEASES_SENT_OUTPUTS = hasattr(PipelineStage, "release_fwd_send_outputs")
 
 
 class _Stage(PipelineStage):
-    """PipelineStage that marks its shape-inference forward (see ``in_shape_inference``)."""
+    """PipelineStage that marks its shape-inference forward in ``shape_inference`` (see ``ShapeInference``)."""
+
+    def __init__(self, *args: Any, shape_inference: ShapeInference, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.shape_inference = shape_inference
 
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any):
-        global _shape_inference_depth
-        _shape_inference_depth += 1
-        try:
+        with self.shape_inference.running():
             return super()._forward_metadata_inference(*args, **kwargs)
-        finally:
-            _shape_inference_depth -= 1
 
     def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
         # torch 2.11 warms up each neighbour with a send and a receive, a neighbour on this rank too (the V
@@ -196,11 +210,13 @@ def build_pipeline(
     csv_path: str,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     finish_stage: Callable[[nn.Module], None],
+    shape_inference: ShapeInference,
     release_sent_outputs: bool = True,
 ) -> PipelineParts:
     """Build this rank's stages (each a fresh meta model pruned by ``split_fn``), finish each, build the schedule.
 
     ``finish_stage`` applies TP/AC/compile/FSDP, ``to_empty`` and init to one part in place.
+    ``shape_inference``: marked while a stage runs its shape-inference forward (read by hooks on the parts).
     ``release_sent_outputs`` (GPipe only) frees each stage output once sent; see _OutputReleasingStage (torch
     2.15 does it itself: the flag changes nothing there).
     """
@@ -218,7 +234,10 @@ def build_pipeline(
         split_fn(part, first, end, stage_id == 0, stage_id == num_stages - 1)
         finish_stage(part)
         parts.append(part)
-        stages.append(stage_cls(part, stage_id, num_stages, device, group=pp_mesh.get_group()))
+        stage = stage_cls(
+            part, stage_id, num_stages, device, group=pp_mesh.get_group(), shape_inference=shape_inference
+        )
+        stages.append(stage)
         logger.info("pp rank %d: stage %d of %d holds layers %d..%d", pp_rank, stage_id, num_stages, first, end - 1)
     return PipelineParts(
         schedule=_build_schedule(stages, canonical, csv_path, n_microbatches, loss_fn),

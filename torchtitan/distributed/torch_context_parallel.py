@@ -7,7 +7,7 @@ head + mirrored-tail load balancing as ours). It only registers ring handlers fo
 kernels (flash, efficient, cuDNN). On CPU, SDPA dispatches to
 ``_scaled_dot_product_flash_attention_for_cpu``, for which this module registers the two missing
 handlers (forward and backward), written against the same private templates. Everything here rests
-on private torch names, so it is limited to the releases checked (``cp_checks.check_torch_cp_supported``) and tested on CPU
+on private torch names, so it is limited to the releases checked (``check_torch_cp_supported`` in distributed/cp_checks.py) and tested on CPU
 against one process (tests/distributed/test_context_parallel.py, the ``cp2_torch`` matrix row).
 Our own ring (context_parallel.py) stays the portable default.
 

@@ -1,8 +1,10 @@
 """One command that checks the trainer on one GPU: numerics, throughput, float8, attention, the memory
 estimator and the model families, within a time budget, and reports what it saw.
 
-    cd <repo> && PYTHONPATH=. python bench/gpu_check.py --out OUT [--budget_s 420]
-    PYTHONPATH=. python bench/gpu_check.py --cpu-dry-run --out OUT     # tiny shapes on the CPU (CI)
+    cd <repo> && python -m bench.gpu_check --out OUT [--budget_s 420]
+    python -m bench.gpu_check --cpu-dry-run --out OUT     # tiny shapes on the CPU (CI)
+
+(From the repository root: ``-m`` puts it on the path, so neither torchtitan nor this package needs installing.)
 
 Prints progress to stderr, the final JSON to stdout, and keeps OUT/gpu_check.json and OUT/gpu_check.md (one
 markdown table) up to date after every section, so a killed check still leaves its results. Sections, in
@@ -24,17 +26,17 @@ left, else it is recorded as skipped for the time budget):
 9. if time allows (added to throughput): 1B compile at seq 8192, then the 3B shape (full AC).
 
 Every run is the trainer itself (``torchtitan.train.Trainer`` through its ``Builders`` seam (engine/builders.py), as the
-memory estimator builds it) on seeded random tokens, one process, world size 1: see bench/gpu_check_runs.py.
+memory estimator builds it) on seeded random tokens, one process, world size 1: see bench/gpu_check/runs.py.
 
 Packages: torch (2.11 or newer), numpy, tiktoken, tokenizers, safetensors, transformers; nothing is installed.
 Not needed: datasets, torchdata, torchft, pytest. Optional: torchao, for the float8 section (skipped with a
 note without it). To carry it to a machine without network, unpack a torchao wheel built for that machine's
 torch (torchao 0.17.0 for torch 2.11; a wheel is a zip file) into an ignored folder and put it on the path:
 ``python -m zipfile -e torchao-0.17.0-cp310-abi3-*.whl .whl/torchao`` and then
-``PYTHONPATH=.:.whl/torchao python bench/gpu_check.py --out OUT --budget_s 560``.
+``PYTHONPATH=.whl/torchao python -m bench.gpu_check --out OUT --budget_s 560``.
 
 ``--cpu-dry-run``: the same sections and code with tiny shapes (debugmodel_tiny, seq 64-128) on the CPU,
-hiding any GPU; one compile (of the tiny model) instead of two. tests/unit/test_gpu_check.py runs it.
+hiding any GPU; one compile (of the tiny model) instead of two. tests/test_gpu_check.py runs it.
 """
 
 from __future__ import annotations
@@ -75,10 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[gpu_check {time.perf_counter() - start:7.1f} s] {message}", file=sys.stderr, flush=True)
 
     log("importing torch and torchtitan")
-    import gpu_check_plan  # imported here, after CUDA_VISIBLE_DEVICES is set
-    import gpu_check_sections as sections
+    from bench.gpu_check import plan as gpu_plans  # imported here, after CUDA_VISIBLE_DEVICES is set
+    from bench.gpu_check import sections
 
-    plan = gpu_check_plan.dry_run_plan() if args.cpu_dry_run else gpu_check_plan.gpu_plan()
+    plan = gpu_plans.dry_run_plan() if args.cpu_dry_run else gpu_plans.gpu_plan()
     if args.reference_run is not None:
         sections.write_cpu_reference(plan, Path(args.reference_run))
         return 0
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = get_device_info().device
     if device.type == "cpu" and not args.cpu_dry_run:
-        print("error: no GPU found; bench/gpu_check.py needs one (or pass --cpu-dry-run)", file=sys.stderr)
+        print("error: no GPU found; bench.gpu_check needs one (or pass --cpu-dry-run)", file=sys.stderr)
         return 2
     budget_s = args.budget_s or (DRY_RUN_BUDGET_S if args.cpu_dry_run else GPU_BUDGET_S)
     out = Path(args.out)
@@ -97,10 +99,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_check(ctx, hard_limit_s: float) -> int:
     """Every stage in order, each recorded as it ends; the final JSON on stdout. Exit 1 if a section failed."""
-    import gpu_check_features as features
-    import gpu_check_sections as sections
     import torch
-    from gpu_check_report import Report
+
+    from bench.gpu_check import features, sections
+    from bench.gpu_check.report import Report
 
     torch._dynamo.config.automatic_dynamic_shapes = False  # each seq_len compiles static, as a run of it does
     report = Report(ctx.out)

@@ -1,4 +1,4 @@
-"""What bench/gpu_check.py runs: the GPU plan (Llama 3.2 1B / 3B shapes) and the CPU dry run's tiny twin.
+"""What bench/gpu_check runs: the GPU plan (Llama 3.2 1B / 3B shapes) and the CPU dry run's tiny twin.
 
 Both plans have the same sections, and each section runs the same code on its runs; the dry run has smaller
 shapes, fewer steps and no compiled row (see ``dry_run_plan``).
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from gpu_check_runs import FLAVOR_VOCAB, RunSpec
+from bench.gpu_check.runs import FLAVOR_VOCAB, RunSpec
 
 
 @dataclass(frozen=True)

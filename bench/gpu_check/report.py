@@ -1,4 +1,4 @@
-"""bench/gpu_check.py's results: the JSON record and its markdown table, rewritten after every section."""
+"""bench/gpu_check's results: the JSON record and its markdown table, rewritten after every section."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def format_markdown(sections: dict[str, dict[str, Any]]) -> str:
     env = sections["environment"]
     device = env.get("gpu") or ("CPU dry run" if env.get("dry_run") else env.get("device", "?"))
     lines = [
-        f"# bench/gpu_check.py: {device}, {env.get('date', '?')}, torch {env.get('torch', '?')}",
+        f"# bench/gpu_check: {device}, {env.get('date', '?')}, torch {env.get('torch', '?')}",
         "",
         "| section | item | status | tokens/s | MFU % | peak GiB | detail |",
         "|---|---|---|---:|---:|---:|---|",

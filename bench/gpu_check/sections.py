@@ -1,4 +1,4 @@
-"""The sections of bench/gpu_check.py: each takes the ``Context`` and returns its JSON record.
+"""The sections of bench/gpu_check: each takes the ``Context`` and returns its JSON record.
 
 A section never raises for a run that fails: each run is recorded on its own (``status`` ok / error /
 skipped, with the error's message and traceback tail), and the section's status says whether any failed.
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from gpu_check_plan import Plan
-from gpu_check_runs import GIB, RunSpec, build_config, run
 
+from bench.gpu_check.plan import Plan
+from bench.gpu_check.runs import GIB, RunSpec, build_config, run
 from torchtitan.components.float8 import check_float8_runs
 from torchtitan.distributed.device import DeviceInfo, get_device_info, init_distributed, synchronize
 from torchtitan.estimation.estimate import estimate_memory, estimate_rank
@@ -252,11 +252,18 @@ def sanity(ctx: Context) -> dict[str, Any]:
 
 
 def cpu_reference(folder: Path, *, dry_run: bool, timeout_s: float) -> dict[str, Any]:
-    """Run the sanity spec in a CPU-only child process (``gpu_check.py --reference_run``); its record."""
-    script = Path(__file__).resolve().parent / "gpu_check.py"
-    cmd = [sys.executable, str(script), "--reference_run", str(folder), *(["--cpu-dry-run"] if dry_run else [])]
+    """Run the sanity spec in a CPU-only child process (``python -m bench.gpu_check --reference_run``); its record."""
+    repo = Path(__file__).resolve().parents[2]  # -m runs the package from the repository root, as the user does
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.gpu_check",
+        "--reference_run",
+        str(folder),
+        *(["--cpu-dry-run"] if dry_run else []),
+    ]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         raise RuntimeError(f"the CPU reference run exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
     return json.loads((folder / REFERENCE_FILE).read_text())
@@ -377,7 +384,7 @@ def float8(ctx: Context) -> dict[str, Any]:
     if importlib.util.find_spec("torchao") is None:
         return {
             "status": "skipped",
-            "reason": "torchao not installed (optional: bench/gpu_check.py's docstring says how to carry it)",
+            "reason": "torchao not installed (optional: bench/gpu_check/__main__.py's docstring says how to carry it)",
         }
     try:
         check_float8_runs(ctx.device)

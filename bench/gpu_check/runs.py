@@ -1,4 +1,4 @@
-"""The trainer on synthetic tokens, for bench/gpu_check.py: build one run, time its steps, measure it, free it.
+"""The trainer on synthetic tokens, for bench/gpu_check: build one run, time its steps, measure it, free it.
 
 Every run is ``torchtitan.train.Trainer`` built through its public ``Builders`` seam (engine/builders.py), as the memory
 estimator builds it: model, parallelisms, optimizer, compile, float8 and the step are the trainer's own. Only

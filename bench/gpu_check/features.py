@@ -1,12 +1,12 @@
-"""bench/gpu_check.py's sections of training runs that must train: the model families and the newer features."""
+"""bench/gpu_check's sections of training runs that must train: the model families and the newer features."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from gpu_check_runs import RunSpec
-from gpu_check_sections import Context, runs_section
+from bench.gpu_check.runs import RunSpec
+from bench.gpu_check.sections import Context, runs_section
 
 
 def families(ctx: Context) -> dict[str, Any]:

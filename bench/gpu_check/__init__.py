@@ -1,0 +1,1 @@
+"""The one-command GPU check (``python -m bench.gpu_check``; __main__.py says what it runs)."""
