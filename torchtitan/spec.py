@@ -157,7 +157,7 @@ class StateDictAdapter(Protocol):
 
 
 @dataclass(frozen=True)
-class LoraLayout:
+class AdapterLayout:
     """Where LoRA adapts a family's linears and their PEFT names: the attention linears of its HF block map, and
     the FFNs at ``ffn_paths``."""
 
@@ -196,7 +196,7 @@ class ModelSpec:
             data-dependent choices replaced by a fixed assumption; None: the args as they are.
         state_dict_adapter: the Hugging Face conversion of the family (a ``StateDictAdapter``,
             models/common/hf_adapter.py), or None.
-        lora: where LoRA adapts the family's linears and their PEFT names (``LoraLayout``, read by
+        adapters: where LoRA adapts the family's linears and their PEFT names (``AdapterLayout``, read by
             lora/names.py); None: LoRA is not built for the family.
         check_fn: ``(args, *, model, training, experimental) -> list[str]``: the family's own
             pre-launch checks of the flavor's ``args`` against the config sections (``Model``,
@@ -222,7 +222,7 @@ class ModelSpec:
     build_step_hooks: Callable[..., StepHooks | None] | None = None
     fake_tensor_args: Callable[[Any], Any] | None = None
     state_dict_adapter: StateDictAdapter | None = None
-    lora: LoraLayout | None = None
+    adapters: AdapterLayout | None = None
     check_fn: Callable[..., list[str]] | None = None
     layer_pattern: Callable[[Any], tuple[int, int]] = lambda args: (0, 1)
     hf_model_type: str | None = None  # config.json's "model_type" this family imports (with state_dict_adapter)

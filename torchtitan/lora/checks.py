@@ -46,14 +46,14 @@ def check_lora(config: JobConfig, dims: ParallelDims) -> list[str]:
     if not lora.dropout < 1:
         raise ConfigError(f"lora.dropout = {lora.dropout}: must be in [0, 1); 0 turns it off")
     _check_combinations(config, dims)
-    if not spec.lora.dense:
+    if not spec.adapters.dense:
         _check_moe_layout(config, dims)
     if config.checkpoint.last_save_in_hf:
         check_peft_exportable(spec, lora.target_modules)
     if lora.adapter_path and spec.state_dict_adapter is None:  # a PEFT folder is in HF names (llama3_moe has none)
         raise NotImplementedError(f"lora.adapter_path = {lora.adapter_path!r}: {hf_conversion_refusal(spec, {})}")
     if lora.quantize_base != "none":
-        if not spec.lora.dense:
+        if not spec.adapters.dense:
             raise NotImplementedError(
                 f"lora.quantize_base = {lora.quantize_base!r} with model.name = {spec.name!r}: not built (QLoRA runs on "
                 f"the dense families {', '.join(dense_families())}); set lora.quantize_base = 'none' for LoRA on it"

@@ -1,4 +1,4 @@
-"""Which linears LoRA can adapt, per family, and their PEFT names: read from the family's spec (``ModelSpec.lora``:
+"""Which linears LoRA can adapt, per family, and their PEFT names: read from the family's spec (``ModelSpec.adapters``:
 its HF block map and where its plain-nn.Linear FFNs sit). MoE routed experts (grouped weights) and the router are
 never adapted; DeepSeek-V3's attention is MLA (wq or wq_a/wq_b, wkv_a, wkv_b, wo: its HF map, one to one)."""
 
@@ -10,7 +10,7 @@ from torch import nn
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.schema_lora import DEFAULT_TARGETS
-from torchtitan.spec import LoraLayout, ModelSpec, get_model_spec, model_names
+from torchtitan.spec import AdapterLayout, ModelSpec, get_model_spec, model_names
 
 # Names a user may give for the MoE parts that are never adapted (besides a family's expert-only w1/w2/w3).
 _EXPERT_WORDS = ("experts", "router", "gate", "expert_bias")
@@ -31,21 +31,21 @@ class Target:
 
 def lora_families() -> list[str]:
     """The families whose spec says where LoRA adapts them."""
-    return [name for name in model_names() if get_model_spec(name).lora is not None]
+    return [name for name in model_names() if get_model_spec(name).adapters is not None]
 
 
 def dense_families() -> list[str]:
     """The families QLoRA runs on (lora/quantize.py): the MoE families' LoRA is not quantized."""
-    return [name for name in lora_families() if get_model_spec(name).lora.dense]
+    return [name for name in lora_families() if get_model_spec(name).adapters.dense]
 
 
-def _layout(spec: ModelSpec) -> LoraLayout:
-    if spec.lora is None:
+def _layout(spec: ModelSpec) -> AdapterLayout:
+    if spec.adapters is None:
         raise NotImplementedError(
             f"lora.enable with model.name = {spec.name!r}: not built for this family (no LoRA targets or rows); LoRA "
             f"runs on {', '.join(lora_families())}: use one of those or turn lora.enable off"
         )
-    return spec.lora
+    return spec.adapters
 
 
 def family_targets(spec: ModelSpec) -> dict[str, Target]:

@@ -76,7 +76,7 @@ def from_peft_state_dict(peft: dict[str, torch.Tensor], spec: ModelSpec, args: d
 def check_peft_exportable(spec: ModelSpec, target_modules: list[str]) -> None:
     """Raises NotImplementedError (one line) for a PEFT export that peft would load onto other weights."""
     ffn = [t.name for t in resolve_targets(spec, target_modules) if t.name in ("w1", "w2", "w3")]
-    if spec.lora.peft_ffn_remapped and ffn:  # peft would load them onto the routed experts
+    if spec.adapters.peft_ffn_remapped and ffn:  # peft would load them onto the routed experts
         raise NotImplementedError(
             f"a PEFT export of {spec.name} adapters on {ffn}: peft maps gate_proj/up_proj/down_proj of this model "
             "type onto its fused routed experts, not the dense and shared FFNs; export merged (scripts/convert_to_hf.py "

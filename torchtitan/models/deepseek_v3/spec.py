@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from torchtitan.models.deepseek_v3 import DeepSeekV3Transformer, deepseek_v3_configs
 from torchtitan.models.deepseek_v3.hf_adapter import ADAPTER
 from torchtitan.models.moe.spec import MOE_WIRING, check_moe_config
-from torchtitan.spec import LoraLayout, ModelSpec
+from torchtitan.spec import AdapterLayout, ModelSpec
 
 if TYPE_CHECKING:
     from torchtitan.config.schema import Experimental, Model, Training
@@ -64,7 +64,7 @@ SPEC = ModelSpec(
     deepseek_v3_configs,
     **{**MOE_WIRING, "check_fn": check_deepseek_v3_config},
     state_dict_adapter=ADAPTER,
-    lora=LoraLayout(ADAPTER.block_names, ("feed_forward", "feed_forward.shared_expert"), peft_ffn_remapped=True),
+    adapters=AdapterLayout(ADAPTER.block_names, ("feed_forward", "feed_forward.shared_expert"), peft_ffn_remapped=True),
     hf_model_type="deepseek_v3",
     hf_refusal=deepseek_v3_hf_refusal,
 )

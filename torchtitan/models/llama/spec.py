@@ -12,7 +12,7 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.models.llama import Transformer, llama3_configs
 from torchtitan.models.llama.hf_adapter import ADAPTER
 from torchtitan.models.llama.model import ffn_hidden_dim
-from torchtitan.spec import LoraLayout, ModelSpec
+from torchtitan.spec import AdapterLayout, ModelSpec
 
 if TYPE_CHECKING:
     from torchtitan.config.schema import Experimental, Model, Training
@@ -51,7 +51,7 @@ SPEC = ModelSpec(
     llama3_configs,
     documents=True,
     state_dict_adapter=ADAPTER,
-    lora=LoraLayout(ADAPTER.block_names, ("feed_forward",), dense=True),
+    adapters=AdapterLayout(ADAPTER.block_names, ("feed_forward",), dense=True),
     check_fn=check_dense_config,
     hf_model_type="llama",
 )

@@ -17,7 +17,7 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.models.llama.hf_adapter import ADAPTER as LLAMA_HF
 from torchtitan.models.llama.spec import check_dense_config
 from torchtitan.models.moe import MoETransformer, moe_configs, num_active_params
-from torchtitan.spec import Deferred, LoraLayout, ModelSpec
+from torchtitan.spec import AdapterLayout, Deferred, ModelSpec
 
 if TYPE_CHECKING:
     from torchtitan.config.schema import Experimental, Model, Training
@@ -120,5 +120,5 @@ SPEC = ModelSpec(
     moe_configs,
     **MOE_WIRING,
     hf_refusal=llama3_moe_hf_refusal,
-    lora=LoraLayout(LLAMA_HF.block_names, ("feed_forward", "feed_forward.shared_expert")),
+    adapters=AdapterLayout(LLAMA_HF.block_names, ("feed_forward", "feed_forward.shared_expert")),
 )

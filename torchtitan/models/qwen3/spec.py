@@ -20,7 +20,7 @@ from torchtitan.models.qwen3 import (
     qwen3_moe_configs,
 )
 from torchtitan.models.qwen3.hf_adapter import QWEN3, QWEN3_MOE
-from torchtitan.spec import LoraLayout, ModelSpec
+from torchtitan.spec import AdapterLayout, ModelSpec
 
 
 def qwen3_moe_hf_refusal(args: Mapping[str, Any]) -> str | None:
@@ -43,7 +43,7 @@ SPECS = {
         qwen3_configs,
         documents=True,
         state_dict_adapter=QWEN3,
-        lora=LoraLayout(QWEN3.block_names, ("feed_forward",), dense=True),
+        adapters=AdapterLayout(QWEN3.block_names, ("feed_forward",), dense=True),
         check_fn=check_dense_config,
         hf_model_type="qwen3",
     ),
@@ -53,7 +53,7 @@ SPECS = {
         qwen3_moe_configs,
         **MOE_WIRING,
         state_dict_adapter=QWEN3_MOE,
-        lora=LoraLayout(QWEN3_MOE.block_names, ()),
+        adapters=AdapterLayout(QWEN3_MOE.block_names, ()),
         hf_model_type="qwen3_moe",
         hf_refusal=qwen3_moe_hf_refusal,
     ),
