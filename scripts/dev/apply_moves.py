@@ -70,10 +70,12 @@ MODULE_MAP: list[tuple[str, str]] = [
     ("components.param_groups", "components.optim.param_groups"),
     # components/: the memory options' pre-launch check
     ("components.memory_checks", "components.checks"),
-    # components/replay/: step replay uses run_control, and features/ sits below components/ (step imports it)
-    ("components.replay", "components.replay.replay"),
-    ("components.replay_checks", "components.replay.checks"),
-    # features/: one folder per optional feature, below components/ (validation.py stays: it runs the step)
+    # features/: one folder per optional feature, each its own floor-plan unit (tests/unit/test_structure.py):
+    # the document feed and in-backward sit below components/ (the step imports them), step replay and validation
+    # above it (they run the step)
+    ("components.replay", "features.replay.replay"),
+    ("components.replay_checks", "features.replay.checks"),
+    ("components.validation", "features.validation.validation"),
     ("components.float8", "features.float8.float8"),
     ("components.document_feed", "features.documents.feed"),
     ("components.attention_checks", "features.documents.checks"),
@@ -94,7 +96,8 @@ PACKAGE_DOCS = {  # new package -> its __init__'s one-line docstring
     "distributed.backend": "The device, the process-group backend and torch-version seams (c10d, DTensor helpers).",
     "components.optim": "Optimizers and learning-rate schedules: AdamW, Muon, low-precision states, parameter groups.",
     "features": "Optional features, one folder each (its config's code, pre-launch check and build); imports nothing.",
-    "components.replay": "Step replay: re-run a step and compare (determinism checks), and its pre-launch check.",
+    "features.replay": "Step replay: re-run a step and compare (silent data corruption), and its pre-launch check.",
+    "features.validation": "Validation: the held-out loss every validation.freq steps (the after_step seam).",
     "features.float8": "Float8 training with torchao: conversion, checks and the FSDP scale precompute.",
     "features.documents": "Document masking (block_causal): the trainer's document feed and its pre-launch check.",
     "features.moe_balance": "MoE load balancing: the expert-load tracker, the aux loss and the expert-bias update.",

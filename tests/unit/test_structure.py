@@ -575,8 +575,9 @@ FLOORS_END = "<!-- end of floors -->"
 
 
 def _unit(module: str) -> str | None:
-    """The floor plan's unit of a module: a top-level file, a folder, and models/ split into the pure
-    modules and the families' spec.py files (the one models/ file allowed to import the rest)."""
+    """The floor plan's unit of a module: a top-level file, a folder, models/ split into the pure
+    modules and the families' spec.py files (the one models/ file allowed to import the rest), and each
+    folder of features/ (the optional features: independent of each other, each on its own floor)."""
     parts = module.split(".")[1:]
     if not parts:
         return None
@@ -584,6 +585,8 @@ def _unit(module: str) -> str | None:
         return f"{parts[0]}.py" if (PACKAGE_ROOT / f"{parts[0]}.py").is_file() else f"{parts[0]}/"
     if parts[0] == "models" and parts[-1] == "spec":
         return "models/*/spec.py"
+    if parts[0] == "features" and len(parts) > 2:  # each optional feature is a unit of its own, on its own floor
+        return f"features/{parts[1]}/"
     return f"{parts[0]}/"
 
 
