@@ -2,7 +2,7 @@
 
 Spawns ``--world_size`` processes (one thread each), builds the same stack of attention-like +
 SwiGLU blocks twice from one init (sync SP plan, and the async plan of
-torchtitan.distributed.async_tp), and alternates timed blocks of steps between them after a
+torchtitan.distributed.tensor_parallel.async_tp), and alternates timed blocks of steps between them after a
 warmup so machine noise hits both alike. Rank 0 prints one JSON object; ratio = async / sync.
 
     python -m bench.async_tp [--dim 1024] [--ffn_dim 4096] [--seq_len 512] [--batch_size 4]
@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from torchtitan.distributed.tensor_parallel import async_block_plan, block_plan
+from torchtitan.distributed.tensor_parallel.plan import async_block_plan, block_plan
 
 
 class Attention(nn.Module):

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.distributed._tools import MemTracker
 
-from torchtitan.distributed.device import get_device_info, synchronize
+from torchtitan.distributed.backend.device import get_device_info, synchronize
 from torchtitan.models.common.attention import masked_attention, resolve_attention_backend
 from torchtitan.models.common.documents import document_stats
 from torchtitan.models.llama.model import CausalAttention, Transformer

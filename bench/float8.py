@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from torchtitan.distributed.device import get_device_info
+from torchtitan.distributed.backend.device import get_device_info
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")

@@ -20,7 +20,7 @@ import time
 import torch
 
 from torchtitan.build import build_model, build_model_args
-from torchtitan.components.optimizer import build_optimizer
+from torchtitan.components.optim.optimizer import build_optimizer
 from torchtitan.config.manager import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.spec import get_model_spec

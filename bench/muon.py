@@ -6,7 +6,7 @@ matrices, AdamW for the rest), taking turns, ``--reps`` times ``--steps`` steps 
 compared. Under FSDP2 both distributed strategies for the orthogonalisation are timed (their results are
 checked bit-equal first):
 
-* round-robin (what components/muon.py runs on a one-axis mesh: muon_shipped): matrix i goes to rank i % world
+* round-robin (what components/optim/muon.py runs on a one-axis mesh: muon_shipped): matrix i goes to rank i % world
   (a gather to it), which orthogonalises it and scatters the shards back (each matrix once in the world);
 * gather (muon_gather; what FSDP x TP and HSDP run): every rank all-gathers each matrix's update and
   orthogonalises all of them (each matrix once per rank, redundantly).
@@ -31,10 +31,10 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from torchtitan.build import build_model
-from torchtitan.components.muon import MuonAdam
-from torchtitan.components.optimizer import build_optimizer
+from torchtitan.components.optim.muon import MuonAdam
+from torchtitan.components.optim.optimizer import build_optimizer
 from torchtitan.config.manager import JobConfig
-from torchtitan.distributed.dtensor import local_shard
+from torchtitan.distributed.backend.dtensor import local_shard
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.spec import get_model_spec
 

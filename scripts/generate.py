@@ -108,7 +108,7 @@ def _build(spec, model_args, weights, device: torch.device) -> torch.nn.Module:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.distributed.device_mesh import init_device_mesh
 
-        from torchtitan.distributed.tensor_parallel import apply_tp_inference
+        from torchtitan.distributed.tensor_parallel.plan import apply_tp_inference
 
         apply_tp_inference(model, init_device_mesh(device.type, (world,)))
         model.to_empty(device=device)
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give a checkpoint folder or --hf HF_DIR (one of them)")
     if args.system is not None and not args.chat:
         parser.error("--system is a chat message; add --chat")
-    from torchtitan.distributed.device import get_device_info, init_distributed
+    from torchtitan.distributed.backend.device import get_device_info, init_distributed
 
     info = get_device_info()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:

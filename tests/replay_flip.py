@@ -1,6 +1,6 @@
 """The step replay's fault injection for the tests: one flipped bit in one rank's gradient on a replay's second pass.
 
-``flip_bit`` is a ``components.replay.AfterPass``; ``builders`` gives the trainer a replay with it (the product's
+``flip_bit`` is a ``features.replay.replay.AfterPass``; ``builders`` gives the trainer a replay with it (the product's
 seam, ``Builders.overrides['step_pass']``). ``python -m torchtitan.launch ... -m tests.replay_flip RANK STEP --job.config_file
 FILE [--section.key value ...]`` runs ``torchtitan.train.main`` with it, for the exit code and the launcher's line.
 """
@@ -29,8 +29,8 @@ def flip_bit(step: int, pass_number: int, params, *, rank: int, at_step: int) ->
 
 
 def builders(rank: int, step: int):
-    from torchtitan.components.replay import build_step_replay
     from torchtitan.engine.builders import Builders
+    from torchtitan.features.replay.replay import build_step_replay
 
     after_pass = functools.partial(flip_bit, rank=rank, at_step=step)
     return Builders(overrides={"step_pass": functools.partial(build_step_replay, after_pass=after_pass)})

@@ -176,7 +176,7 @@ def test_torchao_import_leaves_the_users_output_alone():
         "import logging, sys, torch\n"
         "from torchtitan.observability.logging import init_logger\n"
         "init_logger()\n"
-        "from torchtitan.components.float8 import check_float8_runs\n"
+        "from torchtitan.features.float8.float8 import check_float8_runs\n"
         "check_float8_runs(torch.device('cpu'))\n"
         "import torchao.prototype.moe_training\n"
         "assert 'torchao.float8' in sys.modules\n"

@@ -2,7 +2,7 @@
 
 gpt-oss ``debugmodel`` (its smallest aux-loss flavor: ``debugmodel_tiny`` balances with the expert bias) and
 qwen3_moe ``debugmodel_aux_loss``. With ``training.moe_aux_loss_scope = "global_micro_batch"`` (the default)
-every rank computes the balance loss of the whole micro-batch (distributed/moe_balance.py), so each step's
+every rank computes the balance loss of the whole micro-batch (distributed/expert_parallel/moe_balance.py), so each step's
 loss must equal the single-process run's within RTOL, the grad norm within GRAD_NORM_RTOL, and the per-layer
 expert load exactly. A ``local_micro_batch`` row (the per-rank loss) must miss the reference by more than RTOL:
 the rows can fail.

@@ -1,4 +1,4 @@
-"""The step replay (training.replay_every_n_steps, components/replay.py) through the trainer at 2 ranks.
+"""The step replay (training.replay_every_n_steps, features/replay/replay.py) through the trainer at 2 ranks.
 
 Clean runs with replay on (pool jobs) equal the matrix's rows without it bit for bit, losses and grad norms (and
 the MoE row's expert load, whose counts the replay must not double): FSDP2 with gradient accumulation 2 (the

@@ -19,24 +19,24 @@ from torchtitan.checkpointing.common import model_info, save_model_weights
 from torchtitan.checkpointing.hf_files import hf_embedding_rows
 from torchtitan.checkpointing.marker import read_marker, step_folder
 from torchtitan.checkpointing.state import ModelState
-from torchtitan.components.document_feed import build_document_feed
-from torchtitan.components.float8 import (
+from torchtitan.components.loss import build_loss_fn
+from torchtitan.components.step import PipelineLoss, StepFunction
+from torchtitan.datasets.shard import DataShard
+from torchtitan.datasets.tokenizer import build_tokenizer
+from torchtitan.distributed.backend.device import get_device_info
+from torchtitan.distributed.init import init_model_weights
+from torchtitan.distributed.mesh import WorldMesh
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.pipeline.stages import PipelineParts, ShapeInference, build_pipeline
+from torchtitan.dtypes import to_dtype
+from torchtitan.features.documents.feed import build_document_feed
+from torchtitan.features.float8.float8 import (
     Float8ScalePrecompute,
     apply_float8,
     check_float8_runs,
     cpu_float8_onednn_problem,
     turn_off_onednn,
 )
-from torchtitan.components.loss import build_loss_fn
-from torchtitan.components.step import PipelineLoss, StepFunction
-from torchtitan.datasets.shard import DataShard
-from torchtitan.datasets.tokenizer import build_tokenizer
-from torchtitan.distributed.device import get_device_info
-from torchtitan.distributed.init import init_model_weights
-from torchtitan.distributed.mesh import WorldMesh
-from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline import PipelineParts, ShapeInference, build_pipeline
-from torchtitan.dtypes import to_dtype
 from torchtitan.lora.apply import apply_lora, init_lora_adapters
 from torchtitan.models.common.attention import resolve_attention_backend
 from torchtitan.models.lora import is_base_key

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from torch import nn
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.distributed.pipeline_layout import check_pipeline
-from torchtitan.distributed.tp_checks import check_tp_shapes
+from torchtitan.distributed.pipeline.layout import check_pipeline
+from torchtitan.distributed.tensor_parallel.checks import check_tp_shapes
 
 if TYPE_CHECKING:
     import torch
@@ -56,7 +56,7 @@ class Deferred:
 
 
 PARALLELIZE = Deferred("torchtitan.distributed.parallelize:parallelize")
-PRUNE_TO_STAGE = Deferred("torchtitan.distributed.pipeline:prune_to_stage")
+PRUNE_TO_STAGE = Deferred("torchtitan.distributed.pipeline.stages:prune_to_stage")
 
 
 class StepHooks(Protocol):
@@ -323,7 +323,7 @@ def spec_for_hf_model_type(model_type: str) -> ModelSpec:
 
 def check_model(config: JobConfig, dims: ParallelDims) -> list[str]:
     """Pre-launch: ``model.name`` and ``model.flavor`` exist; the flavor's shapes against the layout (heads under
-    TP: distributed/tp_checks.py; stages under PP: distributed/pipeline_layout.py); the family's own check (FFN
+    TP: distributed/tensor_parallel/checks.py; stages under PP: distributed/pipeline/layout.py); the family's own check (FFN
     width under TP, experts); ``training.seq_len`` fits the flavor."""
     args = flavor_args(config.model)
     spec = get_model_spec(config.model.name)

@@ -20,13 +20,13 @@ import torch.distributed as dist
 
 from torchtitan.build import create_seed_checkpoint
 from torchtitan.checkpointing.manager import resumes_from
-from torchtitan.components.document_feed import Batch
 from torchtitan.components.run_control import AgreedStop, RunStopped
 from torchtitan.config.manager import JobConfig, format_help, wants_help
-from torchtitan.distributed.device import get_device_info, init_distributed, set_pg_timeout
+from torchtitan.distributed.backend.device import get_device_info, init_distributed, set_pg_timeout
 from torchtitan.engine.builders import Builders
 from torchtitan.engine.parts import build_core_parts, build_training_parts
 from torchtitan.engine.summary import start_summary
+from torchtitan.features.documents.feed import Batch
 from torchtitan.launch.failures import exit_without_finalization, report_exception, report_failure
 from torchtitan.launch.parent_watch import watch_parent
 from torchtitan.launch.run_folder import RunLock, checkpoint_root, run_folder, set_aside_earlier_run

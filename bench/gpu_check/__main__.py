@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.reference_run is not None:
         sections.write_cpu_reference(plan, Path(args.reference_run))
         return 0
-    from torchtitan.distributed.device import get_device_info
+    from torchtitan.distributed.backend.device import get_device_info
 
     device = get_device_info().device
     if device.type == "cpu" and not args.cpu_dry_run:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from torchtitan.config.manager import JobConfig
-from torchtitan.distributed.device import synchronize
+from torchtitan.distributed.backend.device import synchronize
 from torchtitan.engine.builders import Builders
 from torchtitan.estimation.fake_trainer import FlavorVocabTokenizer, resolve_vocab
 from torchtitan.observability.metrics import compute_mfu, compute_num_flops_per_token

@@ -29,10 +29,10 @@ import torch.distributed as dist
 
 from bench.gpu_check.plan import Plan
 from bench.gpu_check.runs import GIB, RunSpec, build_config, run
-from torchtitan.components.float8 import check_float8_runs
-from torchtitan.distributed.device import DeviceInfo, get_device_info, init_distributed, synchronize
+from torchtitan.distributed.backend.device import DeviceInfo, get_device_info, init_distributed, synchronize
 from torchtitan.estimation.estimate import estimate_memory, estimate_rank
 from torchtitan.estimation.fake_trainer import resolve_vocab
+from torchtitan.features.float8.float8 import check_float8_runs
 from torchtitan.models.common.attention import resolve_attention_backend
 from torchtitan.observability.flops import get_peak_flops
 

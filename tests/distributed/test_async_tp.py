@@ -1,4 +1,4 @@
-"""Ring async TP (torchtitan.distributed.async_tp) against sync SP and the unsharded block.
+"""Ring async TP (torchtitan.distributed.tensor_parallel.async_tp) against sync SP and the unsharded block.
 
 One spawn per world size computes everything (spawns dominate the cost); the tests below read
 its results: forward/backward parity, activation checkpointing, the overlap order of the ring
@@ -24,8 +24,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.checkpoint import checkpoint
 
 from tests.distributed.harness import run_distributed
-from torchtitan.distributed.async_tp import record_events
-from torchtitan.distributed.tensor_parallel import async_block_plan, block_plan
+from torchtitan.distributed.tensor_parallel.async_tp import record_events
+from torchtitan.distributed.tensor_parallel.plan import async_block_plan, block_plan
 
 pytestmark = pytest.mark.distributed
 

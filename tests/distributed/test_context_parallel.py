@@ -1,4 +1,4 @@
-"""Ring attention (torchtitan.distributed.context_parallel) against single-process CausalAttention.
+"""Ring attention (torchtitan.distributed.context_parallel.context_parallel) against single-process CausalAttention.
 
 One spawn per world size computes everything (spawns dominate the cost); the tests below read its
 results: attention output and q/k/v gradients for every variant (GQA and MHA, both rotate methods,
@@ -20,10 +20,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-import torchtitan.distributed.context_parallel as cp_module
+import torchtitan.distributed.context_parallel.context_parallel as cp_module
 from tests.distributed.harness import run_distributed
-from torchtitan.distributed.context_parallel import RingAttention, apply_cp, compute_cp_positions, shard_sequence
-from torchtitan.distributed.torch_context_parallel import TorchRingAttention, enable_torch_cp_dispatcher
+from torchtitan.distributed.context_parallel.context_parallel import (
+    RingAttention,
+    apply_cp,
+    compute_cp_positions,
+    shard_sequence,
+)
+from torchtitan.distributed.context_parallel.torch_context_parallel import (
+    TorchRingAttention,
+    enable_torch_cp_dispatcher,
+)
 from torchtitan.models.llama.model import CausalAttention, ModelArgs, Transformer
 
 pytestmark = pytest.mark.distributed

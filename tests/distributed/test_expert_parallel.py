@@ -21,7 +21,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 
 from tests.distributed.harness import run_distributed
-from torchtitan.distributed.expert_parallel import ExpertParallel, apply_ep
+from torchtitan.distributed.expert_parallel.experts import ExpertParallel, apply_ep
 from torchtitan.distributed.init import init_model_weights
 from torchtitan.models.moe import MoE, MoEArgs, MoETransformer
 

@@ -1,4 +1,4 @@
-"""Global-batch MoE balancing (distributed/moe_balance.py) against one process on the same global batch.
+"""Global-batch MoE balancing (distributed/expert_parallel/moe_balance.py) against one process on the same global batch.
 
 One MoE layer balanced by the switch aux loss; the reference routes the whole batch in one process. Each of
 2 ranks routes its half with the layer's ``StatsSum`` set, back-propagates the aux loss as the trainer does
@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 
 from tests.distributed.harness import run_distributed
-from torchtitan.distributed.moe_balance import GlobalStatsSum, apply_global_balance, switch_aux_layers
+from torchtitan.distributed.expert_parallel.moe_balance import GlobalStatsSum, apply_global_balance, switch_aux_layers
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.moe import MoE, MoEArgs
 

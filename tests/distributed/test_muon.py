@@ -1,4 +1,4 @@
-"""Distributed Muon (components/muon.py) against one process: FSDP2 (2 and 4 ranks), FSDP2 x TP2, HSDP 2x2, EP2 (MoE).
+"""Distributed Muon (components/optim/muon.py) against one process: FSDP2 (2 and 4 ranks), FSDP2 x TP2, HSDP 2x2, EP2 (MoE).
 
 Each rank builds the parallel model and, from the same seed, the single-process model; both train on the same
 global batch (each data-parallel rank its slice). The reference optimizer is ``torch.optim.Muon`` on the hidden
@@ -20,9 +20,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tests.distributed.harness import run_distributed
 from torchtitan.build import build_model
-from torchtitan.components.muon import MuonAdam
-from torchtitan.components.muon_round_robin import RoundRobin
-from torchtitan.components.optimizer import build_optimizer
+from torchtitan.components.optim.muon import MuonAdam
+from torchtitan.components.optim.muon_round_robin import RoundRobin
+from torchtitan.components.optim.optimizer import build_optimizer
 from torchtitan.config.manager import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.spec import get_model_spec
@@ -39,7 +39,7 @@ LAYOUTS = {  # name: (world, flags)
     "ep2": (2, ["--model.name", "llama3_moe", "--experimental.expert_parallel_degree", "2"]),
 }
 
-# Muon matrices per orthogonalisation path (components/muon_round_robin.py): FSDP alone shards Shard(0) on one
+# Muon matrices per orthogonalisation path (components/optim/muon_round_robin.py): FSDP alone shards Shard(0) on one
 # axis (round-robin); FSDP x TP's strided shards gather. EP2: the dense matrices on FSDP's axis and the 9 expert
 # stacks on EP's (their mesh's other axis, the experts' FSDP axis, has size 1): round-robin.
 EXPECTED_PATHS = {

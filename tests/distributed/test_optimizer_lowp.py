@@ -10,8 +10,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from tests.distributed.harness import run_distributed
 from torchtitan.build import build_model
-from torchtitan.components.optim_lowp import LowPrecisionAdamW
-from torchtitan.components.optimizer import build_optimizer
+from torchtitan.components.optim.optim_lowp import LowPrecisionAdamW
+from torchtitan.components.optim.optimizer import build_optimizer
 from torchtitan.config.manager import JobConfig
 from torchtitan.config.schema import Optimizer as OptimizerConfig
 from torchtitan.distributed.parallel_dims import ParallelDims

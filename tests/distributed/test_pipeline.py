@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten
 from tests.distributed.harness import run_distributed
 from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.distributed.init import init_model_weights
-from torchtitan.distributed.pipeline import ShapeInference, build_pipeline, pipeline_step, prune_to_stage
+from torchtitan.distributed.pipeline.stages import ShapeInference, build_pipeline, pipeline_step, prune_to_stage
 from torchtitan.models import ModelArgs
 from torchtitan.models.llama.model import Transformer
 

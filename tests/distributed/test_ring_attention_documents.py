@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tests.distributed.harness import run_distributed
-from torchtitan.distributed.context_parallel import (
+from torchtitan.distributed.context_parallel.context_parallel import (
     RingAttention,
     RingAttentionPlanner,
     compute_cp_positions,

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.distributed.harness import run_distributed
-from torchtitan.distributed.context_parallel import (
+from torchtitan.distributed.context_parallel.context_parallel import (
     RingAttention,
     RingSinkAttention,
     apply_cp,

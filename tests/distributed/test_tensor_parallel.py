@@ -130,7 +130,7 @@ def _block_comms(rank: int, world: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from torchtitan.distributed.tensor_parallel import block_plan
+    from torchtitan.distributed.tensor_parallel.plan import block_plan
     from torchtitan.models.llama.model import TransformerBlock, compute_rope_cache
 
     torch.manual_seed(0)

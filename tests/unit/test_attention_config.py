@@ -1,4 +1,4 @@
-"""Pre-launch checks of the attention keys (torchtitan/components/attention_checks.py) and the MFU of
+"""Pre-launch checks of the attention keys (torchtitan/features/documents/checks.py) and the MFU of
 block_causal (attention FLOPs of the visible pairs only, labelled)."""
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ import pytest
 import tomllib
 import torch
 
-from torchtitan.components.lr_schedule import compute_lr_factor, compute_wsd_lr_factor, wsd_phases
-from torchtitan.components.optimizer import build_lr_scheduler
+from torchtitan.components.optim.lr_schedule import compute_lr_factor, compute_wsd_lr_factor, wsd_phases
+from torchtitan.components.optim.optimizer import build_lr_scheduler
 from torchtitan.config.compat_2025 import RULES, SHARED, file_is_2025
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import JobConfig, _field_type, all_keys, format_help

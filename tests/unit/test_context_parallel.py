@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from torchtitan.distributed.context_parallel import (
+from torchtitan.distributed.context_parallel.context_parallel import (
     RingAttention,
     compute_block_attention,
     compute_cp_positions,
@@ -14,7 +14,7 @@ from torchtitan.distributed.context_parallel import (
     merge_attention_,
     shard_sequence,
 )
-from torchtitan.distributed.ring_attention_math import _plan_block, plan_document_blocks
+from torchtitan.distributed.context_parallel.ring_attention_math import _plan_block, plan_document_blocks
 from torchtitan.models.gpt_oss.model import SinkAttention
 from torchtitan.models.llama.model import CausalAttention
 

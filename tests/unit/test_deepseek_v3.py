@@ -341,7 +341,7 @@ def test_preflight_accepts_debugmodel_and_cp_and_names_what_mla_cannot_do_yet():
     dsv3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
     assert run_preflight(_config(*dsv3), 1, this_machine=False) == []
     tp2 = ["--training.tensor_parallel_degree", "2", "--experimental.expert_parallel_degree", "2"]
-    assert run_preflight(_config(*dsv3, *tp2), 2, this_machine=False) == []  # MLA's TP plan (tensor_parallel.py)
+    assert run_preflight(_config(*dsv3, *tp2), 2, this_machine=False) == []  # MLA's TP plan (tensor_parallel/plan.py)
     cp = ["--experimental.context_parallel_degree", "2"]
     assert run_preflight(_config(*dsv3, *cp), 2, this_machine=False) == []  # our ring: v heads of their own width
     torch_cp = [*cp, "--experimental.context_parallel_impl", "torch"]

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed._tools import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from torchtitan.distributed.c10d_compat import reduce_scatter_single
+from torchtitan.distributed.backend.c10d_compat import reduce_scatter_single
 from torchtitan.estimation.fake_trainer import gloo_patches, p2p_works_hold_tensors
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from torchtitan.components import float8 as f8
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import JobConfig
 from torchtitan.config.schema import Float8
+from torchtitan.features.float8 import float8 as f8
 from torchtitan.models.llama import Transformer, llama3_configs
 from torchtitan.preflight import run_preflight
 

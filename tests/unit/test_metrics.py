@@ -275,7 +275,7 @@ def test_missing_tensorboard_names_pip_install(tmp_path: Path, monkeypatch: pyte
 
 
 def test_the_slowest_rank_is_the_one_with_the_largest_excess_over_the_others_median():
-    from torchtitan.observability.stragglers import find_slowest
+    from torchtitan.features.stragglers.stragglers import find_slowest
 
     busy = find_slowest([(0.1, 0.0), (0.1, 0.0), (0.5, 0.0), (0.1, 0.0)])  # slow after the last collective
     assert (busy.rank, round(busy.excess_s, 6), round(busy.spread, 6)) == (2, 0.4, 5.0)

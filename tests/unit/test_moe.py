@@ -213,7 +213,7 @@ def test_models_moe_is_pure():
 
 
 def test_moe_tp_plan_keeps_dense_ffn_entries_off_moe_blocks():
-    from torchtitan.distributed.tensor_parallel import TokenShardedReplicate, block_plan, moe_block_plan
+    from torchtitan.distributed.tensor_parallel.plan import TokenShardedReplicate, block_plan, moe_block_plan
 
     plan = moe_block_plan(has_shared_expert=True)
     assert not any(k.startswith("feed_forward.w") for k in plan)
@@ -225,7 +225,7 @@ def test_moe_tp_plan_keeps_dense_ffn_entries_off_moe_blocks():
 
 
 def test_expert_load_metrics():
-    from torchtitan.components.load_balancing import compute_load_metrics
+    from torchtitan.features.moe_balance.load_balancing import compute_load_metrics
 
     out = compute_load_metrics({"layers.1": [2.0, 2.0, 2.0, 2.0], "layers.2": [8.0, 0.0, 0.0, 0.0]})
     assert out["expert_imbalance"] == {"layers.1": 1.0, "layers.2": 4.0}

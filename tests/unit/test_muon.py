@@ -1,4 +1,4 @@
-"""Muon beside AdamW (components/muon.py) on one process against torch.optim.Muon + torch.optim.AdamW."""
+"""Muon beside AdamW (components/optim/muon.py) on one process against torch.optim.Muon + torch.optim.AdamW."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan.components.muon import MuonAdam, compute_orthogonalized
-from torchtitan.components.optimizer import build_optimizer
-from torchtitan.components.param_groups import MUON_NS_COEFFICIENTS
+from torchtitan.components.optim.muon import MuonAdam, compute_orthogonalized
+from torchtitan.components.optim.optimizer import build_optimizer
+from torchtitan.components.optim.param_groups import MUON_NS_COEFFICIENTS
 from torchtitan.config.schema import Optimizer as OptimizerConfig
 from torchtitan.models.llama.model import ModelArgs, Transformer
 
@@ -107,7 +107,7 @@ def test_state_round_trips():
 
 
 def test_bf16_states_keep_muon_momentum_in_fp32():
-    from torchtitan.components.muon import MuonLowPrecisionAdam
+    from torchtitan.components.optim.muon import MuonLowPrecisionAdam
 
     torch.manual_seed(0)
     model = Transformer(TINY)

@@ -1,4 +1,4 @@
-"""AdamW with bf16 optimizer states (torchtitan.components.optim_lowp) against torch.optim.AdamW."""
+"""AdamW with bf16 optimizer states (torchtitan.components.optim.optim_lowp) against torch.optim.AdamW."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan.components.optim_lowp import LowPrecisionAdamW
-from torchtitan.components.optimizer import build_optimizer
+from torchtitan.components.optim.optim_lowp import LowPrecisionAdamW
+from torchtitan.components.optim.optimizer import build_optimizer
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import JobConfig
 from torchtitan.config.schema import Optimizer as OptimizerConfig

@@ -1,4 +1,4 @@
-"""The optimizer step in backward (components/optimizer_in_backward.py) on one process, and its refusals.
+"""The optimizer step in backward (features/in_backward/in_backward.py) on one process, and its refusals.
 
 Multi-rank layouts (FSDP2, PP, CPU offload, TP), resume and memory: tests/test_optimizer_in_backward_runs.py.
 """
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan.components.optimizer import build_lr_scheduler, build_optimizer, build_optimizer_in_backward
+from torchtitan.components.optim.optimizer import build_lr_scheduler, build_optimizer, build_optimizer_in_backward
 from torchtitan.config.manager import JobConfig
 from torchtitan.config.schema import Optimizer as OptimizerConfig
 from torchtitan.models.llama.model import ModelArgs, Transformer

@@ -1,4 +1,4 @@
-"""Parameter groups (components/param_groups.py): the no_decay preset and Muon's default rule set over each
+"""Parameter groups (components/optim/param_groups.py): the no_decay preset and Muon's default rule set over each
 family's canonical names, the rules' one-line errors, and a run against hand-built torch optimizers."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.components.lr_schedule import lr_factor_fn
-from torchtitan.components.optimizer import build_lr_scheduler, build_optimizer
-from torchtitan.components.param_groups import (
+from torchtitan.components.optim.lr_schedule import lr_factor_fn
+from torchtitan.components.optim.optimizer import build_lr_scheduler, build_optimizer
+from torchtitan.components.optim.param_groups import (
     assign_groups,
     canonical_name,
     check_param_groups,
@@ -125,7 +125,7 @@ def test_bad_rules_are_one_line_before_launch(flags, message):
 
 
 def test_in_backward_refuses_muon_in_one_line():
-    from torchtitan.components.in_backward_checks import check_in_backward
+    from torchtitan.features.in_backward.checks import check_in_backward
 
     config = JobConfig.parse_args(
         ["--optimizer.name", "Muon", "--optimizer.early_step_in_backward", "--training.max_norm", "0"]

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtitan.distributed.pipeline import prune_to_stage
-from torchtitan.distributed.pipeline_layout import (
+from torchtitan.distributed.pipeline.layout import (
     MULTI_STAGE_SCHEDULES,
     SINGLE_STAGE_SCHEDULES,
     V_SCHEDULES,
@@ -14,6 +13,7 @@ from torchtitan.distributed.pipeline_layout import (
     stage_ids_for_rank,
     validate_microbatches,
 )
+from torchtitan.distributed.pipeline.stages import prune_to_stage
 from torchtitan.models import ModelArgs
 from torchtitan.models.llama.model import Transformer
 

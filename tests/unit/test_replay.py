@@ -1,4 +1,4 @@
-"""The step replay (components/replay.py) in one process: checksums, both policies, what it leaves as it was, refusals."""
+"""The step replay (features/replay/replay.py) in one process: checksums, both policies, what it leaves as it was, refusals."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from torchtitan.components.replay import EXIT_REPLAY_MISMATCH, ReplayMismatch, StepReplay, bit_checksum
 from torchtitan.config.manager import JobConfig
+from torchtitan.features.replay.replay import EXIT_REPLAY_MISMATCH, ReplayMismatch, StepReplay, bit_checksum
 from torchtitan.preflight import run_preflight
 
 

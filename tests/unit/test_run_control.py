@@ -11,7 +11,7 @@ import torch
 from torchtitan.checkpointing.compat import check_model_matches, warn_if_data_changed
 from torchtitan.checkpointing.folders import find_resume_checkpoint, later_branch, set_aside
 from torchtitan.checkpointing.marker import write_marker
-from torchtitan.components.optimizer import apply_optimizer_config, build_lr_scheduler, build_optimizer
+from torchtitan.components.optim.optimizer import apply_optimizer_config, build_lr_scheduler, build_optimizer
 from torchtitan.components.run_control import NonFiniteStep, StepGuard, StopSignals
 from torchtitan.config.schema import Optimizer, Training
 

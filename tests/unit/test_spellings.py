@@ -18,7 +18,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from torchtitan.distributed.pipeline_layout import canonical_schedule, resolve_stage_layout
+from torchtitan.distributed.pipeline.layout import canonical_schedule, resolve_stage_layout
 from torchtitan.models.llama import Transformer, llama3_configs
 
 CSV = "./tests/assets/pp2_breadth_first_4stages_4mb.csv"

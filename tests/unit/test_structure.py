@@ -35,7 +35,7 @@ SPEC_ONLY_FILES = (
     "torchtitan/train.py",
     "torchtitan/observability/step_metrics.py",
     "torchtitan/observability/metrics.py",
-    "torchtitan/components/validation.py",
+    "torchtitan/features/validation/validation.py",
 )
 SPEC_ONLY_FOLDERS = ("torchtitan/checkpointing",)
 FAMILY_SPECIFIC = tuple(

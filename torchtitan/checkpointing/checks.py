@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from torchtitan.checkpointing.hf_files import hf_weight_files, read_hf_config
 from torchtitan.checkpointing.marker import read_marker, why_not_loadable
 from torchtitan.config.errors import ConfigError
-from torchtitan.distributed.device import get_device_info
+from torchtitan.distributed.backend.device import get_device_info
 from torchtitan.spec import flavor_args, get_model_spec, hf_conversion_refusal
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from torchtitan.distributed.device import synchronize
+from torchtitan.distributed.backend.device import synchronize
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class StepGuard:
             and raises once ``max_skips`` steps in a row were skipped.
         signals: where stop requests come from (None: never).
         on_wait: told the seconds this rank waited in the all-reduce for the others, the device synchronized
-            before it (the straggler watch, observability/stragglers.py; None: no extra sync).
+            before it (the straggler watch, features/stragglers/stragglers.py; None: no extra sync).
     """
 
     def __init__(

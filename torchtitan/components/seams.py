@@ -27,12 +27,12 @@ if TYPE_CHECKING:
 
     from torch.distributed.checkpoint.stateful import Stateful
 
-    from torchtitan.components.document_feed import Batch
     from torchtitan.components.step import StepFunction
     from torchtitan.config.manager import JobConfig
     from torchtitan.datasets.shard import DataShard
     from torchtitan.distributed.mesh import OuterSum, WorldMesh
     from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.features.documents.feed import Batch
 
 
 class Tokenizer(Protocol):

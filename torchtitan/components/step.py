@@ -22,20 +22,20 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torchtitan.components.document_feed import Batch, DocumentFeed
 from torchtitan.components.loss import LossFn, chunked_cross_entropy, cross_entropy_loss
-from torchtitan.components.optimizer import build_optimizer_in_backward
+from torchtitan.components.optim.optimizer import build_optimizer_in_backward
 from torchtitan.distributed.grad_norm import clip_grad_norm_, reduce_partial_grads_
-from torchtitan.distributed.pipeline import pipeline_eval, pipeline_step
+from torchtitan.distributed.pipeline.stages import pipeline_eval, pipeline_step
+from torchtitan.features.documents.feed import Batch, DocumentFeed
 from torchtitan.models.common.documents import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from torchtitan.components.optimizer_in_backward import OptimizerInBackward
     from torchtitan.config.schema import Optimizer as OptimizerConfig
     from torchtitan.distributed.mesh import OuterSum, WorldMesh
-    from torchtitan.distributed.pipeline import PipelineParts
+    from torchtitan.distributed.pipeline.stages import PipelineParts
+    from torchtitan.features.in_backward.in_backward import OptimizerInBackward
     from torchtitan.spec import StepHooks
 
 

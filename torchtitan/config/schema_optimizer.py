@@ -29,7 +29,7 @@ class Optimizer:
     no_decay: list[str] = _f(
         [],
         "parameters that get weight decay 0, by kind: any of 'norm', 'bias', 'embedding' (each family's canonical "
-        "names; components/param_groups.py), e.g. ['norm', 'bias', 'embedding']",
+        "names; components/optim/param_groups.py), e.g. ['norm', 'bias', 'embedding']",
     )
     param_groups: list[dict[str, Any]] = _f(
         [],

@@ -64,7 +64,7 @@ class Training:
     )
     lr_schedule: Literal["linear", "wsd"] = _f(
         "linear",
-        "the learning-rate schedule (components/lr_schedule.py): 'linear' = warmup (step+1)/(warmup_steps+1), then "
+        "the learning-rate schedule (components/optim/lr_schedule.py): 'linear' = warmup (step+1)/(warmup_steps+1), then "
         "linear decay toward 0 at `steps` (torchtitan late 2024); 'wsd' = torchtitan 2025's warmup-stable-decay "
         "([lr_scheduler]): warmup (step+1)/warmup_steps, constant, then the last lr_decay_ratio of the steps decay "
         "(lr_decay_type) to lr_min_factor x optimizer.lr",

@@ -188,7 +188,7 @@ class HuggingFaceDataset(IterableDataset, Stateful):
         return window
 
     def _checked(self, text: object, g: int) -> str:
-        # Local files are checked when loaded (file_checks.py); a streamed row is seen only here.
+        # Local files are checked when loaded (local_files.py); a streamed row is seen only here.
         if not isinstance(text, str):
             row = g % self._source.num_docs if self._source.num_docs else g
             raise ValueError(

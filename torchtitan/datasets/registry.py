@@ -13,7 +13,7 @@ from pathlib import Path
 from datasets import Dataset, IterableDataset, load_dataset
 from datasets.exceptions import DatasetGenerationError
 
-from torchtitan.datasets.file_checks import check_not_empty, check_text_column, explain_load_error, source_files
+from torchtitan.datasets.local_files import check_not_empty, check_text_column, explain_load_error, source_files
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def load_local(path: Path, text_field: str | None) -> Dataset:
 
     Raises:
         ValueError: empty data, a malformed JSON line, a row whose text is null or not a string
-            (each naming the file and line or row; see file_checks.py).
+            (each naming the file and line or row; see local_files.py).
     """
     builder = _FILE_BUILDERS.get(path.suffix.lower())
     if builder is None and not path.is_dir():

@@ -9,14 +9,14 @@ import torch
 from torch import nn
 
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.distributed.context_parallel import apply_cp, compute_cp_positions
-from torchtitan.distributed.expert_parallel import apply_ep
+from torchtitan.distributed.context_parallel.context_parallel import apply_cp, compute_cp_positions
+from torchtitan.distributed.context_parallel.torch_context_parallel import apply_torch_cp
+from torchtitan.distributed.expert_parallel.experts import apply_ep
+from torchtitan.distributed.expert_parallel.moe_balance import apply_global_balance
 from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
-from torchtitan.distributed.moe_balance import apply_global_balance
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.tensor_parallel import apply_tp
-from torchtitan.distributed.torch_context_parallel import apply_torch_cp
-from torchtitan.distributed.tp_checks import resolve_async_tp
+from torchtitan.distributed.tensor_parallel.checks import resolve_async_tp
+from torchtitan.distributed.tensor_parallel.plan import apply_tp
 from torchtitan.dtypes import to_dtype
 
 if TYPE_CHECKING:

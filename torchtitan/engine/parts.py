@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from torchtitan.build import build_data_shard, build_step_function
-from torchtitan.components.document_feed import Batch
-from torchtitan.components.optimizer import apply_optimizer_config, build_lr_scheduler, build_optimizer
+from torchtitan.components.optim.optimizer import apply_optimizer_config, build_lr_scheduler, build_optimizer
 from torchtitan.components.run_control import StopSignals
 from torchtitan.components.seams import (
     AfterStep,
@@ -30,11 +29,12 @@ from torchtitan.components.seams import (
     StepPass,
     Tokenizer,
 )
-from torchtitan.distributed.context_parallel import compute_cp_positions, shard_sequence
-from torchtitan.distributed.device import set_determinism
+from torchtitan.distributed.backend.device import set_determinism
+from torchtitan.distributed.context_parallel.context_parallel import compute_cp_positions, shard_sequence
 from torchtitan.distributed.mesh import WorldMesh
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.engine.builders import Builders, Checkpointer, Guard
+from torchtitan.features.documents.feed import Batch
 from torchtitan.launch.run_folder import run_folder
 from torchtitan.preflight.registry import Slot, enabled_builders
 from torchtitan.spec import get_model_spec

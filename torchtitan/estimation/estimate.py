@@ -14,10 +14,10 @@ import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
 from torchtitan.build import build_model_args
-from torchtitan.components.param_groups import optimizer_state_by_group
-from torchtitan.distributed.device import get_device_info
+from torchtitan.components.optim.param_groups import optimizer_state_by_group
+from torchtitan.distributed.backend.device import get_device_info
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline_layout import resolve_stage_layout, stage_ids_for_rank
+from torchtitan.distributed.pipeline.layout import resolve_stage_layout, stage_ids_for_rank
 from torchtitan.dtypes import to_dtype
 from torchtitan.estimation.fake_trainer import (
     ddp_bucket_bytes,
@@ -98,7 +98,7 @@ class Estimate:
     warnings: list[str] = field(default_factory=list)
     params: int = 0  # the whole model's parameters at full depth (meta device; buffers not counted)
     optimizer_groups: list[dict] = field(default_factory=list)
-    """Per optimizer param group of the whole model: optimizer, parameters, state (components/param_groups.py)."""
+    """Per optimizer param group of the whole model: optimizer, parameters, state (components/optim/param_groups.py)."""
 
     @property
     def peak(self) -> int:

@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from torchtitan.components.run_control import Verdict
 from torchtitan.datasets.tokenizer import build_tokenizer, find_tokenizer_file
-from torchtitan.distributed.c10d_compat import ALL_GATHER, REDUCE_SCATTER
+from torchtitan.distributed.backend.c10d_compat import ALL_GATHER, REDUCE_SCATTER
 from torchtitan.engine.builders import Builders
 from torchtitan.spec import get_model_spec
 

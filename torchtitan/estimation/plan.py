@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 
 from torchtitan.build import build_meta_model, build_model_args
-from torchtitan.components.param_groups import optimizer_state_by_group
+from torchtitan.components.optim.param_groups import optimizer_state_by_group
 from torchtitan.config.schema_optimizer import Optimizer as OptimizerConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.estimation.estimate import estimate_memory, named_shapes

@@ -60,7 +60,7 @@ def build_eval_model(config: JobConfig, *, checkpoint: str | None = None, hf: st
     from torchtitan.build import build_model, build_model_args
     from torchtitan.checkpointing.hf_files import hf_embedding_rows, hf_folder_tokenizer
     from torchtitan.datasets.tokenizer import build_tokenizer
-    from torchtitan.distributed.device import get_device_info, init_distributed
+    from torchtitan.distributed.backend.device import get_device_info, init_distributed
     from torchtitan.dtypes import to_dtype
     from torchtitan.spec import get_model_spec
 

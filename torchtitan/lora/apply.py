@@ -1,7 +1,7 @@
 """The LoRA model transform: target linears become ``LoRALinear``, everything else is frozen.
 
 Applied to a meta model (or pipeline stage) before the parallelisms, like float8's conversion (build.py):
-TP then shards each adapter to match its base linear (distributed/lora_tp.py), FSDP shards adapters and
+TP then shards each adapter to match its base linear (distributed/tensor_parallel/lora.py), FSDP shards adapters and
 frozen base alike (the frozen weights get no gradient, so no reduce-scatter). The model's code is untouched.
 """
 
@@ -45,7 +45,7 @@ def apply_lora(model: nn.Module, lora: Lora, spec: ModelSpec) -> list[str]:
 
 def freeze_base(model: nn.Module) -> None:
     """Every parameter but the adapters' stops requiring gradients (the parallelisms keep it so: TP re-freezes what
-    torch's SequenceParallel re-creates, distributed/tensor_parallel.py)."""
+    torch's SequenceParallel re-creates, distributed/tensor_parallel/plan.py)."""
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter_key(name))
 

@@ -7,7 +7,7 @@ linears ``lora_a`` and ``lora_b``. PEFT's default init (``init_lora_weights = Tr
 (a = sqrt(5), nn.Linear's own), B zero, so a fresh adapter adds exactly 0 and the model equals its base.
 
 Pure module: which linears get adapters, freezing and the parallel plans live in torchtitan/lora/ and
-torchtitan/distributed/lora_tp.py.
+torchtitan/distributed/tensor_parallel/lora.py.
 """
 
 from __future__ import annotations

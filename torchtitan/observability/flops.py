@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from torchtitan.distributed.device import synchronize
+from torchtitan.distributed.backend.device import synchronize
 from torchtitan.observability.logging import warn_once
 
 logger = logging.getLogger(__name__)

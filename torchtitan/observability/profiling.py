@@ -18,7 +18,7 @@ import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.distributed.device import get_device_info
+from torchtitan.distributed.backend.device import get_device_info
 
 if TYPE_CHECKING:
     from torchtitan.config.manager import JobConfig

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchtitan.distributed.device import synchronize
+from torchtitan.distributed.backend.device import synchronize
 from torchtitan.dtypes import to_dtype
+from torchtitan.features.stragglers.stragglers import build_straggler_watch
 from torchtitan.observability.console import build_palette, format_end_summary, format_step_line, format_validation_line
 from torchtitan.observability.flops import LinearShape, PeakFlops, get_peak_flops
 from torchtitan.observability.metrics import (
@@ -23,7 +24,6 @@ from torchtitan.observability.metrics import (
     compute_mfu,
     compute_num_flops_per_token,
 )
-from torchtitan.observability.stragglers import build_straggler_watch
 
 if TYPE_CHECKING:
     from torchtitan.config.schema import Float8, Metrics, Training

@@ -23,21 +23,21 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from torchtitan.checkpointing.checks import check_checkpoint, check_initial_load
-from torchtitan.components.attention_checks import check_attention, check_attention_device
-from torchtitan.components.float8 import check_float8, check_torchao_installed
-from torchtitan.components.in_backward_checks import check_in_backward
-from torchtitan.components.lr_schedule import check_lr_schedule
-from torchtitan.components.memory_checks import check_memory_options
-from torchtitan.components.param_groups import check_param_groups
-from torchtitan.components.replay_checks import check_replay
+from torchtitan.components.checks import check_memory_options
+from torchtitan.components.optim.lr_schedule import check_lr_schedule
+from torchtitan.components.optim.param_groups import check_param_groups
 from torchtitan.datasets.checks import check_data_paths
 from torchtitan.datasets.sft.checks import check_fine_tuning
 from torchtitan.distributed.activation_checkpoint import check_activation_checkpoint
-from torchtitan.distributed.cp_checks import check_context_parallel
+from torchtitan.distributed.context_parallel.checks import check_context_parallel
 from torchtitan.distributed.parallel_dims import ParallelDims, check_data_parallel
-from torchtitan.distributed.tp_checks import check_async_tp_device, check_tensor_parallel
+from torchtitan.distributed.tensor_parallel.checks import check_async_tp_device, check_tensor_parallel
 from torchtitan.eval.checks import check_eval, check_eval_tasks
 from torchtitan.fault_tolerance.checks import check_fault_tolerance, check_fault_tolerance_machine
+from torchtitan.features.documents.checks import check_attention, check_attention_device
+from torchtitan.features.float8.float8 import check_float8, check_torchao_installed
+from torchtitan.features.in_backward.checks import check_in_backward
+from torchtitan.features.replay.checks import check_replay
 from torchtitan.launch.run_folder import check_dump_folder
 from torchtitan.lora.checks import check_lora, check_qlora_torchao
 from torchtitan.observability.metrics import check_metrics
@@ -82,8 +82,8 @@ def _d(target: str) -> Deferred:
     return Deferred(target)
 
 
-_REPLAY = {"step_pass": _d("torchtitan.components.replay:build_step_replay")}
-_IN_BACKWARD = {"optimizer_step": _d("torchtitan.components.optimizer_in_backward:build_in_backward_step")}
+_REPLAY = {"step_pass": _d("torchtitan.features.replay.replay:build_step_replay")}
+_IN_BACKWARD = {"optimizer_step": _d("torchtitan.features.in_backward.in_backward:build_in_backward_step")}
 
 # The order is the order a config with several problems hears about them: the layout's features first, then
 # the model against the layout, then files, then the bookkeeping keys; and the order of the ``after_step`` work.
@@ -133,7 +133,7 @@ FEATURES: tuple[Feature, ...] = (  # declarative table
         "validation",
         enabled=lambda c: c.validation.enabled,
         switch="validation.enabled",
-        builds={"after_step": _d("torchtitan.components.validation:build_validation")},
+        builds={"after_step": _d("torchtitan.features.validation.validation:build_validation")},
     ),
     Feature(
         "eval",

@@ -30,8 +30,8 @@ from datasets import Dataset, load_dataset
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
-from torchtitan.datasets.file_checks import source_files
 from torchtitan.datasets.hf_datasets import ParallelAwareDataloader, first_group, validate_groups
+from torchtitan.datasets.local_files import source_files
 from torchtitan.datasets.registry import get_spec, load_local, looks_like_hub_id
 from torchtitan.datasets.sft.chat_template import ChatTokenizer
 from torchtitan.datasets.sft.columns import ColumnMap, parse_columns

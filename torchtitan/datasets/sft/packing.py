@@ -12,7 +12,7 @@ Per window (each list ``seq_len`` long):
   each example's labels already stop at its own last token), then padding at the end only, whose
   labels are ``IGNORE_INDEX``;
 * ``doc_ids``: 0, 1, ... per example in the window, the padding one id more (so it attends only
-  to itself); what ``components.document_feed.Documents.doc_ids`` and
+  to itself); what ``features.documents.feed.Documents.doc_ids`` and
   ``models.common.documents.block_causal_mask`` take, one row per window;
 * ``positions``: each token's position inside its example (0 at every start; the padding's count
   from 0 too), what ``Documents.positions`` takes with ``model.positions_per_document``.
@@ -201,7 +201,7 @@ def pack_examples(
 
 class PackedDocs(NamedTuple):
     """What a fine-tuning loader yields beside (inputs, labels) for one micro-batch of packed windows:
-    the ids and positions the block-causal mask and RoPE take (``components.document_feed``), and each
+    the ids and positions the block-causal mask and RoPE take (``features.documents.feed``), and each
     window's real (non-padding) token count."""
 
     doc_ids: torch.Tensor  # (bs, seq_len) int64

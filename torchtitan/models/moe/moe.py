@@ -1,6 +1,6 @@
 """The mixture-of-experts layer: a token-choice top-k router, grouped SwiGLU experts, a shared expert.
 
-Pure torch, like the rest of ``models/``. Expert parallel (distributed/expert_parallel.py) wraps
+Pure torch, like the rest of ``models/``. Expert parallel (distributed/expert_parallel/experts.py) wraps
 ``MoE.experts`` so that ``GroupedExperts.forward`` receives the tokens this rank's experts were sent,
 already sorted by local expert; the layer itself never communicates.
 
@@ -10,7 +10,7 @@ Load balancing (``MoEArgs.load_balance``):
   injected into autograd behind its back, so the trainer controls the scale (gradient accumulation).
   Its statistics (slots per expert, summed probabilities) are this rank's tokens unless a ``StatsSum``
   is set (``set_stats_sum``): then they are summed over the ranks that hold the rest of the micro-batch,
-  and the loss is that of the global micro-batch, the same whatever the layout (distributed/moe_balance.py).
+  and the loss is that of the global micro-batch, the same whatever the layout (distributed/expert_parallel/moe_balance.py).
   With ``aux_loss_per_sequence`` it is DeepSeek's sequence-wise loss: one per batch row, averaged
   (the rows this rank holds: under sequence or context parallel, each rank's shard of a row).
 * ``"bias"``: aux-loss-free balancing (DeepSeek-V3). A per-expert ``expert_bias`` buffer is added to
@@ -32,7 +32,7 @@ from torchtitan.models.llama.model import FeedForward
 from torchtitan.models.moe.args import MoEArgs
 
 # Sums a small statistics tensor over the ranks that hold the other tokens of this micro-batch, with the
-# gradient an all-reduce would have (distributed/moe_balance.py builds it; the model never communicates).
+# gradient an all-reduce would have (distributed/expert_parallel/moe_balance.py builds it; the model never communicates).
 StatsSum = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -103,7 +103,7 @@ class TokenChoiceRouter(nn.Module):
 def _local(weight: torch.Tensor) -> torch.Tensor:
     # Under expert parallel the weights are DTensors sharded over experts (Shard(0)) and this rank
     # computes with its own experts only. Duck-typed so models/ imports nothing distributed, and
-    # to_local() (not distributed.dtensor.local_shard) because it is differentiable: the gradient
+    # to_local() (not distributed.backend.dtensor.local_shard) because it is differentiable: the gradient
     # reaches the sharded parameter.
     return weight.to_local() if hasattr(weight, "to_local") else weight
 
@@ -229,7 +229,7 @@ class MoE(nn.Module):
 
     def set_stats_sum(self, stats_sum: StatsSum | None) -> None:
         """Compute the switch balance loss over the global micro-batch: ``stats_sum`` adds the other ranks'
-        statistics (distributed/moe_balance.py installs it); None: over this rank's tokens only."""
+        statistics (distributed/expert_parallel/moe_balance.py installs it); None: over this rank's tokens only."""
         self.stats_sum = stats_sum
 
     def init_weights(self, init_std: float) -> None:

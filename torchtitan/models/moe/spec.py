@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from torchtitan.config.schema import Experimental, Model, Training
 
 # MoE load balancing (aux loss, expert bias, expert-load metrics) beside forward/backward.
-BUILD_LOAD_BALANCER = Deferred("torchtitan.components.load_balancing:build_load_balancer")
+BUILD_LOAD_BALANCER = Deferred("torchtitan.features.moe_balance.load_balancing:build_load_balancer")
 
 
 def moe_flop_params(args: Any, model: nn.Module) -> int:

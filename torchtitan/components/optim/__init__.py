@@ -1,0 +1,1 @@
+"""Optimizers and learning-rate schedules: AdamW, Muon, low-precision states, parameter groups."""

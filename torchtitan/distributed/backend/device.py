@@ -1,0 +1,71 @@
+"""The one place that chooses the device and the process-group backend; everything else is passed them."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.distributed.backend.c10d_compat import set_timeout
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    device: torch.device
+    backend: str  # for init_process_group, e.g. "cpu:gloo,cuda:nccl"
+
+
+def get_device_info(local_rank: int | None = None) -> DeviceInfo:
+    """CUDA + NCCL where a GPU exists (one GPU per local rank), else CPU + gloo."""
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        # gloo stays registered for CPU tensors (e.g. a CPU-side dataloader state exchange).
+        return DeviceInfo(
+            torch.device("cuda", local_rank % torch.cuda.device_count()), "cpu:gloo,cuda:nccl"
+        )  # device-choice
+    return DeviceInfo(torch.device("cpu"), "gloo")
+
+
+def init_distributed(info: DeviceInfo, timeout_s: int, trace_buf_size: int = 0) -> None:
+    """Join the process group torchrun describes (RANK/WORLD_SIZE/MASTER_ADDR in the environment).
+
+    ``trace_buf_size``: NCCL's flight recorder keeps this many entries of collective history for
+    post-mortem dumps (0: off); read by NCCL process groups only, from the environment, at init. An
+    explicit ``TORCH_NCCL_TRACE_BUFFER_SIZE`` in the environment wins.
+    """
+    if "nccl" in info.backend:
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(trace_buf_size))
+    if info.device.type != "cpu":
+        torch.accelerator.set_device_index(info.device.index)
+    kwargs = {"device_id": info.device} if info.device.type != "cpu" else {}
+    dist.init_process_group(backend=info.backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+
+
+def set_pg_timeout(timeout_s: int) -> None:
+    """Shorten the collective timeout once the first (slow, compiling) step is done."""
+    if dist.is_initialized():
+        set_timeout(timedelta(seconds=timeout_s))
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device``, e.g. before reading a timer.
+
+    CPU ops are synchronous; accelerators queue work and return at once.
+    """
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def set_determinism(seed: int | None, deterministic: bool) -> None:
+    """Seed torch (None = 0); with ``deterministic``, deterministic kernels on every device."""
+    torch.manual_seed(0 if seed is None else seed)
+    if deterministic:
+        # Deterministic cuBLAS needs a fixed workspace; read when the first CUDA matmul runs.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False

@@ -1,0 +1,1 @@
+"""Context parallel: sequence sharding, ring attention (ours and torch's) and its checks."""

@@ -1,0 +1,1 @@
+"""Pipeline parallel: the stage layout, the stages and their schedule."""

@@ -1,0 +1,1 @@
+"""Tensor parallel: the plans (sequence and loss parallel, LoRA's styles), async TP, checks."""

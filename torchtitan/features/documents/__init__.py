@@ -1,0 +1,1 @@
+"""Document masking (block_causal): the trainer's document feed and its pre-launch check."""

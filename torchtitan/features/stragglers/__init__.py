@@ -1,0 +1,1 @@
+"""Straggler detection: ranks whose steps run slower than the others."""
