@@ -49,7 +49,6 @@ if TYPE_CHECKING:
 
     from torchtitan.config.manager import JobConfig
     from torchtitan.config.schema import Training
-    from torchtitan.config.schema_fault_tolerance import FaultTolerance
     from torchtitan.spec import ModelSpec
 
 
@@ -96,15 +95,6 @@ def build_meta_model(spec: ModelSpec, model_args: Any) -> nn.Module:
     """The whole model on the meta device: shapes only, no memory."""
     with torch.device("meta"):
         return spec.model_cls(model_args)
-
-
-def build_data_shard(world: WorldMesh, fault_tolerance: FaultTolerance) -> DataShard:
-    """This rank's part of every global batch: its data-parallel rank, or with fault tolerance its rank among
-    every replica group's (the replicate dimension outermost, as HSDP orders it)."""
-    rank, degree = world.local_rank("dp"), world.dims.dp_degree
-    if not fault_tolerance.enable:
-        return DataShard(rank, degree)
-    return DataShard(fault_tolerance.replica_id * degree + rank, fault_tolerance.group_size * degree)
 
 
 def build_data_loader(training: Training, tokenizer: Any, shard: DataShard) -> Iterable:

@@ -154,8 +154,8 @@ def build_trainer(config: JobConfig, spec: RunSpec, vocab: int) -> Trainer:
         data_loader=lambda training, tok, shard: SyntheticTokens(
             training.batch_size, training.seq_len, tok.eos_id, spec.doc_len
         ),
-        metrics=lambda core, replicas, *, start_step: LossLog(),
-        checkpointer=lambda core, replicas: NoCheckpoint(),
+        metrics=lambda core, outer, *, start_step: LossLog(),
+        checkpointer=lambda core, outer: NoCheckpoint(),
     )
     return Trainer(config, world_size=1, rank=0, builders=builders)
 

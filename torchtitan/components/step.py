@@ -136,12 +136,12 @@ class StepFunction:
         if group is not None:
             dist.all_reduce(count, group=group)
         ranks = dist.get_world_size(group) if group is not None else 1
-        replicas = outer_sum(count) if outer_sum is not None else 1  # the groups' means are averaged
-        units = len(batches) * (self.pipeline.n_microbatches if self.pipeline is not None else 1) * ranks * replicas
+        groups = outer_sum(count) if outer_sum is not None else 1  # the groups' means are averaged
+        units = len(batches) * (self.pipeline.n_microbatches if self.pipeline is not None else 1) * ranks * groups
         # Under the memory estimator's fake tensors the count cannot be read; the weight's value
         # changes no memory: every label of the global batch counted stands in.
         counted = (
-            count.item() if not is_fake(count) else replicas * ranks * sum(batch.labels.numel() for batch in batches)
+            count.item() if not is_fake(count) else groups * ranks * sum(batch.labels.numel() for batch in batches)
         )
         return units / max(counted, 1.0)
 

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from torchtitan.build import build_data_loader, build_meta_model, build_model_args
-from torchtitan.checkpointing.common import model_info
 from torchtitan.checkpointing.manager import CheckpointManager
+from torchtitan.checkpointing.run import build_run_checkpointer
 from torchtitan.components.run_control import StepGuard, StopSignals, Verdict
 from torchtitan.components.seams import Metrics, Tokenizer
 from torchtitan.datasets.shard import ReportsDataMix
@@ -90,12 +90,10 @@ def build_checkpointer(
     The data position saved is what ``outer`` says (with replica groups: every group's, so the shared
     checkpoint one group writes resumes all of them); the run's own files (metrics) are in its run folder.
     """
-    cfg = core.config
-    return CheckpointManager(
-        cfg.checkpoint,
-        dump_folder=cfg.job.dump_folder,
+    return build_run_checkpointer(
+        core.config,
+        root=checkpoint_root(core.config),
         run_folder=core.run_folder,
-        root=checkpoint_root(cfg),
         extra=outer.checkpoint_state(),
         sets_aside_later=outer.sets_aside_later,
         model_parts=core.model_parts,
@@ -105,26 +103,14 @@ def build_checkpointer(
         dp_rank=core.world.local_rank("dp"),
         rank=core.rank,
         device=core.device,
-        model_info=model_info(model=cfg.model, model_args=core.model_args, lora=cfg.lora, checkpoint=cfg.checkpoint),
-        data_info={"dataset": cfg.training.dataset, "dataset_path": cfg.training.dataset_path},
+        model_args=core.model_args,
         before_marker=before_marker,
-        lora=cfg.lora if cfg.lora.enable else None,
     )
 
 
 def load_start_weights(core: Parts, checkpointer: Checkpointer) -> int:
-    """The default ``Builders.load``: the checkpointer's load (returns the step training continues after); then,
-    with ``lora.quantize_base``, the frozen base just loaded becomes NF4 (lora/quantize.py), before the first
-    forward."""
-    step = checkpointer.load()
-    lora = core.config.lora
-    if lora.enable and lora.quantize_base == "nf4":
-        from torchtitan.lora.quantize import quantize_base
-
-        n = quantize_base(core.model_parts)
-        if core.rank == 0:
-            logger.info("lora.quantize_base = 'nf4': %d frozen base linears stored as NF4", n)
-    return step
+    """The default ``Builders.load``: the checkpointer's load; returns the step training continues after."""
+    return checkpointer.load()
 
 
 def build_guard(core: Parts, metrics: Metrics, signals: StopSignals) -> StepGuard:

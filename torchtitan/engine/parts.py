@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from torchtitan.build import build_data_shard, build_step_function
+from torchtitan.build import build_step_function
 from torchtitan.components.optim.optimizer import apply_optimizer_config, build_lr_scheduler, build_optimizer
 from torchtitan.components.run_control import StopSignals
 from torchtitan.components.seams import (
@@ -29,6 +29,7 @@ from torchtitan.components.seams import (
     StepPass,
     Tokenizer,
 )
+from torchtitan.datasets.shard import DataShard
 from torchtitan.distributed.backend.device import set_determinism
 from torchtitan.distributed.context_parallel.context_parallel import compute_cp_positions, shard_sequence
 from torchtitan.distributed.mesh import WorldMesh
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
     from torchtitan.components.step import StepFunction
     from torchtitan.config.manager import JobConfig
     from torchtitan.datasets.sft.packing import PackedDocs
-    from torchtitan.datasets.shard import DataShard
     from torchtitan.spec import ModelSpec, StepHooks
 
 logger = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ def build_core_parts(
     cp_positions = _cp_positions(config, dims, world, device)
     set_determinism(config.training.seed, config.training.deterministic)
     tokenizer = builders.tokenizer(config.model)
-    shard = build_data_shard(world, config.fault_tolerance)
+    shard = _slot(builders, config, "data_shard", DataShard(world.local_rank("dp"), dims.dp_degree), world, config)
     data_loader = builders.data_loader(config.training, tokenizer, shard)
     model_args = builders.model_args(config, spec, tokenizer.n_words, device_type=device.type)
     whole = builders.meta_model(spec, model_args)
@@ -192,6 +192,8 @@ def build_training_parts(core: CoreParts, *, builders: Builders) -> TrainingPart
     outer = _slot(builders, config, "outer", SingleGroup(), core)
     checkpointer = builders.checkpointer(core, outer)
     start_step = builders.load(core, checkpointer)
+    for _, after_load in enabled_builders(config, "after_load", estimate=builders.estimate):
+        (builders.overrides.get("after_load") or after_load)(core)  # e.g. QLoRA: the loaded base as NF4
     if start_step > 0:
         changed = apply_optimizer_config(core.optimizer, core.lr_scheduler, config.optimizer, core.model_parts)
         if core.rank == 0 and changed:

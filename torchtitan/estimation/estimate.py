@@ -33,6 +33,7 @@ from torchtitan.estimation.fake_trainer import (
 from torchtitan.estimation.ft_terms import add_fault_tolerance_terms
 from torchtitan.estimation.tracker import DDP_BUCKETS, StepMemory, track_steps, use_per_parameter_step
 from torchtitan.preflight import run_preflight
+from torchtitan.preflight.registry import check_estimable_features
 from torchtitan.spec import get_model_spec
 from torchtitan.train import Trainer
 
@@ -73,8 +74,6 @@ _UNMODELED = (
         "FSDP CPU offload moves parameters, gradients and optimizer state to "
         "host memory; the trackers do not separate host from device memory on a CPU run",
     ),
-    ("validation.enabled", False, "validation runs outside the training step; the estimate covers the step"),
-    ("eval.enabled", False, "the in-loop evaluation runs outside the training step; the estimate covers the step"),
     ("optimizer.fused", False, "the fused optimizer kernel is CUDA-only and its temporaries are not modeled"),
 )
 
@@ -112,6 +111,7 @@ def check_estimable(config, world_size: int) -> None:
         value = getattr(getattr(config, section), name)
         if value != fine:
             raise NotImplementedError(f"estimation.py: {key} = {value!r} is not modeled: {why}; set {key} = {fine!r}")
+    check_estimable_features(config)  # features outside the step (validation, evaluation): the registry says which
 
 
 def role_ranks(dims: ParallelDims) -> list[tuple[str, int, int]]:

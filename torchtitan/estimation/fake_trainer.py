@@ -155,8 +155,8 @@ def estimation_builders(vocab: int, *, n_layers: int | None = None) -> Builders:
         data_loader=lambda training, tokenizer, shard: _RandomTokens(
             training.batch_size, training.seq_len, tokenizer.n_words
         ),
-        metrics=lambda core, replicas, *, start_step: _NoMetrics(),
-        checkpointer=lambda core, replicas: _NoCheckpoint(),
+        metrics=lambda core, outer, *, start_step: _NoMetrics(),
+        checkpointer=lambda core, outer: _NoCheckpoint(),
         # The guard reads the step's flags on the host, which fake tensors cannot answer; a fake step
         # is never non-finite and never asked to stop.
         guard=lambda core, metrics, signals: _NoGuard(),

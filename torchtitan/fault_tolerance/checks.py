@@ -61,6 +61,12 @@ def _check_composition(config: JobConfig) -> None:
             "and a group restarting while the writing group saves could have the checkpoint it reads deleted under "
             "it; keep at least 2 (or 0: all)"
         )
+    replay = config.training.replay_every_n_steps
+    if replay > 0:  # step replay's own check would say the same; the composition is this feature's to refuse
+        raise NotImplementedError(
+            f"training.replay_every_n_steps = {replay} with fault_tolerance.enable = true: not built for replica groups "
+            "yet; set training.replay_every_n_steps = 0 or change that"
+        )
     if config.optimizer.early_step_in_backward:
         raise NotImplementedError(
             "fault_tolerance.enable with optimizer.early_step_in_backward = true: each parameter would step during "

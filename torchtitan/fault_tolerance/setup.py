@@ -10,6 +10,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from torchtitan.checkpointing.state import build_model_view
+from torchtitan.datasets.shard import DataShard
 from torchtitan.fault_tolerance.heal import HealState
 from torchtitan.fault_tolerance.lighthouse import lighthouse_address
 from torchtitan.fault_tolerance.manager import build_manager
@@ -52,6 +53,13 @@ def build_replicas(core: Parts) -> Replicas:
         lr_scheduler=core.lr_scheduler,
         data_loader=core.data_loader,
     )
+
+
+def build_data_shard(world: WorldMesh, config: JobConfig) -> DataShard:
+    """The ``data_shard`` seam with ``fault_tolerance.enable``: this rank's rank among every replica group's data
+    ranks (the replica groups outermost, as HSDP orders its replicate dimension)."""
+    rank, degree, ft = world.local_rank("dp"), world.dims.dp_degree, config.fault_tolerance
+    return DataShard(ft.replica_id * degree + rank, ft.group_size * degree)
 
 
 def _sets_aside_later(cfg: JobConfig) -> bool:

@@ -17,6 +17,7 @@ hold whole groups of 64 x 256 elements (``check_nf4_shapes``, before launch).
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -28,6 +29,9 @@ from torchtitan.config.errors import ConfigError
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
 NF4_GROUP = NF4_BLOCK * NF4_SCALER_BLOCK  # elements per fp32 factor: a tensor (or FSDP chunk) holds whole groups
 TORCHAO_PIN = "torchao==0.18.0"
+
+
+logger = logging.getLogger(__name__)
 
 
 def nf4_bytes(numel: int, factor_bytes: int = 4) -> int:
@@ -124,3 +128,11 @@ def _hand_nf4_shards_to_fsdp(part: nn.Module) -> None:
             local = getattr(info.module, info.param_name)._local_tensor
             if is_nf4(local):
                 fsdp_param._sharded_param_data = local.view(-1)
+
+
+def quantize_loaded_base(core) -> None:
+    """The ``after_load`` seam of ``lora.quantize_base = 'nf4'`` (preflight/registry.py): the frozen base just
+    loaded becomes NF4, before the first forward."""
+    n = quantize_base(core.model_parts)
+    if core.rank == 0:
+        logger.info("lora.quantize_base = 'nf4': %d frozen base linears stored as NF4", n)

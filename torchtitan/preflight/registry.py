@@ -7,8 +7,11 @@ functions (light modules beside each feature: no DTensor, DCP, pipelining or dat
 
 Seams (``Slot``) and the signature of a builder for each:
 
+- ``data_shard``: ``(world: WorldMesh, config) -> DataShard``: the part of every global batch this rank reads;
+  one feature at most (default: its data-parallel rank and degree).
 - ``outer``: ``(core: CoreParts) -> OuterSync`` (components/seams.py); one feature at most.
 - ``optimizer_step``: ``(step_fn, optimizer, optimizer_config) -> OptimizerStep``; one feature at most.
+- ``after_load``: ``(core: CoreParts) -> None``, called once after the checkpoint load; every enabled one.
 - ``step_pass``: ``(core: CoreParts) -> StepPass``; one feature at most.
 - ``after_step``: ``(core: CoreParts, metrics) -> AfterStep``; every enabled one, in this table's order.
 
@@ -47,7 +50,7 @@ from torchtitan.spec import Deferred, check_model
 if TYPE_CHECKING:
     from torchtitan.config.manager import JobConfig
 
-Slot = Literal["outer", "optimizer_step", "step_pass", "after_step"]
+Slot = Literal["data_shard", "outer", "optimizer_step", "after_load", "step_pass", "after_step"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,8 @@ class Feature:
     """The config key that turns it on (for messages)."""
     builds: Mapping[Slot, Deferred] = field(default_factory=dict)
     estimate: Mapping[Slot, Deferred] | None = None
+    what: str = ""
+    """How a message names it (default: its name)."""
 
     def is_on(self, config: JobConfig) -> bool:
         return self.enabled is not None and self.enabled(config)
@@ -82,6 +87,8 @@ def _d(target: str) -> Deferred:
     return Deferred(target)
 
 
+_FT_SHARD = _d("torchtitan.fault_tolerance.setup:build_data_shard")
+_QLORA = {"after_load": _d("torchtitan.lora.quantize:quantize_loaded_base")}
 _REPLAY = {"step_pass": _d("torchtitan.features.replay.replay:build_step_replay")}
 _IN_BACKWARD = {"optimizer_step": _d("torchtitan.features.in_backward.in_backward:build_in_backward_step")}
 
@@ -97,8 +104,8 @@ FEATURES: tuple[Feature, ...] = (  # declarative table
         (Check(check_fault_tolerance), Check(check_fault_tolerance_machine, this_machine=True)),
         enabled=lambda c: c.fault_tolerance.enable,
         switch="fault_tolerance.enable",
-        builds={"outer": _d("torchtitan.fault_tolerance.setup:build_replicas")},
-        estimate={"outer": _d("torchtitan.estimation.ft_terms:build_estimated_replicas")},
+        builds={"data_shard": _FT_SHARD, "outer": _d("torchtitan.fault_tolerance.setup:build_replicas")},
+        estimate={"data_shard": _FT_SHARD, "outer": _d("torchtitan.estimation.ft_terms:build_estimated_replicas")},
     ),
     Feature("param_groups", (Check(check_param_groups),)),
     Feature(
@@ -122,6 +129,13 @@ FEATURES: tuple[Feature, ...] = (  # declarative table
     # The family and flavor exist; the flavor's shapes under TP and PP; the family's own check (FFN width, experts).
     Feature("model", (Check(check_model),)),
     Feature("lora", (Check(check_lora), Check(check_qlora_torchao, this_machine=True))),
+    Feature(
+        "qlora",
+        enabled=lambda c: c.lora.enable and c.lora.quantize_base == "nf4",
+        switch="lora.quantize_base",
+        builds=_QLORA,
+        estimate=_QLORA,
+    ),
     Feature("tensor_parallel", (Check(check_tensor_parallel), Check(check_async_tp_device, this_machine=True))),
     Feature("context_parallel", (Check(check_context_parallel),)),
     Feature("attention", (Check(check_attention), Check(check_attention_device, this_machine=True))),
@@ -134,6 +148,7 @@ FEATURES: tuple[Feature, ...] = (  # declarative table
         enabled=lambda c: c.validation.enabled,
         switch="validation.enabled",
         builds={"after_step": _d("torchtitan.features.validation.validation:build_validation")},
+        what="validation",
     ),
     Feature(
         "eval",
@@ -141,6 +156,7 @@ FEATURES: tuple[Feature, ...] = (  # declarative table
         enabled=lambda c: c.eval.enabled,
         switch="eval.enabled",
         builds={"after_step": _d("torchtitan.eval.loop:build_in_loop_eval")},
+        what="the in-loop evaluation",
     ),
     Feature("profiling", (Check(check_profiling),)),
     Feature("metrics", (Check(check_metrics),)),
@@ -160,9 +176,21 @@ def enabled_builders(config: JobConfig, slot: Slot, *, estimate: bool = False) -
             continue
         builds = feature.estimate if estimate else feature.builds
         if builds is None:
-            raise NotImplementedError(
-                f"{feature.switch} = true: the memory estimator models the training step, not {feature.name}; "
-                f"set {feature.switch} = false to estimate"
-            )
+            raise NotImplementedError(unmodeled(feature))
         found.append((feature, builds[slot]))
     return found
+
+
+def unmodeled(feature: Feature) -> str:
+    """The estimator's one line for an enabled feature it does not model."""
+    return (
+        f"estimation.py: {feature.switch} = True is not modeled: {feature.what or feature.name} runs outside the "
+        f"training step; the estimate covers the step; set {feature.switch} = False"
+    )
+
+
+def check_estimable_features(config: JobConfig) -> None:
+    """Raise NotImplementedError for the first enabled feature the memory estimator does not model."""
+    for feature in FEATURES:
+        if feature.builds and feature.estimate is None and feature.is_on(config):
+            raise NotImplementedError(unmodeled(feature))

@@ -31,7 +31,6 @@ def check_replay(config: JobConfig, dims: ParallelDims) -> list[str]:
             config.optimizer.early_step_in_backward,
             "optimizer.early_step_in_backward = true: the weights change during the first backward",
         ),
-        (config.fault_tolerance.enable, "fault_tolerance.enable = true: not built for replica groups yet"),
     )
     for bad, why in refused:
         if bad:

@@ -108,12 +108,10 @@ def build_validation(core: Parts, metrics: Metrics) -> PeriodicValidation:
     from torchtitan.datasets.shard import DataShard
 
     cfg = core.config
-    shard, microbatches = core.shard, 1
-    if cfg.fault_tolerance.enable:  # each replica group evaluates the whole global batch (module docstring)
-        shard, microbatches = (
-            DataShard(core.world.local_rank("dp"), core.parallel_dims.dp_degree),
-            cfg.fault_tolerance.group_size,
-        )
+    # Each data-parallel group of ranks evaluates the whole global batch: with several replica groups reading one
+    # global batch (core.shard spans them), each group reads its ranks' part of every group's share.
+    shard = DataShard(core.world.local_rank("dp"), core.parallel_dims.dp_degree)
+    microbatches = core.shard.degree // shard.degree
     validator = Validator(
         core.tokenizer,
         validation=cfg.validation,
