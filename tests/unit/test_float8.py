@@ -13,6 +13,7 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import JobConfig
 from torchtitan.config.schema import Float8
 from torchtitan.features.float8 import float8 as f8
+from torchtitan.features.float8.checks import check_float8_config
 from torchtitan.models.llama import Transformer, llama3_configs
 from torchtitan.preflight import run_preflight
 
@@ -124,12 +125,12 @@ def test_conversion_keeps_parameter_names_and_dtypes():
 )
 def test_bad_float8_config_is_refused(cfg: dict, fsdp: bool, error: type, match: str):
     with pytest.raises(error, match=match):
-        f8.check_float8_config(Float8(**cfg), fsdp_enabled=fsdp)
+        check_float8_config(Float8(**cfg), fsdp_enabled=fsdp)
 
 
 def test_ring_async_tp_takes_tensorwise_only():
     with pytest.raises(NotImplementedError, match="enable_async_tensor_parallel"):
-        f8.check_float8_config(
+        check_float8_config(
             Float8(enable_float8_linear=True, recipe_name="rowwise"), fsdp_enabled=False, ring_async_tp=True
         )
 

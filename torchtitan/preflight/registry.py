@@ -38,7 +38,7 @@ from torchtitan.distributed.tensor_parallel.checks import check_async_tp_device,
 from torchtitan.eval.checks import check_eval, check_eval_tasks
 from torchtitan.fault_tolerance.checks import check_fault_tolerance, check_fault_tolerance_machine
 from torchtitan.features.documents.checks import check_attention, check_attention_device
-from torchtitan.features.float8.float8 import check_float8, check_torchao_installed
+from torchtitan.features.float8.checks import check_float8, check_torchao_installed
 from torchtitan.features.in_backward.checks import check_in_backward
 from torchtitan.features.replay.checks import check_replay
 from torchtitan.launch.run_folder import check_dump_folder
