@@ -8,7 +8,8 @@
 - files <= 400 lines, functions <= 60 lines, unless marked ``# declarative table``;
 - the trainer, metrics, validation and checkpointing code reach MoE / pipeline specifics only
   through the model spec (they never name them);
-- ``models/`` holds pure modules: torch, the stdlib and ``torchtitan.models`` only.
+- ``models/`` holds pure modules: torch, the stdlib and ``torchtitan.models`` only;
+- no file of ``distributed/`` or ``components/`` sits beside more than 12 siblings (folders per concern).
 """
 
 from __future__ import annotations
@@ -636,3 +637,25 @@ def test_design_doc_draws_the_floors_as_they_are():
     drawn = text[start : end + len(FLOORS_END)]
     expected = render_floor_plan(floors)
     assert drawn == expected, "docs/design.md's floor plan is stale; replace its block with:\n" + expected
+
+
+# --------------------------------------------------------------------------- 6. folders per concern
+
+MAX_SIBLINGS = 12  # a file of distributed/ or components/ (or their subfolders) sits beside at most this many entries
+
+
+def crowded_folders(roots: tuple[str, ...] = ("distributed", "components")) -> list[str]:
+    """Folders under ``roots`` with more than ``MAX_SIBLINGS + 1`` entries (``__pycache__`` aside)."""
+    found = []
+    for name in roots:
+        for folder in [PACKAGE_ROOT / name, *(p for p in (PACKAGE_ROOT / name).rglob("*") if p.is_dir())]:
+            if folder.name == "__pycache__":
+                continue
+            entries = [p for p in folder.iterdir() if p.name != "__pycache__"]
+            if len(entries) > MAX_SIBLINGS + 1:
+                found.append(f"{_rel(folder)}: {len(entries)} entries")
+    return found
+
+
+def test_no_crowded_folders():
+    assert not crowded_folders(), "split these folders by concern (docs/design.md):\n" + "\n".join(crowded_folders())
