@@ -2,7 +2,7 @@
 
 * Parity: llama3 and qwen3 at the tiny flavor with adapters (rank 4) on every block linear; FSDP2 (with full /
   selective-op activation checkpointing riding on it), TP2 (each adapter sharded like its base linear:
-  distributed/tensor_parallel/lora.py), PP2 1F1B and FSDP2 with gradient accumulation 2, and CP2 (llama3), against one process's LoRA run, loss within the matrix's RTOL (1e-5) and grad norm within
+  lora/tensor_parallel.py), PP2 1F1B and FSDP2 with gradient accumulation 2, and CP2 (llama3), against one process's LoRA run, loss within the matrix's RTOL (1e-5) and grad norm within
   GRAD_NORM_RTOL. LoRA runs are compared with LoRA runs: their losses are not the full fine-tuning rows'.
 * The one-process run's losses fall; with lora.enable the step-1 loss equals the full run's exactly (B = 0).
 * TP2, in the pool: after 6 steps every base weight is bit-identical to its initial value, every

@@ -38,8 +38,8 @@ from torchtitan.features.float8.float8 import (
     turn_off_onednn,
 )
 from torchtitan.lora.apply import apply_lora, init_lora_adapters
+from torchtitan.lora.linear import is_base_key
 from torchtitan.models.common.attention import resolve_attention_backend
-from torchtitan.models.lora import is_base_key
 from torchtitan.spec import chain_hooks, get_model_spec
 
 logger = logging.getLogger(__name__)

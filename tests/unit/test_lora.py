@@ -12,8 +12,8 @@ from torchtitan.build import build_model, build_model_args
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.lora.linear import LoRALinear
 from torchtitan.lora.names import resolve_targets
-from torchtitan.models.lora import LoRALinear
 from torchtitan.preflight import run_preflight
 from torchtitan.spec import get_model_spec
 

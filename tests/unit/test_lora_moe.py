@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.models.lora import LoRALinear, is_adapter_key
+from torchtitan.lora.linear import LoRALinear, is_adapter_key
 from torchtitan.preflight import run_preflight
 
 TOKENS = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from torchtitan.checkpointing.hf import save_hf_folder
+from torchtitan.lora.linear import is_adapter_key
 from torchtitan.lora.peft_io import (
     adapter_config,
     check_peft_fits,
@@ -20,7 +21,6 @@ from torchtitan.lora.peft_io import (
     read_peft_folder,
     save_peft_folder,
 )
-from torchtitan.models.lora import is_adapter_key
 from torchtitan.spec import get_model_spec
 
 peft = pytest.importorskip("peft")

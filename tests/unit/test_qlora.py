@@ -21,8 +21,8 @@ from torch import nn
 from torchtitan.build import build_model, build_model_args
 from torchtitan.config.manager import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.lora.linear import LoRALinear
 from torchtitan.lora.quantize import NF4_BLOCK, NF4_SCALER_BLOCK, nf4_bytes, quantize_base, to_nf4
-from torchtitan.models.lora import LoRALinear
 from torchtitan.spec import get_model_spec
 
 pytest.importorskip("torchao")

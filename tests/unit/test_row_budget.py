@@ -39,7 +39,7 @@ from tests.integration_tests import Row
 # no-decay preset, a multiplier and a Muon rule, and FSDP2, TP2, PP2 1F1B at 2 ranks (tests/test_param_group_runs.py).
 # Issue 48 (LoRA) raised it by 22 to 368 (18, then +2, +2): LoRA's losses are not the full rows' (frozen base, adapters), so no
 # existing row can carry it; per family (llama3, qwen3) a 1-rank LoRA reference and FSDP2, TP2 (the adapter
-# styles of distributed/tensor_parallel/lora.py), PP2 1F1B and FSDP2 + accumulation 2 at 2 ranks (tests/test_lora_runs.py);
+# styles of lora/tensor_parallel.py), PP2 1F1B and FSDP2 + accumulation 2 at 2 ranks (tests/test_lora_runs.py);
 # +2 for llama3's LoRA CP2 row; +2 for lora_llama3_fsdp2 in the estimator's launch (the frozen base's memory).
 # Issue 48 item 5 (QLoRA) raised it by 3 to 371: the NF4 base is all-gathered by FSDP through torchao's extension and
 # quantized whole per rank, a path no LoRA row takes, and its losses are not LoRA's: a 1-rank QLoRA reference and

@@ -11,12 +11,12 @@ from safetensors.torch import load_file
 
 from torchtitan.checkpointing.common import load_model_weights
 from torchtitan.checkpointing.hf_files import hf_weight_files, save_hf_folder
+from torchtitan.lora.linear import is_adapter_key, is_base_key
 from torchtitan.lora.peft_io import (
     adapter_config,
     merge_adapters,
     save_peft_folder,
 )
-from torchtitan.models.lora import is_adapter_key, is_base_key
 from torchtitan.spec import get_model_spec
 
 

@@ -29,8 +29,8 @@ from torchtitan.checkpointing.hf import adapter_of, check_hf_matches, export_to_
 from torchtitan.checkpointing.hf_files import hf_weight_files
 from torchtitan.checkpointing.marker import SEED, read_marker, why_not_loadable
 from torchtitan.dtypes import to_dtype
+from torchtitan.lora.linear import is_adapter_key, is_base_key
 from torchtitan.lora.peft_io import check_peft_fits, read_peft_folder
-from torchtitan.models.lora import is_adapter_key, is_base_key
 from torchtitan.spec import get_model_spec
 
 if TYPE_CHECKING:

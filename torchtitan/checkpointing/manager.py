@@ -52,7 +52,7 @@ from torchtitan.checkpointing.state import (
     check_model_keys,
 )
 from torchtitan.dtypes import to_dtype
-from torchtitan.models.lora import is_adapter_key, is_base_key
+from torchtitan.lora.linear import is_adapter_key, is_base_key
 
 if TYPE_CHECKING:
     from torch import nn

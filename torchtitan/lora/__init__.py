@@ -2,5 +2,5 @@
 
 ``names.py`` maps target names (ours and PEFT's) per family; ``apply.py`` is the model transform (after the
 meta build, before the parallelisms); ``checks.py`` the pre-launch check; ``peft_io.py`` PEFT folders in and out.
-The module itself is ``torchtitan.models.lora.LoRALinear``; its TP styles ``distributed/tensor_parallel/lora.py``.
+The module itself is ``torchtitan.lora.linear.LoRALinear``; its TP styles ``lora/tensor_parallel.py``.
 """

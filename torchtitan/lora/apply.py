@@ -1,7 +1,7 @@
 """The LoRA model transform: target linears become ``LoRALinear``, everything else is frozen.
 
 Applied to a meta model (or pipeline stage) before the parallelisms, like float8's conversion (build.py):
-TP then shards each adapter to match its base linear (distributed/tensor_parallel/lora.py), FSDP shards adapters and
+TP then shards each adapter to match its base linear (lora/tensor_parallel.py), FSDP shards adapters and
 frozen base alike (the frozen weights get no gradient, so no reduce-scatter). The model's code is untouched.
 """
 
@@ -14,8 +14,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from torchtitan.config.schema_lora import Lora
 from torchtitan.distributed.init import init_named_units
+from torchtitan.lora.linear import LoRALinear, is_adapter_key
 from torchtitan.lora.names import Target, resolve_targets, target_paths
-from torchtitan.models.lora import LoRALinear, is_adapter_key
 from torchtitan.spec import ModelSpec
 
 

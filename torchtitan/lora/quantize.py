@@ -100,7 +100,7 @@ def quantize_linear_weight(linear: nn.Linear) -> None:
 def quantize_base(model_parts: Iterable[nn.Module]) -> int:
     """Every LoRALinear's base weight in ``model_parts`` as NF4; returns how many. Call before the first forward
     (FSDP2's lazy init registers the new sharded parameters)."""
-    from torchtitan.models.lora import LoRALinear
+    from torchtitan.lora.linear import LoRALinear
 
     count = 0
     for part in model_parts:

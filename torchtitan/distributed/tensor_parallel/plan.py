@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan.distributed.tensor_parallel.async_tp import AsyncColwiseParallel, AsyncRowwiseParallel
-from torchtitan.distributed.tensor_parallel.lora import with_lora_styles
+from torchtitan.distributed.tensor_parallel.module_styles import with_module_styles
 from torchtitan.models.moe import MoE
 
 
@@ -287,7 +287,7 @@ def apply_tp(
             plan |= mla_attention_plan(block.attention)
         elif block.attention.q_norm is not None:  # QK-norm: (bs, seqlen, local heads, head_dim) per rank
             plan = {**plan, "attention.q_norm": TokenShardedReplicate(2), "attention.k_norm": TokenShardedReplicate(2)}
-        parallelize_module(block, tp_mesh, with_lora_styles(plan, block))  # LoRA linears: adapters sharded alike
+        parallelize_module(block, tp_mesh, with_module_styles(plan, block))  # e.g. adapted linears: adapters alike
         shard_sinks(block.attention, tp_mesh)
     _refreeze(model, frozen)
 

@@ -24,8 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan.models.lora import is_base_key
-
 if TYPE_CHECKING:
     from torchtitan.distributed.mesh import OuterSum, WorldMesh
     from torchtitan.distributed.pipeline.stages import ShapeInference
@@ -119,7 +117,8 @@ class LoadBalancer:
     """The MoE family's step hooks (``models.spec.StepHooks``): aux loss, expert-bias update, load metrics."""
 
     def __init__(self, args, tracker: ExpertLoadTracker, tp: int, *, base_frozen: bool = False):
-        """``base_frozen`` (LoRA): the expert bias is part of the frozen base and is not updated (docs/lora.md)."""
+        """``base_frozen`` (adapters on a frozen base: LoRA): the expert bias is part of the frozen base and is not
+        updated (docs/lora.md)."""
         self.args, self.tracker, self.tp = args, tracker, tp
         self.update_bias = args.load_balance == "bias" and not base_frozen
 
@@ -170,9 +169,9 @@ def build_load_balancer(
     layers = list(whole.moe_layers())
     if not layers:
         return None
-    # LoRA: every parameter but the adapters is frozen (the same on every rank, pipeline stages included), and the
-    # expert bias, a base buffer, stays as loaded too: the adapters alone describe the fine-tuned model.
-    base_frozen = not any(p.requires_grad for part in model_parts for n, p in part.named_parameters() if is_base_key(n))
+    # A run that freezes a base (LoRA: every parameter but the adapters; the same on every rank, pipeline stages
+    # included) keeps the expert bias, a base buffer, as loaded too: the adapters alone describe the fine-tuned model.
+    base_frozen = any(not p.requires_grad for part in model_parts for p in part.parameters())
     tracker = ExpertLoadTracker(layers, args.num_experts, model_parts, device, shape_inference=shape_inference)
     return LoadBalancer(args, tracker, world.dims.tp, base_frozen=base_frozen)
 

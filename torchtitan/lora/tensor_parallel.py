@@ -15,8 +15,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from torchtitan.models.lora import LoRALinear
-
 
 def _distribute(module: nn.Module, mesh: DeviceMesh, placement: Placement, src_data_rank: int | None) -> None:
     for name, param in list(module.named_parameters(recurse=False)):
@@ -43,24 +41,11 @@ class LoRARowwiseParallel(RowwiseParallel):
             _distribute(module, device_mesh, Shard(1) if name == "lora_a" else Replicate(), self.src_data_rank)
 
 
-def with_lora_styles(plan: dict[str, ParallelStyle], module: nn.Module) -> dict[str, ParallelStyle]:
-    """``plan`` with each plain Colwise/Rowwise style whose target in ``module`` is a LoRALinear replaced by its
-    LoRA twin (same layouts). Other styles (float8's, async TP's) on a LoRALinear are refused before launch."""
-    out = dict(plan)
-    for key, style in plan.items():
-        if not (_has(module, key) and isinstance(module.get_submodule(key), LoRALinear)):
-            continue
-        twin = {ColwiseParallel: LoRAColwiseParallel, RowwiseParallel: LoRARowwiseParallel}.get(type(style))
-        assert twin is not None, f"{key}: no LoRA twin of {type(style).__name__} (refused before launch)"
-        new = twin.__new__(twin)
-        new.__dict__.update(style.__dict__)  # the same input/output layouts and options
-        out[key] = new
-    return out
-
-
-def _has(module: nn.Module, key: str) -> bool:
-    try:
-        module.get_submodule(key)
-    except AttributeError:
-        return False
-    return True
+def twin_style(style: ParallelStyle) -> ParallelStyle:
+    """A plain Colwise/Rowwise style's LoRA twin (same layouts and options; the adapters sharded alike). Other
+    styles (float8's, async TP's) on a LoRALinear are refused before launch."""
+    twin = {ColwiseParallel: LoRAColwiseParallel, RowwiseParallel: LoRARowwiseParallel}.get(type(style))
+    assert twin is not None, f"no LoRA twin of {type(style).__name__} (refused before launch)"
+    new = twin.__new__(twin)
+    new.__dict__.update(style.__dict__)  # the same input/output layouts and options
+    return new

@@ -6,8 +6,8 @@ so checkpoints and Hugging Face conversions of the base see the same keys); the 
 linears ``lora_a`` and ``lora_b``. PEFT's default init (``init_lora_weights = True``): A Kaiming-uniform
 (a = sqrt(5), nn.Linear's own), B zero, so a fresh adapter adds exactly 0 and the model equals its base.
 
-Pure module: which linears get adapters, freezing and the parallel plans live in torchtitan/lora/ and
-torchtitan/distributed/tensor_parallel/lora.py.
+Which linears get adapters, freezing and the parallel styles (tensor_parallel.py, asked for through
+``parallel_style_for``) live beside it in torchtitan/lora/.
 """
 
 from __future__ import annotations
@@ -49,6 +49,12 @@ class LoRALinear(nn.Linear):
         self.lora_a = nn.Linear(in_features, rank, bias=False, device=device, dtype=dtype)
         self.lora_b = nn.Linear(rank, out_features, bias=False, device=device, dtype=dtype)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def parallel_style_for(self, style):
+        """Under TP: the plan's Colwise/Rowwise style's twin that shards the adapters alike (lora/tensor_parallel.py)."""
+        from torchtitan.lora.tensor_parallel import twin_style  # the distributed stack only when TP shards it
+
+        return twin_style(style)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, rank: int, alpha: float, dropout: float = 0.0) -> LoRALinear:
