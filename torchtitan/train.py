@@ -68,7 +68,6 @@ class Trainer:
         core = build_core_parts(config, world_size=world_size, rank=rank, device=device, builders=builders)
         self.parts = parts = build_training_parts(core, builders=builders)
         self.core, self.config, self.rank, self.device = core, config, rank, device
-        self.outer, self.metrics, self.checkpointer = parts.outer, parts.metrics, parts.checkpointer
         # A resumed run continues at checkpoint step + 1 (metrics.jsonl keeps the records up to it).
         self.step = self.start_step = parts.start_step
         self.stop_requested = False
@@ -78,6 +77,9 @@ class Trainer:
 
     # The parts tools and tests read most (the rest: ``self.core`` / ``self.parts``).
     model_parts = property(lambda self: self.core.model_parts)
+    outer = property(lambda self: self.parts.outer)
+    metrics = property(lambda self: self.parts.metrics)
+    checkpointer = property(lambda self: self.parts.checkpointer)
     optimizer = property(lambda self: self.core.optimizer)
     step_fn = property(lambda self: self.core.step_fn)
     data_loader = property(lambda self: self.core.data_loader)

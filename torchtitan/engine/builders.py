@@ -146,6 +146,7 @@ class Builders:
     metrics: Callable[..., Metrics] = build_metrics
     guard: Callable[[Parts, Metrics, StopSignals], Guard] = build_guard
     overrides: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
-    """A seam's builder (preflight/registry.py ``Slot``) used instead of the enabled feature's."""
+    """A one-feature seam's builder (preflight/registry.py ``Slot``: data_shard, outer, optimizer_step, step_pass)
+    used instead of the enabled feature's."""
     estimate: bool = False
     """Build the features' seams for the memory estimator (the registry's ``estimate`` builders)."""

@@ -7,7 +7,7 @@ memory estimator and any later loop drive the same parts.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -72,15 +72,12 @@ class CoreParts:
     optimizer: torch.optim.Optimizer
     optimizer_step: OptimizerStep
     lr_scheduler: Any
+    hooks: StepHooks
+    """The family's (and float8's) per-step hooks; ``NoStepHooks`` where there are none."""
 
     @property
     def model_parts(self) -> list[nn.Module]:
         return self.step_fn.model_parts
-
-    @property
-    def hooks(self) -> StepHooks:
-        """The family's (and float8's) per-step hooks; a null object where there are none."""
-        return self.step_fn.hooks if self.step_fn.hooks is not None else NoStepHooks()
 
     def shard_batch(self, inputs: torch.Tensor, labels: torch.Tensor, packed: PackedDocs | None = None) -> Batch:
         """Under context parallel, this rank's sequence positions of the batch its dp rank reads (the
@@ -115,15 +112,19 @@ class TrainingParts:
     after_step: tuple[AfterStep, ...] = field(default_factory=tuple)
 
 
+def _builds(builders: Builders, config: JobConfig, slot: Slot) -> list[Callable[..., Any]]:
+    """The builders of ``slot`` of every enabled feature, in the registry's order (the estimator's under
+    ``builders.estimate``)."""
+    return [build for _, build in enabled_builders(config, slot, estimate=builders.estimate)]
+
+
 def _slot(builders: Builders, config: JobConfig, slot: Slot, default: Any, *args: Any) -> Any:
     """The one feature's part for ``slot`` (a caller's override first), or ``default`` where none is on."""
-    override = builders.overrides.get(slot)
-    found = enabled_builders(config, slot, estimate=builders.estimate)
+    found = _builds(builders, config, slot)
     if not found:
         return default
-    (_, build), *more = found
-    assert not more, f"two features fill the {slot} seam: {[f.name for f, _ in found]}"
-    return (override or build)(*args)
+    assert len(found) == 1, f"two features fill the {slot} seam: {found}"
+    return builders.overrides.get(slot, found[0])(*args)
 
 
 def _cp_positions(config: JobConfig, dims: ParallelDims, world: WorldMesh, device: torch.device) -> torch.Tensor | None:
@@ -182,6 +183,7 @@ def build_core_parts(
         optimizer=optimizer,
         optimizer_step=optimizer_step,
         lr_scheduler=build_lr_scheduler(optimizer, config.training),
+        hooks=step_fn.hooks if step_fn.hooks is not None else NoStepHooks(),
     )
 
 
@@ -192,18 +194,15 @@ def build_training_parts(core: CoreParts, *, builders: Builders) -> TrainingPart
     outer = _slot(builders, config, "outer", SingleGroup(), core)
     checkpointer = builders.checkpointer(core, outer)
     start_step = builders.load(core, checkpointer)
-    for _, after_load in enabled_builders(config, "after_load", estimate=builders.estimate):
-        (builders.overrides.get("after_load") or after_load)(core)  # e.g. QLoRA: the loaded base as NF4
+    for after_load in _builds(builders, config, "after_load"):
+        after_load(core)  # e.g. QLoRA: the loaded base as NF4
     if start_step > 0:
         changed = apply_optimizer_config(core.optimizer, core.lr_scheduler, config.optimizer, core.model_parts)
         if core.rank == 0 and changed:
             logger.info("resume: the config's optimizer settings replace the checkpoint's: %s", "; ".join(changed))
     outer.resume_at(start_step)
     metrics = builders.metrics(core, outer, start_step=start_step)
-    after_step = tuple(
-        (builders.overrides.get("after_step") or build)(core, metrics)
-        for _, build in enabled_builders(config, "after_step", estimate=builders.estimate)
-    )
+    after_step = tuple(build(core, metrics) for build in _builds(builders, config, "after_step"))
     signals = StopSignals()
     return TrainingParts(
         core=core,

@@ -7,7 +7,7 @@ import hashlib
 import json
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torchtitan.checkpointing.state import build_model_view
 from torchtitan.datasets.shard import DataShard
@@ -19,9 +19,6 @@ from torchtitan.fault_tolerance.replicas import ReplicaGroups, Replicas
 from torchtitan.fault_tolerance.semi_sync import SemiSyncReplicas
 
 if TYPE_CHECKING:
-    import torch
-    from torch import nn
-
     from torchtitan.components.seams import Parts
     from torchtitan.config.manager import JobConfig
     from torchtitan.distributed.mesh import WorldMesh
@@ -42,19 +39,6 @@ def config_fingerprint(config: JobConfig, world_size: int) -> int:
     return int(digest[:15], 16) or 1
 
 
-def build_replicas(core: Parts) -> Replicas:
-    """The ``replicas`` seam with ``fault_tolerance.enable``: this rank's ``Replicas`` over the run's parts."""
-    return build_replica_groups(
-        core.config,
-        world=core.world,
-        rank=core.rank,
-        model_parts=core.model_parts,
-        optimizer=core.optimizer,
-        lr_scheduler=core.lr_scheduler,
-        data_loader=core.data_loader,
-    )
-
-
 def build_data_shard(world: WorldMesh, config: JobConfig) -> DataShard:
     """The ``data_shard`` seam with ``fault_tolerance.enable``: this rank's rank among every replica group's data
     ranks (the replica groups outermost, as HSDP orders its replicate dimension)."""
@@ -70,22 +54,15 @@ def _sets_aside_later(cfg: JobConfig) -> bool:
     return ft.semi_sync_method is not None or (ft.replica_id == 0 and cfg.checkpoint.load_step >= 0)
 
 
-def build_replica_groups(
-    cfg: JobConfig,
-    *,
-    world: WorldMesh,
-    rank: int,
-    model_parts: list[nn.Module],
-    optimizer: torch.optim.Optimizer,
-    lr_scheduler: Any,
-    data_loader: Any,
-) -> Replicas:
-    """This rank's ``Replicas`` (``rank`` in its group): its Manager (joined to the lighthouse), heal state
-    and data positions; the synchronous mode, or the semi-synchronous one the config names."""
+def build_replicas(core: Parts) -> Replicas:
+    """The ``outer`` seam with ``fault_tolerance.enable``: this rank's ``Replicas`` (``core.rank`` in its group):
+    its Manager (joined to the lighthouse), heal state and data positions; the synchronous mode, or the
+    semi-synchronous one the config names."""
+    cfg, world, rank, optimizer = core.config, core.world, core.rank, core.optimizer
     dims, ft = world.dims, cfg.fault_tolerance
     lighthouse = lighthouse_address()
     positions = DataPositions(
-        data_loader,
+        core.data_loader,
         replica_id=ft.replica_id,
         group_size=ft.group_size,
         dp_rank=world.local_rank("dp"),
@@ -95,9 +72,9 @@ def build_replica_groups(
     )
     fingerprint = config_fingerprint(cfg, dims.world_size)
     heal = HealState(
-        view=build_model_view(model_parts),
+        view=build_model_view(core.model_parts),
         optimizer=optimizer,
-        lr_scheduler=lr_scheduler,
+        lr_scheduler=core.lr_scheduler,
         positions=positions,
         replica_id=ft.replica_id,
         fingerprint=fingerprint,
@@ -119,7 +96,7 @@ def build_replica_groups(
             else "gradients averaged every step",
         )
     parts = dict(handle=handle, heal=heal, positions=positions, lighthouse=lighthouse, fingerprint=fingerprint)
-    parts["sets_aside_later"] = _sets_aside_later(cfg)
+    parts.update(sets_aside_later=_sets_aside_later(cfg))
     if ft.semi_sync_method is None:
         return ReplicaGroups(ft, **parts, log=rank == 0)
     return SemiSyncReplicas(ft, view=heal.view, optimizer=optimizer, **parts, log=rank == 0)
