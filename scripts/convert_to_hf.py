@@ -23,7 +23,22 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from torchtitan.checkpointing.hf import export_to_hf  # noqa: E402
+from torchtitan.checkpointing.marker import read_marker  # noqa: E402
 from torchtitan.dtypes import DTYPES  # noqa: E402
+from torchtitan.lora.hf_export import export_lora  # noqa: E402
+
+
+def _export(checkpoint: str, output: str, dtype, *, merge_lora: bool) -> dict:
+    """A LoRA run's checkpoint (its marker records the adapters) through LoRA's export; any other through
+    ``export_to_hf``."""
+    if ((read_marker(checkpoint) or {}).get("model") or {}).get("lora"):
+        return export_lora(checkpoint, output, merge=merge_lora, dtype=dtype)
+    if merge_lora:
+        raise ValueError(
+            f"--merge_lora: {checkpoint} holds no LoRA adapters (its run had lora.enable off); convert it "
+            "without --merge_lora"
+        )
+    return export_to_hf(checkpoint, output, dtype)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        config = export_to_hf(args.checkpoint, args.output, DTYPES.get(args.dtype), merge_lora=args.merge_lora)
+        config = _export(args.checkpoint, args.output, DTYPES.get(args.dtype), merge_lora=args.merge_lora)
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

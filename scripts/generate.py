@@ -92,7 +92,7 @@ def _weights_and_model(checkpoint: str | None, hf: str | None, max_len: int):
             raise ValueError(f"{checkpoint}: its marker records no model args; it was not written by this trainer")
         spec, fields = get_model_spec(info.get("name") or "llama3"), info["args"]
         if info.get("lora"):  # a LoRA run's checkpoint holds its adapters: merge them into the recorded base
-            from torchtitan.checkpointing.hf_lora import merged_weights
+            from torchtitan.lora.hf_export import merged_weights
 
             weights = merged_weights(weights, info, checkpoint)
     model_args = type(next(iter(spec.flavors.values()))).from_dict({**fields, "max_seq_len": max_len})

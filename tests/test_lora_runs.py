@@ -252,6 +252,10 @@ def test_peft_export_loads_in_peft_merges_and_loads_back(lora_run):
     hf = transformers.AutoModelForCausalLM.from_pretrained(lora_run["hf_base"], dtype=torch.float32).eval()
     merged_dir = os.path.join(lora_run["tmp"], "merged")
     assert convert_to_hf.main([step6, merged_dir, "--merge_lora"]) == 0
+    from torchtitan.checkpointing.hf import export_to_hf  # whole models only: the adapters' scope is refused
+
+    with pytest.raises(ValueError, match=r"holds part of a model \(its lora run's trained keys\)"):
+        export_to_hf(step6, os.path.join(lora_run["tmp"], "not_written"))
     merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
     with_adapter = generate.load_model(None, lora_run["hf_base"], 64, _n_words(), cpu, adapter=peft_dir)
     with torch.no_grad():

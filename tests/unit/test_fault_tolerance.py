@@ -313,9 +313,13 @@ def test_gradients_are_averaged_in_bounded_buckets(monkeypatch):
 
 
 def test_the_planner_counts_the_cross_group_all_reduce():
-    from torchtitan.estimation.plan import Hardware, _replica_seconds
+    from torchtitan.estimation.plan import Hardware, feature_terms
 
     hw = Hardware(inter_node_gbps=50.0)
+
+    def _replica_seconds(config, shard, hw):  # what plan.py's step time adds for the run's features
+        return feature_terms(config).comm_seconds(config, shard, hw.inter_node_gbps * 1e9)
+
     off = JobConfig.parse_args([])
     sync = JobConfig.parse_args([*FT, "--fault_tolerance.group_size", "4"])
     diloco = JobConfig.parse_args(

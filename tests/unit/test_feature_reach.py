@@ -5,7 +5,8 @@ such as config keys, with comments and docstrings left out — matches the featu
 named in at most ``MAX_FILES_OUTSIDE`` files of torchtitan/ outside its own folder: the feature registry, the
 schema root (the config section's home in the ``config/`` leaf) and one more. ``LIMITS`` holds where each stands
 now and only goes down. Measured with this file's own rule on eae35a6 (before the engine): LoRA 15, fault
-tolerance 20, step replay 6 (its own two files aside), evaluation 7.
+tolerance 20, step replay 6 (its own two files aside), evaluation 7; now LoRA 3 (registry, schema, build.py: the
+model transform), fault tolerance 2 (registry, schema), step replay 3, evaluation 3.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "torchtitan"
 MAX_FILES_OUTSIDE = 3  # the target (the registry, the schema root, one more)
 # Where each feature stands now: a ratchet, lowered as features move into their folders, never raised.
-LIMITS = {"lora": 11, "fault_tolerance": 10, "replay": 3, "eval": 3}
+LIMITS = {"lora": 3, "fault_tolerance": 2, "replay": 3, "eval": 3}
 
 # feature -> (its folder under torchtitan/, the pattern that names it)
 FEATURES: dict[str, tuple[str, re.Pattern]] = {

@@ -78,6 +78,7 @@ def test_peft_names_map_onto_ours():
         (["--model.name", "gpt_oss"], NotImplementedError, r"model.name = 'gpt_oss': not built.*LoRA runs on llama3"),
         (["--float8.enable_float8_linear"], NotImplementedError, r"lora.enable with float8.enable_float8_linear"),
         (["--training.compile"], NotImplementedError, r"lora.enable with training.compile"),
+        (["--fault_tolerance.enable"], NotImplementedError, r"lora.enable with fault_tolerance.enable: not built"),
     ],
 )
 def test_bad_lora_config_is_one_line(extra: list[str], error: type, match: str):
@@ -95,7 +96,8 @@ def test_lora_under_tp_with_dropout_is_refused():
 def test_planner_floor_counts_gradients_and_adamw_state_for_the_adapters_only():
     """estimation.py --plan's lower bound for Llama 3 8B on one rank: full = 16 bytes per parameter; LoRA (rank 16,
     every linear) = the base's 4 + 12 per adapter parameter, so its floor alone (~30 GiB) rules out 24 GiB."""
-    from torchtitan.estimation.plan import Layout, adapter_param_count, lower_bound_bytes
+    from torchtitan.estimation.plan import Layout, lower_bound_bytes
+    from torchtitan.lora.estimate import adapter_param_count
     from torchtitan.spec import flavor_args
 
     full = JobConfig.parse_args(["--job.config_file", "./train_configs/llama3_8b.toml"])

@@ -105,7 +105,7 @@ def test_qlora_on_an_moe_family_is_one_line_and_exit_2(capsys, monkeypatch):
 def test_planner_counts_the_moe_layers_adapters():
     """estimation.py --plan's adapter count: llama3_moe's dense layer 0 and its MoE layers' shared experts differ."""
     from tests.unit.test_lora import _config
-    from torchtitan.estimation.plan import adapter_param_count
+    from torchtitan.lora.estimate import adapter_param_count
 
     model = _model("--model.name", "llama3_moe", "--lora.enable", "--lora.rank", "4")
     real = sum(p.numel() for n, p in model.named_parameters() if is_adapter_key(n))

@@ -105,7 +105,7 @@ def test_an_adapter_peft_wrote_loads_into_our_model(family: str, tmp_path):
 
 
 def test_adapters_for_another_base_rank_or_format_are_refused(tmp_path):
-    from torchtitan.config.schema_lora import Lora
+    from torchtitan.lora.config import Lora
 
     llama, args = _ours("llama3")
     spec = get_model_spec("llama3")

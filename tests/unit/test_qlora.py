@@ -121,7 +121,8 @@ def test_nf4_bytes_are_torchaos_storage():
 
 
 def test_planner_floor_counts_nf4_for_the_adapted_base():
-    from torchtitan.estimation.plan import Layout, adapter_param_count, lower_bound_bytes
+    from torchtitan.estimation.plan import Layout, lower_bound_bytes
+    from torchtitan.lora.estimate import adapter_param_count
     from torchtitan.spec import flavor_args
 
     argv = ["--job.config_file", "./train_configs/llama3_8b.toml", "--lora.enable", "--lora.rank", "16"]

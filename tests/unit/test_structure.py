@@ -344,15 +344,32 @@ def test_no_import_cycles():
     assert not cycles, f"{len(cycles)} import circle(s); break each at one of its listed imports:\n" + "\n".join(cycles)
 
 
+def _config_files(root: Path) -> list[Path]:
+    """The config leaf's files: config/ and each feature's ``config.py`` (its section, kept in its folder)."""
+    return _python_files(root / "config") + sorted(p for p in root.rglob("config.py") if p.parent.name != "config")
+
+
+def _is_config_module(full: str, package: str) -> bool:
+    return _inside(full, package) and "config" in full.split(".")[1:]
+
+
 def config_leaf_violations(root: Path) -> list[str]:
-    """Imports of ``<pkg>.config`` modules that reach the rest of the package (type-only ones included)."""
+    """Imports of the config leaf's modules that reach the rest of the package (type-only ones included); a
+    feature's section also must not pull its folder's ``__init__`` into the leaf (it imports nothing)."""
     package = root.name
     found = []
-    for path in _python_files(root / "config"):
+    for path in _config_files(root):
         for imp in _imports(path, root):
             full = f"{imp.module}.{imp.name}" if imp.name else imp.module
-            if _inside(full, package) and not _inside(full, f"{package}.config") and full != package:
+            if _inside(full, package) and not _is_config_module(full, package) and full != package:
                 found.append(f"{_rel(path)}:{imp.line}: imports {full}")
+        init = path.parent / "__init__.py"
+        if path.parent != root / "config" and init.is_file():
+            found += [
+                f"{_rel(init)}:{imp.line}: imports {imp.module} (loaded with {path.name})"
+                for imp in _imports(init, root)
+                if _inside(imp.module, package)
+            ]
     return found
 
 
@@ -373,11 +390,20 @@ def test_config_leaf_checker_on_a_synthetic_package(tmp_path):
         "config/a.py": "from pkg.config.b import X\n",
         "config/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.feature import Y\n",
         "feature.py": "from pkg.config.a import X\n",
+        "lora/__init__.py": "",
+        "lora/config.py": "from pkg.config.a import X\nfrom pkg.ft.config import Z\nfrom pkg.lora.names import N\n",
+        "lora/names.py": "",
+        "ft/__init__.py": "from pkg.ft.heavy import H\n",
+        "ft/config.py": "",
     }
     for name, text in files.items():
         (pkg / name).parent.mkdir(parents=True, exist_ok=True)
         (pkg / name).write_text(text)
-    assert [v.rsplit(": ", 1)[1] for v in config_leaf_violations(pkg)] == ["imports pkg.feature.Y"]
+    assert sorted(v.split(": ", 1)[1] for v in config_leaf_violations(pkg)) == [
+        "imports pkg.feature.Y",
+        "imports pkg.ft.heavy (loaded with config.py)",
+        "imports pkg.lora.names.N",
+    ]
 
 
 # Modules the pre-launch check must not load: it runs before every launch, in one process.
@@ -577,13 +603,16 @@ FLOORS_END = "<!-- end of floors -->"
 
 def _unit(module: str) -> str | None:
     """The floor plan's unit of a module: a top-level file, a folder, models/ split into the pure
-    modules and the families' spec.py files (the one models/ file allowed to import the rest), and each
-    folder of features/ (the optional features: independent of each other, each on its own floor)."""
+    modules and the families' spec.py files (the one models/ file allowed to import the rest), each
+    folder of features/ (the optional features: independent of each other, each on its own floor), and a
+    feature's ``config.py`` (its config section: part of the config leaf, though it lives in the feature's folder)."""
     parts = module.split(".")[1:]
     if not parts:
         return None
     if len(parts) == 1:
         return f"{parts[0]}.py" if (PACKAGE_ROOT / f"{parts[0]}.py").is_file() else f"{parts[0]}/"
+    if parts[-1] == "config" and len(parts) > 1:  # a feature's config section lives in its folder, on config/'s floor
+        return "config/"
     if parts[0] == "models" and parts[-1] == "spec":
         return "models/*/spec.py"
     if parts[0] == "features" and len(parts) > 2:  # each optional feature is a unit of its own, on its own floor
@@ -599,7 +628,10 @@ def floor_plan(root: Path = PACKAGE_ROOT) -> tuple[dict[str, int], list[str]]:
     for src, dsts in graph.items():
         u = _unit(src)
         if u is not None:
-            units.setdefault(u, set()).update(d for d in map(_unit, dsts) if d is not None and d != u)
+            # an init passed on the way that imports nothing adds no dependency (a feature's config.py is read
+            # through its folder's empty init)
+            reached = [d for d, edge in dsts.items() if not (edge.via_package_init and not graph[d])]
+            units.setdefault(u, set()).update(d for d in map(_unit, reached) if d is not None and d != u)
     cyclic = [
         u
         for c in strongly_connected_components({u: dict.fromkeys(d) for u, d in units.items()})

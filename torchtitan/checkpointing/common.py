@@ -21,8 +21,6 @@ from torchtitan.checkpointing.marker import SEED, read_marker, why_not_loadable,
 
 if TYPE_CHECKING:
     from torchtitan.config.schema import Model
-    from torchtitan.config.schema_checkpoint import Checkpoint
-    from torchtitan.config.schema_lora import Lora
 
 
 def agree(decide: Callable[[], Any], group: dist.ProcessGroup | None = None) -> Any:
@@ -66,25 +64,10 @@ def short_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def model_info(
-    *, model: Model, model_args: Any, lora: Lora | None = None, checkpoint: Checkpoint | None = None
-) -> dict[str, Any]:
-    """What a marker records about the model (read by the conversion scripts); with ``lora`` (enabled): the
-    adapters' settings and where the frozen base came from (``checkpoint.initial_load_path``; None: the seed)."""
-    info = {"name": model.name, "flavor": model.flavor, "args": dataclasses.asdict(model_args)}
-    if lora is not None and lora.enable:
-        base = checkpoint.initial_load_path if checkpoint is not None and checkpoint.initial_load_path else None
-        info["lora"] = {
-            "rank": lora.rank,
-            "alpha": lora.alpha,
-            "dropout": lora.dropout,
-            "target_modules": list(lora.target_modules),
-            "base": os.path.abspath(base) if base else None,
-            "base_in_hf": bool(base and checkpoint.initial_load_in_hf),
-        }
-        if lora.quantize_base != "none":  # QLoRA: merges dequantize the base they read (hf_lora.merged_weights)
-            info["lora"]["quantize_base"] = lora.quantize_base
-    return info
+def model_info(*, model: Model, model_args: Any) -> dict[str, Any]:
+    """What a marker records about the model (read by the conversion scripts); a partial scope adds its own record
+    (checkpointing/scope.py)."""
+    return {"name": model.name, "flavor": model.flavor, "args": dataclasses.asdict(model_args)}
 
 
 def save_model_weights(state_dict: dict[str, torch.Tensor], path: str, info: dict[str, Any]) -> None:

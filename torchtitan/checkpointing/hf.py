@@ -21,6 +21,7 @@ from torchtitan.checkpointing.common import (
 )
 from torchtitan.checkpointing.hf_files import load_hf_weights, read_hf_config, save_hf_folder
 from torchtitan.checkpointing.marker import read_marker
+from torchtitan.checkpointing.scope import partial_scope_of
 from torchtitan.spec import StateDictAdapter, get_model_spec, hf_conversion_refusal, spec_for_hf_model_type
 
 logger = logging.getLogger(__name__)
@@ -38,31 +39,25 @@ def adapter_of(model_name: str) -> StateDictAdapter:
     return spec.state_dict_adapter
 
 
-def export_to_hf(
-    checkpoint_path: str, output_dir: str, dtype: torch.dtype | None = None, *, merge_lora: bool = False
-) -> dict[str, Any]:
+def export_to_hf(checkpoint_path: str, output_dir: str, dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Write ``model.safetensors`` + ``config.json`` for a complete checkpoint folder; returns the config.
 
-    ``dtype`` defaults to the checkpoint's own (an export may be bf16/fp16). A LoRA run's checkpoint (adapters
-    only) becomes a PEFT adapter folder, or with ``merge_lora`` its base with the adapters merged (hf_lora.py).
+    ``dtype`` defaults to the checkpoint's own (an export may be bf16/fp16). A checkpoint that holds part of a
+    model (checkpointing/scope.py: LoRA's adapters) is its feature's to export (``scripts/convert_to_hf.py``).
 
     Raises:
         NotImplementedError: weights the family says have no HF counterpart (refused before any is read).
-        ValueError: not a complete checkpoint of this trainer.
+        ValueError: not a complete checkpoint of this trainer, or one of part of a model.
     """
     info = (read_marker(checkpoint_path) or {}).get("model") or {}
     spec = get_model_spec(info.get("name") or "llama3")
     why = hf_conversion_refusal(spec, info["args"]) if info.get("args") else None
     if why is not None:
         raise NotImplementedError(why)
-    if info.get("lora"):
-        from torchtitan.checkpointing.hf_lora import export_lora
-
-        return export_lora(checkpoint_path, output_dir, merge=merge_lora, dtype=dtype)
-    if merge_lora:
+    if (scope := partial_scope_of(info)) is not None:
         raise ValueError(
-            f"--merge_lora: {checkpoint_path} holds no LoRA adapters (its run had lora.enable off); convert it "
-            "without --merge_lora"
+            f"{checkpoint_path} holds part of a model (its {scope} run's trained keys), not a whole one; convert it "
+            "with scripts/convert_to_hf.py, which writes that feature's format"
         )
     weights, marker = load_model_weights(checkpoint_path)
     args = _marker_args(marker, checkpoint_path)

@@ -29,9 +29,6 @@ from torchtitan.checkpointing.hf import adapter_of, check_hf_matches, export_to_
 from torchtitan.checkpointing.hf_files import hf_weight_files
 from torchtitan.checkpointing.marker import SEED, read_marker, why_not_loadable
 from torchtitan.dtypes import to_dtype
-from torchtitan.lora.linear import is_adapter_key, is_base_key
-from torchtitan.lora.peft_io import check_peft_fits, read_peft_folder
-from torchtitan.spec import get_model_spec
 
 if TYPE_CHECKING:
     from torchtitan.config.schema import Checkpoint as CheckpointConfig
@@ -39,7 +36,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def load_hf_into(view: nn.Module, hf_dir: str, model_name: str, args: dict[str, Any]) -> int:
+def load_hf_into(
+    view: nn.Module, hf_dir: str, model_name: str, args: dict[str, Any], keys: Callable[[str], bool] | None = None
+) -> int:
     """Replace the (parallelized) model's weights with an HF folder's; returns the count loaded.
 
     Sharded: weights are read one layer at a time (plus the embedding, final norm and head), converted
@@ -47,6 +46,7 @@ def load_hf_into(view: nn.Module, hf_dir: str, model_name: str, args: dict[str, 
     holds; a pipeline stage reads only its own layers. So a rank holds at most one layer's whole
     weights beyond its own shards, never the whole model. Buffers the HF model does not have
     (e.g. the MoE expert bias) keep their initial values. Collective-free; every rank reads the files.
+    ``keys``: the model keys an HF folder fills (a partial scope's base: its trained part keeps its init).
 
     Raises:
         ValueError: a weight of this model that the folder does not hold, or a shape that differs.
@@ -55,7 +55,7 @@ def load_hf_into(view: nn.Module, hf_dir: str, model_name: str, args: dict[str, 
 
     check_hf_matches(hf_dir, model_name, args)
     adapter = adapter_of(model_name)
-    model = ModelState(view, keys=is_base_key)  # LoRA's adapters are not in an HF model: they keep their init
+    model = ModelState(view, keys=keys)
     targets = model.state_dict()
     params = {name for name, _ in view.named_parameters(remove_duplicate=False)}
     files = hf_weight_files(hf_dir)
@@ -111,38 +111,29 @@ def local_slice(target: torch.Tensor, full: torch.Tensor, key: str, hf_dir: str)
     )
 
 
-def load_peft_into(view: torch.nn.Module, lora: Any, model_info: dict[str, Any]) -> None:
-    """``lora.adapter_path`` (a PEFT folder) into the (parallelized) model's adapters, each rank its shards.
-
-    Raises:
-        FileNotFoundError / ValueError: not a PEFT LoRA folder; another rank, alpha, targets or base model.
-    """
-    from torchtitan.checkpointing.state import ModelState
-
-    spec, args = get_model_spec(model_info["name"]), model_info["args"]
-    config, adapters = read_peft_folder(lora.adapter_path, spec, args)
-    state = ModelState(view, keys=is_adapter_key)
-    targets = state.state_dict()
-    check_peft_fits(config, adapters, targets, lora.adapter_path, lora)
-    state.load_state_dict({k: local_slice(t, adapters[k], k, lora.adapter_path) for k, t in targets.items()})
-
-
 # How long the other ranks wait for rank 0's Hugging Face export (checkpoint.last_save_in_hf).
 _HF_EXPORT_TIMEOUT_S = 4 * 3600
 
 
 def initial_load(
-    config: CheckpointConfig, view: nn.Module, model_info: dict[str, Any], targets: Callable, rank: int, pg: Any
+    config: CheckpointConfig,
+    view: nn.Module,
+    model_info: dict[str, Any],
+    targets: Callable,
+    rank: int,
+    pg: Any,
+    base_keys: Callable[[str], bool] | None = None,
 ) -> str:
     """``checkpoint.initial_load_path``: the run's starting weights (model only), from a Hugging Face
     folder (``initial_load_in_hf``) or a complete checkpoint; returns what was loaded, for the summary.
 
-    ``targets(info, metadata)``: the manager's DCP load targets (model only for a seed).
+    ``targets(info, metadata)``: the manager's DCP load targets (model only for a seed); ``base_keys``: the keys
+    an HF folder fills (checkpointing/scope.py).
     """
     path = config.initial_load_path
     start = time.perf_counter()
     if config.initial_load_in_hf:
-        load_hf_into(view, path, model_info["name"], model_info["args"])
+        load_hf_into(view, path, model_info["name"], model_info["args"], base_keys)
         what = "Hugging Face weights"
     else:
 
@@ -168,26 +159,27 @@ def initial_load(
     return f"initial weights {path}"
 
 
-def export_last_in_hf(config: CheckpointConfig, path: str, out: str) -> None:
-    """``checkpoint.last_save_in_hf``: rank 0 converts the complete checkpoint at ``path`` to ``out``;
-    every rank learns how it went, so a failed export raises everywhere (the checkpoint is kept)."""
+def export_last_in_hf(config: CheckpointConfig, path: str, out: str, export: Callable | None = None) -> None:
+    """``checkpoint.last_save_in_hf``: rank 0 converts the complete checkpoint at ``path`` to ``out`` (with
+    ``export``, a partial scope's export; default ``export_to_hf``); every rank learns how it went, so a failed
+    export raises everywhere (the checkpoint is kept)."""
 
-    def export() -> None:
+    def run_export() -> None:
         start = time.perf_counter()
         dtype = to_dtype(config.export_dtype) if config.model_weights_only else None
         try:
-            export_to_hf(path, out, dtype=dtype)
+            (export or export_to_hf)(path, out, dtype)
         except Exception as e:  # reported on every rank, not only here
             raise ValueError(f"checkpoint.last_save_in_hf: exporting {path} to {out} failed: {short_error(e)}") from e
         logger.info("Hugging Face export written to %s in %.2f s", out, time.perf_counter() - start)
 
     if not dist.is_initialized():
-        export()
+        run_export()
         return
     # The conversion outlasts the training collectives' timeout on large models: the ranks wait on a
     # group of their own with a long one.
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=_HF_EXPORT_TIMEOUT_S))
     try:
-        agree(export, group=group)
+        agree(run_export, group=group)
     finally:
         dist.destroy_process_group(group)

@@ -42,6 +42,7 @@ from torchtitan.checkpointing.folders import (
 )
 from torchtitan.checkpointing.jsonl import read_json_lines
 from torchtitan.checkpointing.marker import EXPORT, FULL, read_marker, step_folder, write_marker
+from torchtitan.checkpointing.scope import WHOLE_MODEL, ModelScope
 from torchtitan.checkpointing.state import (
     DataLoaderState,
     ModelState,
@@ -52,13 +53,11 @@ from torchtitan.checkpointing.state import (
     check_model_keys,
 )
 from torchtitan.dtypes import to_dtype
-from torchtitan.lora.linear import is_adapter_key, is_base_key
 
 if TYPE_CHECKING:
     from torch import nn
 
     from torchtitan.config.schema import Checkpoint as CheckpointConfig
-    from torchtitan.config.schema_lora import Lora
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +75,10 @@ class CheckpointManager:
     checkpoint (fault tolerance's DiLoCo outer optimizer); a checkpoint without one loads, that part fresh.
     ``sets_aside_later``: a resume moves the checkpoints newer than its step aside (False in a folder other
     replica groups write into, where a newer one may be a live group's save that just completed).
-    ``lora`` (the ``[lora]`` section of a LoRA run, else None): a checkpoint's model part is the adapters; the
-    frozen base comes from ``checkpoint.initial_load_path`` (or the seed) on every start, resume included, a
-    seed or initial load fills the base only, and a fresh start takes ``lora.adapter_path`` (PEFT) if set.
+    ``scope`` (checkpointing/scope.py): the part of the model a checkpoint holds. A partial one (a feature that
+    trains part of the model) saves its trained keys; its frozen base comes from ``checkpoint.initial_load_path``
+    (or the seed) on every start, resume included, a seed or initial load fills the base only, and a fresh start
+    loads what the scope's ``fresh_start`` loads.
     """
 
     def __init__(
@@ -101,7 +101,7 @@ class CheckpointManager:
         root: str | None = None,
         extra: dict[str, Stateful] | None = None,
         sets_aside_later: bool = True,
-        lora: Lora | None = None,
+        scope: ModelScope = WHOLE_MODEL,
     ):
         self.config = config
         self.run_folder = run_folder or dump_folder
@@ -109,8 +109,7 @@ class CheckpointManager:
         self.dump_folder, self.root = dump_folder, root or os.path.join(dump_folder, config.folder)
         self.extra = extra or {}
         self.sets_aside_later = sets_aside_later
-        self.lora = lora
-        self.adapters_only = lora is not None
+        self.scope = scope
         self.hf_root = os.path.join(dump_folder, "hf")  # checkpoint.last_save_in_hf writes step-N here
         self.view = build_model_view(model_parts)
         self.optimizer, self.lr_scheduler, self.data_loader = optimizer, lr_scheduler, data_loader
@@ -141,20 +140,17 @@ class CheckpointManager:
         info = None
         if self.enabled:
             info = agree(lambda: find_resume_checkpoint(self.root, self.config.load_step, self.config.verify_checksums))
-        base_first = info is not None and self.adapters_only  # a LoRA checkpoint does not hold the base
+        base_first = info is not None and self.scope.partial  # its checkpoints do not hold the base
         if info is None or base_first:
             if self.config.initial_load_path:
                 from torchtitan.checkpointing.hf_run import initial_load
 
                 self.loaded = initial_load(
-                    self.config, self.view, self.model_info, self._load_targets, self.rank, self.pg
+                    self.config, self.view, self.model_info, self._load_targets, self.rank, self.pg, self.scope.base
                 )
             if not base_first:
-                if self.lora is not None and self.lora.adapter_path:
-                    from torchtitan.checkpointing.hf_run import load_peft_into
-
-                    load_peft_into(self.view, self.lora, self.model_info)
-                    self.loaded = f"PEFT adapter {self.lora.adapter_path}"
+                if self.scope.fresh_start is not None:
+                    self.loaded = self.scope.fresh_start(self.view, self.model_info) or self.loaded
                 return 0
         if self.config.initial_load_path and self.rank == 0 and not base_first:
             logger.info("checkpoint.initial_load_path is not read: resuming from %s", info.path)
@@ -191,10 +187,9 @@ class CheckpointManager:
         return step
 
     def _model_keys(self, full: bool) -> Callable[[str], bool] | None:
-        """LoRA: a full checkpoint's model part is the adapters, a seed's or an initial load's the base."""
-        if not self.adapters_only:
-            return None
-        return is_adapter_key if full else is_base_key
+        """A partial scope: a full checkpoint's model part is its trained keys, a seed's or an initial load's the
+        base."""
+        return self.scope.keys(full)
 
     def _load_targets(self, info: CheckpointInfo, metadata: Any) -> dict[str, Any]:
         model = ModelState(self.view, keys=self._model_keys(info.kind == FULL))
@@ -273,7 +268,7 @@ class CheckpointManager:
         if final and self.config.last_save_in_hf:
             from torchtitan.checkpointing.hf_run import export_last_in_hf
 
-            export_last_in_hf(self.config, path, step_folder(self.hf_root, step))
+            export_last_in_hf(self.config, path, step_folder(self.hf_root, step), self.scope.export_hf)
 
     def save_now(self, step: int) -> bool:
         """Save ``step`` unless it was just saved, and wait until it is complete; False if checkpointing is off."""

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from torch.distributed.checkpoint.stateful import Stateful
 
+    from torchtitan.checkpointing.scope import ModelScope
     from torchtitan.components.step import StepFunction
     from torchtitan.config.manager import JobConfig
     from torchtitan.datasets.shard import DataShard
@@ -58,6 +59,7 @@ class Parts(Protocol):
     step_fn: StepFunction
     optimizer: torch.optim.Optimizer
     lr_scheduler: Any
+    model_scope: ModelScope
 
     @property
     def model_parts(self) -> list[nn.Module]: ...
@@ -148,6 +150,10 @@ class OuterSync(Protocol):
     def before_stop(self, step: int) -> None:
         """A stop signal ends the run after ``step``: raise ``RunStopped`` if this group must leave unsaved."""
 
+    def add_modeled_memory(self, memory: Any, model_parts: list[nn.Module], device: torch.device) -> None:
+        """The memory estimator's (estimation/tracker.py ``StepMemory``): add what the groups hold that the fake
+        step does not run (modeled rows and notes)."""
+
     def report_end(self, step: int) -> None:
         """The run's last step is done."""
 
@@ -201,6 +207,9 @@ class SingleGroup:
         return None
 
     def before_stop(self, step: int) -> None:
+        pass
+
+    def add_modeled_memory(self, memory: Any, model_parts: list[nn.Module], device: torch.device) -> None:
         pass
 
     def report_end(self, step: int) -> None:

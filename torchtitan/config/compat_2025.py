@@ -98,9 +98,6 @@ _WSD = (("training.lr_schedule", "wsd"),)  # a [lr_scheduler] key means upstream
 _ESTIMATION = (
     "memory is estimated by estimation.py (python estimation.py --job.config_file ...), always on fake tensors"
 )
-_STREAMING = (
-    "Streaming DiLoCo (several model fragments synced at different steps) is not built; diloco syncs the whole model"
-)
 _LOADER = "the data loader reads in the training process (num_workers = 0), so its checkpointed state is exact"
 # upstream's fault-tolerance module: it adds the [fault_tolerance] keys of its torchft experiment, which are keys here
 FT_CONFIG_MODULE = "torchtitan.components.ft.config"
@@ -113,6 +110,10 @@ _NCCL_DUMP = (
     "remove the key and set that variable"
 )
 
+# A section kept in its feature's folder declares its own 2025 spellings: SHARED_2025 (keys spelled and meant as
+# here) and RULES_2025 (keys with a rule), relative to the section.
+_SECTIONS = [(f.name, f.default_factory) for f in dataclasses.fields(JobConfigTree)]
+
 RULES: dict[str, Rule] = {
     "job.print_config": Alias("job.print_args"),
     "job.save_config_file": Fixed(
@@ -121,8 +122,8 @@ RULES: dict[str, Rule] = {
     "job.custom_config_module": Fixed(
         str,
         "",
-        "the config is one typed tree (upstream's fault-tolerance module's keys are [fault_tolerance] keys here); a "
-        "new key is a field in config/schema.py",
+        "the config is one typed tree (upstream's torchft module's keys are keys of its section here); a new key "
+        "is a field in config/schema.py",
         also=(FT_CONFIG_MODULE,),
     ),
     "metrics.save_for_all_ranks": Alias(
@@ -272,13 +273,6 @@ RULES: dict[str, Rule] = {
     ),
     "memory_estimation.enable": Fixed(bool, False, _ESTIMATION),
     "memory_estimation.disable_fake_mode": Fixed(bool, False, _ESTIMATION + "; its accuracy tests run real tensors"),
-    "fault_tolerance.should_quantize": Fixed(
-        bool, False, "torchft's quantized (fp8) all-reduce needs CUDA with triton; not built here"
-    ),
-    "fault_tolerance.fragment_sync_delay": Fixed(int, 0, _STREAMING),
-    "fault_tolerance.fragment_update_alpha": Fixed(float, 0.0, _STREAMING),
-    "fault_tolerance.num_fragments": Fixed(int, 1, _STREAMING),
-    "fault_tolerance.module_fqns_per_model_fragment": Fixed("raw", [], _STREAMING),
     "experimental.custom_import": Fixed(
         str, "", "importing modules from the config is not supported; add a model family with register_model_family"
     ),
@@ -300,6 +294,10 @@ RULES: dict[str, Rule] = {
     "debug.moe_force_load_balance": Fixed(bool, False, "forced round-robin routing is not built"),
 }
 
+RULES.update(
+    {f"{section}.{key}": rule for section, cls in _SECTIONS for key, rule in getattr(cls, "RULES_2025", {}).items()}
+)
+
 # Keys the 2025 schema spells and means as this one does.
 SHARED: frozenset[str] = frozenset(
     ["job.config_file", "job.dump_folder", "job.description", "metrics.disable_color_printing"]
@@ -316,8 +314,7 @@ SHARED: frozenset[str] = frozenset(
     + ["checkpoint.create_seed_checkpoint", "activation_checkpoint.mode", "activation_checkpoint.selective_ac_option"]
     + [f"comm.{k}" for k in ("init_timeout_seconds", "train_timeout_seconds", "trace_buf_size")]
     + [f"validation.{k}" for k in ("dataset", "dataset_path", "freq", "steps")]
-    + [f"fault_tolerance.{k}" for k in ("enable", "replica_id", "group_size", "min_replica_size", "process_group")]
-    + ["fault_tolerance.process_group_timeout_ms", "fault_tolerance.semi_sync_method", "fault_tolerance.sync_steps"]
+    + [f"{section}.{key}" for section, cls in _SECTIONS for key in getattr(cls, "SHARED_2025", ())]
 )
 # Also in the late-2024 schema: they do not make a file a 2025 one.
 LATE_2024 = frozenset({"memory_estimation.disable_fake_mode"})

@@ -104,6 +104,7 @@ def build_checkpointer(
         rank=core.rank,
         device=core.device,
         model_args=core.model_args,
+        scope=core.model_scope,
         before_marker=before_marker,
     )
 

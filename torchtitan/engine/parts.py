@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from torchtitan.build import build_step_function
+from torchtitan.checkpointing.scope import WHOLE_MODEL, ModelScope
 from torchtitan.components.optim.optimizer import apply_optimizer_config, build_lr_scheduler, build_optimizer
 from torchtitan.components.run_control import StopSignals
 from torchtitan.components.seams import (
@@ -74,6 +75,8 @@ class CoreParts:
     lr_scheduler: Any
     hooks: StepHooks
     """The family's (and float8's) per-step hooks; ``NoStepHooks`` where there are none."""
+    model_scope: ModelScope
+    """The part of the model the run trains and its checkpoints hold (checkpointing/scope.py)."""
 
     @property
     def model_parts(self) -> list[nn.Module]:
@@ -184,6 +187,7 @@ def build_core_parts(
         optimizer_step=optimizer_step,
         lr_scheduler=build_lr_scheduler(optimizer, config.training),
         hooks=step_fn.hooks if step_fn.hooks is not None else NoStepHooks(),
+        model_scope=_slot(builders, config, "checkpoint_scope", WHOLE_MODEL, config),
     )
 
 

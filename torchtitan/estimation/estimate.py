@@ -30,7 +30,6 @@ from torchtitan.estimation.fake_trainer import (
     pipeline_patches,
     resolve_vocab,
 )
-from torchtitan.estimation.ft_terms import add_fault_tolerance_terms
 from torchtitan.estimation.tracker import DDP_BUCKETS, StepMemory, track_steps, use_per_parameter_step
 from torchtitan.preflight import run_preflight
 from torchtitan.preflight.registry import check_estimable_features
@@ -161,7 +160,7 @@ def estimate_rank(
             memory = track_steps(
                 trainer, foreach_temp=0 if trainer.core.optimizer_step.steps_in_backward else foreach_temp
             )
-            add_fault_tolerance_terms(memory, config.fault_tolerance, trainer.model_parts, trainer.device)
+            trainer.outer.add_modeled_memory(memory, trainer.model_parts, trainer.device)
             if trainer.parallel_dims.dp_replicate_enabled and not trainer.parallel_dims.dp_shard_enabled:
                 buckets = ddp_bucket_bytes(trainer.model_parts)
                 memory.add_persistent(

@@ -26,7 +26,7 @@ Throughput model (a ranking aid, not a prediction; see docs/estimation.md). Per 
   ``group_size`` groups after backward, not overlapped with it (synchronous mode: every step; LocalSGD and
   DiLoCo: the weights or their change, every ``sync_steps`` steps), at the inter-node bandwidth (groups are
   separate launches, normally separate nodes); it counts as exposed data-parallel communication. Memory: the
-  estimator's (ft_terms.py).
+  estimator's (fault_tolerance/estimate.py).
 An axis's traffic uses the intra-node bandwidth when the ranks it spans (TP innermost, then CP,
 dp_shard, dp_replicate, pp outermost) fit in one node of ``gpus_per_node``, else inter-node.
 """
@@ -46,8 +46,7 @@ from torchtitan.config.schema_optimizer import Optimizer as OptimizerConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.estimation.estimate import estimate_memory, named_shapes
 from torchtitan.estimation.fake_trainer import resolve_vocab
-from torchtitan.lora.checks import adapted_shapes, target_shapes
-from torchtitan.lora.quantize import nf4_bytes
+from torchtitan.estimation.plan_terms import feature_terms
 from torchtitan.observability.flops import GPU_PEAK_FLOPS
 from torchtitan.observability.metrics import compute_num_flops_per_token
 from torchtitan.preflight import run_preflight
@@ -136,8 +135,8 @@ def enumerate_layouts(config, args, world_size: int, hw: Hardware) -> list[Layou
                 dp = world_size // (tp * cp * pp)
                 # FSDP across all data-parallel ranks, or HSDP with one shard group per node
                 node_shard = hw.gpus_per_node // (tp * cp)
-                replicas = {1} | ({dp // node_shard} if node_shard > 1 and dp % node_shard == 0 else set())
-                for rep in sorted(replicas):
+                replicate_degrees = {1} | ({dp // node_shard} if node_shard > 1 and dp % node_shard == 0 else set())
+                for rep in sorted(replicate_degrees):
                     mbs = [0] if pp == 1 else [pp, 2 * pp]
                     eps = _ep_degrees(args, tp, dp // rep) if moe else [1]
                     out += [Layout(pp, rep, dp // rep, cp, tp, ep, "none", mb) for ep in eps for mb in mbs]
@@ -173,26 +172,18 @@ def _with_overrides(config, layout: Layout, local_batch: int):
 def lower_bound_bytes(args, layout: Layout, config) -> int:
     """Parameters + gradients + AdamW state per rank, sharded over everything that shards them.
 
-    With the optimizer step in backward the gradients never live all at once: they are left out. With LoRA
-    only the adapters have gradients and optimizer state (the frozen base: its parameters alone, ``base_bytes``).
+    With the optimizer step in backward the gradients never live all at once: they are left out. A feature
+    that trains part of the model (``PlanTerms``: LoRA's adapters) says what trains and what its state costs.
     """
+    terms = feature_terms(config)
     params = sum(_param_counts(config, args))
-    trainable = adapter_param_count(config, args.n_layers) if config.lora.enable else params
+    trainable = terms.trainable(config, args, params)
     shards = layout.tp * layout.pp * layout.dp_shard * layout.cp
     grads = 0 if config.optimizer.early_step_in_backward else 4
-    if config.lora.enable:  # the adapters train with the run's AdamW (lora/checks.py): 2 moments each
-        state_bytes = trainable * 4 * (2 if config.optimizer.state_dtype == "float32" else 1)
-    else:
+    state_bytes = terms.state_bytes(config, args, trainable)
+    if state_bytes is None:
         state_bytes = _state_bytes(config, args)
-    return int((base_bytes(config, args, params) + trainable * grads + state_bytes) / shards)
-
-
-def base_bytes(config, args, params: int) -> int:
-    """Bytes of the model's parameters: 4 each (fp32), but NF4's for the adapted linears' weights under QLoRA."""
-    if not (config.lora.enable and config.lora.quantize_base == "nf4"):
-        return params * 4
-    sizes = [out * inp for out, inp in target_shapes(config).values()] * args.n_layers
-    return (params - sum(sizes)) * 4 + sum(nf4_bytes(n) for n in sizes)
+    return int((terms.param_bytes(config, args, params) + trainable * grads + state_bytes) / shards)
 
 
 def _state_bytes(config, args) -> int:
@@ -204,11 +195,6 @@ def _state_bytes(config, args) -> int:
 def _state_bytes_of(model_name: str, args, optimizer_json: str) -> int:
     optimizer = OptimizerConfig(**json.loads(optimizer_json))  # a cache key: the section as JSON
     return sum(g["state_bytes"] for g in optimizer_state_by_group(named_shapes(model_name, args), optimizer))
-
-
-def adapter_param_count(config, n_layers: int) -> int:
-    """LoRA's trainable parameters: rank x (in + out) per adapted linear of every block (dense or MoE: its own)."""
-    return sum(config.lora.rank * (out + inp) for out, inp in adapted_shapes(config, n_layers))
 
 
 def _param_counts(config, args) -> tuple[int, int]:
@@ -257,26 +243,16 @@ def throughput(args, layout: Layout, config, global_batch: int, world_size: int,
     exposed = tp_bytes / bw["tp"] + cp_bytes / bw["cp"]
     dp_time = fsdp_bytes / bw["dp_shard"] + hsdp_bytes / bw["dp_replicate"]
     bubble = compute * (layout.pp - 1) / layout.microbatches if layout.pp > 1 else 0.0
-    replica_time = _replica_seconds(config, (embed + rest) / (layout.tp * layout.pp * layout.dp_shard * layout.cp), hw)
-    step = compute + exposed + max(0.0, dp_time - compute) + replica_time + bubble
+    shard_params = (embed + rest) / (layout.tp * layout.pp * layout.dp_shard * layout.cp)
+    feature_time = feature_terms(config).comm_seconds(config, shard_params, hw.inter_node_gbps * 1e9)
+    step = compute + exposed + max(0.0, dp_time - compute) + feature_time + bubble
     parts = {
         "compute": compute,
         "tp/cp comm": exposed,
-        "dp comm (exposed)": max(0.0, dp_time - compute) + replica_time,
+        "dp comm (exposed)": max(0.0, dp_time - compute) + feature_time,
         "pp bubble": bubble,
     }
     return PlanRow(layout, 0, step, tokens / (step * world_size), parts)
-
-
-def _replica_seconds(config, shard_params: float, hw: Hardware) -> float:
-    """Fault tolerance's all-reduce of each rank's fp32 shard across the replica groups, per step (module
-    docstring); 0 without it."""
-    ft = config.fault_tolerance
-    if not ft.enable or ft.group_size < 2:
-        return 0.0
-    ring = 2 * shard_params * 4 * (ft.group_size - 1) / ft.group_size  # bytes a rank sends in a ring all-reduce
-    every = 1 if ft.semi_sync_method is None else ft.sync_steps
-    return ring / (hw.inter_node_gbps * 1e9) / every
 
 
 def _bandwidths(layout: Layout, hw: Hardware) -> dict[str, float]:

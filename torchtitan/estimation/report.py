@@ -51,7 +51,8 @@ def format_table(est: Estimate, title: str) -> str:
         return f"{label:<26}" + "".join(f"{cell:>{w}}" for cell, w in zip(cells, widths))
 
     out.append(line("GiB per rank at the peak", [r.role for r in roles]))
-    for row in ROWS:
+    modeled = [row for r in roles for row in r.memory.breakdown if row not in ROWS]
+    for row in [*ROWS, *dict.fromkeys(modeled)]:
         if any(row in r.memory.breakdown for r in roles):
             out.append(line(f"  {row}", [f"{r.memory.breakdown.get(row, 0) / GIB:.2f}" for r in roles]))
     out.append(line("peak", [f"{r.memory.peak / GIB:.2f}" for r in roles]))

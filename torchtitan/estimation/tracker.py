@@ -36,9 +36,8 @@ CATEGORIES = {
     "Other": "other",
 }
 DDP_BUCKETS = "comm: DDP buckets"
-# fault tolerance's semi-synchronous modes (ft_terms.py): copies at a synchronization, DiLoCo's outer state
-FT_SYNC_COPIES, FT_OUTER_MOMENTUM, FT_WEIGHT_BACKUP = "ft: sync copies", "ft: outer momentum", "ft: weight backup"
-ROWS = [*dict.fromkeys(CATEGORIES.values()), DDP_BUCKETS, FT_SYNC_COPIES, FT_OUTER_MOMENTUM, FT_WEIGHT_BACKUP]
+# the tracker's rows; a feature's modeled rows (fault tolerance's semi-synchronous copies) follow, as added
+ROWS = [*dict.fromkeys(CATEGORIES.values()), DDP_BUCKETS]
 
 
 @dataclass
@@ -78,7 +77,7 @@ class StepMemory:
     # Only the depth extrapolation reads it.
     all_activations: Phase | None = None
     # What is live when the optimizer step starts (the gradients complete), and fault tolerance's
-    # semi-synchronous modes' synchronization after it (ft_terms.py): that plus their copies.
+    # semi-synchronous modes' synchronization after it (fault_tolerance/estimate.py): that plus their copies.
     at_optimizer_step: Phase | None = None
     synchronization: Phase | None = None
 

@@ -9,6 +9,7 @@ import os
 from typing import TYPE_CHECKING
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.datasets.indexed.format import find_prefixes
 from torchtitan.fault_tolerance.errors import INSTALL_HINT
 from torchtitan.fault_tolerance.lighthouse import LIGHTHOUSE_ENV, split_address
 
@@ -66,6 +67,13 @@ def _check_composition(config: JobConfig) -> None:
         raise NotImplementedError(
             f"training.replay_every_n_steps = {replay} with fault_tolerance.enable = true: not built for replica groups "
             "yet; set training.replay_every_n_steps = 0 or change that"
+        )
+    t = config.training
+    if t.dataset_mix is not None or (t.dataset_path is not None and find_prefixes(t.dataset_path) is not None):
+        # replica groups exchange loader states at different steps; the blend's state is per step: untested here
+        raise NotImplementedError(
+            "indexed data or training.dataset_mix with fault_tolerance.enable = true is not supported yet; train "
+            "fault-tolerant runs on text data (training.dataset_path to a .jsonl/.parquet corpus)"
         )
     if config.optimizer.early_step_in_backward:
         raise NotImplementedError(

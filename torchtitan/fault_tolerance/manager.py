@@ -22,7 +22,7 @@ from torchtitan.fault_tolerance.lighthouse import wait_for_lighthouse
 if TYPE_CHECKING:
     from torchft import Manager
 
-    from torchtitan.config.schema_fault_tolerance import FaultTolerance
+    from torchtitan.fault_tolerance.config import FaultTolerance
 
 
 def replica_name(replica_id: int) -> str:

@@ -39,8 +39,8 @@ from torchtitan.fault_tolerance.lighthouse import reachable
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
 
-    from torchtitan.config.schema_fault_tolerance import FaultTolerance
     from torchtitan.distributed.mesh import OuterSum
+    from torchtitan.fault_tolerance.config import FaultTolerance
     from torchtitan.fault_tolerance.heal import HealState
     from torchtitan.fault_tolerance.manager import ManagerHandle
     from torchtitan.fault_tolerance.positions import DataPositions

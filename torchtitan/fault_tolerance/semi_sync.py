@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.checkpoint.stateful import Stateful
 
-    from torchtitan.config.schema_fault_tolerance import FaultTolerance
+    from torchtitan.fault_tolerance.config import FaultTolerance
 
 logger = logging.getLogger(__name__)
 

@@ -23,6 +23,7 @@ none is lost; a resume appends to its own records.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -44,19 +45,32 @@ logger = logging.getLogger(__name__)
 LOCK_FILE = "run.lock"
 
 
+def _section_subfolder(config: JobConfig, which: str) -> str | None:
+    """The subfolder a config section asks for (its ``run_subfolder()`` / ``checkpoint_subfolder()`` method: a
+    fault-tolerant replica group's own), or None."""
+    asked = [sub for f in dataclasses.fields(config) if (sub := _asks(getattr(config, f.name), which))]
+    assert len(asked) <= 1, f"two config sections ask for a {which}: {asked}"
+    return asked[0] if asked else None
+
+
+def _asks(section: object, which: str) -> str | None:
+    method = getattr(type(section), which, None)
+    return method(section) if method is not None else None
+
+
 def run_folder(config: JobConfig) -> str:
-    """Where this launch's own files go (lock, metrics, config.toml, traces): the dump folder, or under fault
-    tolerance its replica group's subfolder; checkpoints stay in the dump folder, shared by the groups."""
-    ft = config.fault_tolerance
-    return os.path.join(config.job.dump_folder, f"replica_{ft.replica_id}") if ft.enable else config.job.dump_folder
+    """Where this launch's own files go (lock, metrics, config.toml, traces): the dump folder, or the subfolder a
+    section asks for (fault tolerance: its replica group's); checkpoints stay in the dump folder, shared."""
+    sub = _section_subfolder(config, "run_subfolder")
+    return os.path.join(config.job.dump_folder, sub) if sub else config.job.dump_folder
 
 
 def checkpoint_root(config: JobConfig) -> str:
-    """The checkpoint folder: shared by fault tolerance's replica groups (the lowest live one writes it), except
-    in the semi-synchronous modes, where each group keeps its own (their optimizers' states differ)."""
+    """The checkpoint folder, or the subfolder of it a section asks for (fault tolerance's semi-synchronous
+    modes: each replica group keeps its own)."""
     root = os.path.join(config.job.dump_folder, config.checkpoint.folder)
-    ft = config.fault_tolerance
-    return os.path.join(root, f"replica_{ft.replica_id}") if ft.enable and ft.semi_sync_method else root
+    sub = _section_subfolder(config, "checkpoint_subfolder")
+    return os.path.join(root, sub) if sub else root
 
 
 class FolderInUseError(ValueError):

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from torchtitan.config.schema_lora import Lora
 from torchtitan.distributed.init import init_named_units
+from torchtitan.lora.config import Lora
 from torchtitan.lora.linear import LoRALinear, is_adapter_key
 from torchtitan.lora.names import Target, resolve_targets, target_paths
 from torchtitan.spec import ModelSpec

@@ -129,7 +129,6 @@ def _check_combinations(config: JobConfig, dims: ParallelDims) -> None:
             "experimental.enable_async_tensor_parallel",
         ),
         (config.optimizer.early_step_in_backward, "optimizer.early_step_in_backward"),
-        (config.fault_tolerance.enable, "fault_tolerance.enable"),
         (config.training.compile, "training.compile (untested with the adapters)"),
         (dims.tp_enabled and config.lora.dropout > 0, "lora.dropout > 0 under tensor parallel"),
         # adapters get the run's AdamW; rules over the frozen base's names (norms, embeddings) would match nothing

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.config.schema_lora import DEFAULT_TARGETS
+from torchtitan.lora.config import DEFAULT_TARGETS
 from torchtitan.spec import AdapterLayout, ModelSpec, get_model_spec, model_names
 
 # Names a user may give for the MoE parts that are never adapted (besides a family's expert-only w1/w2/w3).

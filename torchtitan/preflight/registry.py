@@ -14,6 +14,8 @@ Seams (``Slot``) and the signature of a builder for each:
 - ``after_load``: ``(core: CoreParts) -> None``, called once after the checkpoint load; every enabled one.
 - ``step_pass``: ``(core: CoreParts) -> StepPass``; one feature at most.
 - ``after_step``: ``(core: CoreParts, metrics) -> AfterStep``; every enabled one, in this table's order.
+- ``checkpoint_scope``: ``(config) -> ModelScope`` (checkpointing/scope.py): the part of the model the run trains
+  and its checkpoints hold; one feature at most (default: the whole model).
 
 ``estimate``: the builders the memory estimator uses for the same seams; an enabled feature with builders but
 no ``estimate`` is refused by the estimator in one line (it models the training step, not that feature).
@@ -50,7 +52,7 @@ from torchtitan.spec import Deferred, check_model
 if TYPE_CHECKING:
     from torchtitan.config.manager import JobConfig
 
-Slot = Literal["data_shard", "outer", "optimizer_step", "after_load", "step_pass", "after_step"]
+Slot = Literal["data_shard", "outer", "optimizer_step", "after_load", "step_pass", "after_step", "checkpoint_scope"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ class Feature:
     estimate: Mapping[Slot, Deferred] | None = None
     what: str = ""
     """How a message names it (default: its name)."""
+    plan: Deferred | None = None
+    """``(config) -> PlanTerms``: what it changes in ``estimation.py --plan``'s per-rank terms (estimation/plan.py)."""
 
     def is_on(self, config: JobConfig) -> bool:
         return self.enabled is not None and self.enabled(config)
@@ -88,9 +92,28 @@ def _d(target: str) -> Deferred:
 
 
 _FT_SHARD = _d("torchtitan.fault_tolerance.setup:build_data_shard")
+_LORA = {"checkpoint_scope": _d("torchtitan.lora.checkpoint:build_scope")}
 _QLORA = {"after_load": _d("torchtitan.lora.quantize:quantize_loaded_base")}
 _REPLAY = {"step_pass": _d("torchtitan.features.replay.replay:build_step_replay")}
 _IN_BACKWARD = {"optimizer_step": _d("torchtitan.features.in_backward.in_backward:build_in_backward_step")}
+
+# Optional features not built to run together, and why: the refusal of a pair lives here, so neither feature's
+# folder names the other.
+NOT_BUILT_TOGETHER: tuple[tuple[str, str, str], ...] = (
+    ("lora", "fault_tolerance", "the replica groups would average and heal the frozen base, untested"),
+)
+
+
+def check_pairs(config: JobConfig, dims: ParallelDims) -> list[str]:
+    """Refuse two enabled features that ``NOT_BUILT_TOGETHER`` lists, naming both switches."""
+    on = {f.name: f for f in FEATURES if f.is_on(config)}
+    for one, other, why in NOT_BUILT_TOGETHER:
+        if one in on and other in on:
+            raise NotImplementedError(
+                f"{on[one].switch} with {on[other].switch}: not built ({why}); turn one of them off"
+            )
+    return []
+
 
 # The order is the order a config with several problems hears about them: the layout's features first, then
 # the model against the layout, then files, then the bookkeeping keys; and the order of the ``after_step`` work.
@@ -99,13 +122,15 @@ FEATURES: tuple[Feature, ...] = (  # declarative table
     Feature("activation_checkpoint", (Check(check_activation_checkpoint),)),
     Feature("memory_options", (Check(check_memory_options),)),
     Feature("data_parallel", (Check(check_data_parallel),)),
+    Feature("pairs", (Check(check_pairs),)),
     Feature(
         "fault_tolerance",
         (Check(check_fault_tolerance), Check(check_fault_tolerance_machine, this_machine=True)),
         enabled=lambda c: c.fault_tolerance.enable,
         switch="fault_tolerance.enable",
         builds={"data_shard": _FT_SHARD, "outer": _d("torchtitan.fault_tolerance.setup:build_replicas")},
-        estimate={"data_shard": _FT_SHARD, "outer": _d("torchtitan.estimation.ft_terms:build_estimated_replicas")},
+        estimate={"data_shard": _FT_SHARD, "outer": _d("torchtitan.fault_tolerance.estimate:build_estimated_replicas")},
+        plan=_d("torchtitan.fault_tolerance.estimate:plan_terms"),
     ),
     Feature("param_groups", (Check(check_param_groups),)),
     Feature(
@@ -128,7 +153,15 @@ FEATURES: tuple[Feature, ...] = (  # declarative table
     Feature("float8", (Check(check_float8), Check(check_torchao_installed, this_machine=True))),
     # The family and flavor exist; the flavor's shapes under TP and PP; the family's own check (FFN width, experts).
     Feature("model", (Check(check_model),)),
-    Feature("lora", (Check(check_lora), Check(check_qlora_torchao, this_machine=True))),
+    Feature(
+        "lora",
+        (Check(check_lora), Check(check_qlora_torchao, this_machine=True)),
+        enabled=lambda c: c.lora.enable,
+        switch="lora.enable",
+        builds=_LORA,
+        estimate=_LORA,
+        plan=_d("torchtitan.lora.estimate:plan_terms"),
+    ),
     Feature(
         "qlora",
         enabled=lambda c: c.lora.enable and c.lora.quantize_base == "nf4",
@@ -179,6 +212,11 @@ def enabled_builders(config: JobConfig, slot: Slot, *, estimate: bool = False) -
             raise NotImplementedError(unmodeled(feature))
         found.append((feature, builds[slot]))
     return found
+
+
+def plan_terms(config: JobConfig) -> list:
+    """The planner's terms of every feature ``config`` turns on that changes them (estimation/plan.py)."""
+    return [feature.plan(config) for feature in FEATURES if feature.plan is not None and feature.is_on(config)]
 
 
 def unmodeled(feature: Feature) -> str:

@@ -82,13 +82,6 @@ def check_indexed_data(config: JobConfig) -> list[str]:
                 f"training.dataset_path = '{t.dataset_path}' is an indexed dataset (pre-training tokens); "
                 f"training.dataset_format = '{t.dataset_format}' needs fine-tuning rows"
             )
-    indexed = t.dataset_mix is not None or (t.dataset_path is not None and find_prefixes(t.dataset_path) is not None)
-    if indexed and config.fault_tolerance.enable:
-        # replica groups exchange loader states at different steps; the blend's state is per step: untested here
-        raise NotImplementedError(
-            "indexed data or training.dataset_mix with fault_tolerance.enable = true is not supported yet; train "
-            "fault-tolerant runs on text data (training.dataset_path to a .jsonl/.parquet corpus)"
-        )
     v = config.validation
     if v.enabled and v.dataset_path is not None:
         _check_files(v.dataset_path, "validation.dataset_path", t.seq_len)

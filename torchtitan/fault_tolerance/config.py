@@ -9,15 +9,42 @@ key does: docs/fault_tolerance.md. The lighthouse address comes from ``TORCHFT_L
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from torchtitan.config.bounds import Bound
 from torchtitan.config.fields import POSITIVE as _POSITIVE
 from torchtitan.config.fields import config_field as _f
+from torchtitan.config.spellings import Fixed, Rule
+
+_STREAMING = (
+    "Streaming DiLoCo (several model fragments synced at different steps) is not built; diloco syncs the whole model"
+)
 
 
 @dataclass
 class FaultTolerance:
+    # The 2025 schema (config/compat_2025.py reads these of every section): its keys spelled and meant as here,
+    # and its keys accepted at their defaults only.
+    SHARED_2025: ClassVar[tuple[str, ...]] = (
+        "enable",
+        "replica_id",
+        "group_size",
+        "min_replica_size",
+        "process_group",
+        "process_group_timeout_ms",
+        "semi_sync_method",
+        "sync_steps",
+    )
+    RULES_2025: ClassVar[dict[str, Rule]] = {
+        "should_quantize": Fixed(
+            bool, False, "torchft's quantized (fp8) all-reduce needs CUDA with triton; not built here"
+        ),
+        "fragment_sync_delay": Fixed(int, 0, _STREAMING),
+        "fragment_update_alpha": Fixed(float, 0.0, _STREAMING),
+        "num_fragments": Fixed(int, 1, _STREAMING),
+        "module_fqns_per_model_fragment": Fixed("raw", [], _STREAMING),
+    }
+
     enable: bool = _f(
         False,
         "train as one replica group of a torchft job (needs `pip install -e '.[ft]'` and a lighthouse at "
@@ -59,3 +86,12 @@ class FaultTolerance:
     outer_lr: float = _f(0.7, "diloco: the outer optimizer's learning rate (SGD; upstream's value)", bound=Bound(gt=0))
     outer_momentum: float = _f(0.9, "diloco: the outer SGD's momentum (upstream's value)", bound=Bound(ge=0))
     outer_nesterov: bool = _f(True, "diloco: Nesterov momentum in the outer SGD (upstream's value)")
+
+    def run_subfolder(self) -> str | None:
+        """Where this launch's own files go under the dump folder (launch/run_folder.py): its replica group's."""
+        return f"replica_{self.replica_id}" if self.enable else None
+
+    def checkpoint_subfolder(self) -> str | None:
+        """The groups share the checkpoint folder (the lowest live one writes it), except in the semi-synchronous
+        modes, where each group keeps its own (their optimizers' states differ)."""
+        return f"replica_{self.replica_id}" if self.enable and self.semi_sync_method else None

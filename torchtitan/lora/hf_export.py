@@ -1,6 +1,6 @@
 """A LoRA run's Hugging Face ends: its checkpoint as a PEFT adapter folder, or merged into its base as a full
-HF model (``scripts/convert_to_hf.py --merge_lora``); a PEFT folder into a run's adapters (``lora.adapter_path``: hf_run.py).
-The PEFT format itself: lora/peft_io.py."""
+HF model (``scripts/convert_to_hf.py --merge_lora``); a PEFT folder into a run's adapters (``lora.adapter_path``:
+checkpoint.py). The PEFT format itself: lora/peft_io.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fault tolerance in the memory estimate: what the replica groups add to one rank's memory.
+"""Fault tolerance in the memory estimate and the planner: what the replica groups add to one rank's memory and step.
 
 The estimate covers one replica group (its ranks are the world the config describes); the groups add:
 
@@ -11,25 +11,30 @@ The estimate covers one replica group (its ranks are the world the config descri
   DiLoCo a pseudo-gradient and a local copy (two); DiLoCo keeps its outer SGD momentum (one copy, on the
   device) for the whole run, and its backup of the last synchronized weights in host memory (on a CPU run the
   same memory, so counted).
+
+The planner (estimation/plan.py's ``PlanTerms``): each rank's fp32 shard all-reduced across the groups at the
+inter-node bandwidth, every step (synchronous) or every ``sync_steps`` (semi-synchronous), not overlapped.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.seams import SingleGroup
-from torchtitan.estimation.tracker import FT_OUTER_MOMENTUM, FT_SYNC_COPIES, FT_WEIGHT_BACKUP
 from torchtitan.fault_tolerance.replicas import average_in_buckets
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from torchtitan.config.schema_fault_tolerance import FaultTolerance
-    from torchtitan.engine.parts import CoreParts
-    from torchtitan.estimation.tracker import StepMemory
+    from torchtitan.components.seams import Parts
+    from torchtitan.config.manager import JobConfig
+    from torchtitan.fault_tolerance.config import FaultTolerance
+
+# the estimate's rows of the semi-synchronous modes: copies at a synchronization, DiLoCo's outer state
+SYNC_COPIES, OUTER_MOMENTUM, WEIGHT_BACKUP = "ft: sync copies", "ft: outer momentum", "ft: weight backup"
 
 
 class EstimatedReplicas(SingleGroup):
@@ -49,8 +54,11 @@ class EstimatedReplicas(SingleGroup):
         self.loss_max = loss
         return loss, params
 
+    def add_modeled_memory(self, memory: Any, model_parts: list, device: torch.device) -> None:
+        add_fault_tolerance_terms(memory, self.ft, model_parts, device)
 
-def build_estimated_replicas(core: CoreParts) -> EstimatedReplicas:
+
+def build_estimated_replicas(core: Parts) -> EstimatedReplicas:
     """The ``replicas`` seam of an estimate with ``fault_tolerance.enable`` (preflight/registry.py)."""
     return EstimatedReplicas(core.config.fault_tolerance)
 
@@ -61,7 +69,7 @@ def weight_bytes(model_parts: list[torch.nn.Module]) -> int:
     return sum(t.numel() * t.element_size() for t in (p.to_local() if isinstance(p, DTensor) else p for p in params))
 
 
-def add_fault_tolerance_terms(memory: StepMemory, ft: FaultTolerance, model_parts: list, device: torch.device) -> None:
+def add_fault_tolerance_terms(memory: Any, ft: FaultTolerance, model_parts: list, device: torch.device) -> None:
     """What the replica groups add (module docstring), onto ``memory``: a note for the synchronous mode (its
     buckets are in the tracked step), the modeled copies and state of the semi-synchronous ones."""
     if not ft.enable:
@@ -75,16 +83,40 @@ def add_fault_tolerance_terms(memory: StepMemory, ft: FaultTolerance, model_part
     weights = weight_bytes(model_parts)
     copies = 1 if ft.semi_sync_method == "local_sgd" else 2
     memory.add_synchronization(
-        FT_SYNC_COPIES,
+        SYNC_COPIES,
         copies * weights,
         f"fault tolerance ({ft.semi_sync_method}) modeled: {copies} cop{'y' if copies == 1 else 'ies'} of this "
         "rank's weights at each synchronization, after the optimizer step",
     )
     if ft.semi_sync_method == "diloco":
-        memory.add_persistent(
-            FT_OUTER_MOMENTUM, weights, "DiLoCo's outer SGD momentum modeled: one copy of the weights"
-        )
+        memory.add_persistent(OUTER_MOMENTUM, weights, "DiLoCo's outer SGD momentum modeled: one copy of the weights")
         if device.type == "cpu":
             memory.add_persistent(
-                FT_WEIGHT_BACKUP, weights, "DiLoCo's backup of the synchronized weights modeled (host memory: on CPU)"
+                WEIGHT_BACKUP, weights, "DiLoCo's backup of the synchronized weights modeled (host memory: on CPU)"
             )
+
+
+class ReplicaPlanTerms:
+    """The planner's terms of a run with ``fault_tolerance.enable`` (the registry's ``plan``)."""
+
+    def trainable(self, config: JobConfig, args: Any, params: int) -> int:
+        return params
+
+    def param_bytes(self, config: JobConfig, args: Any, params: int) -> int:
+        return params * 4
+
+    def state_bytes(self, config: JobConfig, args: Any, trainable: int) -> int | None:
+        return None
+
+    def comm_seconds(self, config: JobConfig, shard_params: float, inter_node_bytes_per_s: float) -> float:
+        """The all-reduce of each rank's fp32 shard across the groups, per step; 0 with one group."""
+        ft = config.fault_tolerance
+        if ft.group_size < 2:
+            return 0.0
+        ring = 2 * shard_params * 4 * (ft.group_size - 1) / ft.group_size  # bytes a rank sends in a ring all-reduce
+        every = 1 if ft.semi_sync_method is None else ft.sync_steps
+        return ring / inter_node_bytes_per_s / every
+
+
+def plan_terms(config: JobConfig) -> ReplicaPlanTerms:
+    return ReplicaPlanTerms()

@@ -1,0 +1,42 @@
+"""LoRA in the parallelism planner's lower bound (estimation/plan.py's ``PlanTerms``): only the adapters have
+gradients and optimizer state (the run's AdamW: 2 moments each), the frozen base its parameters alone, and under
+QLoRA the adapted linears' weights at NF4's bytes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torchtitan.lora.checks import adapted_shapes, target_shapes
+from torchtitan.lora.quantize import nf4_bytes
+
+if TYPE_CHECKING:
+    from torchtitan.config.manager import JobConfig
+
+
+def adapter_param_count(config: JobConfig, n_layers: int) -> int:
+    """LoRA's trainable parameters: rank x (in + out) per adapted linear of every block (dense or MoE: its own)."""
+    return sum(config.lora.rank * (out + inp) for out, inp in adapted_shapes(config, n_layers))
+
+
+class LoraPlanTerms:
+    """The planner's terms of a run with ``lora.enable`` (preflight/registry.py)."""
+
+    def trainable(self, config: JobConfig, args: Any, params: int) -> int:
+        return adapter_param_count(config, args.n_layers)
+
+    def param_bytes(self, config: JobConfig, args: Any, params: int) -> int:
+        """4 bytes each (fp32), but NF4's for the adapted linears' weights under QLoRA."""
+        if config.lora.quantize_base != "nf4":
+            return params * 4
+        sizes = [out * inp for out, inp in target_shapes(config).values()] * args.n_layers
+        return (params - sum(sizes)) * 4 + sum(nf4_bytes(n) for n in sizes)
+
+    def state_bytes(self, config: JobConfig, args: Any, trainable: int) -> int | None:
+        return trainable * 4 * (2 if config.optimizer.state_dtype == "float32" else 1)
+
+    def comm_seconds(self, config: JobConfig, shard_params: float, inter_node_bytes_per_s: float) -> float:
+        return 0.0
+
+
+def plan_terms(config: JobConfig) -> LoraPlanTerms:
+    return LoraPlanTerms()
