@@ -91,6 +91,9 @@ class StepMetrics:
         self.best: tuple[float, int] | None = None
         self.last_validation: float | None = None
         self.stragglers = build_straggler_watch(metrics, log=enabled)  # None unless metrics.straggler_factor
+        # steps since the document statistics were last taken: a validation or evaluation restarts the timing
+        # window, not the statistics (the steps trained before it are still in them)
+        self.document_steps = 0
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -110,6 +113,7 @@ class StepMetrics:
     def add_step(self, tokens: int) -> None:
         self.window_tokens += tokens
         self.window_steps += 1
+        self.document_steps += 1
 
     def log(
         self,
@@ -145,7 +149,7 @@ class StepMetrics:
             record.update(self.stragglers.observe(step, busy_s=busy, data_s=record["data_time_s"], wait_s=wait))
         if docs is not None:
             # each CP rank counts its dp rank's whole windows (DocumentFeed.take_stats)
-            per_step = self.cp_degree * self.window_steps
+            per_step = self.cp_degree * self.document_steps
             record.update(
                 documents_per_window=docs.documents / docs.windows,
                 tokens_per_step=docs.tokens / per_step,
@@ -165,6 +169,7 @@ class StepMetrics:
             self.logger.log(step, record, tb_extra=tb_extra)
         self.memory.reset_peak_stats()
         self._reset_window()
+        self.document_steps = 0
         return record
 
     def _flops_per_token(self, docs: DocumentStats | None) -> float:
