@@ -333,6 +333,13 @@ class ReplicaGroups(Replicas):
             else short_reason(error)
         )
         if now - self.last_commit > self.ft.quorum_timeout_seconds:
+            if self.heal_target is not None:  # a heal failed mid-transfer and no quorum came to retry it in time
+                raise ReplicaGroupsFailed(
+                    f"fault tolerance: replica group {self.ft.replica_id} was healing to step {self.heal_target[1]} "
+                    f"when its source failed, and no live group served that step within fault_tolerance."
+                    f"quorum_timeout_seconds = {self.ft.quorum_timeout_seconds} ({self.discarded}); restart the "
+                    "replica groups: they resume from the last checkpoint"
+                )
             raise ReplicaGroupsFailed(
                 f"fault tolerance: no step committed for {now - self.last_commit:.0f} s (fault_tolerance."
                 f"quorum_timeout_seconds = {self.ft.quorum_timeout_seconds}), stuck at step {step}: {self.discarded}; "
