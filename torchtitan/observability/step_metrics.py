@@ -91,9 +91,7 @@ class StepMetrics:
         self.best: tuple[float, int] | None = None
         self.last_validation: float | None = None
         self.stragglers = build_straggler_watch(metrics, log=enabled)  # None unless metrics.straggler_factor
-        # steps since the document statistics were last taken: a validation or evaluation restarts the timing
-        # window, not the statistics (the steps trained before it are still in them)
-        self.document_steps = 0
+        self.document_steps = 0  # steps in the document statistics: a validation restarts the window, not them
         self._reset_window()
 
     def _reset_window(self) -> None:
