@@ -8,6 +8,7 @@ the null object the engine uses where a feature is off (so the loop has no ``if 
   ``DirectPass``.
 - ``AfterStep``: work after a committed step at its own schedule (validation, evaluation); off: none.
 - ``NoStepHooks``: a family without per-step work (``spec.StepHooks``).
+- ``PlanTerms``: what a feature changes in ``estimation.py --plan``'s per-rank terms; the base changes nothing.
 
 And what a feature's builder reads (``Parts``: the engine's ``CoreParts`` is one) and writes to (``Metrics``),
 declared here, below the features, so a feature names no engine type.
@@ -281,3 +282,25 @@ class NoStepHooks:
 
     def metrics(self) -> None:
         return None
+
+
+class PlanTerms:
+    """What an optional feature changes in the planner's per-rank terms (estimation/plan.py; its builder: the
+    registry's ``Feature.plan``). A feature subclasses it and overrides what it changes; the base is the run
+    without one: every parameter trains, fp32, the optimizer's own state, no extra communication."""
+
+    def trainable(self, config: JobConfig, args: Any, params: int) -> int:
+        """The parameters with gradients and optimizer state, of ``params``."""
+        return params
+
+    def param_bytes(self, config: JobConfig, args: Any, params: int) -> int:
+        """Bytes of the model's parameters."""
+        return params * 4
+
+    def state_bytes(self, config: JobConfig, args: Any, trainable: int) -> int | None:
+        """The optimizer state's bytes; None: the optimizer's own rules over the whole model."""
+        return None
+
+    def comm_seconds(self, config: JobConfig, shard_params: float, inter_node_bytes_per_s: float) -> float:
+        """Seconds per step of communication the layout's axes do not cover (``shard_params``: a rank's)."""
+        return 0.0

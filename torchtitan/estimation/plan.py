@@ -42,14 +42,15 @@ from dataclasses import dataclass, field
 
 from torchtitan.build import build_meta_model, build_model_args
 from torchtitan.components.optim.param_groups import optimizer_state_by_group
+from torchtitan.components.seams import PlanTerms
 from torchtitan.config.schema_optimizer import Optimizer as OptimizerConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.estimation.estimate import estimate_memory, named_shapes
 from torchtitan.estimation.fake_trainer import resolve_vocab
-from torchtitan.estimation.plan_terms import feature_terms
 from torchtitan.observability.flops import GPU_PEAK_FLOPS
 from torchtitan.observability.metrics import compute_num_flops_per_token
 from torchtitan.preflight import run_preflight
+from torchtitan.preflight.registry import plan_terms
 from torchtitan.spec import get_model_spec
 
 GIB = 2**30
@@ -169,11 +170,18 @@ def _with_overrides(config, layout: Layout, local_batch: int):
     return c
 
 
+def feature_terms(config) -> PlanTerms:
+    """The one enabled feature's planner terms (the registry's ``Feature.plan``), or the base's."""
+    found = plan_terms(config)
+    assert len(found) <= 1, f"two features change the planner's terms: {found}"
+    return found[0] if found else PlanTerms()
+
+
 def lower_bound_bytes(args, layout: Layout, config) -> int:
     """Parameters + gradients + AdamW state per rank, sharded over everything that shards them.
 
     With the optimizer step in backward the gradients never live all at once: they are left out. A feature
-    that trains part of the model (``PlanTerms``: LoRA's adapters) says what trains and what its state costs.
+    that trains part of the model (``PlanTerms``, components/seams.py: LoRA's adapters) says what trains and what its state costs.
     """
     terms = feature_terms(config)
     params = sum(_param_counts(config, args))

@@ -12,7 +12,7 @@ The estimate covers one replica group (its ranks are the world the config descri
   device) for the whole run, and its backup of the last synchronized weights in host memory (on a CPU run the
   same memory, so counted).
 
-The planner (estimation/plan.py's ``PlanTerms``): each rank's fp32 shard all-reduced across the groups at the
+The planner (``PlanTerms``, components/seams.py): each rank's fp32 shard all-reduced across the groups at the
 inter-node bandwidth, every step (synchronous) or every ``sync_steps`` (semi-synchronous), not overlapped.
 """
 
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.seams import SingleGroup
+from torchtitan.components.seams import PlanTerms, SingleGroup
 from torchtitan.fault_tolerance.replicas import average_in_buckets
 
 if TYPE_CHECKING:
@@ -72,8 +72,6 @@ def weight_bytes(model_parts: list[torch.nn.Module]) -> int:
 def add_fault_tolerance_terms(memory: Any, ft: FaultTolerance, model_parts: list, device: torch.device) -> None:
     """What the replica groups add (module docstring), onto ``memory``: a note for the synchronous mode (its
     buckets are in the tracked step), the modeled copies and state of the semi-synchronous ones."""
-    if not ft.enable:
-        return
     if ft.semi_sync_method is None:
         memory.notes.append(
             f"fault tolerance: one of {ft.group_size} replica groups; the gradient average across them (flat buckets "
@@ -96,17 +94,8 @@ def add_fault_tolerance_terms(memory: Any, ft: FaultTolerance, model_parts: list
             )
 
 
-class ReplicaPlanTerms:
+class ReplicaPlanTerms(PlanTerms):
     """The planner's terms of a run with ``fault_tolerance.enable`` (the registry's ``plan``)."""
-
-    def trainable(self, config: JobConfig, args: Any, params: int) -> int:
-        return params
-
-    def param_bytes(self, config: JobConfig, args: Any, params: int) -> int:
-        return params * 4
-
-    def state_bytes(self, config: JobConfig, args: Any, trainable: int) -> int | None:
-        return None
 
     def comm_seconds(self, config: JobConfig, shard_params: float, inter_node_bytes_per_s: float) -> float:
         """The all-reduce of each rank's fp32 shard across the groups, per step; 0 with one group."""

@@ -211,11 +211,14 @@ class ReplicaGroups(Replicas):
                     )
             return
         if target is not None and event[0] != target[0] and event[1] < target[1]:
-            raise ReplicaGroupsFailed(
-                f"fault tolerance: replica group {self.ft.replica_id} was healing to step {target[1]} when its "
-                f"source failed, and no live group holds that step any more (the quorum is at step {event[1]}); "
-                "restart the replica groups: they resume from the last checkpoint"
-            )
+            raise self._heal_failed(f"no live group holds that step any more (the quorum is at step {event[1]})")
+
+    def _heal_failed(self, why: str) -> ReplicaGroupsFailed:
+        """The one line of a heal whose source failed mid-transfer and that nothing can retry (``why``)."""
+        return ReplicaGroupsFailed(
+            f"fault tolerance: replica group {self.ft.replica_id} was healing to step {self.heal_target[1]} when its "
+            f"source failed, and {why}; restart the replica groups: they resume from the last checkpoint"
+        )
 
     def _presence(self) -> tuple[int, ...]:
         """One all-reduce of each group's config and weights fingerprints in its own slots: the step's groups,
@@ -334,11 +337,9 @@ class ReplicaGroups(Replicas):
         )
         if now - self.last_commit > self.ft.quorum_timeout_seconds:
             if self.heal_target is not None:  # a heal failed mid-transfer and no quorum came to retry it in time
-                raise ReplicaGroupsFailed(
-                    f"fault tolerance: replica group {self.ft.replica_id} was healing to step {self.heal_target[1]} "
-                    f"when its source failed, and no live group served that step within fault_tolerance."
-                    f"quorum_timeout_seconds = {self.ft.quorum_timeout_seconds} ({self.discarded}); restart the "
-                    "replica groups: they resume from the last checkpoint"
+                raise self._heal_failed(
+                    "no live group served that step within fault_tolerance.quorum_timeout_seconds = "
+                    f"{self.ft.quorum_timeout_seconds} ({self.discarded})"
                 )
             raise ReplicaGroupsFailed(
                 f"fault tolerance: no step committed for {now - self.last_commit:.0f} s (fault_tolerance."

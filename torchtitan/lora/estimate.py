@@ -1,4 +1,4 @@
-"""LoRA in the parallelism planner's lower bound (estimation/plan.py's ``PlanTerms``): only the adapters have
+"""LoRA in the parallelism planner's lower bound (``PlanTerms``, components/seams.py): only the adapters have
 gradients and optimizer state (the run's AdamW: 2 moments each), the frozen base its parameters alone, and under
 QLoRA the adapted linears' weights at NF4's bytes."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from torchtitan.components.seams import PlanTerms
 from torchtitan.lora.checks import adapted_shapes, target_shapes
 from torchtitan.lora.quantize import nf4_bytes
 
@@ -18,7 +19,7 @@ def adapter_param_count(config: JobConfig, n_layers: int) -> int:
     return sum(config.lora.rank * (out + inp) for out, inp in adapted_shapes(config, n_layers))
 
 
-class LoraPlanTerms:
+class LoraPlanTerms(PlanTerms):
     """The planner's terms of a run with ``lora.enable`` (preflight/registry.py)."""
 
     def trainable(self, config: JobConfig, args: Any, params: int) -> int:
@@ -33,9 +34,6 @@ class LoraPlanTerms:
 
     def state_bytes(self, config: JobConfig, args: Any, trainable: int) -> int | None:
         return trainable * 4 * (2 if config.optimizer.state_dtype == "float32" else 1)
-
-    def comm_seconds(self, config: JobConfig, shard_params: float, inter_node_bytes_per_s: float) -> float:
-        return 0.0
 
 
 def plan_terms(config: JobConfig) -> LoraPlanTerms:
