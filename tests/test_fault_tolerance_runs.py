@@ -199,10 +199,13 @@ def test_a_killed_group_heals_from_the_live_one_which_never_stops(tmp_path):
             procs.append(_launch(folder, 1, steps, address, outs[1]))
             _wait("group 1's run folder", lambda: os.path.exists(lock), poll_s=0.01)
         _wait("group 1 to train a few steps", lambda: len(metrics(_replica(folder, 1))) >= 3, poll_s=0.01)
-        os.killpg(procs[1].pid, signal.SIGKILL)  # what a user's kill of the job does: the launcher's group
-        os.kill(_rank_pid(outs[1], 1), signal.SIGKILL)  # and the rank at once (its parent watch would, ~1 s later)
-        procs[1].wait(timeout=DEADLINE_S)
-        killed_at, survivor_at = _last_step(_replica(folder, 1)), _last_step(_replica(folder, 0))
+        # group 0 waits while group 1 is killed: on a loaded machine it could otherwise finish every step before the
+        # kill is reaped, leaving no step to train alone
+        with _paused(survivor):
+            os.killpg(procs[1].pid, signal.SIGKILL)  # what a user's kill of the job does: the launcher's group
+            os.kill(_rank_pid(outs[1], 1), signal.SIGKILL)  # and the rank at once (its parent watch: ~1 s later)
+            procs[1].wait(timeout=DEADLINE_S)
+            killed_at, survivor_at = _last_step(_replica(folder, 1)), _last_step(_replica(folder, 0))
 
         def alone() -> list[dict]:  # group 0's steps after the kill, trained without group 1
             return [r for r in metrics(_replica(folder, 0)) if r["step"] > survivor_at and r["replica_groups"] == 1]
