@@ -4,8 +4,9 @@ on loopback. Skipped where torchft (the ``ft`` extra) is not installed.
 * Parity: 2 groups x 1 rank and 2 groups x 2 ranks (FSDP inside) train, step for step, as the matrix's DDP2 and
   HSDP 2x2 rows (replicate 2): losses within the matrix's 1e-5, grad norms within its 3e-4; the shared
   checkpoint is written by group 0 alone, and both groups resume from it after a full stop, bit for bit.
-* A group SIGKILLed (its whole process group, through run_llama_train.sh) and restarted with the same command
-  heals from the live group, which never stops; both end with the same weights.
+* scripts/ft_local.sh, as its doc runs it: a group SIGKILLed (its whole process group) and restarted with the same
+  command heals from the live group, which never stops; both end with the same weights; the script's own checks
+  of those claims fail with one line on a tampered copy of its folder.
 * LocalSGD and DiLoCo train, synchronize every sync_steps (logged), and resume from their checkpoints bit for bit.
 * What ends a run is one line: no lighthouse at start, the lighthouse lost mid-run, fewer groups than
   min_replica_size for too long, a heal source dying mid-transfer, groups on different configs, a group whose
@@ -14,12 +15,12 @@ on loopback. Skipped where torchft (the ``ft`` extra) is not installed.
 
 from __future__ import annotations
 
-import contextlib
 import functools
+import json
 import math
 import os
 import re
-import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -30,7 +31,7 @@ import torch
 
 pytest.importorskip("torchft")
 
-from tests.ft_groups import LIGHTHOUSE, FtJob, errors, log, metrics  # noqa: E402
+from tests.ft_groups import FtJob, errors, log, metrics  # noqa: E402
 from tests.integration_tests import (  # noqa: E402
     AC_EVERY_2ND,
     COMMON,
@@ -41,7 +42,6 @@ from tests.integration_tests import (  # noqa: E402
     MatrixLaunches,
     trainer_argv,
 )
-from torchtitan.fault_tolerance.lighthouse import start_lighthouse  # noqa: E402
 
 pytestmark = [pytest.mark.distributed]
 
@@ -151,105 +151,74 @@ def test_a_late_group_of_two_ranks_heals_its_fsdp_shards(tmp_path):
 # --------------------------------------------------------------------------- a group killed and restarted
 
 
-def _launch(folder: str, replica: int, steps: int, lighthouse: str, out) -> subprocess.Popen:
-    """One replica group as a user starts it: run_llama_train.sh, its own process group."""
-    env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse, NGPU="1", PREFLIGHT="0", OMP_NUM_THREADS="1")
+def _ft_local(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "scripts/ft_local.sh", *args],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=2 * DEADLINE_S,
+    )
+
+
+def test_ft_local_kills_a_group_which_heals_from_the_live_one_and_checks_its_claims(tmp_path):
+    """scripts/ft_local.sh as docs/fault_tolerance.md runs it (the tests' tiny flavor, every step logged): it kills
+    group 1 after step 3 and restarts it, holding group 0 back meanwhile so that no race with wall time decides
+    the outcome; it checks its own claims; ``--check`` on a tampered copy of its folder fails with one line."""
+    steps = 60
+    dump = tmp_path / "ft"
+    env = dict(DUMP=str(dump), PORT=str(_free_port()), KILL_STEP="3", OMP_NUM_THREADS="1", PREFLIGHT="0")
     argv = [*COMMON, "--training.steps", str(steps), "--training.batch_size", "4"]
-    argv += ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id"]
-    cmd = ["bash", "./run_llama_train.sh", *argv, str(replica), "--job.dump_folder", folder]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-@contextlib.contextmanager
-def _paused(pid: int):
-    """SIGSTOP a rank, SIGCONT it on exit: the survivor waits while the other group starts (a launch takes ~5 s
-    on 2 cores, in which a tiny model's group trains over a hundred steps alone), instead of the test racing the
-    other's start against the survivor's last step. It stays one run: the same process, each of its steps once."""
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
-
-
-def _rank_pid(out, group: int) -> int | None:
-    """The pid of a group's rank once its Manager is up (torchrun starts ranks in sessions of their own, so a
-    signal to the launcher's process group does not reach them; a killed launcher's rank stops by itself)."""
-    out.flush()
-    with open(out.name) as f:
-        found = re.search(rf"fault tolerance: replica group {group} of 2 \(1 rank, pid (\d+)\)", f.read())
-    return int(found.group(1)) if found else None
-
-
-def test_a_killed_group_heals_from_the_live_one_which_never_stops(tmp_path):
-    steps = 80
-    folder = str(tmp_path / "ft")
-    lock = os.path.join(_replica(folder, 1), "run.lock")  # a launch's first file, seconds before its first step
-    lighthouse, address = start_lighthouse(1, **LIGHTHOUSE)
-    outs = [open(tmp_path / name, "w+") for name in ("group0.out", "group1.out", "group1_restarted.out")]
-    procs = []
-    try:
-        procs.append(_launch(folder, 0, steps, address, outs[0]))
-        _wait("group 0's start", lambda: _rank_pid(outs[0], 0) is not None)
-        survivor = _rank_pid(outs[0], 0)
-        _wait("group 0's first step", lambda: _last_step(_replica(folder, 0)) >= 1, poll_s=0.01)
-        # group 0 waits while group 1 starts, and goes on once group 1 has its run folder: it is back in the
-        # lighthouse's quorums long before group 1's first one, so group 1 joins behind it and heals from it
-        with _paused(survivor):
-            procs.append(_launch(folder, 1, steps, address, outs[1]))
-            _wait("group 1's run folder", lambda: os.path.exists(lock), poll_s=0.01)
-        _wait("group 1 to train a few steps", lambda: len(metrics(_replica(folder, 1))) >= 3, poll_s=0.01)
-        # group 0 waits while group 1 is killed: on a loaded machine it could otherwise finish every step before the
-        # kill is reaped, leaving no step to train alone
-        with _paused(survivor):
-            os.killpg(procs[1].pid, signal.SIGKILL)  # what a user's kill of the job does: the launcher's group
-            os.kill(_rank_pid(outs[1], 1), signal.SIGKILL)  # and the rank at once (its parent watch: ~1 s later)
-            procs[1].wait(timeout=DEADLINE_S)
-            killed_at, survivor_at = _last_step(_replica(folder, 1)), _last_step(_replica(folder, 0))
-
-        def alone() -> list[dict]:  # group 0's steps after the kill, trained without group 1
-            return [r for r in metrics(_replica(folder, 0)) if r["step"] > survivor_at and r["replica_groups"] == 1]
-
-        _wait("group 0 to train on alone", lambda: len(alone()) >= 3, poll_s=0.01)
-        with _paused(survivor):  # group 0 alone: a pause only delays it (group 1 restarts behind it either way)
-            procs.append(_launch(folder, 1, steps, address, outs[2]))  # the same command
-            _wait("group 1's restart", lambda: _rank_pid(outs[2], 1) is not None)
-        codes = [procs[0].wait(timeout=DEADLINE_S), procs[2].wait(timeout=DEADLINE_S)]
-    except AssertionError as e:  # a wait timed out: show what the groups said
-        tails = []
-        for out in outs:
-            out.flush()
-            with open(out.name) as f:
-                tails.append(f"--- {os.path.basename(out.name)}\n" + "".join(f.readlines()[-25:]))
-        raise AssertionError(f"{e}\n" + "\n".join(tails)) from None
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        lighthouse.kill()
-    text = []
-    for out in outs:
-        out.seek(0)
-        text.append(out.read())
-    assert codes == [0, 0], f"exit codes {codes}\n{text[0][-3000:]}\n{text[2][-3000:]}"
-    # the survivor: one start, every step once, losses finite and falling; the failure told in one line
-    assert text[0].count("fault tolerance: replica group 0 of 2") == 1, "group 0 restarted"
-    run = metrics(_replica(folder, 0))
+    # an earlier job's files in the folder (group 1 logged its last step): moved aside, never read as this job's
+    (dump / "replica_1").mkdir(parents=True)
+    (dump / "replica_1" / "metrics.jsonl").write_text(json.dumps({"step": steps, "replica_groups": 2}) + "\n")
+    result = _ft_local(*argv, env=env)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-4000:]
+    summary = [line for line in result.stdout.splitlines() if line.startswith("ft_local: ")]
+    assert len(summary) == 1 and summary[0].startswith("ft_local: ok: replica group 1 killed after step"), out
+    assert (dump / "earlier_runs").is_dir() and "moved the earlier job" in result.stdout
+    # what the script checked, read again here: the survivor trained every step once, alone for a while, losses
+    # finite and falling; the restarted group healed from it after the kill; both ended on the same weights
+    survivor, restarted = (dump / f"replica_{i}.log" for i in (0, 1))
+    text0, text1 = survivor.read_text(), restarted.read_text()
+    run = metrics(_replica(str(dump), 0))
     assert [r["step"] for r in run] == list(range(1, steps + 1))
     losses = [r["loss"] for r in run]
     assert all(math.isfinite(x) for x in losses) and sum(losses[-10:]) < sum(losses[:10]) - 3.0, losses
-    assert "Traceback" not in text[0] and "Error" not in text[0]
-    left = [line for line in text[0].splitlines() if "[1] left" in line or "retried with replica groups [0]" in line]
-    assert len(left) == 1, left
-    assert alone() and run[-1]["replica_groups"] == 2
-    # the restarted group healed from group 0 after the kill and ended with the same weights
-    healed = re.findall(r"replica group 1 healed from group 0 at step (\d+)", text[2])
-    assert len(healed) == 1 and int(healed[0]) > killed_at, (healed, killed_at)
-    assert _last_step(_replica(folder, 1)) == steps
-    digests = [
-        re.findall(r"done at step \d+ with groups \[0, 1\]; weights digest (\w+)", t) for t in (text[0], text[2])
-    ]
-    assert digests[0] and digests[0] == digests[1], digests
+    assert "Traceback" not in text0 and "Error" not in text0
+    left = [line for line in text0.splitlines() if "[1] left" in line or "retried with replica groups [0]" in line]
+    assert len(left) == 1 and any(r["replica_groups"] == 1 for r in run) and run[-1]["replica_groups"] == 2, left
+    record = json.loads((dump / "ft_local.json").read_text())
+    healed = re.findall(r"replica group 1 healed from group 0 at step (\d+)", text1.split("replica group 1 of 2")[-1])
+    assert len(healed) == 1 and int(healed[0]) > record["killed_after"] >= 3, (healed, record)
+    assert text1.count("replica group 1 of 2") == 2 and _last_step(_replica(str(dump), 1)) == steps
+    digests = [re.findall(r"done at step 60 with groups \[0, 1\]; weights digest (\w+)", t) for t in (text0, text1)]
+    assert len(digests[0]) == 1 and digests[0] == digests[1][-1:], digests
+
+    # its claims fail with one line: a divergence, a missing heal (the folder checked again, nothing run)
+    def tampered(name: str, edit) -> subprocess.CompletedProcess:
+        copy = tmp_path / name
+        shutil.copytree(dump, copy)
+        (copy / "replica_1.log").write_text(edit((copy / "replica_1.log").read_text()))
+        return _ft_local("--check", str(copy))
+
+    ok = _ft_local("--check", str(dump))
+    assert ok.returncode == 0 and ok.stdout.strip() == summary[0], ok.stdout + ok.stderr
+    diverged = tampered("diverged", lambda t: t.replace(f"weights digest {digests[0][0]}", "weights digest 0000"))
+    healed_never = tampered("no_heal", lambda t: re.sub(r".*replica group 1 healed from group 0.*\n", "", t))
+    for failed, says in ((diverged, "the groups ended on different weights"), (healed_never, "did not heal")):
+        assert failed.returncode == 1 and failed.stdout == "", failed.stdout
+        assert failed.stderr.count("\n") == 1 and says in failed.stderr, failed.stderr
+    missing = _ft_local("--check", str(dump / "nothing_here"))
+    assert missing.returncode == 1 and missing.stderr.count("\n") == 1 and "does not exist" in missing.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- semi-synchronous training
