@@ -17,6 +17,7 @@ import shlex
 
 import pytest
 
+from torchtitan.preflight.__main__ import _launch_flags
 from torchtitan.preflight.__main__ import main as preflight_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,7 +104,8 @@ def test_the_docs_show_the_commands_users_type():
 def _downloads_its_tokenizer(argv: list[str]) -> bool:
     from torchtitan.config.manager import JobConfig
 
-    config = JobConfig.parse_args(argv[2:], world_size=int(argv[1]))
+    world_size, _, args = _launch_flags(argv)  # --world_size N, --target KIND
+    config = JobConfig.parse_args(args, world_size=world_size)
     return not os.path.exists(os.path.join(ROOT, config.model.tokenizer_path))
 
 

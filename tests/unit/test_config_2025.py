@@ -147,17 +147,20 @@ def test_help_names_the_2025_spellings():
 
 @pytest.mark.parametrize("name, world_size, flags, refusal", UPSTREAM_FILES, ids=[f[0] for f in UPSTREAM_FILES])
 def test_2025_files_pass_the_prelaunch_check_or_are_refused_in_one_line(name, world_size, flags, refusal, capsys):
-    """``python -m torchtitan.preflight --world_size N`` on upstream's file and the flags its launch adds: a refusal
-    is this one line. A passing file is checked without this machine's files and devices (it names upstream's
-    data and tokenizer folders, and NCCL), as the memory estimator plans it."""
+    """``python -m torchtitan.preflight --target cuda --world_size N`` on upstream's file and the flags its launch
+    adds, as a user checks a GPU cluster's config from any machine: a refusal is this one line; a passing file
+    prints the ``ok:`` line, its device checks run for CUDA and the checks of this machine's files (upstream's
+    data and tokenizer folders) are listed as not checked here."""
     from torchtitan.preflight.__main__ import main
 
-    argv = ["--world_size", str(world_size), "--job.config_file", os.path.join(ASSETS, name), *flags]
+    argv = ["--target", "cuda", "--world_size", str(world_size), "--job.config_file", os.path.join(ASSETS, name)]
+    code, out = main([*argv, *flags]), capsys.readouterr()
     if refusal is not None:
-        assert (main(argv), capsys.readouterr().err) == (2, f"error: {refusal}\n")
+        assert (code, out.err, out.out) == (2, f"error: {refusal}\n", "")
         return
-    config = JobConfig.parse_args(argv[2:], world_size=world_size)
-    run_preflight(config, world_size, this_machine=False)
+    assert code == 0, out.err
+    assert out.out.startswith(f"ok: {argv[-1]}, world_size {world_size}, device cuda (--target): "), out.out
+    assert "not checked here (on the cuda machines): " in out.out and out.out.count("\n") == 1, out.out
 
 
 @pytest.mark.parametrize("name, world_size, flags", LOADABLE, ids=[f"{n} {f[-1:]}" for n, _, f in LOADABLE])

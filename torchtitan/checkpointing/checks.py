@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 from torchtitan.checkpointing.hf_files import hf_weight_files, read_hf_config
 from torchtitan.checkpointing.marker import read_marker, why_not_loadable
 from torchtitan.config.errors import ConfigError
-from torchtitan.distributed.backend.device import get_device_info
 from torchtitan.spec import flavor_args, get_model_spec, hf_conversion_refusal
 
 if TYPE_CHECKING:
@@ -37,13 +36,19 @@ def check_checkpoint(config: JobConfig, dims: ParallelDims) -> list[str]:
             f"exits), got world_size {dims.world_size}; run scripts/create_seed_checkpoint.sh"
         )
     if ck.async_mode == "async_with_pinned_mem":
-        if get_device_info(0).device.type == "cpu":  # pinned host memory only speeds device-to-host copies
-            raise ConfigError(
-                "checkpoint.async_mode = 'async_with_pinned_mem' stages into pinned memory for fast GPU-to-host "
-                "copies, and this machine has no GPU; use 'async' (the state is already in host memory)"
-            )
         raise NotImplementedError("checkpoint.async_mode = 'async_with_pinned_mem' is not built yet; use 'async'")
     return _warnings(ck)
+
+
+def check_pinned_memory_device(config: JobConfig, dims: ParallelDims, device_type: str) -> list[str]:
+    """On ``device_type``: pinned host memory only speeds device-to-host copies (refused on CPU for that reason,
+    before check_checkpoint's "not built yet")."""
+    if config.checkpoint.async_mode == "async_with_pinned_mem" and device_type == "cpu":
+        raise ConfigError(
+            "checkpoint.async_mode = 'async_with_pinned_mem' stages into pinned memory for fast GPU-to-host "
+            "copies, and the run trains on 'cpu': no GPU; use 'async' (the state is already in host memory)"
+        )
+    return []
 
 
 def _warnings(ck: Checkpoint) -> list[str]:

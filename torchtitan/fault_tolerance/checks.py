@@ -105,7 +105,7 @@ def _check_semi_sync(config: JobConfig) -> None:
 
 
 def check_fault_tolerance_machine(config: JobConfig, dims: ParallelDims) -> list[str]:
-    """This machine: torchft installed, the lighthouse's address set, CUDA for an NCCL process group."""
+    """This machine: torchft installed, the lighthouse's address set."""
     ft = config.fault_tolerance
     if not ft.enable:
         return []
@@ -122,11 +122,14 @@ def check_fault_tolerance_machine(config: JobConfig, dims: ParallelDims) -> list
         split_address(address)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if ft.process_group == "nccl":  # device-choice: the user's backend between groups, against this machine
-        import torch
+    return []
 
-        if not torch.cuda.is_available():  # device-choice: NCCL exists only with CUDA
-            raise NotImplementedError(
-                "fault_tolerance.process_group = 'nccl' needs CUDA, which this machine does not have; use 'gloo'"
-            )
+
+def check_fault_tolerance_device(config: JobConfig, dims: ParallelDims, device_type: str) -> list[str]:
+    """On ``device_type``: the user's backend between replica groups exists there (NCCL only with CUDA)."""
+    ft = config.fault_tolerance
+    if ft.enable and ft.process_group == "nccl" and device_type != "cuda":
+        raise NotImplementedError(
+            f"fault_tolerance.process_group = 'nccl' needs CUDA, and the run trains on {device_type!r}; use 'gloo'"
+        )
     return []

@@ -18,7 +18,6 @@ import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.distributed.backend.device import get_device_info
 
 if TYPE_CHECKING:
     from torchtitan.config.manager import JobConfig
@@ -189,12 +188,11 @@ def check_profiling(config: JobConfig, dims: ParallelDims) -> list[str]:
     return []
 
 
-def check_memory_snapshot_device(config: JobConfig, dims: ParallelDims) -> list[str]:
-    """This machine: memory snapshots are CUDA's allocator history."""
-    # device-choice: the device the trainer will pick
-    if config.profiling.enable_memory_snapshot and get_device_info(0).device.type != "cuda":
+def check_memory_snapshot_device(config: JobConfig, dims: ParallelDims, device_type: str) -> list[str]:
+    """On ``device_type``: memory snapshots are CUDA's allocator history."""
+    if config.profiling.enable_memory_snapshot and device_type != "cuda":
         raise NotImplementedError(
-            "profiling.enable_memory_snapshot = true: memory snapshots are CUDA's allocator history and this "
-            "machine has no CUDA device; set it to false (profiling.enable_profiling traces CPU memory)"
+            "profiling.enable_memory_snapshot = true: memory snapshots are CUDA's allocator history and the run "
+            f"trains on {device_type!r}; set it to false (profiling.enable_profiling traces CPU memory)"
         )
     return []

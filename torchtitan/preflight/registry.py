@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from torchtitan.checkpointing.checks import check_checkpoint, check_initial_load
+from torchtitan.checkpointing.checks import check_checkpoint, check_initial_load, check_pinned_memory_device
 from torchtitan.components.checks import check_memory_options
 from torchtitan.components.optim.lr_schedule import check_lr_schedule
 from torchtitan.components.optim.param_groups import check_param_groups
@@ -38,7 +38,11 @@ from torchtitan.distributed.context_parallel.checks import check_context_paralle
 from torchtitan.distributed.parallel_dims import ParallelDims, check_data_parallel
 from torchtitan.distributed.tensor_parallel.checks import check_async_tp_device, check_tensor_parallel
 from torchtitan.eval.checks import check_eval, check_eval_tasks
-from torchtitan.fault_tolerance.checks import check_fault_tolerance, check_fault_tolerance_machine
+from torchtitan.fault_tolerance.checks import (
+    check_fault_tolerance,
+    check_fault_tolerance_device,
+    check_fault_tolerance_machine,
+)
 from torchtitan.features.documents.checks import check_attention, check_attention_device
 from torchtitan.features.float8.checks import check_float8, check_torchao_installed
 from torchtitan.features.in_backward.checks import check_in_backward
@@ -53,18 +57,26 @@ if TYPE_CHECKING:
     from torchtitan.config.manager import JobConfig
 
 Slot = Literal["data_shard", "outer", "optimizer_step", "after_load", "step_pass", "after_step", "checkpoint_scope"]
+Reads = Literal["config", "device", "machine"]
 
 
 @dataclass(frozen=True)
 class Check:
-    """One pre-launch check, ``fn(config, dims) -> warnings``.
+    """One pre-launch check. ``reads``: what it reads besides the config and the layout, which sets its signature
+    and where it can run (preflight/checks.py ``skips``):
 
-    ``this_machine``: it reads this machine's files or devices; the memory estimator, which plans for
-    the machine the run will use, skips it.
+    - ``"config"``: nothing more; ``fn(config, dims) -> warnings``; runs everywhere.
+    - ``"device"``: the kind of device the run trains on; ``fn(config, dims, device_type) -> warnings``; runs for
+      this machine's kind, or for the cluster's (``--target``) from any machine; the memory estimator, which
+      knows no device kind, skips it.
+    - ``"machine"``: this machine's files, installed packages or environment; ``fn(config, dims) -> warnings``;
+      runs only where the run trains (not under ``--target``, nor in the estimator).
     """
 
-    fn: Callable[[JobConfig, ParallelDims], list[str]]
-    this_machine: bool = False
+    fn: Callable[..., list[str]]
+    reads: Reads = "config"
+    what: str = ""
+    """A machine check: what it checks, as the preflight's ``ok`` line names it when it did not run."""
 
 
 @dataclass(frozen=True)
@@ -118,14 +130,18 @@ def check_pairs(config: JobConfig, dims: ParallelDims) -> list[str]:
 # The order is the order a config with several problems hears about them: the layout's features first, then
 # the model against the layout, then files, then the bookkeeping keys; and the order of the ``after_step`` work.
 FEATURES: tuple[Feature, ...] = (  # declarative table
-    Feature("memory_snapshot", (Check(check_memory_snapshot_device, this_machine=True),)),
+    Feature("memory_snapshot", (Check(check_memory_snapshot_device, "device"),)),
     Feature("activation_checkpoint", (Check(check_activation_checkpoint),)),
     Feature("memory_options", (Check(check_memory_options),)),
     Feature("data_parallel", (Check(check_data_parallel),)),
     Feature("pairs", (Check(check_pairs),)),
     Feature(
         "fault_tolerance",
-        (Check(check_fault_tolerance), Check(check_fault_tolerance_machine, this_machine=True)),
+        (
+            Check(check_fault_tolerance),
+            Check(check_fault_tolerance_machine, "machine", "torchft installed and TORCHFT_LIGHTHOUSE set"),
+            Check(check_fault_tolerance_device, "device"),
+        ),
         enabled=lambda c: c.fault_tolerance.enable,
         switch="fault_tolerance.enable",
         builds={"data_shard": _FT_SHARD, "outer": _d("torchtitan.fault_tolerance.setup:build_replicas")},
@@ -150,12 +166,12 @@ FEATURES: tuple[Feature, ...] = (  # declarative table
         estimate=_REPLAY,
     ),
     Feature("lr_schedule", (Check(check_lr_schedule),)),
-    Feature("float8", (Check(check_float8), Check(check_torchao_installed, this_machine=True))),
+    Feature("float8", (Check(check_float8), Check(check_torchao_installed, "machine", "torchao installed (float8)"))),
     # The family and flavor exist; the flavor's shapes under TP and PP; the family's own check (FFN width, experts).
     Feature("model", (Check(check_model),)),
     Feature(
         "lora",
-        (Check(check_lora), Check(check_qlora_torchao, this_machine=True)),
+        (Check(check_lora), Check(check_qlora_torchao, "machine", "torchao installed (QLoRA)")),
         enabled=lambda c: c.lora.enable,
         switch="lora.enable",
         builds=_LORA,
@@ -169,13 +185,13 @@ FEATURES: tuple[Feature, ...] = (  # declarative table
         builds=_QLORA,
         estimate=_QLORA,
     ),
-    Feature("tensor_parallel", (Check(check_tensor_parallel), Check(check_async_tp_device, this_machine=True))),
+    Feature("tensor_parallel", (Check(check_tensor_parallel), Check(check_async_tp_device, "device"))),
     Feature("context_parallel", (Check(check_context_parallel),)),
-    Feature("attention", (Check(check_attention), Check(check_attention_device, this_machine=True))),
+    Feature("attention", (Check(check_attention), Check(check_attention_device, "device"))),
     Feature("fine_tuning", (Check(check_fine_tuning),)),
-    Feature("data_paths", (Check(check_data_paths, this_machine=True),)),
-    Feature("initial_load", (Check(check_initial_load, this_machine=True),)),
-    Feature("dump_folder", (Check(check_dump_folder, this_machine=True),)),
+    Feature("data_paths", (Check(check_data_paths, "machine", "the tokenizer and data paths"),)),
+    Feature("initial_load", (Check(check_initial_load, "machine", "checkpoint.initial_load_path"),)),
+    Feature("dump_folder", (Check(check_dump_folder, "machine", "job.dump_folder writable"),)),
     Feature(
         "validation",
         enabled=lambda c: c.validation.enabled,
@@ -185,7 +201,7 @@ FEATURES: tuple[Feature, ...] = (  # declarative table
     ),
     Feature(
         "eval",
-        (Check(check_eval), Check(check_eval_tasks, this_machine=True)),
+        (Check(check_eval), Check(check_eval_tasks, "machine", "lm-eval installed and the eval tasks")),
         enabled=lambda c: c.eval.enabled,
         switch="eval.enabled",
         builds={"after_step": _d("torchtitan.eval.loop:build_in_loop_eval")},
@@ -193,7 +209,7 @@ FEATURES: tuple[Feature, ...] = (  # declarative table
     ),
     Feature("profiling", (Check(check_profiling),)),
     Feature("metrics", (Check(check_metrics),)),
-    Feature("checkpoint", (Check(check_checkpoint),)),
+    Feature("checkpoint", (Check(check_pinned_memory_device, "device"), Check(check_checkpoint))),
 )
 
 

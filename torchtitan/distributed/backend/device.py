@@ -11,6 +11,9 @@ import torch.distributed as dist
 
 from torchtitan.distributed.backend.c10d_compat import set_timeout
 
+# The device kinds get_device_info chooses between (``python -m torchtitan.preflight --target`` names one).
+DEVICE_TYPES = ("cpu", "cuda")
+
 
 @dataclass(frozen=True)
 class DeviceInfo:

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.distributed.backend.device import get_device_info
 
 if TYPE_CHECKING:
     from torchtitan.config.manager import JobConfig
@@ -55,7 +54,7 @@ def check_tensor_parallel(config: JobConfig, dims: ParallelDims) -> list[str]:
         if not t.enable_loss_parallel:
             return ["training.enable_loss_parallel = false has no effect without tensor parallel"]
         return []
-    if exp.async_tensor_parallel_impl == "ring":  # refused whatever the device; 'auto' is this machine's check
+    if exp.async_tensor_parallel_impl == "ring":  # refused whatever the device; 'auto': the device check
         resolve_async_tp(experimental=exp, compile=t.compile, device_type="cpu")
     if exp.enable_async_tensor_parallel and exp.async_tensor_parallel_impl == "compiler" and not t.compile:
         raise ConfigError(
@@ -87,9 +86,8 @@ def check_tp_shapes(args: Any, *, model: Model, training: Training) -> None:
             )
 
 
-def check_async_tp_device(config: JobConfig, dims: ParallelDims) -> list[str]:
-    """This machine: what 'auto' async TP resolves to here composes with compile (explicit 'ring' included)."""
+def check_async_tp_device(config: JobConfig, dims: ParallelDims, device_type: str) -> list[str]:
+    """On ``device_type``: what 'auto' async TP resolves to there composes with compile (explicit 'ring' included)."""
     if dims.tp_enabled:
-        device_type = get_device_info(0).device.type  # the device the trainer will pick here
         resolve_async_tp(experimental=config.experimental, compile=config.training.compile, device_type=device_type)
     return []

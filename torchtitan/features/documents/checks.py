@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.distributed.backend.device import get_device_info
 from torchtitan.spec import get_model_spec
 
 if TYPE_CHECKING:
@@ -51,11 +50,11 @@ def check_attention(config: JobConfig, dims: ParallelDims) -> list[str]:
     return []
 
 
-def check_attention_device(config: JobConfig, dims: ParallelDims) -> list[str]:
-    """This machine: FlexAttention trains on CUDA only."""
+def check_attention_device(config: JobConfig, dims: ParallelDims, device_type: str) -> list[str]:
+    """On ``device_type``: FlexAttention trains on CUDA only."""
     m = config.model
     if m.attn_mask_type == "block_causal" and m.attention_backend == "flex":
-        if get_device_info(0).device.type != "cuda":  # device-choice: the device the trainer will pick
+        if device_type != "cuda":
             raise NotImplementedError(
                 "model.attention_backend = 'flex' needs CUDA: torch 2.13 has no FlexAttention backward on CPU; "
                 "use 'sdpa' or 'auto' (auto picks sdpa here)"
