@@ -17,7 +17,7 @@ from torch import nn
 
 from torchtitan.config.manager import JobConfig
 from torchtitan.models import ModelArgs
-from torchtitan.observability import flops
+from torchtitan.observability import flops, peak_cache
 from torchtitan.observability.console import format_step_line
 from torchtitan.observability.flops import LinearShape, get_peak_flops, measure_matmul_flops
 from torchtitan.observability.step_metrics import StepMetrics
@@ -73,7 +73,7 @@ def test_forced_low_peak_withholds_mfu_and_names_the_override(tmp_path: Path, ca
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings  # once per run
     assert "unreliable" in warnings[0] and "metrics.device_peak_flops = 1e+03" in warnings[0]
-    assert "set metrics.device_peak_flops" in warnings[0]
+    assert "set metrics.device_peak_flops" in warnings[0] and "removed" not in warnings[0]  # nothing cached
     step_lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step")]
     assert len(step_lines) == 2 and all("mfu    n/a  " in line for line in step_lines)
     assert "%" not in " ".join(step_lines)
@@ -92,6 +92,24 @@ def test_low_measured_cpu_peak_names_the_measurement(
     assert record["mfu"] is None
     expected = f"measured on CPU: bf16 GEMM at {torch.get_num_threads()} threads = 0.3 GFLOP/s, cached in {cache_home}"
     assert expected in caplog.text
+
+
+def test_mfu_over_100_removes_the_cached_cpu_peak_so_the_next_run_measures_again(
+    tmp_path: Path, cache_home: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # No neighbours to judge it by: 0.30 GFLOP/s is cached, and only the run's MFU shows it too low.
+    calls: list[torch.dtype] = []
+    monkeypatch.setattr(flops, "measure_matmul_flops", lambda device, dtype, linears: calls.append(dtype) or 0.30e9)
+    metrics = _build_metrics(tmp_path / "dump", "--training.mixed_precision_param", "bfloat16")
+    assert metrics.peak.cached is not None and metrics.peak.cached.key in json.loads(cache_home.read_text())
+    metrics.flops_per_token = 1e8  # 12.8 GFLOP/s: 4,267% of the bad peak
+    with caplog.at_level(logging.WARNING, logger="torchtitan.observability.step_metrics"):
+        assert _log_one_second_window(metrics, 1)["mfu"] is None
+    metrics.close()
+    assert f"the peak is removed from {cache_home}, so the next run measures it again, or set" in caplog.text
+    assert json.loads(cache_home.read_text()) == {}
+    _build_metrics(tmp_path / "next", "--training.mixed_precision_param", "bfloat16").close()
+    assert calls == [torch.bfloat16, torch.bfloat16]
 
 
 def test_sane_peak_gives_mfu_between_0_and_100(tmp_path: Path) -> None:
@@ -124,7 +142,7 @@ def test_cache_key_covers_dtype_threads_shapes_and_kernels() -> None:
     key = flops._cpu_cache_key(torch.bfloat16, linears)
     assert key != flops._cpu_cache_key(torch.float32, linears)
     assert key != flops._cpu_cache_key(torch.bfloat16, (LinearShape(2048, 256, 2048),))
-    assert torch.__version__ in key and flops._cpu_model_name() in key
+    assert torch.__version__ in key and peak_cache.cpu_model_name() in key
     with torch.backends.mkldnn.flags(enabled=not torch.backends.mkldnn.enabled):
         assert flops._cpu_cache_key(torch.bfloat16, linears) != key
     threads = torch.get_num_threads()

@@ -3,24 +3,29 @@
 GPUs: a datasheet table (dense, i.e. without 2:4 sparsity). CPUs: no datasheet fits (core count,
 SIMD width, turbo, the thread count and which kernel a dtype and layout get all matter), so we time
 the GEMMs the model itself runs (forward and backward of its linears, in its compute dtype, at the
-rank's thread count) once and cache the fastest rate.
+rank's thread count), keep the fastest rate of several passes, and cache it if it is plausible
+(`peak_cache`).
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
-import os
-import platform
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from torchtitan.distributed.backend.device import synchronize
 from torchtitan.observability.logging import warn_once
+from torchtitan.observability.peak_cache import (
+    CacheEntry,
+    cache_path,
+    cpu_cache_key,
+    read_cache,
+    why_implausible,
+    write_cache,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +76,7 @@ class PeakFlops:
 
     flops: float
     source: str  # e.g. "datasheet table: H100 bf16", "metrics.device_peak_flops = 1e+12"
+    cached: CacheEntry | None = None  # where a measured CPU peak is cached; None for any other peak
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,10 @@ DEFAULT_LINEARS = (LinearShape(1024, 1024, 1024), LinearShape(1024, 1024, 4096))
 # 128k-vocab output projection would take minutes on a CPU.
 _MAX_TOKENS = 2048
 _MAX_WIDTH = 4096
+# Passes over the GEMMs, each GEMM's calls spread over all of them: a burst of other load slows one
+# pass, and the fastest call is kept. Named in the cache key: a number measured otherwise never matches.
+PASSES = 3
+_METHOD = f"fastest GEMM FLOP/s of {PASSES} passes"
 
 
 def get_peak_flops(
@@ -110,7 +120,8 @@ def get_peak_flops(
     On CUDA/ROCm, float32 uses the TF32 (or MI300 XF32) peak when TF32 matmuls are on
     (`tf32_matmul_enabled`), since that is what the matmuls then run at,
     and the plain FP32 peak otherwise. On CPU the number is measured at the current
-    `torch.get_num_threads()` and cached on disk. Other accelerators are measured each time, uncached.
+    `torch.get_num_threads()` and cached on disk if plausible (`peak_cache`). Other accelerators are
+    measured each time, uncached.
     """
     if override > 0:
         note = " (float8 run: used as given)" if float8 else ""
@@ -127,7 +138,7 @@ def label_float8_peak(peak: PeakFlops, dtype: torch.dtype) -> PeakFlops:
     model FLOPs over the same denominator make a float8 run's MFU compare directly with the bf16
     run's: float8's speed-up shows as a higher MFU.
     """
-    return PeakFlops(peak.flops, f"{peak.source}, vs {_dtype_name(dtype)} peak (float8 run)")
+    return dataclasses.replace(peak, source=f"{peak.source}, vs {_dtype_name(dtype)} peak (float8 run)")
 
 
 def _device_peak(device: torch.device, dtype: torch.dtype, linears: tuple[LinearShape, ...]) -> PeakFlops:
@@ -216,18 +227,21 @@ def _gemm_operands(
     return operand(layout[0] == "T", m, k), operand(layout[1] == "T", k, n)
 
 
-def _time_gemm(a: torch.Tensor, b: torch.Tensor, budget_s: float, give_up_s: float) -> tuple[float, int]:
-    """(fastest seconds per call, timed calls): one untimed call, then calls until `budget_s` passes.
+def _time_gemm(
+    a: torch.Tensor, b: torch.Tensor, budget_s: float, give_up_s: float, *, warm_up: bool
+) -> tuple[float, int]:
+    """(fastest seconds per call, timed calls): calls until `budget_s` passes, after an untimed one if `warm_up`.
 
     A first call slower than `give_up_s` is the only one: that GEMM is far from the fastest, and
     timing it again (minutes on a slow CPU kernel) would not change the maximum.
     """
-    start = time.perf_counter()
-    torch.mm(a, b)  # the first call of a shape also creates (JITs) oneDNN's kernel for it
-    synchronize(a.device)
-    first = time.perf_counter() - start
-    if first >= give_up_s:
-        return first, 1
+    if warm_up:
+        start = time.perf_counter()
+        torch.mm(a, b)  # the first call of a shape also creates (JITs) oneDNN's kernel for it
+        synchronize(a.device)
+        first = time.perf_counter() - start
+        if first >= give_up_s:
+            return first, 1
     rep_times: list[float] = []
     deadline = time.perf_counter() + budget_s
     while not rep_times or time.perf_counter() < deadline:
@@ -244,111 +258,75 @@ def measure_matmul_flops(
     linears: tuple[LinearShape, ...] = DEFAULT_LINEARS,
     *,
     budget_s: float = 1.0,
+    passes: int = PASSES,
 ) -> float:
     """The fastest FLOP/s among the forward and backward GEMMs of `linears` in `dtype` on `device`.
 
-    Each GEMM gets one untimed call, then timed calls for its share of `budget_s`. Uses the current
+    `passes` passes over the GEMMs: each GEMM gets one untimed call in the first, then timed calls for
+    its share of `budget_s` in every pass where it is within 2x of the fastest so far. Uses the current
     `torch.get_num_threads()` on CPU, so measure with the training thread count. Takes the fastest
     call: on a shared machine other load only ever slows a call down, and the fastest of the model's
-    own GEMMs is the best this device does on this model, so the model's MFU stays under 100%
-    (up to noise and the causal half of attention, which the FLOP count includes).
+    own GEMMs is the best this device does on this model, so the model's MFU stays under 100% (up to
+    noise and the causal half of attention, which the FLOP count includes).
     """
     gemms = _gemms(linears)
-    best, best_gemm = 0.0, gemms[0]
-    for layout, m, k, n in gemms:
-        a, b = _gemm_operands(layout, m, k, n, device, dtype)
-        seconds, reps = _time_gemm(a, b, budget_s / len(gemms), give_up_s=budget_s)
-        rate = 2 * m * k * n / seconds
-        logger.debug(
-            "GEMM %s %dx%dx%d %s on %s: %.1f GFLOP/s (%d calls)", layout, m, k, n, dtype, device, rate / 1e9, reps
-        )
-        if rate > best:
-            best, best_gemm = rate, (layout, m, k, n)
-    logger.debug("fastest GEMM: %s %dx%dx%d at %.1f GFLOP/s", *best_gemm, best / 1e9)
-    return best
-
-
-def _cache_path() -> Path:
-    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(cache_home) / "torchtitan" / "peak_flops.json"
-
-
-def _cpu_model_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    rates = dict.fromkeys(gemms, 0.0)
+    too_slow: set[tuple[str, int, int, int]] = set()  # one call took the whole budget: far from the fastest
+    for index in range(passes):
+        best = max(rates.values())
+        # Later passes time only the GEMMs that may still be the fastest (load only slows a call), so
+        # a large model's GEMMs, up to a second a call on a CPU, are not all timed `passes` times.
+        for gemm in [g for g in gemms if index == 0 or (g not in too_slow and rates[g] >= best / 2)]:
+            layout, m, k, n = gemm
+            a, b = _gemm_operands(layout, m, k, n, device, dtype)
+            seconds, reps = _time_gemm(a, b, budget_s / (passes * len(gemms)), budget_s, warm_up=index == 0)
+            rate = 2 * m * k * n / seconds
+            rates[gemm] = max(rates[gemm], rate)
+            if seconds >= budget_s:
+                too_slow.add(gemm)
+            logger.debug("pass %d: GEMM %s %dx%dx%d %s: %.1f GFLOP/s (%d calls)", index, *gemm, dtype, rate / 1e9, reps)
+    best_gemm = max(gemms, key=rates.__getitem__)
+    logger.debug("fastest GEMM: %s %dx%dx%d at %.1f GFLOP/s", *best_gemm, rates[best_gemm] / 1e9)
+    return rates[best_gemm]
 
 
 def _cpu_cache_key(dtype: torch.dtype, linears: tuple[LinearShape, ...]) -> str:
-    """Everything the measurement depends on: a stale entry (other threads, shapes, torch) never matches."""
-    gemms = ",".join(f"{layout}{m}x{k}x{n}" for layout, m, k, n in _gemms(linears))
-    # The kernels a GEMM gets: ATen's SIMD level (ATEN_CPU_CAPABILITY may lower it) and oneDNN on/off.
-    kernels = f"isa={torch.backends.cpu.get_cpu_capability()}|onednn={torch.backends.mkldnn.enabled}"
-    return (
-        f"{_cpu_model_name()}|threads={torch.get_num_threads()}|{dtype}|torch={torch.__version__}|{kernels}"
-        f"|gemms={gemms}"
-    )
+    """The cache key of the CPU peak of `linears`' GEMMs in `dtype`, measured as `measure_matmul_flops` does."""
+    return cpu_cache_key(_METHOD, dtype, _gemms(linears))
 
 
-def _cpu_source(dtype: torch.dtype, flops: float, path: Path) -> str:
-    return (
-        f"measured on CPU: {_dtype_name(dtype)} GEMM at {torch.get_num_threads()} threads = "
-        f"{flops / 1e9:.1f} GFLOP/s, cached in {path}"
-    )
+def _cpu_source(dtype: torch.dtype, flops: float, where: str) -> str:
+    threads = torch.get_num_threads()
+    return f"measured on CPU: {_dtype_name(dtype)} GEMM at {threads} threads = {flops / 1e9:.1f} GFLOP/s, {where}"
 
 
 def _cached_cpu_peak(dtype: torch.dtype, linears: tuple[LinearShape, ...]) -> PeakFlops:
-    path = _cache_path()
-    key = _cpu_cache_key(dtype, linears)
-    entries = _read_cache(path)
-    cached = entries.get(key)
-    if isinstance(cached, (int, float)) and cached > 0:
-        return PeakFlops(float(cached), _cpu_source(dtype, cached, path))
+    """The cached peak if plausible, else measured now (one log line) and cached if that is plausible."""
+    path, key, threads = cache_path(), _cpu_cache_key(dtype, linears), torch.get_num_threads()
+    entries, problem = read_cache(path)
+    if key in entries:
+        problem = why_implausible(key, entries[key], entries, threads=threads)
+        if problem is None:
+            flops = float(entries[key])
+            return PeakFlops(flops, _cpu_source(dtype, flops, f"cached in {path}"), CacheEntry(path, key))
     start = time.perf_counter()
     flops = measure_matmul_flops(torch.device("cpu"), dtype, linears)
-    logger.info(
-        "measured CPU peak %.1f GFLOP/s (%s, %d threads, %d GEMMs of the model's linears) in %.2f s; caching it in %s",
-        flops / 1e9,
-        dtype,
-        torch.get_num_threads(),
-        len(_gemms(linears)),
-        time.perf_counter() - start,
-        path,
+    seconds = time.perf_counter() - start
+    line = (
+        f"measured CPU peak {flops / 1e9:.1f} GFLOP/s ({_dtype_name(dtype)}, {threads} threads, fastest of "
+        f"{PASSES} passes over {len(_gemms(linears))} GEMMs of the model's linears) in {seconds:.2f} s"
     )
+    if problem is not None:
+        line = f"not using the CPU peak cached in {path}: {problem}; re-{line}"
+    doubt = why_implausible(key, flops, entries, threads=threads)
+    if doubt is not None:
+        # The machine is busy now: this run divides by what it measured, and the cache keeps what it had.
+        logger.warning("%s, but %s: not cached, the next run measures again", line, doubt)
+        return PeakFlops(flops, _cpu_source(dtype, flops, "not cached (implausible)"))
     entries[key] = flops
-    _write_cache(path, entries)
-    return PeakFlops(flops, _cpu_source(dtype, flops, path))
-
-
-def _read_cache(path: Path) -> dict[str, object]:
-    if not path.exists():
-        return {}
-    try:
-        entries = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        logger.warning("ignoring unreadable peak FLOPS cache %s (%s); re-measuring", path, e)
-        return {}
-    if not isinstance(entries, dict):
-        logger.warning("ignoring peak FLOPS cache %s: not a JSON object; re-measuring", path)
-        return {}
-    return entries
-
-
-def _write_cache(path: Path, entries: dict[str, object]) -> None:
-    # Write to a temp file and rename so that concurrent ranks never read a half-written file.
-    tmp_name = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-            tmp_name = f.name
-            json.dump(entries, f, indent=1, sort_keys=True)
-        os.replace(tmp_name, path)
-    except OSError as e:
-        logger.warning("could not write peak FLOPS cache %s (%s); will re-measure next run", path, e)
-        if tmp_name is not None and os.path.exists(tmp_name):
-            os.remove(tmp_name)
+    failed = write_cache(path, entries)
+    if failed is not None:
+        logger.warning("%s; %s, the next run measures again", line, failed)
+        return PeakFlops(flops, _cpu_source(dtype, flops, "not cached"))
+    logger.log(logging.INFO if problem is None else logging.WARNING, "%s; cached in %s", line, path)
+    return PeakFlops(flops, _cpu_source(dtype, flops, f"cached in {path}"), CacheEntry(path, key))

@@ -24,6 +24,7 @@ from torchtitan.observability.metrics import (
     compute_mfu,
     compute_num_flops_per_token,
 )
+from torchtitan.observability.peak_cache import drop_entry
 
 if TYPE_CHECKING:
     from torchtitan.config.schema import Float8, Metrics, Training
@@ -181,7 +182,9 @@ class StepMetrics:
         """MFU in %, or None (no MFU shown or written) from the first step whose MFU exceeds 100%.
 
         An MFU over 100% means the peak is too low, and then every step's MFU is too high, not
-        only the ones past 100%: so MFU stays off for the rest of the run, with one warning.
+        only the ones past 100%: so MFU stays off for the rest of the run, with one warning. A
+        cached CPU peak is then removed from the cache, so the next run measures it again (by the
+        rank whose measurement the cache holds: each rank measured its own).
         """
         if self.mfu_unreliable:
             return None
@@ -189,13 +192,16 @@ class StepMetrics:
         if mfu <= 100.0:
             return mfu
         self.mfu_unreliable = True
+        cached = self.peak.cached
+        dropped = cached is not None and drop_entry(cached, self.peak.flops)
         if self.enabled:
             logger.warning(
                 "MFU would be %.0f%%, above 100%%: the peak FLOPS it divides by is unreliable (%s). "
-                "MFU is not reported for the rest of this run; set metrics.device_peak_flops to this "
+                "MFU is not reported for the rest of this run; %sset metrics.device_peak_flops to this "
                 "device's peak FLOP/s for an MFU",
                 mfu,
                 self.peak.source,
+                f"the peak is removed from {cached.path}, so the next run measures it again, or " if dropped else "",
             )
         return None
 
