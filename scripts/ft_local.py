@@ -309,11 +309,13 @@ class Job:
 
 def set_aside_earlier_job(dump: Path) -> None:
     """An earlier job's files move to ``earlier_runs/<when it started>/``: this job starts empty, none is lost."""
-    earlier = [p for p in dump.iterdir() if p.name != "earlier_runs"] if dump.exists() else []
+    from torchtitan.checkpointing.marker import EARLIER_RUNS
+
+    earlier = [p for p in dump.iterdir() if p.name != EARLIER_RUNS] if dump.exists() else []
     if not earlier:
         return
     started = min(p.stat().st_mtime for p in earlier)
-    target = dump / "earlier_runs" / time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
+    target = dump / EARLIER_RUNS / time.strftime("run-%Y-%m-%dT%H-%M-%S", time.localtime(started))
     target.mkdir(parents=True, exist_ok=True)
     for p in earlier:
         shutil.move(str(p), str(target / p.name))

@@ -5,14 +5,14 @@
         [--max_new_tokens 64] [--temperature 0.8 --top_k 40] [--seed 0] [--no_cache]
     python scripts/generate.py --hf HF_DIR --prompt "..."          # a Hugging Face folder
     python scripts/generate.py --hf HF_DIR --adapter PEFT_DIR --prompt "..."   # + a PEFT LoRA adapter, merged
-    python scripts/generate.py CKPT --tokenizer tests/assets/sft/tokenizer --chat \\
+    python scripts/generate.py outputs/sft_debug/checkpoint/step-60 --chat \\
         --prompt "What is 12 plus 7?" [--system "Answer with the number only."]   # a chat model
     NGPU=2 torchrun --nproc_per_node 2 scripts/generate.py CKPT ...  # tensor parallel over the ranks
 
 A LoRA run's checkpoint (adapters only) is merged into the base its marker names. The model (family, shapes)
 comes from the checkpoint's marker (or the HF config.json); the tokenizer
-from ``--tokenizer`` (default: an HF folder's own tokenizer.json, as transformers reads it, else the shipped
-one the debug configs train with). CPU without a GPU, else
+from ``--tokenizer`` (default: the one the checkpoint's run trained with, which its marker records; an HF
+folder's own tokenizer.json, as transformers reads it; else the shipped one the debug configs train with). CPU without a GPU, else
 CUDA. Greedy by default (temperature 0); with a KV cache unless ``--no_cache``.
 
 Plain, the prompt is text to continue (after the tokenizer's bos, if it has one); generation stops at
@@ -130,7 +130,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tokenizer",
         help="tokenizer the model was trained with: tiktoken BPE file or tokenizer.json (or its folder); default: "
-        "the --hf folder's own tokenizer when it has one, else the shipped one the debug configs train with",
+        "the one the checkpoint's run recorded, the --hf folder's own tokenizer when it has one, else the shipped one "
+        "the debug configs train with",
     )
     parser.add_argument(
         "--chat",
@@ -188,11 +189,23 @@ def build_prompt(args: argparse.Namespace) -> Prompt:
     return Prompt(ids, tokenizer.base.n_words, stop_ids, lambda out: decode_answer(tokenizer, out, stop_ids))
 
 
-def default_tokenizer(hf: str | None) -> str:
-    """Without ``--tokenizer``: an HF folder's own tokenizer (as transformers reads it), else the shipped one."""
-    from torchtitan.checkpointing.hf_files import hf_folder_tokenizer
+def default_tokenizer(hf: str | None, checkpoint: str | None) -> str:
+    """Without ``--tokenizer``: the one a checkpoint's run trained with (its marker records it), an HF folder's own
+    (as transformers reads it), else the shipped one.
 
-    return (hf_folder_tokenizer(hf) if hf else None) or SHIPPED_TOKENIZER
+    Raises:
+        FileNotFoundError: the recorded tokenizer is not on this machine.
+    """
+    from torchtitan.checkpointing.hf_files import hf_folder_tokenizer
+    from torchtitan.checkpointing.marker import recorded_tokenizer
+
+    recorded = recorded_tokenizer(checkpoint) if checkpoint else None
+    if recorded and not os.path.exists(recorded):
+        raise FileNotFoundError(
+            f"checkpoint {checkpoint} was trained with the tokenizer {recorded}, which does not exist here; pass "
+            "--tokenizer, the same tokenizer's file or folder"
+        )
+    return recorded or (hf_folder_tokenizer(hf) if hf else None) or SHIPPED_TOKENIZER
 
 
 def _full(logits: torch.Tensor) -> torch.Tensor:
@@ -212,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     info = get_device_info()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         init_distributed(info, 300, 0)
-    args.tokenizer = args.tokenizer or default_tokenizer(args.hf)
     try:
+        args.tokenizer = args.tokenizer or default_tokenizer(args.hf, args.checkpoint)
         prompt = build_prompt(args)
         max_len = len(prompt.ids) + args.max_new_tokens
         model = load_model(args.checkpoint, args.hf, max_len, prompt.n_words, info.device, args.adapter)

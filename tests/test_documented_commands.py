@@ -14,9 +14,12 @@ import glob
 import os
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 
+from torchtitan.config.manager import JobConfig
 from torchtitan.preflight.__main__ import _launch_flags
 from torchtitan.preflight.__main__ import main as preflight_main
 
@@ -92,7 +95,39 @@ def _preflight_argv(command: str) -> list[str]:
     return ["--world_size", env.get("NGPU", "2"), *config, *args]
 
 
-COMMANDS = _documented_commands()
+# --------------------------------------------------------------------------- command sequences, run in order
+
+# The blocks a user copies and runs line by line, run by test_documented_sequence_runs_in_order the same way: in
+# order, in a scratch folder that links the checkout's files (its outputs/ is the scratch's own). The one change
+# from the doc: a training command trains 1 step (`--training.steps 1` appended), so a step-<N> folder a later
+# line names, N that command's configured steps, is read as step-1. `python` is the interpreter running the tests.
+SEQUENCES = {  # name -> (file, the start of the block's first line)
+    "readme_generate_and_sft": ("README.md", "./run_llama_train.sh --checkpoint.enable_checkpoint"),
+    "lora_recipe": ("docs/lora.md", "scripts/create_seed_checkpoint.sh --job.dump_folder outputs/lora_base"),
+}
+
+
+def _block(path: str, first: str) -> list[tuple[int, str]]:
+    """(line number, command) of each command of the fenced block whose first line starts with ``first``:
+    continuation lines joined, comments kept (the shell drops them)."""
+    lines = open(os.path.join(ROOT, path)).read().splitlines()
+    i = next(n for n, line in enumerate(lines) if line.strip().startswith(first))
+    out = []
+    while not lines[i].lstrip().startswith("```"):
+        j, text = i, lines[i].strip()
+        while text.endswith("\\"):
+            j += 1
+            text = text[:-1].rstrip() + " " + lines[j].strip()
+        if text:
+            out.append((i + 1, text))
+        i = j + 1
+    return out
+
+
+_IN_SEQUENCES = {f"{path}:{n}" for path, first in SEQUENCES.values() for n, _ in _block(path, first)}
+# each command of a sequence runs for real below; a lone pre-launch check of it would miss the files its block's
+# earlier lines make (a base model's folder)
+COMMANDS = [(where, command) for where, command in _documented_commands() if where not in _IN_SEQUENCES]
 
 
 def test_the_docs_show_the_commands_users_type():
@@ -102,8 +137,6 @@ def test_the_docs_show_the_commands_users_type():
 
 
 def _downloads_its_tokenizer(argv: list[str]) -> bool:
-    from torchtitan.config.manager import JobConfig
-
     world_size, _, args = _launch_flags(argv)  # --world_size N, --target KIND
     config = JobConfig.parse_args(args, world_size=world_size)
     return not os.path.exists(os.path.join(ROOT, config.model.tokenizer_path))
@@ -119,3 +152,38 @@ def test_documented_command_passes_the_prelaunch_check(where, command, capsys, m
     code = preflight_main(argv)
     err = capsys.readouterr().err
     assert code == 0, f"{where}: `{command}` -> preflight {argv}: {err}"
+
+
+def _trains(words: list[str]) -> bool:
+    return any(w.endswith("run_llama_train.sh") for w in words) or "torchtitan.train" in words
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", SEQUENCES)
+def test_documented_sequence_runs_in_order(name, tmp_path):
+    path, first = SEQUENCES[name]
+    scratch = tmp_path / "checkout"
+    scratch.mkdir()
+    for entry in os.listdir(ROOT):
+        if entry not in ("outputs", ".git"):
+            os.symlink(os.path.join(ROOT, entry), scratch / entry)
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    renamed: dict[str, str] = {}
+    for line, text in _block(path, first):
+        for was, now in renamed.items():
+            text = re.sub(rf"\b{was}\b", now, text)
+        words = shlex.split(text, comments=True)
+        if words[0] in ("python", "python3"):
+            words[0] = sys.executable
+        if _trains(words):
+            world_size, _, args = _launch_flags(_preflight_argv(shlex.join(words)))
+            renamed[f"step-{JobConfig.parse_args(args, world_size=world_size).training.steps}"] = "step-1"
+            words += ["--training.steps", "1"]
+        result = subprocess.run(
+            ["bash", "-c", shlex.join(words)], cwd=scratch, env=env, capture_output=True, text=True, timeout=300
+        )
+        out = result.stdout + result.stderr
+        assert result.returncode == 0, f"{path}:{line}: `{text}` exited {result.returncode}:\n{out[-3000:]}"
+        assert "Traceback" not in out, f"{path}:{line}: `{text}`:\n{out[-3000:]}"
+        if "generate.py" in text:  # it printed a continuation (the model is 1 step old: any text)
+            assert result.stdout.strip() and "error" not in result.stderr.lower(), out[-3000:]

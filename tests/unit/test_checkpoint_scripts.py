@@ -92,3 +92,33 @@ def test_hf_export_loads_in_transformers_with_our_logits(saved, tmp_path):
     tokens = torch.randint(0, ARGS.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_a_checkpoint_a_later_run_moved_is_found_and_the_recorded_tokenizer_used(saved, tmp_path, capsys):
+    """generate.py on a step folder that a later run in the dump folder set aside names where it is now; on a
+    checkpoint whose marker records the run's tokenizer it reads with that one, and says so when it is gone."""
+    from torchtitan.checkpointing.marker import read_marker, write_marker
+    from torchtitan.launch.run_folder import set_aside_earlier_run
+
+    folder, _ = saved
+    generate = importlib.util.module_from_spec(
+        spec := importlib.util.spec_from_file_location("generate_script", os.path.join(ROOT, "scripts", "generate.py"))
+    )
+    spec.loader.exec_module(generate)
+    moved_to = set_aside_earlier_run(str(tmp_path), ["ckpt"])  # what a later run in the folder does
+    assert generate.main([folder, "--prompt", "def main("]) == 2
+    err = capsys.readouterr().err.splitlines()
+    now = os.path.join(moved_to, "ckpt", "step-2")
+    assert err == [
+        f"error: {folder} does not exist (a later run in its dump folder moved it to {now}); pass that folder"
+    ]
+    marker = {k: v for k, v in read_marker(now).items() if k not in ("step", "kind", "time")}
+    tokenizer = os.path.join(ROOT, "tests", "assets", "sft", "tokenizer")
+    write_marker(now, 2, "full", **{**marker, "data": {"tokenizer": tokenizer}})
+    assert generate.default_tokenizer(None, now) == tokenizer
+    write_marker(now, 2, "full", **{**marker, "data": {"tokenizer": str(tmp_path / "gone")}})
+    assert generate.main([now, "--prompt", "def main("]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: checkpoint {now} was trained with the tokenizer {tmp_path / 'gone'}, which does not exist here; "
+        "pass --tokenizer, the same tokenizer's file or folder"
+    ]

@@ -96,6 +96,11 @@ def test_model_defining_args_are_compared():
     assert warn_if_data_changed({"dataset": "c4"}, {"dataset": "pydocs"}, "ckpt") == [
         "training.dataset: checkpoint 'c4', config 'pydocs'"
     ]
+    # an older marker without the tokenizer's record is no change; a recorded other tokenizer is, under its key
+    assert warn_if_data_changed({"dataset": "c4"}, {"dataset": "c4", "tokenizer": "/t"}, "ckpt") == []
+    assert warn_if_data_changed({"tokenizer": "/a"}, {"tokenizer": "/t"}, "ckpt") == [
+        "model.tokenizer_path: checkpoint '/a', config '/t'"
+    ]
 
 
 def test_set_aside_branch_is_never_resumed(tmp_path):

@@ -61,14 +61,17 @@ def _canonical(value: Any) -> Any:
     return _SAME.get(value, value) if isinstance(value, str) else value
 
 
+_DATA_KEYS = {"tokenizer": "model.tokenizer_path"}  # a marker's data record -> the config key it came from
+
+
 def warn_if_data_changed(saved: dict[str, Any] | None, current: dict[str, Any], path: str) -> list[str]:
     """A different dataset on resume is allowed (curricula do it) but said; returns the warnings."""
     if not saved:
         return []
     changed = [
-        f"training.{key}: checkpoint {saved.get(key)!r}, config {current.get(key)!r}"
+        f"{_DATA_KEYS.get(key, f'training.{key}')}: checkpoint {saved[key]!r}, config {current.get(key)!r}"
         for key in sorted(current)
-        if saved.get(key) != current.get(key)
+        if key in saved and saved[key] != current.get(key)  # a record an older checkpoint lacks is no change
     ]
     if changed:
         logger.warning(

@@ -11,6 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from torchtitan.checkpointing.marker import does_not_exist
+
 
 def read_hf_config(hf_dir: str) -> dict[str, Any]:
     """An HF model folder's ``config.json``.
@@ -20,7 +22,7 @@ def read_hf_config(hf_dir: str) -> dict[str, Any]:
     """
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
-        what = "has no config.json" if os.path.isdir(hf_dir) else "does not exist"
+        what = "has no config.json" if os.path.isdir(hf_dir) else does_not_exist(hf_dir)
         raise ValueError(
             f"Hugging Face folder {hf_dir!r} {what}; pass a folder written by save_pretrained "
             f"(config.json + *.safetensors)"

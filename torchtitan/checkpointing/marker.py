@@ -5,16 +5,19 @@ Light (json and os only): the pre-launch checks read markers without loading DCP
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 MARKER = ".complete"
+EARLIER_RUNS = "earlier_runs"  # where a run sets aside the records of the run before it in its folder
 
 # What a complete checkpoint holds ("kind" in its marker).
 FULL = "full"  # model, optimizer, lr scheduler, data loader, train state: a resume point
@@ -48,9 +51,38 @@ def read_marker(path: str) -> dict[str, Any] | None:
         return None
 
 
+def recorded_tokenizer(path: str) -> str | None:
+    """The tokenizer the run that saved checkpoint ``path`` trained with (its marker's record), or None (no
+    marker, or a checkpoint saved before markers recorded it, or a seed)."""
+    marker = read_marker(path) or {}
+    return (marker.get("data") or {}).get("tokenizer")
+
+
+def moved_by_a_later_run(path: str) -> str | None:
+    """Where ``path``, which does not exist, went if a later run in its dump folder set it aside
+    (launch/run_folder.py: an earlier run's records move to ``<dump_folder>/earlier_runs/<when>/``): the newest
+    ``<an ancestor>/earlier_runs/<when>/<the rest of path>`` that exists (relative if ``path`` was), or None."""
+    parts = Path(os.path.abspath(path)).parts
+    for depth in range(1, min(4, len(parts))):  # the dump folder: checkpoint/step-N, hf/step-N, replica_i/...
+        ancestor, rest = Path(*parts[:-depth]), Path(*parts[-depth:])
+        found = [p for p in ancestor.glob(f"{EARLIER_RUNS}/*/{glob.escape(str(rest))}") if p.exists()]
+        if found:
+            newest = str(max(found, key=lambda p: p.parents[depth - 1].name))  # <when>: run-<its start, ISO>
+            return newest if os.path.isabs(path) else os.path.relpath(newest)
+    return None
+
+
+def does_not_exist(path: str) -> str:
+    """ "does not exist", and where it went if a later run moved it: the middle of a one-line error naming it."""
+    moved = moved_by_a_later_run(path)
+    return f"does not exist (a later run in its dump folder moved it to {moved})" if moved else "does not exist"
+
+
 def why_not_loadable(path: str) -> str:
     """Why ``path``, which has no marker, is not a complete checkpoint: the end of a one-line error naming it."""
     if not os.path.exists(path):
+        if moved_by_a_later_run(path):
+            return f"{does_not_exist(path)}; pass that folder"
         return "does not exist; pass a complete step-N folder of a checkpoint (<dump_folder>/checkpoint/step-N)"
     if not os.path.isdir(path):
         return "is a file, not a checkpoint folder; pass a complete step-N folder of a checkpoint"

@@ -4,6 +4,7 @@ else."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from torchtitan.checkpointing.common import model_info
@@ -24,7 +25,11 @@ def build_run_checkpointer(
         cfg.checkpoint,
         dump_folder=cfg.job.dump_folder,
         model_info=scope.model_info(model_info(model=cfg.model, model_args=model_args)),
-        data_info={"dataset": cfg.training.dataset, "dataset_path": cfg.training.dataset_path},
+        data_info={
+            "dataset": cfg.training.dataset,
+            "dataset_path": cfg.training.dataset_path,
+            "tokenizer": os.path.abspath(cfg.model.tokenizer_path),  # what generate.py and eval read it with
+        },
         scope=scope,
         **parts,
     )

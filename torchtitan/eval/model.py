@@ -47,10 +47,13 @@ def load_config(config: str | JobConfig, overrides: list[str] | None = None) -> 
     return JobConfig.parse_args(["--job.config_file", config, *(overrides or [])])
 
 
-def build_eval_model(config: JobConfig, *, checkpoint: str | None = None, hf: str | None = None) -> EvalModel:
+def build_eval_model(
+    config: JobConfig, *, checkpoint: str | None = None, hf: str | None = None, tokenizer_from_config: bool = False
+) -> EvalModel:
     """The config's model under its layout on this process, with the weights of ``checkpoint`` (a complete
-    ``step-N`` folder) or ``hf`` (a Hugging Face folder: its own tokenizer when it holds one, else the config's,
-    and its embedding rows, which may be padded past the tokenizer); neither: the seeded initialisation.
+    ``step-N`` folder: the tokenizer its run trained with, which its marker records, unless
+    ``tokenizer_from_config``) or ``hf`` (a Hugging Face folder: its own tokenizer when it holds one, else the
+    config's, and its embedding rows, which may be padded past the tokenizer); neither: the seeded initialisation.
 
     Raises:
         ValueError: a checkpoint of another family or flavor than the config's, or a tokenizer of another
@@ -59,6 +62,7 @@ def build_eval_model(config: JobConfig, *, checkpoint: str | None = None, hf: st
     """
     from torchtitan.build import build_model, build_model_args
     from torchtitan.checkpointing.hf_files import hf_embedding_rows, hf_folder_tokenizer
+    from torchtitan.checkpointing.marker import recorded_tokenizer
     from torchtitan.datasets.tokenizer import build_tokenizer
     from torchtitan.distributed.backend.device import get_device_info, init_distributed
     from torchtitan.dtypes import to_dtype
@@ -79,7 +83,13 @@ def build_eval_model(config: JobConfig, *, checkpoint: str | None = None, hf: st
     if world_size > 1 and not dist.is_initialized():
         init_distributed(info, config.comm.init_timeout_seconds, 0)
     spec = get_model_spec(config.model.name)
-    tokenizer_path = (hf_folder_tokenizer(hf) if hf else None) or config.model.tokenizer_path
+    recorded = recorded_tokenizer(checkpoint) if checkpoint and not tokenizer_from_config else None
+    if recorded and not os.path.exists(recorded):
+        raise FileNotFoundError(
+            f"checkpoint={checkpoint} was trained with the tokenizer {recorded}, which does not exist here; pass "
+            "overrides=--model.tokenizer_path <the same tokenizer's file or folder>"
+        )
+    tokenizer_path = recorded or (hf_folder_tokenizer(hf) if hf else None) or config.model.tokenizer_path
     tokenizer = build_tokenizer(tokenizer_path)
     vocab = hf_embedding_rows(hf, tokenizer.n_words, tokenizer_path) if hf else tokenizer.n_words
     args = build_model_args(config, spec, vocab, device_type=info.device.type)

@@ -33,6 +33,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from torchtitan.checkpointing.marker import EARLIER_RUNS
 from torchtitan.config.errors import ConfigError
 from torchtitan.launch.parent_watch import GRACE_SECONDS, POLL_SECONDS, under_launcher
 
@@ -91,7 +92,6 @@ def folder_problem(folder: str) -> str | None:
     return None
 
 
-EARLIER_RUNS = "earlier_runs"
 # What every launch writes first: alone (a start that failed before logging a step), they are replaced.
 LAUNCH_RECORDS = ("config.toml", "command.txt", "run_info.json")
 

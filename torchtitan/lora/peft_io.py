@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from torchtitan.checkpointing.marker import does_not_exist
 from torchtitan.lora.names import resolve_targets
 from torchtitan.spec import ModelSpec
 
@@ -123,6 +124,8 @@ def read_peft_folder(folder: str, spec: ModelSpec, args: dict[str, Any]) -> tupl
     Raises:
         FileNotFoundError: not a PEFT folder. ValueError: not LoRA, rsLoRA/DoRA, or keys of another architecture.
     """
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"PEFT adapter folder {folder!r} {does_not_exist(folder)}")
     paths = [os.path.join(folder, name) for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)]
     for path in paths:
         if not os.path.isfile(path):
