@@ -288,7 +288,10 @@ def test_missing_lm_eval_is_one_line_naming_the_extra(monkeypatch, capsys):
     assert "pip install -e '.[eval]'" in capsys.readouterr().err
 
 
-def test_cli_runs_lm_eval_with_our_model(trained, tmp_path):
+def test_cli_runs_lm_eval_with_our_model(trained, tmp_path, capsys):
+    """`python -m torchtitan.eval ...` as documented: lm-eval runs our model at the documented batch size (8, not
+    lm-eval's 1) and writes into a folder named after the checkpoint and the tasks, which its last line names
+    (issue 56, item 5)."""
     from torchtitan.eval.__main__ import main
 
     run, _ = trained
@@ -310,6 +313,10 @@ def test_cli_runs_lm_eval_with_our_model(trained, tmp_path):
     (result,) = [os.path.join(d, f) for d, _, fs in os.walk(out) for f in fs if f.startswith("results")]
     with open(result) as f:
         assert "acc,none" in json.load(f)["results"]["arith_mc"]
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert any(line.endswith("batch_size: 8") for line in printed), printed
+    assert os.path.dirname(result) == str(out / "run-step-20_arith_mc")  # the run folder's name, the step, the tasks
+    assert printed[-1] == f"results: {result}"
 
 
 def test_sampled_generation_is_seeded(trained):

@@ -6,6 +6,7 @@ than once in 6 steps) and tokenized with the shipped tokenizer by tokenize_data.
 
 * Loss parity (RTOL 1e-5 per step, grad norms within the matrix's GRAD_NORM_RTOL): one process vs FSDP2,
   FSDP2 + accumulation 2, PP2 (1F1B); every layout logs the same samples per source per step.
+* The start summary names the data by its kind: a blend, one indexed corpus (issue 56, item 5).
 * Exact resume: the reference saves step 3 (the math source is then mid-way through its second epoch); the
   same layout resumed from it gives steps 4-6 bit-exact, FSDP2 (another data-parallel degree) within RTOL, with
   the same samples per source.
@@ -108,6 +109,9 @@ def runs(blend, tmp_path_factory) -> dict[str, list[dict]]:
         log = check_job(row.name, folders[row.name], launched)
         if row in RESUME_ROWS:
             assert "resumed from step 3" in log, log[-2000:]
+            step3 = os.path.join(folders[row.name], "checkpoint", "step-3")
+            assert f"start       resumed from step 3 ({step3})\n" in log, log[-2000:]
+        assert "data        blend of 3: " in log, log[-2000:]
         out[row.name] = [r for r in read_metrics(folders[row.name]) if "loss" in r]
     return out
 
@@ -151,3 +155,13 @@ def test_blend_resumes_exactly_mid_epoch_under_another_dp_degree(runs, blend):
     assert _samples(fsdp2, blend) == _samples(ref[3:], blend)
     for want, have in zip(ref[3:], fsdp2, strict=True):
         assert abs(have["loss"] - want["loss"]) <= RTOL * abs(want["loss"]), f"step {want['step']}"
+
+
+def test_a_run_on_one_indexed_corpus_names_it_indexed(blend, tmp_path):
+    """Issue 56, item 5: the start summary names an indexed dataset_path by its kind (it said 'pydocs (text, PREFIX)',
+    the default dataset's name and format). One step, one rank."""
+    folder = str(tmp_path / "indexed")
+    overrides = ["--training.batch_size", "8", "--training.steps", "1", "--training.dataset_path", blend["math"]]
+    launched = launch_jobs(1, [trainer_argv(overrides, folder)], str(tmp_path / "indexed.json"))
+    log = check_job("indexed", folder, launched)
+    assert f"data        indexed: {blend['math']}\n" in log, log[-2000:]

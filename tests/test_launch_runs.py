@@ -7,8 +7,10 @@ The first two launch ``tests/failing_worker.py`` (ranks that do not import torch
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -131,11 +133,19 @@ def test_a_second_run_is_refused_and_killing_the_launcher_stops_the_ranks(tmp_pa
 
 def test_the_readme_sft_command_trains_the_sft_config_over_config_file(tmp_path):
     """README's `./run_llama_train.sh --job.config_file train_configs/sft_debug.toml`, with CONFIG_FILE also set:
-    the argument wins (one line says so), in the pre-launch check and in the ranks alike."""
+    the argument wins (one line says so), in the pre-launch check and in the ranks alike. With an in-loop eval at
+    its one step (where lm-eval is installed; issue 56, item 7): one line in the log, none of lm-eval's notes,
+    hints or progress bars. Four steps logged every 2nd, validation at step 3: the step after it logs the tokens of
+    its own window, not of the two since the last log (issue 56, item 2)."""
     folder = str(tmp_path / "sft")
     env = dict(os.environ, NGPU="1", CONFIG_FILE="./train_configs/debug_model.toml")
+    env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     cmd = ["bash", "./run_llama_train.sh", "--job.config_file", "train_configs/sft_debug.toml"]
-    cmd += ["--training.steps", "1", "--validation.enabled", "false", "--job.dump_folder", folder]
+    cmd += ["--training.steps", "4", "--metrics.log_freq", "2", "--job.dump_folder", folder]
+    cmd += ["--validation.enabled", "--validation.freq", "3", "--validation.steps", "1"]
+    evaluates = importlib.util.find_spec("lm_eval") is not None
+    if evaluates:
+        cmd += ["--eval.enabled", "--eval.tasks", "arith_mc", "--eval.limit", "4"]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
@@ -144,7 +154,21 @@ def test_the_readme_sft_command_trains_the_sft_config_over_config_file(tmp_path)
         "note: training with --job.config_file train_configs/sft_debug.toml "
         "(it overrides CONFIG_FILE=./train_configs/debug_model.toml)"
     ], out[-3000:]
-    assert "data        sft_arith (chat rows)" in out, out[-3000:]  # the start summary names the chat data
+    # the start summary names the data by its kind and where the weights come from (issue 56, item 5)
+    assert "data        chat: sft_arith\n" in out and "start       fresh: weights initialized from" in out, out[-3000:]
+    if evaluates:
+        lines = out.splitlines()
+        first = next(i for i, line in enumerate(lines) if "outputs     " in line)
+        after = lines[first + 1 : next(i for i, line in enumerate(lines) if " done: " in line)]
+        evals = [line for line in after if "eval at step 4/4  arith_mc/acc " in line]
+        assert len(evals) == 1, after
+        assert not [line for line in after if not re.search(r"step \d/4 |epoch 0", line)], after
+    records = [r for line in open(os.path.join(folder, "metrics.jsonl")) if "loss" in (r := json.loads(line))]
+    assert [r["step"] for r in records] == [1, 2, 4], records  # the training steps' records
+    # a step's window holds at most 4 samples x 128 tokens, its answers fewer; never two windows' worth
+    for key in ("tokens_per_step", "trained_tokens_per_step"):
+        per_step = [r[key] for r in records]
+        assert all(0 < t <= 4 * 128 for t in per_step) and max(per_step) < 1.5 * min(per_step), (key, per_step)
     with open(os.path.join(folder, "config.toml")) as f:
         dumped = f.read()
     assert 'dataset = "sft_arith"' in dumped and 'dataset_format = "chat"' in dumped

@@ -163,14 +163,35 @@ def lora_run(tmp_path_factory) -> dict[str, str]:
     base = os.path.join(seed, "checkpoint", "step-0")
     run = [*LORA, *CKPT, "--training.batch_size", "4", "--checkpoint.initial_load_path", base]
     full, resumed = str(tmp / "full"), str(tmp / "resumed")
-    _train(2, full, [*run, "--checkpoint.last_save_in_hf"])
+    full_log = _train(2, full, [*run, "--checkpoint.last_save_in_hf"])
     shutil.copytree(os.path.join(full, "checkpoint", "step-3"), os.path.join(resumed, "checkpoint", "step-3"))
     log = _train(2, resumed, run)
     hf_base = str(tmp / "hf_base")
     from torchtitan.checkpointing.hf import export_to_hf
 
     export_to_hf(base, hf_base)
-    return {"tmp": str(tmp), "base": base, "full": full, "resumed": resumed, "resumed_log": log, "hf_base": hf_base}
+    return {
+        "tmp": str(tmp),
+        "base": base,
+        "full": full,
+        "full_log": full_log,
+        "resumed": resumed,
+        "resumed_log": log,
+        "hf_base": hf_base,
+    }
+
+
+def test_lora_start_summary_names_the_adapters_and_the_initial_weights(lora_run):
+    """Issue 56, item 5: the summary names LoRA, its rank, targets and trainable share, and says the base is initial
+    weights (not a resume) on the first start and a resume of the adapters on the base after it."""
+    adapters = 4 * (4 * 4 * (64 + 64) + 3 * 4 * (64 + 256))  # 4 layers: rank 4 on wq..wo (64 x 64), w1..w3 (64 x 256)
+    total = 557_632 + adapters  # the tiny flavor on the shipped tokenizer, and its adapters
+    share = f"{adapters / total:.2%} of parameters trainable ({adapters:,} of {total:,})"
+    full, resumed, base = lora_run["full_log"], lora_run["resumed_log"], lora_run["base"]
+    assert f"trains      LoRA rank 4 on wq,wk,wv,wo,w1,w2,w3: {share}\n" in full, full[-3000:]
+    assert f"start       initial weights from {base}\n" in full, full[-3000:]
+    step3 = os.path.join(lora_run["resumed"], "checkpoint", "step-3")
+    assert f"start       resumed from step 3 ({step3}); base: initial weights from {base}\n" in resumed, resumed[-3000:]
 
 
 def test_lora_checkpoint_holds_adapters_and_resumes_bit_exact_on_the_base_it_loads(lora_run):

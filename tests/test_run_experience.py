@@ -1,6 +1,6 @@
 """What a user sees and keeps: validation at the configured frequency, a run reproducible from its dump
-folder, plain (escape-free) output when redirected, and the same validation loss under FSDP2 and TP2
-as in one process."""
+folder, plain (escape-free) output when redirected, a start summary that names the data and the start, and the
+same validation loss under FSDP2 and TP2 as in one process."""
 
 from __future__ import annotations
 
@@ -29,6 +29,15 @@ def test_output_has_no_escape_codes_when_redirected(reference_run):
     _, result = reference_run
     assert f"step 1/{STEPS}" in result.stderr and f"validation at step {VAL_FREQ}/{STEPS}" in result.stderr
     assert "\x1b[" not in result.stdout + result.stderr
+
+
+def test_start_summary_names_the_data_by_kind_and_a_fresh_start(reference_run):
+    """Issue 56, item 5: the text corpus is named 'text', the weights' origin is the seed (no checkpoint, no
+    initial weights); no part-of-the-model line for a full run."""
+    _, result = reference_run
+    assert "data        text: pydocs\n" in result.stderr
+    assert "start       fresh: weights initialized from training.seed 42\n" in result.stderr
+    assert "trains      " not in result.stderr
 
 
 def test_rerun_from_dump_folder_reproduces_losses(reference_run, tmp_path):

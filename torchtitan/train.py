@@ -30,7 +30,7 @@ from torchtitan.features.documents.feed import Batch
 from torchtitan.launch.failures import exit_without_finalization, report_exception, report_failure
 from torchtitan.launch.parent_watch import watch_parent
 from torchtitan.launch.run_folder import RunLock, checkpoint_root, run_folder, set_aside_earlier_run
-from torchtitan.observability.logging import init_logger
+from torchtitan.observability.logging import init_logger, set_log_level
 from torchtitan.observability.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.observability.run_records import run_record_names, write_run_records
 from torchtitan.preflight import run_preflight
@@ -73,7 +73,7 @@ class Trainer:
         self.stop_requested = False
         self.data_iter: Iterator | None = None
         if rank == 0:
-            logger.info("\n%s", start_summary(core))
+            logger.info("\n%s", start_summary(parts))
 
     # The parts tools and tests read most (the rest: ``self.core`` / ``self.parts``).
     model_parts = property(lambda self: self.core.model_parts)
@@ -234,6 +234,7 @@ def run_job(config: JobConfig, *, world_size: int, rank: int, builders: Builders
     A launcher that runs several jobs in one set of processes (the tests' worker pool, tests/pool.py) calls this
     once per job under one process group. ``builders``: the trainer's (default: a real training run).
     """
+    set_log_level(config.job.log_level)
     for warning in run_preflight(config, world_size):
         if rank == 0:
             logger.warning(warning)

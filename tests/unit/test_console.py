@@ -1,4 +1,5 @@
 import io
+import logging
 import sys
 import types
 
@@ -84,3 +85,35 @@ def test_validation_keys_checked():
         run_preflight(
             JobConfig.parse_args(["--job.config_file", "train_configs/debug_model.toml", "--validation.freq", "0"]), 1
         )
+
+
+@pytest.fixture
+def _levels():
+    """The root's and the import-note loggers' levels, put back after the test."""
+    from torchtitan.observability.logging import IMPORT_NOTES
+
+    loggers = [logging.getLogger(), *map(logging.getLogger, IMPORT_NOTES)]
+    before = [lg.level for lg in loggers]
+    yield
+    for lg, level in zip(loggers, before):
+        lg.setLevel(level)
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_third_party_output_is_the_runs_debug_detail(level, capsys, _levels):
+    """Issue 56, item 7: below job.log_level 'debug' a library's notes, warnings and progress bars are held back
+    (torchao's import notes too); at 'debug' they show; held output comes out when the block raises."""
+    from torchtitan.observability.logging import set_log_level, third_party_detail
+
+    set_log_level(level)
+    debug = level == "debug"
+    assert logging.getLogger("torchao.kernel").isEnabledFor(logging.WARNING) == debug
+    with third_party_detail("some_lib"):
+        sys.stderr.write("Building contexts: 100%|##########| 4/4\n")
+        assert logging.getLogger("some_lib.tasks").isEnabledFor(logging.WARNING) == debug
+    assert ("Building contexts" in capsys.readouterr().err) == debug
+    assert logging.getLogger("some_lib.tasks").isEnabledFor(logging.WARNING)  # put back
+    with pytest.raises(RuntimeError), third_party_detail("some_lib"):
+        sys.stderr.write("what led to it\n")
+        raise RuntimeError("task failed")
+    assert "what led to it" in capsys.readouterr().err

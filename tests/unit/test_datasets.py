@@ -194,3 +194,23 @@ def test_errors(tmp_path: Path, jsonl: str, tokenizer: Tokenizer, monkeypatch: p
         build_hf_data_loader("c4", str(bad), tokenizer, SEQ_LEN, [[0]], 1)
     with pytest.raises(ValueError, match="distinct ids"):
         build_hf_data_loader("c4", jsonl, tokenizer, SEQ_LEN, [[0, 0]], 2)
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_datasets_progress_bars_show_at_the_runs_debug_level_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture, level: str
+) -> None:
+    """Issue 56, item 7: datasets' "Generating train split" bar (the first read of a file) is the run's DEBUG detail."""
+    from torchtitan.observability.logging import IMPORT_NOTES, set_log_level
+
+    path = tmp_path / "fresh.jsonl"  # a file datasets has not cached: it builds it, with its bar
+    path.write_text("".join(json.dumps({"text": _doc(i)}) + "\n" for i in range(3)))
+    loggers = [logging.getLogger(), *map(logging.getLogger, IMPORT_NOTES)]
+    before = [lg.level for lg in loggers]
+    try:
+        set_log_level(level)
+        assert len(registry.load_local(path, "text")) == 3
+    finally:
+        for lg, was in zip(loggers, before):
+            lg.setLevel(was)
+    assert ("Generating train split" in capsys.readouterr().err) == (level == "debug")

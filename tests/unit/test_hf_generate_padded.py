@@ -52,7 +52,7 @@ def test_generate_answers_from_a_transformers_folder_padded_past_its_tokenizer(t
     words = _qwen3_folder(tmp_path / "qwen3")
     assert _script().main(["--hf", str(tmp_path / "qwen3"), "--prompt", "Hello", "--max_new_tokens", "6"]) == 0
     assert capsys.readouterr().out.strip()
-    assert _script().default_tokenizer(str(tmp_path / "qwen3")) == str(tmp_path / "qwen3")
+    assert _script().default_tokenizer(str(tmp_path / "qwen3"), None) == str(tmp_path / "qwen3")
     model = _script().load_model(None, str(tmp_path / "qwen3"), 16, words, torch.device("cpu"))
     assert model.tok_embeddings.weight.shape[0] == words + PADDING  # the folder's rows, all of them loaded
     assert model(torch.tensor([[1, 2, 3]])).shape[-1] == words  # the padding rows are never sampled

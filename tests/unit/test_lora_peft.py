@@ -124,6 +124,8 @@ def test_adapters_for_another_base_rank_or_format_are_refused(tmp_path):
         from_peft_state_dict(expert, spec, args)
     with pytest.raises(FileNotFoundError, match="is not a PEFT adapter folder: no adapter_config.json"):
         read_peft_folder(str(tmp_path), spec, args)
+    with pytest.raises(FileNotFoundError, match=r"PEFT adapter folder '.*/hf/step-10' does not exist$"):
+        read_peft_folder(str(tmp_path / "hf" / "step-10"), spec, args)  # lora.md named a step its run never wrote
     assert os.path.isfile(os.path.join(folder, "adapter_model.safetensors"))
 
 

@@ -16,8 +16,9 @@ from torchtitan.checkpointing.folders import resume_point
 from torchtitan.checkpointing.marker import EXPORT, FULL, SEED, write_marker
 from torchtitan.config.manager import JobConfig
 from torchtitan.config.schema import Training
+from torchtitan.engine.summary import describe_start
 from torchtitan.launch.run_folder import EARLIER_RUNS, set_aside_earlier_run
-from torchtitan.observability.console import format_end_summary, format_start_summary
+from torchtitan.observability.console import format_data_source, format_end_summary, format_start_summary
 from torchtitan.observability.run_records import RUN_SCRIPT, run_record_names, write_run_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -118,15 +119,16 @@ def test_reproduce_line_on_several_nodes_names_the_launcher(tmp_path, monkeypatc
     )
 
 
-def test_readme_reproduce_line_is_command_txts():
-    readme = open(os.path.join(ROOT, "README.md")).read()
+def test_the_documented_reproduce_line_is_command_txts():
+    """README points to docs/reading_a_run.md for command.txt; the line shown there is the one command.txt ends with
+    (the same number of processes: one process would train half the global batch)."""
+    doc = open(os.path.join(ROOT, "docs", "reading_a_run.md")).read()
+    assert "python -m torchtitan.train --job.config_file <dump>/config.toml" not in doc
     assert (
-        "python -m torchtitan.train --job.config_file <dump>/config.toml" not in readme
-    )  # one process: half the batch
-    assert (
-        "NGPU=2 PYTHON=<python> CONFIG_FILE=<dump>/config.toml ./run_llama_train.sh --job.dump_folder <dump>-reproduced"
-        in readme
+        "cd <dir> && NGPU=<world size> PYTHON=<python> CONFIG_FILE=<dump>/config.toml ./run_llama_train.sh "
+        "--job.dump_folder <dump>-reproduced" in doc
     )
+    assert "command.txt" in open(os.path.join(ROOT, "README.md")).read()
 
 
 def test_readme_check_only_examples_pass_on_a_fresh_checkout(capsys):
@@ -141,6 +143,7 @@ def test_readme_check_only_examples_pass_on_a_fresh_checkout(capsys):
 
 
 def test_start_summary_names_the_count_per_token_and_end_summary_this_runs_steps():
+    training = Training(seq_len=256, steps=30, dataset="sft_arith", dataset_format="chat")
     summary = format_start_summary(
         model="qwen3_moe debugmodel",
         params=21_000_000,
@@ -148,17 +151,47 @@ def test_start_summary_names_the_count_per_token_and_end_summary_this_runs_steps
         layout="single process",
         world_size=1,
         global_batch=8,
-        training=Training(seq_len=256, steps=30, dataset="sft_arith", dataset_format="chat"),
+        training=training,
+        data=format_data_source(training, indexed=False),
+        start="fresh",
+        trains=["LoRA rank 8 on wq: 1.00% of parameters trainable"],
         device="cpu",
         dump_folder="out",
     )
-    assert "data        sft_arith (chat rows)" in summary
+    assert "data        chat: sft_arith" in summary
+    assert "trains      LoRA rank 8 on wq: 1.00% of parameters trainable" in summary
     assert "21,000,000 parameters, 7,424,256 of them multiply each token (MFU's N)" in summary
     assert "without the embedding" not in summary  # MoE: that number is the active count, not a total minus the table
     common = dict(wall_s=5, mean_tps=1000.0, best_loss=6.5, best_step=30, last_validation=None, checkpoint="c")
     assert format_end_summary(steps=30, **common).startswith("done: 30 steps in 0:00:05")
     resumed = format_end_summary(steps=30, start_step=10, **common)
     assert resumed.startswith("done: 30 steps (20 this run, resumed after step 10) in 0:00:05")
+
+
+def test_start_summary_names_the_data_by_kind_and_where_the_weights_come_from(tmp_path):
+    """Issue 56, item 5: an indexed corpus is 'indexed', not the dataset name's 'text'; initial weights are not a
+    resume. (The runs: tests/test_indexed_runs.py, tests/test_lora_runs.py, tests/test_launch_runs.py.)"""
+    prefix = str(tmp_path / "corpus")
+    assert format_data_source(Training(dataset_path=prefix), indexed=True) == f"indexed: {prefix}"
+    assert format_data_source(Training(dataset="pydocs"), indexed=False) == "text: pydocs"
+    assert format_data_source(Training(dataset_mix=["a:0.7", "b:0.3"]), indexed=False) == "blend of 2: a:0.7, b:0.3"
+    folder = tmp_path / "run"
+    fresh = _config(folder, "--checkpoint.enable_checkpoint", "--training.seed", "3")
+    assert describe_start(fresh, partial=False) == "fresh: weights initialized from training.seed 3"
+    hf = _config(folder, "--checkpoint.initial_load_path", "hf_in", "--checkpoint.initial_load_in_hf")
+    assert describe_start(hf, partial=False) == "initial weights from hf_in (Hugging Face)"
+    root = f"{folder}/checkpoint"
+    for step in (0, 4):
+        os.makedirs(f"{root}/step-{step}")
+    write_marker(f"{root}/step-0", 0, SEED)
+    assert describe_start(fresh, partial=False) == f"seed checkpoint {root}/step-0 (model weights only)"
+    write_marker(f"{root}/step-4", 4, FULL)
+    assert describe_start(fresh, partial=False) == f"resumed from step 4 ({root}/step-4)"
+    adapters = _config(folder, "--checkpoint.enable_checkpoint", "--checkpoint.initial_load_path", "base")
+    assert (
+        describe_start(adapters, partial=True)
+        == f"resumed from step 4 ({root}/step-4); base: initial weights from base"
+    )
 
 
 @pytest.mark.parametrize("name", ["config.toml", "command.txt", "run_info.json", "metrics.jsonl"])

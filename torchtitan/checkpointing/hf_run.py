@@ -156,7 +156,7 @@ def initial_load(
         what = "checkpoint weights (model only)"
     if rank == 0:
         logger.info("started from %s in %s in %.2f s", what, path, time.perf_counter() - start)
-    return f"initial weights {path}"
+    return f"initial weights from {path}"
 
 
 def export_last_in_hf(config: CheckpointConfig, path: str, out: str, export: Callable | None = None) -> None:

@@ -168,7 +168,7 @@ class CheckpointManager:
             raise ValueError(f"checkpoint {info.path} could not be loaded: {short_error(e)}") from e
         seconds = time.perf_counter() - start
         step = self.train_state.step if info.kind == FULL else 0
-        self.loaded = f"step-{info.step}"
+        self.loaded = f"resumed from step-{info.step}"
         if self.rank == 0:  # before anything new is saved; every rank's next save starts with a barrier
             if self.sets_aside_later:
                 set_aside(
@@ -343,7 +343,7 @@ class CheckpointManager:
         """For the end-of-run line."""
         if not self.enabled:
             return "not enabled (checkpoint.enable_checkpoint)"
-        parts = [f"resumed from {self.loaded}" if self.loaded else "started fresh"]
+        parts = [self.loaded or "started fresh"]
         if self.last_saved is not None:
             parts.append(f"last saved step-{self.last_saved[0]} in {self.root}")
         return ", ".join(parts)

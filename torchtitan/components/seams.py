@@ -8,7 +8,8 @@ the null object the engine uses where a feature is off (so the loop has no ``if 
   ``DirectPass``.
 - ``AfterStep``: work after a committed step at its own schedule (validation, evaluation); off: none.
 - ``NoStepHooks``: a family without per-step work (``spec.StepHooks``).
-- ``PlanTerms``: what a feature changes in ``estimation.py --plan``'s per-rank terms; the base changes nothing.
+- ``PlanTerms``: what a feature changes in ``estimation.py --plan``'s per-rank terms and in the start summary; the
+  base changes nothing.
 
 And what a feature's builder reads (``Parts``: the engine's ``CoreParts`` is one) and writes to (``Metrics``),
 declared here, below the features, so a feature names no engine type.
@@ -286,8 +287,13 @@ class NoStepHooks:
 
 class PlanTerms:
     """What an optional feature changes in the planner's per-rank terms (estimation/plan.py; its builder: the
-    registry's ``Feature.plan``). A feature subclasses it and overrides what it changes; the base is the run
-    without one: every parameter trains, fp32, the optimizer's own state, no extra communication."""
+    registry's ``Feature.plan``) and in the start summary's lines. A feature subclasses it and overrides what it
+    changes; the base is the run without one: every parameter trains, fp32, the optimizer's own state, no extra
+    communication, nothing to say."""
+
+    def summary(self, config: JobConfig, args: Any, params: int) -> str | None:
+        """The start summary's line on what trains (``params``: the model's, without the feature's own), or None."""
+        return None
 
     def trainable(self, config: JobConfig, args: Any, params: int) -> int:
         """The parameters with gradients and optimizer state, of ``params``."""

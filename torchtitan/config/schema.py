@@ -32,6 +32,12 @@ class Job:
     description: str = _f("default job", "free text describing the run")
     use_for_integration_test: bool = _f(False, "marks configs that the integration tests may use")
     print_args: bool = _f(False, "print the resolved config at start")
+    log_level: Literal["debug", "info", "warning"] = _f(
+        "info",
+        "what the run logs: 'info' our lines (the summaries, a line per logged step, validation and evaluation); "
+        "'debug' adds third-party detail (lm-eval's and datasets' notes, warnings and progress bars); 'warning' "
+        "only warnings and errors",
+    )
 
 
 @dataclass

@@ -9,6 +9,9 @@ from torchtitan.config.bounds import Bound
 from torchtitan.config.fields import POSITIVE as _POSITIVE
 from torchtitan.config.fields import config_field as _f
 
+# requests per forward of the torchtitan backend, in the loop and on `python -m torchtitan.eval` (lm-eval's own is 1)
+DEFAULT_BATCH_SIZE = 8
+
 
 @dataclass
 class Eval:
@@ -28,5 +31,5 @@ class Eval:
     )
     num_fewshot: int | None = _f(None, "few-shot examples in each prompt; None = each task's own default")
     include_path: str | None = _f(None, "a folder of your own lm-eval task YAMLs (searched before the shipped tasks)")
-    batch_size: int = _f(8, "requests per forward pass (grouped by length)", bound=_POSITIVE)
+    batch_size: int = _f(DEFAULT_BATCH_SIZE, "requests per forward pass (grouped by length)", bound=_POSITIVE)
     seed: int = _f(1234, "seed of few-shot sampling and of sampled generation (the training RNG is left untouched)")

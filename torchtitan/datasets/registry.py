@@ -7,11 +7,14 @@ near the hub: a local file or folder is read with `datasets`' packaged builders.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from datasets import Dataset, IterableDataset, load_dataset
 from datasets.exceptions import DatasetGenerationError
+from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
 from torchtitan.datasets.local_files import check_not_empty, check_text_column, explain_load_error, source_files
 
@@ -72,6 +75,23 @@ def looks_like_hub_id(path: str) -> bool:
     )
 
 
+@contextmanager
+def _quiet_load() -> Iterator[None]:
+    """datasets' progress bars ("Generating train split", the first read of a file) are the run's DEBUG detail
+    (``job.log_level``); its JSON reader's "Failed to load JSON" line never shows: our error names the file and line."""
+    json_logger = logging.getLogger("datasets.packaged_modules.json.json")
+    level, bars = json_logger.level, not are_progress_bars_disabled()
+    json_logger.setLevel(logging.CRITICAL)
+    if bars and not logging.getLogger().isEnabledFor(logging.DEBUG):
+        disable_progress_bars()
+    try:
+        yield
+    finally:
+        json_logger.setLevel(level)
+        if bars and are_progress_bars_disabled():
+            enable_progress_bars()
+
+
 def load_local(path: Path, text_field: str | None) -> Dataset:
     """A local file (.json/.jsonl/.parquet/.txt) or folder, map-style (random access by index).
 
@@ -90,18 +110,14 @@ def load_local(path: Path, text_field: str | None) -> Dataset:
         )
     files = source_files(path)
     check_not_empty(files)
-    json_logger = logging.getLogger("datasets.packaged_modules.json.json")
-    level = json_logger.level
-    json_logger.setLevel(logging.CRITICAL)  # its "Failed to load JSON" line says less than our error
     try:
-        if path.is_dir():
-            data = load_dataset(str(path), split="train")
-        else:
-            data = load_dataset(builder, data_files=str(path), split="train")
+        with _quiet_load():
+            if path.is_dir():
+                data = load_dataset(str(path), split="train")
+            else:
+                data = load_dataset(builder, data_files=str(path), split="train")
     except (DatasetGenerationError, StopIteration, ValueError) as e:  # ValueError: its pandas fallback for JSON
         raise explain_load_error(files, text_field or "", e) from e
-    finally:
-        json_logger.setLevel(level)
     if text_field is not None:
         check_text_column(data, text_field, files)
     return data

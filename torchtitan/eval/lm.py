@@ -20,6 +20,7 @@ from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_
 
 from torchtitan.components.generation import Sampling
 from torchtitan.config.manager import JobConfig
+from torchtitan.config.schema_eval import DEFAULT_BATCH_SIZE
 from torchtitan.eval.model import EvalModel, build_eval_model, load_config
 from torchtitan.eval.runner import ModelRunner
 
@@ -62,7 +63,7 @@ class TorchtitanLM(TemplateLM):
         config: str | JobConfig | None = None,
         checkpoint: str | None = None,
         hf: str | None = None,
-        batch_size: int | str = 8,
+        batch_size: int | str = DEFAULT_BATCH_SIZE,
         max_length: int | None = None,
         max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
         seed: int = 1234,
@@ -78,7 +79,8 @@ class TorchtitanLM(TemplateLM):
             if config is None:
                 raise ValueError("--model_args needs config=TRAIN_TOML (and checkpoint=STEP_FOLDER or hf=HF_FOLDER)")
             job = load_config(config, overrides.split() if overrides else None)
-            model = build_eval_model(job, checkpoint=checkpoint, hf=hf)
+            told = any(o.startswith("--model.tokenizer_path") for o in (overrides or "").split())
+            model = build_eval_model(job, checkpoint=checkpoint, hf=hf, tokenizer_from_config=told)
         if str(batch_size).startswith("auto"):
             raise ValueError("batch_size=auto is not supported by the torchtitan backend; pass a number")
         self.em = model

@@ -1,6 +1,7 @@
 """Downstream tasks in the training loop (``[eval]``): every ``freq`` steps and at the last step, lm-eval runs the
 configured tasks on the live model, in place (no checkpoint round trip, no second copy of the weights), and the
-trainer logs each task's metrics (console, metrics.jsonl, TensorBoard) as ``eval/<task>/<metric>``.
+trainer logs each task's metrics (console, metrics.jsonl, TensorBoard) as ``eval/<task>/<metric>``: one line per
+evaluation at the run's INFO level (lm-eval's own output shows at ``job.log_level = "debug"``).
 
 Training goes on as if nothing happened: the model returns to train mode, and the RNG states lm-eval seeds
 (Python's, numpy's, torch's CPU and device generators) are put back, so the losses after an evaluation equal a
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchtitan.config.schema_eval import Eval
+from torchtitan.observability.logging import third_party_detail
 
 if TYPE_CHECKING:
     from torchtitan.components.seams import Metrics, Parts
@@ -92,7 +94,9 @@ class InLoopEval:
             em = dataclasses.replace(em, forwards=feed.plain_causal)
         was_training = model.training
         seed = self.cfg.seed
-        with kept_rng_state(t.device):
+        # lm-eval's notes, `--metadata` hints and progress bars (and datasets' reading the task data) are the run's
+        # DEBUG detail: at INFO an evaluation is its one "eval at step" line
+        with kept_rng_state(t.device), third_party_detail("lm_eval", "datasets"):
             model.eval()
             try:
                 lm = TorchtitanLM(model=em, batch_size=self.cfg.batch_size, seed=seed)

@@ -61,8 +61,7 @@ def build_eval_model(
         NotImplementedError: pipeline or context parallel in the config.
     """
     from torchtitan.build import build_model, build_model_args
-    from torchtitan.checkpointing.hf_files import hf_embedding_rows, hf_folder_tokenizer
-    from torchtitan.checkpointing.marker import recorded_tokenizer
+    from torchtitan.checkpointing.hf_files import hf_embedding_rows
     from torchtitan.datasets.tokenizer import build_tokenizer
     from torchtitan.distributed.backend.device import get_device_info, init_distributed
     from torchtitan.dtypes import to_dtype
@@ -83,13 +82,7 @@ def build_eval_model(
     if world_size > 1 and not dist.is_initialized():
         init_distributed(info, config.comm.init_timeout_seconds, 0)
     spec = get_model_spec(config.model.name)
-    recorded = recorded_tokenizer(checkpoint) if checkpoint and not tokenizer_from_config else None
-    if recorded and not os.path.exists(recorded):
-        raise FileNotFoundError(
-            f"checkpoint={checkpoint} was trained with the tokenizer {recorded}, which does not exist here; pass "
-            "overrides=--model.tokenizer_path <the same tokenizer's file or folder>"
-        )
-    tokenizer_path = recorded or (hf_folder_tokenizer(hf) if hf else None) or config.model.tokenizer_path
+    tokenizer_path = _tokenizer_path(config, checkpoint if not tokenizer_from_config else None, hf)
     tokenizer = build_tokenizer(tokenizer_path)
     vocab = hf_embedding_rows(hf, tokenizer.n_words, tokenizer_path) if hf else tokenizer.n_words
     args = build_model_args(config, spec, vocab, device_type=info.device.type)
@@ -110,6 +103,24 @@ def build_eval_model(
     dtype = to_dtype(config.training.mixed_precision_param)
     amp = None if dims.fsdp_enabled or dtype == torch.float32 else dtype
     return EvalModel(model.eval(), tokenizer, WorldMesh(dims, mesh), info.device, args.max_seq_len, amp)
+
+
+def _tokenizer_path(config: JobConfig, checkpoint: str | None, hf: str | None) -> str:
+    """The tokenizer a checkpoint's run trained with (its marker's record), an HF folder's own, else the config's.
+
+    Raises:
+        FileNotFoundError: the recorded tokenizer is not on this machine.
+    """
+    from torchtitan.checkpointing.hf_files import hf_folder_tokenizer
+    from torchtitan.checkpointing.marker import recorded_tokenizer
+
+    recorded = recorded_tokenizer(checkpoint) if checkpoint else None
+    if recorded and not os.path.exists(recorded):
+        raise FileNotFoundError(
+            f"checkpoint={checkpoint} was trained with the tokenizer {recorded}, which does not exist here; pass "
+            "overrides=--model.tokenizer_path <the same tokenizer's file or folder>"
+        )
+    return recorded or (hf_folder_tokenizer(hf) if hf else None) or config.model.tokenizer_path
 
 
 def _describe(info: dict[str, Any]) -> str:

@@ -60,4 +60,4 @@ def load_peft_into(view: nn.Module, lora: Lora, model_info: dict[str, Any]) -> s
     targets = state.state_dict()
     check_peft_fits(config, adapters, targets, lora.adapter_path, lora)
     state.load_state_dict({k: local_slice(t, adapters[k], k, lora.adapter_path) for k, t in targets.items()})
-    return f"PEFT adapter {lora.adapter_path}"
+    return f"adapters from the PEFT folder {lora.adapter_path}"

@@ -1,6 +1,7 @@
 """LoRA in the parallelism planner's lower bound (``PlanTerms``, components/seams.py): only the adapters have
 gradients and optimizer state (the run's AdamW: 2 moments each), the frozen base its parameters alone, and under
-QLoRA the adapted linears' weights at NF4's bytes."""
+QLoRA the adapted linears' weights at NF4's bytes; and its line in the start summary (rank, targets, trainable
+share)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,17 @@ class LoraPlanTerms(PlanTerms):
 
     def trainable(self, config: JobConfig, args: Any, params: int) -> int:
         return adapter_param_count(config, args.n_layers)
+
+    def summary(self, config: JobConfig, args: Any, params: int) -> str:
+        """'LoRA rank 8 on wq,wk,wv,wo: 0.42% of parameters trainable (2,048 of 487,424)' (QLoRA: 'QLoRA (NF4
+        base) rank 8 ...'); ``params``: the base's, the adapters come on top."""
+        lora, adapters = config.lora, self.trainable(config, args, params)
+        name = "QLoRA (NF4 base)" if lora.quantize_base == "nf4" else "LoRA"
+        total = params + adapters
+        return (
+            f"{name} rank {lora.rank} on {','.join(lora.target_modules)}: {adapters / total:.2%} of parameters "
+            f"trainable ({adapters:,} of {total:,})"
+        )
 
     def param_bytes(self, config: JobConfig, args: Any, params: int) -> int:
         """4 bytes each (fp32), but NF4's for the adapted linears' weights under QLoRA."""

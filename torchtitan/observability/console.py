@@ -83,12 +83,15 @@ def format_layout(degrees: dict[str, int]) -> str:
     return " x ".join(parts) if parts else "single process"
 
 
-def format_data_source(training: Training) -> str:
-    """'sft_arith (chat rows, tests/assets/sft/arith_train.jsonl)': what the run trains on, as the summary names it."""
+def format_data_source(training: Training, *, indexed: bool) -> str:
+    """What the run trains on, named by its kind: 'chat: sft_arith', 'text: pydocs', 'indexed: PREFIX', 'blend of 2:
+    ...' (``indexed``: ``training.dataset_path`` names an indexed dataset, read window by window)."""
     if training.dataset_mix is not None:  # a blend: its sources and weights, as given (normalised in run_info.json)
         return f"blend of {len(training.dataset_mix)}: {', '.join(training.dataset_mix)}"
-    kind = {"text": "text", "chat": "chat rows", "prompt_completion": "prompt/completion rows"}[training.dataset_format]
-    return f"{training.dataset} ({kind}{', ' + training.dataset_path if training.dataset_path else ''})"
+    kind = {"text": "text", "chat": "chat", "prompt_completion": "prompt/completion"}[training.dataset_format]
+    if kind == "text" and indexed:
+        kind = "indexed"
+    return f"{kind}: {training.dataset_path or training.dataset}"
 
 
 def format_start_summary(
@@ -100,18 +103,25 @@ def format_start_summary(
     world_size: int,
     global_batch: int,
     training: Training,
+    data: str,
+    start: str,
+    trains: list[str],
     device: str,
     dump_folder: str,
 ) -> str:
+    """The block rank 0 logs before the first step. ``data``: ``format_data_source``'s; ``start``: where the weights
+    come from; ``trains``: a line per feature that trains part of the model (e.g. adapters), none for a full run."""
     seq_len, steps = training.seq_len, training.steps
     tokens = global_batch * seq_len
     return "\n".join(
         [
             # flop_params: what each token is multiplied by: no embedding lookup, and only the active experts
             f"model       {model}: {params:,} parameters, {flop_params:,} of them multiply each token (MFU's N)",
+            *(f"trains      {line}" for line in trains),
             f"layout      {layout} ({world_size} process{'es' if world_size > 1 else ''}, device {device})",
             f"batch       {global_batch} samples x {seq_len} tokens = {tokens:,} tokens per step, {steps} steps",
-            f"data        {format_data_source(training)}",
+            f"data        {data}",
+            f"start       {start}",
             f"outputs     {dump_folder} (metrics.jsonl, config.toml, command.txt, run_info.json)",
         ]
     )

@@ -1,10 +1,18 @@
-"""Log formatting; only entry points call ``init_logger``."""
+"""Log formatting and the run's log level; only entry points call ``init_logger``.
+
+Third-party output is detail: at the run's ``job.log_level`` of 'debug' it shows as the libraries write it, at
+'info' (the default) and above only their errors (``IMPORT_NOTES``, ``third_party_detail``), so the log holds our
+lines.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import logging
 import sys
+from collections.abc import Iterator
 
 
 def init_logger() -> None:
@@ -18,6 +26,47 @@ def init_logger() -> None:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
     handler._torchtitan = True
     root.addHandler(handler)
+
+
+# Third-party loggers whose notes at import time are detail: torchao's (optional kernels that did not load, no
+# triton) and torch's pytree notes on torchao's enums (register_constant() on an Enum subclass is deprecated).
+IMPORT_NOTES = ("torchao", "torch.utils._pytree")
+
+
+def set_log_level(level: str) -> None:
+    """The run's log level (``job.log_level``: 'debug', 'info', 'warning') on the root logger; below 'debug' the
+    ``IMPORT_NOTES`` loggers say only their errors."""
+    logging.getLogger().setLevel(level.upper())
+    for name in IMPORT_NOTES:
+        logging.getLogger(name).setLevel(logging.NOTSET if level == "debug" else logging.ERROR)
+
+
+@contextlib.contextmanager
+def third_party_detail(*loggers: str) -> Iterator[None]:
+    """Inside the block, third-party output is detail, shown at the run's DEBUG level only.
+
+    At DEBUG nothing changes. Above it the ``loggers`` (library logger names, e.g. "datasets") say only their
+    errors, and what is written to ``sys.stderr`` (progress bars, Python warnings) is held back: written out
+    only if the block raises, beside the error it explains. Our own log lines are unaffected (a handler keeps
+    the stream it was made with).
+    """
+    if logging.getLogger().isEnabledFor(logging.DEBUG):
+        yield
+        return
+    named = [logging.getLogger(name) for name in loggers]
+    levels = [lg.level for lg in named]
+    held = io.StringIO()
+    for lg in named:
+        lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    except BaseException:
+        sys.stderr.write(held.getvalue())
+        raise
+    finally:
+        for lg, level in zip(named, levels):
+            lg.setLevel(level)
 
 
 @functools.cache
