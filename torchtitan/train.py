@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torchtitan.build import create_seed_checkpoint
 from torchtitan.checkpointing.manager import resumes_from
 from torchtitan.components.run_control import AgreedStop, RunStopped
-from torchtitan.config.manager import JobConfig, format_help, wants_help
+from torchtitan.config.manager import JobConfig, format_help, print_help, wants_help
 from torchtitan.distributed.backend.device import get_device_info, init_distributed, set_pg_timeout
 from torchtitan.engine.builders import Builders
 from torchtitan.engine.parts import build_core_parts, build_training_parts
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None, *, builders: Builders | None = None) -> 
     """The entry point of every rank; ``builders``: see ``run_job``. Returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if wants_help(argv):
-        print(format_help())
+        print_help(format_help())
         return 0
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     init_logger()

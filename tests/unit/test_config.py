@@ -574,3 +574,20 @@ def test_schema_norm_types_are_the_models():
     from torchtitan.models.llama import model
 
     assert schema.NORM_TYPES == model.NORM_TYPES
+
+
+def test_help_into_a_reader_that_stops_early_is_no_traceback(monkeypatch):
+    """`python -m torchtitan.train --help | head -3`: the pipe closes after 3 lines; the rest is dropped quietly."""
+    from torchtitan.config.manager import format_help, print_help
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone
+    saved = os.dup(1)
+    stdout = os.fdopen(write_end, "w")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    os.dup2(write_end, 1)
+    try:
+        print_help(format_help())  # BrokenPipeError before: a traceback after the help's first lines
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)

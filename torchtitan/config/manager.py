@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import sys
 import typing
 from typing import Any
@@ -252,6 +253,15 @@ def _limits(f: dataclasses.Field) -> str:
     if "not_built" in f.metadata:
         out += ", not built yet: only the default is accepted"
     return out
+
+
+def print_help(*texts: str) -> None:
+    """Print ``--help``'s text; a reader that stops early (``--help | head``) is no error: no traceback."""
+    try:
+        for text in texts:
+            print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's final flush must not fail
 
 
 def format_help() -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.config.manager import JobConfig, format_help, wants_help
+from torchtitan.config.manager import JobConfig, format_help, print_help, wants_help
 from torchtitan.distributed.backend.device import DEVICE_TYPES, get_device_info
 from torchtitan.preflight.checks import CHECKS, not_checked_here, run_preflight, skips
 
@@ -70,8 +70,7 @@ def _ok_line(config: JobConfig, world_size: int, target: str | None, device_type
 def main(argv: list[str]) -> int:
     """Print the keys (``--help``), or check the config: exit 0 with one ``ok:`` line, or 2 with one ``error:`` line."""
     if wants_help(argv):
-        print(USAGE)
-        print(format_help())
+        print_help(USAGE, format_help())
         return 0
     try:
         world_size, target, argv = _launch_flags(argv)
