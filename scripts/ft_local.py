@@ -154,8 +154,8 @@ def check(dump: Path) -> str:
         ends[g] = done[-1]
         if g == record.kill_group:
             continue
-        if len(starts(text, g)) != 1:
-            raise ClaimFailed(f"replica group {g} started {len(starts(text, g))} times, not once")
+        if (launches := len(starts(text, g))) != 1:
+            raise ClaimFailed(f"replica group {g} started {launches} times, not once")
         steps = [r["step"] for r in logged(dump, g)]
         if steps != sorted(set(steps)) or not steps or steps[-1] != int(done[-1][0]):
             raise ClaimFailed(f"replica group {g} did not log each step once, in order, to the last: {steps}")
@@ -171,7 +171,8 @@ def check(dump: Path) -> str:
         if not alone:
             raise ClaimFailed(f"no group trained without replica group {k} after it was killed")
         restarted = console(dump, k)
-        tail = restarted[starts(restarted, k)[-1].start() :] if len(starts(restarted, k)) >= 2 else ""
+        launches = starts(restarted, k)
+        tail = restarted[launches[-1].start() :] if len(launches) >= 2 else ""
         healed = re.findall(rf"replica group {k} healed from group (\d+) at step (\d+)", tail)
         if not healed:
             raise ClaimFailed(f"replica group {k} did not heal from a live group after its restart: see its log")
@@ -194,6 +195,19 @@ def check(dump: Path) -> str:
 # --------------------------------------------------------------------------- the job
 
 
+@contextlib.contextmanager
+def stopped(pids: list[int]) -> Iterator[None]:
+    """SIGSTOP ``pids``, SIGCONT on exit (a process that died meanwhile is skipped)."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
 class Job:
     def __init__(self, settings: Settings, overrides: list[str]):
         self.s = settings
@@ -211,11 +225,12 @@ class Job:
             )
         print(f"replica group {group}: pid {self.launchers[group].pid} (log {self.s.dump}/replica_{group}.log)")
 
-    def rank0(self, group: int, nth: int = 1) -> int | None:
-        """The pid of the group's rank 0 once its Manager is up in its ``nth`` launch (torchrun starts ranks in
-        sessions of their own: a signal to the launcher's process group does not reach them)."""
+    def rank0(self, group: int, nth: int | None = None) -> int | None:
+        """The pid of the group's rank 0 once its Manager is up in its ``nth`` launch (default: its latest) (torchrun
+        starts ranks in sessions of their own: a signal to the launcher's process group does not reach them)."""
         found = starts(console(self.s.dump, group), group)
-        return int(found[nth - 1].group(1)) if len(found) >= nth else None
+        nth = len(found) if nth is None else nth
+        return int(found[nth - 1].group(1)) if 0 < nth <= len(found) else None
 
     def wait(self, what: str, done: Callable[[], bool], watch: tuple[int, ...] = ()) -> None:
         """Until ``done()``; ClaimFailed if a watched group's launcher ends first or WAIT_S passes."""
@@ -235,15 +250,8 @@ class Job:
     def paused(self, groups: list[int]) -> Iterator[None]:
         """SIGSTOP these groups' rank 0 (their steps and heartbeats stop; the other ranks wait in collectives),
         SIGCONT on exit: each stays one run, every step once."""
-        pids = [pid for g in groups if (pid := self.rank0(g, len(starts(console(self.s.dump, g), g))))]
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        try:
+        with stopped([pid for g in groups if (pid := self.rank0(g))]):
             yield
-        finally:
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGCONT)
 
     def join(self, newcomers: list[int], running: list[int]) -> None:
         """Start the newcomers while the running groups are held back: stopped (SIGSTOP to rank 0) for HELD_S of
@@ -257,20 +265,22 @@ class Job:
         def up() -> bool:
             return all(self.rank0(g, nth) is not None for g, nth in nths.items())
 
+        held, what = [pid for g in running if (pid := self.rank0(g))], f"replica groups {newcomers}' start"
         deadline = time.monotonic() + WAIT_S
         while not up():
-            with self.paused(running):
-                self.wait_a_while(HELD_S, up, watch=tuple(newcomers))
-            self.wait_a_while(LET_S, up, watch=tuple(newcomers))
+            with stopped(held):
+                self.wait_a_while(what, HELD_S, up, watch=tuple(newcomers))
+            self.wait_a_while(what, LET_S, up, watch=tuple(newcomers))
             if time.monotonic() > deadline:
-                raise ClaimFailed(f"replica groups {newcomers} did not start within {WAIT_S} s")
+                raise ClaimFailed(f"no {what} within {WAIT_S} s")
 
-    def wait_a_while(self, seconds: float, done: Callable[[], bool], watch: tuple[int, ...]) -> None:
+    def wait_a_while(self, what: str, seconds: float, done: Callable[[], bool], watch: tuple[int, ...]) -> None:
+        """``wait`` for ``what``, but at most ``seconds``."""
         end = time.monotonic() + seconds
-        self.wait("", lambda: done() or time.monotonic() > end, watch)
+        self.wait(what, lambda: done() or time.monotonic() > end, watch)
 
     def kill(self, group: int) -> None:
-        rank0 = self.rank0(group, len(starts(console(self.s.dump, group), group)))
+        rank0 = self.rank0(group)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.launchers[group].pid, signal.SIGKILL)  # what a user's kill of the job does
         if rank0 is not None:

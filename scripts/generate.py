@@ -199,12 +199,8 @@ def default_tokenizer(hf: str | None, checkpoint: str | None) -> str:
     from torchtitan.checkpointing.hf_files import hf_folder_tokenizer
     from torchtitan.checkpointing.marker import recorded_tokenizer
 
-    recorded = recorded_tokenizer(checkpoint) if checkpoint else None
-    if recorded and not os.path.exists(recorded):
-        raise FileNotFoundError(
-            f"checkpoint {checkpoint} was trained with the tokenizer {recorded}, which does not exist here; pass "
-            "--tokenizer, the same tokenizer's file or folder"
-        )
+    fix = "pass --tokenizer, the same tokenizer's file or folder"
+    recorded = recorded_tokenizer(checkpoint, fix=fix) if checkpoint else None
     return recorded or (hf_folder_tokenizer(hf) if hf else None) or SHIPPED_TOKENIZER
 
 

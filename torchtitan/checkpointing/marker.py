@@ -51,11 +51,21 @@ def read_marker(path: str) -> dict[str, Any] | None:
         return None
 
 
-def recorded_tokenizer(path: str) -> str | None:
+def recorded_tokenizer(path: str, *, fix: str) -> str | None:
     """The tokenizer the run that saved checkpoint ``path`` trained with (its marker's record), or None (no
-    marker, or a checkpoint saved before markers recorded it, or a seed)."""
+    marker, or a checkpoint saved before markers recorded it, or a seed).
+
+    Raises:
+        FileNotFoundError: the recorded tokenizer is not on this machine (``fix``: how the caller's user passes
+            another, the end of the one-line error).
+    """
     marker = read_marker(path) or {}
-    return (marker.get("data") or {}).get("tokenizer")
+    recorded = (marker.get("data") or {}).get("tokenizer")
+    if recorded and not os.path.exists(recorded):
+        raise FileNotFoundError(
+            f"checkpoint {path} was trained with the tokenizer {recorded}, which does not exist here; {fix}"
+        )
+    return recorded
 
 
 def moved_by_a_later_run(path: str) -> str | None:

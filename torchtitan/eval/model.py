@@ -114,12 +114,8 @@ def _tokenizer_path(config: JobConfig, checkpoint: str | None, hf: str | None) -
     from torchtitan.checkpointing.hf_files import hf_folder_tokenizer
     from torchtitan.checkpointing.marker import recorded_tokenizer
 
-    recorded = recorded_tokenizer(checkpoint) if checkpoint else None
-    if recorded and not os.path.exists(recorded):
-        raise FileNotFoundError(
-            f"checkpoint={checkpoint} was trained with the tokenizer {recorded}, which does not exist here; pass "
-            "overrides=--model.tokenizer_path <the same tokenizer's file or folder>"
-        )
+    fix = "pass overrides=--model.tokenizer_path <the same tokenizer's file or folder>"
+    recorded = recorded_tokenizer(checkpoint, fix=fix) if checkpoint else None
     return recorded or (hf_folder_tokenizer(hf) if hf else None) or config.model.tokenizer_path
 
 
