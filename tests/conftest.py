@@ -18,6 +18,9 @@ from tests.integration_tests import (
     DOCS,
     GLOBAL_BATCH,
     MOE,
+    PURE_BF16,
+    PURE_BF16_RTOL,
+    STEPS,
     VALIDATION,
     Launch,
     MatrixLaunches,
@@ -25,6 +28,7 @@ from tests.integration_tests import (
     losses_of,
     read_metrics,
     run_train,
+    stored_dtypes,
     train,
 )
 
@@ -58,6 +62,21 @@ def bf16_reference(tmp_path_factory) -> dict[str, list[float]]:
     result = train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH), *BF16])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return losses_of(folder)
+
+
+@pytest.fixture(scope="session")
+def pure_bf16_reference(tmp_path_factory, bf16_reference) -> dict[str, list[float]]:
+    """The pure bf16 rows' reference: one process, bf16 parameters, the whole global batch. Its losses must miss
+    the mixed-precision (fp32 weights) run's by more than the rows' tolerance: a run that ignored training.dtype
+    would be that run."""
+    folder = str(tmp_path_factory.mktemp("pure_bf16_reference"))
+    result = train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH), *PURE_BF16])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    losses = losses_of(folder)
+    gap = max(abs(a - b) / abs(b) for a, b in zip(losses["loss"], bf16_reference["loss"], strict=True))
+    assert gap > PURE_BF16_RTOL, f"pure bf16 is {gap:.2g} from mixed precision: training.dtype ignored?"
+    assert stored_dtypes(os.path.join(folder, "checkpoint", f"step-{STEPS}")) == {"bfloat16"}
+    return losses
 
 
 @pytest.fixture(scope="session")

@@ -42,6 +42,7 @@ from tests.integration_tests import (
     AC_FULL,
     DOC_ROWS,
     MOE_ROWS,
+    PURE_BF16_ROWS,
     ROOT,
     ROTATE_ALLTOALL,
     ROWS,
@@ -88,6 +89,7 @@ ALL_ROWS = [
     + ESTIMATED_DOC_ROWS
     + FRONTIER
     + LORA_ROWS
+    + PURE_BF16_ROWS
     if r.name not in NOT_PRACTICAL and r.ngpu > 1
 ]
 # CI measures one row per feature (~4 minutes); every practical row takes ~15 minutes:
@@ -115,6 +117,7 @@ CI_ROWS = {
     "docs_fsdp2",
     "dsv3_tp2_ep2",  # multi-head latent attention: latent projections replicated over TP, v heads narrower
     "gpt_oss_ep2",  # attention sinks and sliding windows (an fp32 masked-softmax kernel), biased experts
+    "bf16_pure_fsdp2",  # training.dtype = "bfloat16": parameters, gradients and moments at 2 bytes
     "lora_llama3_fsdp2",  # a frozen base: no gradients or optimizer state (full AC: 36.16 vs fsdp2_ac_full's 80.31 MiB)
 }
 TRACKER_ROWS = (

@@ -1,4 +1,5 @@
-"""bench/gpu_check: its CPU dry run end to end, so the GPU check cannot rot between GPU runs.
+"""bench/gpu_check: its CPU dry run end to end, so the GPU check cannot rot between GPU runs; and its golden files
+(bench/golden/): the dry run's rows compared with cpu_dry_run.json, each file naming its plan's rows.
 
 The dry run is the command a user types (``python -m bench.gpu_check --cpu-dry-run --out DIR``, from the repository root), in a process
 of its own: it hides any GPU and sets its thread count before torch starts, and its sanity section starts a
@@ -19,9 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.gpu_check.plan import dry_run_plan
+from bench.gpu_check import golden as goldens
+from bench.gpu_check.plan import Plan, dry_run_plan, gpu_plan
 from bench.gpu_check.report import SECTIONS, format_markdown
-from bench.gpu_check.runs import RunSpec
+from bench.gpu_check.runs import SPEC_KEYS, RunSpec
 from bench.gpu_check.sections import Budget, Context, runs_section, throughput
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,6 +73,9 @@ def test_dry_run_every_section_ok(dry_run, record_property):
     assert report == json.loads((out / "gpu_check.json").read_text())
     assert list(report) == list(SECTIONS)
     for name, record in report.items():
+        if name == "golden":  # CPU verdicts show that the comparison runs; they are no speed gate (golden.py)
+            assert record["status"] in ("ok", "regressed"), record
+            continue
         if name == "float8" and not TORCHAO:
             assert record["status"] == "skipped" and record["reason"].startswith("torchao not installed"), record
             continue
@@ -103,8 +108,66 @@ def test_dry_run_measures(dry_run):
     assert all(run["finite"] and len(run["losses"]) == run["steps"] for run in report["families"]["runs"])
     markdown = (out / "gpu_check.md").read_text()
     assert markdown == format_markdown(report)
-    for name in SECTIONS:
+    for name in SECTIONS[:-1]:
         assert f"| {name} |" in markdown, name
+    assert markdown.rstrip("\n").splitlines()[-1].strip("*") == report["golden"]["summary"]
+
+
+def test_dry_run_compares_every_row_with_its_golden_file(dry_run):
+    """Every run row the dry run measured has a verdict against bench/golden/cpu_dry_run.json: the file covers the
+    dry-run plan, with the same configs, and the report says so row by row and in its last line."""
+    _, out, _ = dry_run
+    report = json.loads((out / "gpu_check.json").read_text())
+    golden = report["golden"]
+    assert (golden["kind"], golden["file"]) == ("cpu_dry_run", "bench/golden/cpu_dry_run.json"), golden
+    fix = f"re-record it: {goldens.record_command(goldens.load_golden(goldens.DRY_RUN_KIND))} (docs/performance.md)"
+    compared = set()
+    lines = (out / "gpu_check.md").read_text().splitlines()
+    for name in goldens.RUN_SECTIONS:
+        for run in report[name].get("runs", []):
+            verdict = run["golden"]["verdict"]
+            if run["status"] != "ok":
+                assert verdict == goldens.NOT_MEASURED, (name, run["name"], run["golden"])
+                continue
+            assert verdict in (goldens.OK, goldens.REGRESSED, goldens.IMPROVED), (run["name"], run["golden"], fix)
+            assert "tokens_per_s" in run["golden"], run["golden"]  # CPU: tokens/s only (no allocator statistics)
+            compared.add(run["name"])
+            row = next(line for line in lines if line.startswith(f"| {name} | {run['name']} | ok |"))
+            assert f"| {verdict}: tokens/s x" in row.replace("**", ""), row
+    assert golden["compared"] == len(compared) and compared, golden
+    # every golden row ran, but float8's without torchao (its section is skipped whole)
+    float8_names = {spec.name for spec in dry_run_plan().float8}
+    allowed_missing = set() if TORCHAO else float8_names
+    assert {m["name"] for m in golden["missing"]} <= allowed_missing, (golden["missing"], fix)
+
+
+def _run_rows(plan: Plan) -> list[RunSpec]:
+    """The plan's runs that are report rows with tokens/s (golden.RUN_SECTIONS)."""
+    return [*plan.throughput, *plan.if_time_allows, *plan.float8, *plan.attention, *plan.families, *plan.features]
+
+
+@pytest.mark.parametrize("plan", [gpu_plan(), dry_run_plan()], ids=["gpu", "dry_run"])
+def test_a_row_name_is_one_config(plan):
+    """Golden rows are keyed by name: a name two sections share must be the same run."""
+    by_name: dict[str, RunSpec] = {}
+    for spec in _run_rows(plan):
+        assert by_name.setdefault(spec.name, spec) == spec, (spec.name, by_name[spec.name], spec)
+
+
+@pytest.mark.parametrize("kind, plan", [("h100", gpu_plan()), ("cpu_dry_run", dry_run_plan())])
+def test_golden_rows_are_the_plans_rows(kind, plan):
+    """Each golden file names its plan's rows exactly, each with the config the plan runs (the vocabulary aside:
+    it is resolved at run time)."""
+    rows = goldens.load_golden(kind).rows
+    specs = {spec.name: spec for spec in _run_rows(plan)}
+    skipped_on_cpu = {"tiny block_causal sdpa seq 128"}  # 'auto' is sdpa on the CPU: the dry run skips its twin
+    fix = f"re-record it: {goldens.record_command(goldens.load_golden(kind))} (docs/performance.md)"
+    assert set(rows) == set(specs) - (skipped_on_cpu if kind == "cpu_dry_run" else set()), fix
+    for name, row in rows.items():
+        assert set(row["spec"]) == set(SPEC_KEYS), (name, fix)
+        described = json.loads(json.dumps(specs[name].describe()))
+        recorded = {k: v for k, v in row["spec"].items() if k != "vocab"}
+        assert recorded == {k: described[k] for k in SPEC_KEYS if k != "vocab"}, (name, fix)
 
 
 def _context(tmp_path: Path, budget_s: float) -> Context:
@@ -131,7 +194,7 @@ def test_imports_without_the_packages_gpu_machines_lack():
     lacking = ("datasets", "torchdata", "torchao", "torchft")
     # a None entry in sys.modules makes ``import name`` raise ImportError
     code = f"import sys; sys.modules.update(dict.fromkeys({lacking!r}))\n"
-    code += "import bench.gpu_check.sections"
+    code += "import bench.gpu_check.sections, bench.gpu_check.environment, bench.gpu_check.report"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

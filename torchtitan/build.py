@@ -24,7 +24,7 @@ from torchtitan.components.step import PipelineLoss, StepFunction
 from torchtitan.datasets.shard import DataShard
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.distributed.backend.device import get_device_info
-from torchtitan.distributed.init import init_model_weights
+from torchtitan.distributed.init import cast_parameters_, init_model_weights
 from torchtitan.distributed.mesh import WorldMesh
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline.stages import PipelineParts, ShapeInference, build_pipeline
@@ -136,6 +136,8 @@ def finish_model_part(
         apply_float8(part, config.float8)
     if config.lora.enable:  # adapters on the frozen base, before TP so each adapter is sharded like its linear
         apply_lora(part, config.lora, spec)
+    if config.training.dtype != "float32":  # before FSDP/TP wrap them: every layout holds the same bf16 tensors
+        cast_parameters_(part, to_dtype(config.training.dtype))
     spec.parallelize_fn(
         part,
         world_mesh=world.mesh,
@@ -226,7 +228,7 @@ def build_step_function(
         parts,
         world=world,
         device=device,
-        amp_dtype=_autocast_dtype(config.training, world.dims),
+        amp_dtype=autocast_dtype(config.training, world.dims),
         loss_fn=loss_fn,
         loss_chunk_size=config.training.loss_chunk_size,
         pipeline=pipeline,
@@ -244,11 +246,12 @@ def build_step_function(
     )
 
 
-def _autocast_dtype(training: Training, dims: ParallelDims) -> torch.dtype | None:
+def autocast_dtype(training: Training, dims: ParallelDims) -> torch.dtype | None:
     """The step's autocast dtype: FSDP applies mixed precision itself; without FSDP, autocast gives the same
-    compute dtype; None in fp32."""
+    compute dtype; None in fp32, and with bf16 parameters (training.dtype), which compute in bf16 as they are."""
     dtype = to_dtype(training.mixed_precision_param)
-    return None if dims.fsdp_enabled or dtype == torch.float32 else dtype
+    pure = training.dtype != "float32"
+    return None if dims.fsdp_enabled or pure or dtype == torch.float32 else dtype
 
 
 def build_model(

@@ -37,20 +37,34 @@ torch (torchao 0.17.0 for torch 2.11; a wheel is a zip file) into an ignored fol
 
 ``--cpu-dry-run``: the same sections and code with tiny shapes (debugmodel_tiny, seq 64-128) on the CPU,
 hiding any GPU; one compile (of the tiny model) instead of two. tests/test_gpu_check.py runs it.
+
+Golden files (bench/gpu_check/golden.py): every run row's tokens/s and peak memory are compared with
+bench/golden/<kind>.json, the kind named from the GPU (h100, h200, ...; ``cpu_dry_run`` for the dry run). Each
+row gets a verdict (ok / REGRESSED / improved / new row / config changed / not measured), the report ends with
+one line naming every regressed row, and a kind with no file says so in that line. A regression leaves the exit
+code as it is unless ``--fail-on-regression`` (then 4), so a GPU session always gets every result.
+``--record-golden`` writes this run's rows into the kind's file (rows it did not measure are kept).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+# golden.py and report.py import no torch: safe before CUDA_VISIBLE_DEVICES is set
+from bench.gpu_check import golden as goldens
+from bench.gpu_check.report import Report
 
 GPU_BUDGET_S = 420.0
 DRY_RUN_BUDGET_S = 300.0  # a bound, not a target: the dry run takes well under a minute on 2 cores
 GRACE_S = 90.0  # past the budget, the watchdog writes what there is and exits
+EXIT_REGRESSED = 4  # with --fail-on-regression: every section ran, a row regressed against the golden file
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -59,6 +73,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget_s", type=float, default=None, help=f"time budget (default {GPU_BUDGET_S:.0f} s)")
     p.add_argument("--grace_s", type=float, default=GRACE_S, help="hard stop this long after the budget")
     p.add_argument("--cpu-dry-run", dest="cpu_dry_run", action="store_true", help="tiny shapes on the CPU")
+    p.add_argument(
+        "--golden-dir", dest="golden_dir", default=None, help="where the golden files are (default bench/golden)"
+    )
+    p.add_argument(
+        "--record-golden",
+        dest="record_golden",
+        action="store_true",
+        help="write this run's rows into the device kind's golden file (rows not measured are kept)",
+    )
+    p.add_argument(
+        "--fail-on-regression",
+        dest="fail_on_regression",
+        action="store_true",
+        help=f"exit {EXIT_REGRESSED} if a row regressed against the golden file (default: the exit code ignores it)",
+    )
     p.add_argument("--reference_run", default=None, help=argparse.SUPPRESS)  # the sanity section's CPU child
     return p.parse_args(argv)
 
@@ -94,21 +123,63 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ctx = sections.Context(device, plan, out, sections.Budget(budget_s), log, args.cpu_dry_run)
-    return run_check(ctx, budget_s + args.grace_s)
+    golden = _load_golden(device, args)
+    log(f"golden file {golden.path}: {'found' if golden.data else golden.error or 'none'}")
+    report = run_check(ctx, golden, budget_s + args.grace_s)
+    if args.record_golden:
+        _record_golden(report, golden, sys.argv[1:] if argv is None else argv, log)
+    return _exit_code(report, fail_on_regression=args.fail_on_regression)
 
 
-def run_check(ctx, hard_limit_s: float) -> int:
-    """Every stage in order, each recorded as it ends; the final JSON on stdout. Exit 1 if a section failed."""
+def _load_golden(device, args: argparse.Namespace) -> goldens.Golden:
+    """The golden file of this device's kind (from the GPU's name; 'cpu_dry_run' for the dry run)."""
+    from bench.gpu_check import environment
+
+    kind = goldens.device_kind(environment.gpu_name(device), dry_run=args.cpu_dry_run, device_type=device.type)
+    return goldens.load_golden(kind, Path(args.golden_dir) if args.golden_dir else goldens.GOLDEN_DIR)
+
+
+def _exit_code(report: Report, *, fail_on_regression: bool) -> int:
+    """1 if a section failed (the golden file's too: one that does not read); else EXIT_REGRESSED if asked to."""
+    if any(s["status"] == "error" for s in report.sections.values()):
+        return 1
+    return EXIT_REGRESSED if fail_on_regression and report.regressed() else 0
+
+
+def _record_golden(report: Report, golden: goldens.Golden, argv: list[str], log: Callable[[str], None]) -> None:
+    """Write the run's rows into the kind's golden file, with where and how they were measured."""
+    from bench.gpu_check.runs import SPEC_KEYS
+
+    if golden.error is not None:  # its tolerances and notes would be lost: the file must be mended by hand
+        log(f"golden file {golden.path} not recorded: it does not read ({golden.error}); mend or delete it first")
+        return
+    env = report.sections["environment"]
+    pythonpath = f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else ""
+    meta = {
+        "device": env.get("gpu") or f"CPU: {env.get('cpu_model')}, {env.get('cpu_count')} cores (dry run: 1 thread)",
+        "torch": env.get("torch"),
+        "date": env.get("date"),
+        "command": pythonpath + shlex.join(["python", "-m", "bench.gpu_check", *argv]),
+        "git_commit": env.get("git_commit"),
+        "packages": env.get("packages"),
+    }
+    data = goldens.record_golden(report.sections, golden, meta=meta, spec_keys=SPEC_KEYS)
+    goldens.write_golden(data, golden.path)
+    log(f"recorded {len(data['rows'])} rows to {golden.path}")
+
+
+def run_check(ctx, golden: goldens.Golden, hard_limit_s: float) -> Report:
+    """Every stage in order, each recorded as it ends (its run rows compared with ``golden``); the final JSON on
+    stdout. Returns the report."""
     import torch
 
-    from bench.gpu_check import features, sections
-    from bench.gpu_check.report import Report
+    from bench.gpu_check import environment, features, sections
 
     torch._dynamo.config.automatic_dynamic_shapes = False  # each seq_len compiles static, as a run of it does
-    report = Report(ctx.out)
+    report = Report(ctx.out, golden)
     watchdog = _start_watchdog(report, ctx, hard_limit_s)
     stages = [
-        ("environment", sections.environment),
+        ("environment", environment.environment),
         ("sanity", sections.sanity),
         ("throughput", sections.throughput),
         ("estimator", sections.estimator),
@@ -133,8 +204,9 @@ def run_check(ctx, hard_limit_s: float) -> int:
     watchdog.cancel()
     report.finish("time budget")
     print(report.to_json())
+    ctx.log(report.sections["golden"]["summary"])
     ctx.log(f"done; results in {ctx.out}")
-    return 1 if any(s["status"] == "error" for s in report.sections.values()) else 0
+    return report
 
 
 def _start_watchdog(report, ctx, limit_s: float) -> threading.Timer:

@@ -8,36 +8,58 @@ import threading
 from pathlib import Path
 from typing import Any
 
-# The JSON's top-level sections (issue 44), in this order; the check runs them in order of value.
-SECTIONS = ("environment", "sanity", "throughput", "float8", "attention", "estimator", "families", "features")
+from bench.gpu_check.golden import Golden, annotate, summarize, verdict_detail
+
+# The JSON's top-level sections (issue 44), in this order; the check runs them in order of value. The last,
+# ``golden``, is not run: it is the run rows' comparison with the device kind's golden file (golden.py).
+SECTIONS = (
+    "environment",
+    "sanity",
+    "throughput",
+    "float8",
+    "attention",
+    "estimator",
+    "families",
+    "features",
+    "golden",
+)
 JSON_FILE, MARKDOWN_FILE = "gpu_check.json", "gpu_check.md"
 
 
 class Report:
-    """Every section's record; ``set`` rewrites both files at once, so a killed check leaves what it had."""
+    """Every section's record; ``set`` rewrites both files at once, so a killed check leaves what it had.
 
-    def __init__(self, out: Path):
-        self.out = out
+    Each run row is compared with ``golden`` as its section is set, so a partial report has its verdicts too."""
+
+    def __init__(self, out: Path, golden: Golden):
+        self.out, self.golden = out, golden
         self.sections: dict[str, dict[str, Any]] = {name: {"status": "pending"} for name in SECTIONS}
+        self.finished = False  # a golden row with no run row is 'missing' only once every section has run
         self.lock = threading.Lock()  # the watchdog thread writes too
 
     def set(self, name: str, record: dict[str, Any]) -> None:
         with self.lock:
-            self.sections[name] = record
+            self.sections[name] = annotate(name, record, self.golden)
             self._write()
 
     def finish(self, reason: str) -> None:
         """Sections never started are skipped for ``reason``."""
         with self.lock:
             for name, record in self.sections.items():
-                if record["status"] == "pending":
+                if record["status"] == "pending" and name != "golden":
                     self.sections[name] = {"status": "skipped", "reason": reason}
+            self.finished = True
             self._write()
+
+    def regressed(self) -> list[str]:
+        """The names of the rows that regressed against the golden file."""
+        return [item["name"] for item in self.sections["golden"].get("regressed", [])]
 
     def to_json(self) -> str:
         return json.dumps(self.sections, indent=1, default=str)
 
     def _write(self) -> None:
+        self.sections["golden"] = summarize(self.sections, self.golden, finished=self.finished)
         for name, text in ((JSON_FILE, self.to_json()), (MARKDOWN_FILE, format_markdown(self.sections))):
             tmp = self.out / f".{name}.tmp"
             tmp.write_text(text)
@@ -50,18 +72,31 @@ def format_markdown(sections: dict[str, dict[str, Any]]) -> str:
     lines = [
         f"# bench/gpu_check: {device}, {env.get('date', '?')}, torch {env.get('torch', '?')}",
         "",
-        "| section | item | status | tokens/s | MFU % | peak GiB | detail |",
-        "|---|---|---|---:|---:|---:|---|",
+        "| section | item | status | tokens/s | MFU % | peak GiB | vs golden | detail |",
+        "|---|---|---|---:|---:|---:|---|---|",
     ]
-    for name in SECTIONS:
+    for name in SECTIONS[:-1]:
         lines += [_row(name, *cells) for cells in _rows(name, sections[name])]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n" + _golden_line(sections["golden"]) + "\n"
+
+
+def _golden_line(record: dict[str, Any]) -> str:
+    """The comparison's summary, last: loud where a row regressed."""
+    summary = record.get("summary") or record.get("reason") or record["status"]
+    return f"**{summary}**" if record["status"] in ("regressed", "error") else summary
 
 
 def _row(
-    section: str, item: str, status: str, tps: Any = None, mfu: Any = None, mem: Any = None, detail: str = ""
+    section: str,
+    item: str,
+    status: str,
+    tps: Any = None,
+    mfu: Any = None,
+    mem: Any = None,
+    detail: str = "",
+    golden: str = "",
 ) -> str:
-    cells = [section, item, status, _num(tps, "{:,.0f}"), _num(mfu, "{:.1f}"), _num(mem, "{:.2f}"), detail]
+    cells = [section, item, status, _num(tps, "{:,.0f}"), _num(mfu, "{:.1f}"), _num(mem, "{:.2f}"), golden, detail]
     return "| " + " | ".join(c.replace("|", "/") for c in cells) + " |"
 
 
@@ -116,7 +151,17 @@ def _run_row(r: dict[str, Any]) -> tuple:
         detail += f", loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}"
     if r.get("reused"):
         detail += " (same run as above)"
-    return (r["name"], "ok", r["tokens_per_s"], r["mfu_pct"], r["peak_memory_gib"], detail)
+    return (r["name"], "ok", r["tokens_per_s"], r["mfu_pct"], r["peak_memory_gib"], detail, _golden_cell(r))
+
+
+def _golden_cell(r: dict[str, Any]) -> str:
+    """The row's verdict and its ratios to the golden, e.g. '**REGRESSED**: tokens/s x0.8 < x0.95, peak memory x1'."""
+    if "golden" not in r:  # no golden file for this device kind: the line under the table says so
+        return ""
+    v = r["golden"]
+    verdict = f"**{v['verdict']}**" if v["verdict"] == "REGRESSED" else v["verdict"]
+    note = f"; golden note: {v['note']}" if v.get("note") else ""
+    return f"{verdict}: {verdict_detail(v)}{note}"
 
 
 def _estimate_row(r: dict[str, Any]) -> tuple:

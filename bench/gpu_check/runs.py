@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +75,13 @@ class RunSpec:
         return flags + list(self.extra)
 
     def describe(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k not in ("cost_s", "tokenizer")}
+        return {k: v for k, v in asdict(self).items() if k not in _NOT_DESCRIBED}
+
+
+_NOT_DESCRIBED = ("cost_s", "tokenizer")  # the budget's guess; the tokenizer is recorded as the vocab it gives
+# What a golden row's figures depend on (bench/gpu_check/golden.py): the spec as the run's record holds it (the
+# name is the golden row's key), and the vocabulary the run resolved.
+SPEC_KEYS = (*(f.name for f in fields(RunSpec) if f.name not in (*_NOT_DESCRIBED, "name")), "vocab")
 
 
 def build_config(spec: RunSpec, dump_folder: Path) -> JobConfig:

@@ -255,7 +255,6 @@ def test_a_2025_file_gets_upstreams_defaults_and_flags_do_not(tmp_path):
         (["--model.converters", "fp4"], ConfigError, "unknown converter 'fp4'"),
         (["--model.converters", "quantize.grouped_mm.float8"], NotImplementedError, "float8 grouped GEMMs of MoE"),
         (["--compile.enable", "--compile.components", "graph"], ConfigError, "unknown \\['graph'\\]"),
-        (["--training.dtype", "bfloat16"], NotImplementedError, "full bf16 training"),
         (["--optimizer.implementation", "for-loop"], NotImplementedError, "'for-loop' is not built"),
         (["--comm.mode", "local_tensor"], NotImplementedError, 'comm.mode = "local_tensor"'),
         (["--comm.save_traces_folder", "t"], NotImplementedError, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"),

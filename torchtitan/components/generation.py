@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.common.attention import apply_sinks, masked_attention_with_lse
+from torchtitan.models.common.attention import apply_sinks, masked_attention_with_lse, repeat_kv
 
 
 class CachedAttention(nn.Module):
@@ -53,8 +53,7 @@ class CachedAttention(nn.Module):
         if sinks is not None:  # gpt-oss's kernel math: explicit scores, then the sink in the denominator
             out, lse = masked_attention_with_lse(q, keys, values, mask)
             return apply_sinks(out, lse, sinks).to(q.dtype)
-        n_rep = q.shape[1] // k.shape[1]
-        keys, values = keys.repeat_interleave(n_rep, dim=1), values.repeat_interleave(n_rep, dim=1)
+        keys, values = repeat_kv(keys, values, q.shape[1] // k.shape[1])
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
 

@@ -300,8 +300,8 @@ class PlanTerms:
         return params
 
     def param_bytes(self, config: JobConfig, args: Any, params: int) -> int:
-        """Bytes of the model's parameters."""
-        return params * 4
+        """Bytes of the model's parameters (training.dtype's)."""
+        return params * (2 if config.training.dtype == "bfloat16" else 4)
 
     def state_bytes(self, config: JobConfig, args: Any, trainable: int) -> int | None:
         """The optimizer state's bytes; None: the optimizer's own rules over the whole model."""

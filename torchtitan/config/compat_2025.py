@@ -156,12 +156,6 @@ RULES: dict[str, Rule] = {
     "training.global_batch_size": Deferred(
         int, -1, "sets training.gradient_accumulation_steps = global / (local_batch_size x data-parallel degree)"
     ),
-    "training.dtype": Fixed(
-        Literal["bfloat16", "float32"],
-        "float32",
-        "full bf16 training (bf16 weights, no fp32 copy) is not built; mixed_precision_param = 'bfloat16' computes "
-        "in bf16 and optimizer.state_dtype = 'bfloat16' halves the optimizer state",
-    ),
     "training.gc_debug": Fixed(bool, False, "the per-step gc debugging mode is not built"),
     "training.dataloader.num_workers": Fixed(int, 0, _LOADER),
     "training.dataloader.persistent_workers": Fixed(bool, False, _LOADER),
@@ -308,7 +302,7 @@ SHARED: frozenset[str] = frozenset(
     + ["model.name", "model.flavor", "model.tokenizer_path"]
     + [f"optimizer.{k}" for k in ("name", "lr", "beta1", "beta2", "eps", "weight_decay", "early_step_in_backward")]
     + [f"training.{k}" for k in ("dataset", "dataset_path", "seq_len", "max_norm", "steps", "enable_cpu_offload")]
-    + [f"training.{k}" for k in ("mixed_precision_param", "mixed_precision_reduce", "gc_freq")]
+    + [f"training.{k}" for k in ("dtype", "mixed_precision_param", "mixed_precision_reduce", "gc_freq")]
     + [f"checkpoint.{k}" for k in ("folder", "interval", "initial_load_path", "initial_load_in_hf", "last_save_in_hf")]
     + [f"checkpoint.{k}" for k in ("export_dtype", "async_mode", "keep_latest_k", "load_step", "exclude_from_loading")]
     + ["checkpoint.create_seed_checkpoint", "activation_checkpoint.mode", "activation_checkpoint.selective_ac_option"]

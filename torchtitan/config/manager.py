@@ -206,6 +206,8 @@ class JobConfig(JobConfigTree):
             ):
                 config.set(key, value, from_cli=as_text)
         resolve(config, given, world_size=world_size, config_file=config_file)
+        if config.optimizer.state_dtype is None:  # the moments follow the parameters unless set
+            config.optimizer.state_dtype = config.training.dtype
         return config
 
     def set(self, dotted_key: str, value: Any, *, from_cli: bool) -> None:

@@ -22,9 +22,16 @@ class Optimizer:
     beta2: float = _f(0.95, "Adam beta2")
     weight_decay: float = _f(0.1, "decoupled weight decay (AdamW) or L2 penalty (Adam)")
     fused: bool = _f(False, "use the fused kernel (CUDA); default is the foreach implementation")
-    state_dtype: Literal["float32", "bfloat16"] = _f(
-        "float32",
-        "dtype of Adam's exp_avg / exp_avg_sq; bfloat16 halves the optimizer state (the update still runs in fp32)",
+    state_dtype: Literal["float32", "bfloat16"] | None = _f(
+        None,
+        "dtype of Adam's exp_avg / exp_avg_sq; bfloat16 halves the optimizer state (the update still runs in fp32); "
+        "None = training.dtype",
+    )
+    bf16_stochastic_round: bool = _f(
+        False,
+        "with training.dtype = 'bfloat16': round each updated parameter to bf16 stochastically (unbiased: an update "
+        "smaller than the weight's last bit still moves it on average) instead of to nearest; the random bits are a "
+        "function of the step and the parameter (the same on every rank holding a copy, so replicas stay equal)",
     )
     no_decay: list[str] = _f(
         [],

@@ -106,6 +106,12 @@ class Training:
         "recomputed in backward, never all held); 0 = one chunk (the full logits)",
         bound=Bound(ge=0, text=">= 0 (0 = one chunk, the full logits)"),
     )
+    dtype: Literal["float32", "bfloat16"] = _f(
+        "float32",
+        "dtype of parameters, gradients and optimizer states. bfloat16 = pure bf16 training: no fp32 copy of the "
+        "weights (half the bytes of each; RoPE, the norms' statistics, the loss and the optimizer's arithmetic stay "
+        "fp32; initial weights are the fp32 ones rounded). float32 = fp32 weights, computed in mixed_precision_param",
+    )
     mixed_precision_param: Literal["bfloat16", "float32"] = _f(
         "bfloat16", "parameter dtype in forward/backward (FSDP MixedPrecisionPolicy, else autocast)"
     )

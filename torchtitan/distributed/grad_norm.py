@@ -50,7 +50,9 @@ def _partial_norms(grads: list[torch.Tensor], norm_type: float) -> dict[DeviceMe
         buckets[mesh][1].append(weight)
     out = {}
     for mesh, (locals_, weights) in buckets.items():
-        norms = torch.stack(torch._foreach_norm(locals_, norm_type)).float()
+        # bf16 gradients (training.dtype): each norm accumulated and returned in fp32, not rounded to 8 bits
+        wide = {"dtype": torch.float32} if any(t.dtype != torch.float32 for t in locals_) else {}
+        norms = torch.stack(torch._foreach_norm(locals_, norm_type, **wide)).float()
         if inf_norm:
             out[mesh] = norms.max()
         else:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
@@ -43,17 +44,39 @@ class _FullTensorInitMode(TorchFunctionMode):
         # nn.init functions that defer to modes pass the tensor by keyword.
         param = args[0] if args else kwargs.get("tensor")
         is_init = func in _RANDOM_FILLS or getattr(func, "__module__", None) == "torch.nn.init"
-        if not (is_init and isinstance(param, DTensor)):
+        low_precision = isinstance(param, torch.Tensor) and param.dtype in LOW_PRECISION
+        if not (is_init and (isinstance(param, DTensor) or low_precision)):
             return func(*args, **kwargs)
-        full = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
+        # Drawn in fp32 even for bf16 parameters (training.dtype): the same draws as an fp32 run, then rounded.
+        local_device = param.to_local().device if isinstance(param, DTensor) else param.device
+        full = torch.empty(param.shape, dtype=torch.float32 if low_precision else param.dtype, device=local_device)
         if args:
             func(full, *args[1:], **kwargs)  # the mode is off inside its own handler
         else:
             func(**{**kwargs, "tensor": full})
+        if not isinstance(param, DTensor):
+            return param.copy_(full)
         # src_data_rank=None: every rank already holds the full tensor, so no communication.
         local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
         param.to_local().copy_(local.to_local())
         return param
+
+
+# Parameter dtypes the init draws in fp32 and rounds (training.dtype = "bfloat16").
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@torch.no_grad()
+def cast_parameters_(model: nn.Module, dtype: torch.dtype) -> None:
+    """Store every floating parameter of a meta (not yet materialised) ``model`` in ``dtype``: pure low-precision
+    training (training.dtype). Buffers keep theirs (the RoPE table stays fp32). In place (``.data``), so a
+    parameter shared by two modules (a tied output head) stays one parameter."""
+    # Plain meta tensors like the rest of the meta model, also under the memory estimator's FakeTensorMode (a fake
+    # tensor cannot become a meta parameter's data).
+    with unset_fake_temporarily():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
 
 
 def unit_seed(seed: int, unit_name: str) -> int:

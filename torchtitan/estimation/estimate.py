@@ -194,10 +194,11 @@ def _pipeline_patches(config, world_size: int, vocab: int):
     t = config.training
     microbatches = config.experimental.pipeline_parallel_microbatches or dims.pp
     # The residual stream: sequence-sharded over CP, and over TP by sequence parallel; FSDP computes
-    # in its param dtype, otherwise the stream stays fp32 (autocast leaves the residual adds fp32).
+    # in its param dtype, as do bf16 parameters (training.dtype); otherwise the stream stays fp32 (autocast leaves
+    # the residual adds fp32).
     dim = build_model_args(config, get_model_spec(config.model.name), vocab).dim
     shape = (t.batch_size // microbatches, t.seq_len // (dims.cp * dims.tp), dim)
-    dtype = to_dtype(t.mixed_precision_param) if dims.fsdp_enabled else torch.float32
+    dtype = to_dtype(t.mixed_precision_param) if dims.fsdp_enabled or t.dtype != "float32" else torch.float32
     return pipeline_patches(shape, dtype)
 
 

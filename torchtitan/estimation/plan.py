@@ -187,7 +187,7 @@ def lower_bound_bytes(args, layout: Layout, config) -> int:
     params = sum(_param_counts(config, args))
     trainable = terms.trainable(config, args, params)
     shards = layout.tp * layout.pp * layout.dp_shard * layout.cp
-    grads = 0 if config.optimizer.early_step_in_backward else 4
+    grads = 0 if config.optimizer.early_step_in_backward else (2 if config.training.dtype == "bfloat16" else 4)
     state_bytes = terms.state_bytes(config, args, trainable)
     if state_bytes is None:
         state_bytes = _state_bytes(config, args)

@@ -60,11 +60,10 @@ def build_eval_model(
             vocabulary.
         NotImplementedError: pipeline or context parallel in the config.
     """
-    from torchtitan.build import build_model, build_model_args
+    from torchtitan.build import autocast_dtype, build_model, build_model_args
     from torchtitan.checkpointing.hf_files import hf_embedding_rows
     from torchtitan.datasets.tokenizer import build_tokenizer
     from torchtitan.distributed.backend.device import get_device_info, init_distributed
-    from torchtitan.dtypes import to_dtype
     from torchtitan.spec import get_model_spec
 
     if checkpoint and hf:
@@ -100,8 +99,7 @@ def build_eval_model(
     model = build_model(inference, args, dims, mesh, info.device)
     if weights is not None:
         _load(model, weights, source=checkpoint or hf)
-    dtype = to_dtype(config.training.mixed_precision_param)
-    amp = None if dims.fsdp_enabled or dtype == torch.float32 else dtype
+    amp = autocast_dtype(config.training, dims)
     return EvalModel(model.eval(), tokenizer, WorldMesh(dims, mesh), info.device, args.max_seq_len, amp)
 
 

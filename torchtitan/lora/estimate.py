@@ -45,7 +45,7 @@ class LoraPlanTerms(PlanTerms):
         return (params - sum(sizes)) * 4 + sum(nf4_bytes(n) for n in sizes)
 
     def state_bytes(self, config: JobConfig, args: Any, trainable: int) -> int | None:
-        return trainable * 4 * (2 if config.optimizer.state_dtype == "float32" else 1)
+        return trainable * 4 * (1 if config.optimizer.state_dtype == "bfloat16" else 2)
 
 
 def plan_terms(config: JobConfig) -> LoraPlanTerms:

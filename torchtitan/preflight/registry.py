@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from torchtitan.checkpointing.checks import check_checkpoint, check_initial_load, check_pinned_memory_device
-from torchtitan.components.checks import check_memory_options
+from torchtitan.components.checks import check_memory_options, check_training_dtype
 from torchtitan.components.optim.lr_schedule import check_lr_schedule
 from torchtitan.components.optim.param_groups import check_param_groups
 from torchtitan.datasets.checks import check_data_paths
@@ -113,6 +113,7 @@ _IN_BACKWARD = {"optimizer_step": _d("torchtitan.features.in_backward.in_backwar
 # folder names the other.
 NOT_BUILT_TOGETHER: tuple[tuple[str, str, str], ...] = (
     ("lora", "fault_tolerance", "the replica groups would average and heal the frozen base, untested"),
+    ("pure_bf16", "lora", "adapters over bf16 or NF4 base weights; LoRA's mixed precision already computes in bf16"),
 )
 
 
@@ -132,6 +133,12 @@ def check_pairs(config: JobConfig, dims: ParallelDims) -> list[str]:
 FEATURES: tuple[Feature, ...] = (  # declarative table
     Feature("memory_snapshot", (Check(check_memory_snapshot_device, "device"),)),
     Feature("activation_checkpoint", (Check(check_activation_checkpoint),)),
+    Feature(
+        "pure_bf16",
+        (Check(check_training_dtype),),
+        enabled=lambda c: c.training.dtype != "float32",
+        switch="training.dtype = 'bfloat16'",
+    ),
     Feature("memory_options", (Check(check_memory_options),)),
     Feature("data_parallel", (Check(check_data_parallel),)),
     Feature("pairs", (Check(check_pairs),)),

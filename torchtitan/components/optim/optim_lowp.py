@@ -12,6 +12,13 @@ relative loss deviation from fp32 states: beta2 0.95: nearest 5.3e-4, stochastic
 0.999: nearest 2.5e-4, stochastic 3.5e-4. No consistent gain, and stochastic rounding costs a random draw per
 element and makes the update depend on the RNG stream (and on how FSDP shards it), so it is not used.
 
+Parameters stored in bf16 (training.dtype = "bfloat16", no fp32 master copy) take the same fp32 update and are
+written back rounded to nearest, or stochastically (``stochastic_round``): the fp32 result's 16 dropped bits
+decide, with probability equal to their fraction, whether it rounds up, so the expected stored weight equals the
+fp32 one and updates below the weight's last bit are not all lost. The random bits come from a generator seeded
+by the step and the parameter's index: the same on every rank that holds a copy of it (TP replicas, DDP), no
+state to checkpoint, the same after a resume.
+
 Works on plain tensors and DTensors (FSDP2 Shard(0), TP, FSDP x TP): the state is created with the
 parameter's placements, and the elementwise update runs on the local shards. The state keys are
 torch's ("step", "exp_avg", "exp_avg_sq"), so state_dict / load_state_dict and DCP's
@@ -40,6 +47,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
             (add weight_decay * param to the gradient), as torch.optim.Adam's flag of the same name.
         state_dtype: "bfloat16" (half the state memory) or "float32" (bit-identical to torch's AdamW
             with foreach=False; kept as the reference the bf16 mode is tested against).
+        stochastic_round: bf16 parameters are written back rounded stochastically (module docstring).
     """
 
     def __init__(
@@ -52,10 +60,12 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         *,
         decoupled_weight_decay: bool = True,
         state_dtype: str = "bfloat16",
+        stochastic_round: bool = False,
     ):
         if state_dtype not in _STATE_DTYPES:
             raise ValueError(f"state_dtype = {state_dtype!r}: allowed are {list(_STATE_DTYPES)}")
         self.state_dtype = to_dtype(state_dtype)
+        self.stochastic_round = stochastic_round
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay
         )
@@ -76,16 +86,18 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        index = 0
         for group in self.param_groups:
             for p in group["params"]:
+                index += 1
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("LowPrecisionAdamW does not support sparse gradients")
-                self._update(p, self._init_state(p), group)
+                self._update(p, self._init_state(p), group, index)
         return loss
 
-    def _update(self, p: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any]) -> None:
+    def _update(self, p: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any], index: int) -> None:
         grad = p.grad
         if isinstance(p, DTensor) and grad.placements != p.placements:
             # e.g. a Partial gradient nobody reduced yet: the local elementwise update needs p's layout.
@@ -112,8 +124,11 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         bias_correction2_sqrt = (1 - beta2**step) ** 0.5
         denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
         param32.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
-        if param32 is not param:
-            param.copy_(param32)
+        if param32 is not param and self.stochastic_round and param.dtype == torch.bfloat16:
+            generator = torch.Generator(param.device).manual_seed(int(step) * 1_000_003 + index)
+            stochastic_round_(param, param32, generator)
+        elif param32 is not param:
+            param.copy_(param32)  # to nearest
         local_shard(state["exp_avg"]).copy_(exp_avg)  # rounds to nearest in bf16 mode
         local_shard(state["exp_avg_sq"]).copy_(exp_avg_sq)
 
@@ -129,3 +144,14 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         """Bytes of this rank's optimizer state (local shards)."""
         tensors = (t for s in self.state.values() for t in s.values() if isinstance(t, torch.Tensor))
         return sum(local_shard(t).nbytes for t in tensors)
+
+
+def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``dst`` (bf16) = fp32 ``src`` rounded stochastically: up with probability (dropped low 16 bits) / 2^16.
+
+    Adds a uniform 16-bit integer to the fp32 bit pattern and clears the low 16 bits, which bf16 drops: exact in
+    bf16, unbiased (E[dst] = src), in magnitude for negative values as for positive ones; inf stays inf.
+    """
+    noise = torch.randint(0, 1 << 16, src.shape, dtype=torch.int32, device=src.device, generator=generator)
+    bits = src.contiguous().view(torch.int32).add(noise).bitwise_and_(-(1 << 16))  # -(1 << 16) = 0xFFFF0000
+    return dst.copy_(bits.view(torch.float32))

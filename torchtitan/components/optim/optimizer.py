@@ -86,9 +86,13 @@ def _catch_all(config: OptimizerConfig) -> OptimizerConfig:
 def _optimizer_over_groups(groups: list[dict[str, Any]], config: OptimizerConfig) -> torch.optim.Optimizer:
     kinds = {g["optimizer"] for g in groups}
     common = {"lr": config.lr, "betas": (config.beta1, config.beta2), "eps": config.eps}
-    if config.state_dtype == "bfloat16":
+    # bf16 parameters (training.dtype): the fp32 update of LowPrecisionAdamW, whatever the moments' dtype
+    low_precision_params = any(p.dtype != torch.float32 for g in groups for p in g["params"])
+    if config.state_dtype == "bfloat16" or low_precision_params:
         cls = MuonLowPrecisionAdam if "Muon" in kinds else LowPrecisionAdamW
-        return cls(groups, **common, weight_decay=config.weight_decay, state_dtype="bfloat16")
+        state_dtype = config.state_dtype or "float32"
+        sr = config.bf16_stochastic_round
+        return cls(groups, **common, weight_decay=config.weight_decay, state_dtype=state_dtype, stochastic_round=sr)
     if "Muon" in kinds:
         cls = MuonAdam
     elif kinds == {"Adam"}:

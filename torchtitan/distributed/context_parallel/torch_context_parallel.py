@@ -28,6 +28,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torchtitan.distributed.backend.dtensor import local_shard
 from torchtitan.distributed.context_parallel.checks import check_torch_cp_supported
 from torchtitan.distributed.context_parallel.context_parallel import is_sink_kernel
+from torchtitan.models.common.attention import repeat_kv
 
 _SEQ_DIM = 2  # (bs, heads, seqlen, head_dim)
 _aten = torch.ops.aten
@@ -128,8 +129,7 @@ class TorchRingAttention(nn.Module):
         attention = _cp_attention()
         attention._cp_options.enable_load_balance = self.load_balance
         attention.set_rotate_method(self.rotate_method)
-        n_rep = q.shape[1] // k.shape[1]  # torch's ring passes the expanded heads (ours passes the kv heads)
-        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        k, v = repeat_kv(k, v, q.shape[1] // k.shape[1])  # torch's ring passes the expanded heads (ours the kv heads)
         q, k, v = (DTensor.from_local(t, self.cp_mesh, [Shard(_SEQ_DIM)], run_check=False) for t in (q, k, v))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).to_local()
 

@@ -82,6 +82,14 @@ class DocumentLayoutCache:
         return self._compiled[fn]
 
 
+def repeat_kv(k: torch.Tensor, v: torch.Tensor, n_rep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v (bs, n_kv_heads, seqlen, head_dim) with each head repeated ``n_rep`` times (grouped-query
+    attention), as they are when ``n_rep`` is 1: no copy per layer where every query head has its own."""
+    if n_rep == 1:
+        return k, v
+    return k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)  # (bs, n_heads, seqlen, head_dim)
+
+
 def document_lengths(doc_ids: torch.Tensor) -> list[int]:
     """(bs, seqlen) document ids -> every document's length, row after row (they sum to bs * seqlen).
 
@@ -140,9 +148,7 @@ def build_document_block_mask(doc_ids: torch.Tensor, build: Callable = create_bl
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
     """Block-causal attention as SDPA with a (bs, 1, seqlen, seqlen) boolean mask: the reference."""
-    n_rep = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(n_rep, dim=1)  # (bs, n_heads, seqlen, head_dim)
-    v = v.repeat_interleave(n_rep, dim=1)
+    k, v = repeat_kv(k, v, q.shape[1] // k.shape[1])  # (bs, n_heads, seqlen, head_dim)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(doc_ids, doc_ids))
 
 

@@ -21,7 +21,15 @@ _TORCH_REDRAWS = TorchVersion(torch.__version__) >= (2, 12)
 
 
 def trunc_normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0):
-    """Fill ``tensor`` from N(mean, std^2) truncated to [a, b], as ``nn.init.trunc_normal_`` of torch >= 2.12."""
+    """Fill ``tensor`` from N(mean, std^2) truncated to [a, b], as ``nn.init.trunc_normal_`` of torch >= 2.12.
+
+    A bf16 tensor (training.dtype) gets the fp32 draws rounded: the redraws test the range on fp32 values, so a
+    value that rounding would move across a bound does not change which draws follow (nor the weights after)."""
+    if tensor.dtype in (torch.bfloat16, torch.float16) and not tensor.is_meta:
+        wide = torch.empty_like(tensor, dtype=torch.float32)
+        trunc_normal_(wide, mean=mean, std=std, a=a, b=b)
+        with torch.no_grad():
+            return tensor.copy_(wide)
     if _TORCH_REDRAWS:
         return nn.init.trunc_normal_(tensor, mean=mean, std=std, a=a, b=b)
     return _redrawn_trunc_normal_(tensor, mean, std, a, b)

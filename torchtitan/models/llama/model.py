@@ -20,7 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.common.attention import ATTENTION_BACKENDS, DocumentLayoutCache, block_causal_attention
+from torchtitan.models.common.attention import (
+    ATTENTION_BACKENDS,
+    DocumentLayoutCache,
+    block_causal_attention,
+    repeat_kv,
+)
 from torchtitan.models.common.init import trunc_normal_
 
 
@@ -117,10 +122,19 @@ def scale_rope_freqs(freqs: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
 
 def apply_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[2i], x[2i+1]) of ``x`` (bs, seqlen, heads, head_dim) by ``rope`` (seqlen, head_dim),
-    or per sequence (bs, seqlen, head_dim) when positions restart at each document."""
+    or per sequence (bs, seqlen, head_dim) when positions restart at each document.
+
+    As one complex multiply per pair: (x[2i] + i x[2i+1]) (cos + i sin). It rounds exactly as the four real
+    products and two sums it stands for (no fused multiply-add in torch's complex kernel), one kernel
+    forward and one backward instead of seven each: ~3x faster on CPU (bench/rope.py).
+    """
     cos, sin = rope.unsqueeze(-2).chunk(2, dim=-1)  # ([bs,] seqlen, 1, head_dim/2) each
-    x_even, x_odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (bs, seqlen, heads, head_dim/2)
-    rotated = torch.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], dim=-1)
+    # a complex view needs each (real, imag) pair adjacent and aligned: a no-op for the projections' views, a copy
+    # for a slice of a wider head (DeepSeek-V3's rope part)
+    xf = x.float().contiguous()
+    pairs = torch.view_as_complex(xf.unflatten(-1, (-1, 2)))  # (bs, seqlen, heads, head_dim/2)
+    # float(): FSDP's bf16 policy casts the table to bf16 with the block's other inputs
+    rotated = torch.view_as_real(pairs * torch.complex(cos.float(), sin.float()))  # (bs, seqlen, heads, head_dim/2, 2)
     return rotated.flatten(-2).type_as(x)
 
 
@@ -153,9 +167,7 @@ class CausalAttention(nn.Module):
         """
         if doc_ids is not None:
             return block_causal_attention(q, k, v, doc_ids, self.backend, self.documents)
-        n_rep = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(n_rep, dim=1)  # (bs, n_heads, seqlen, head_dim)
-        v = v.repeat_interleave(n_rep, dim=1)
+        k, v = repeat_kv(k, v, q.shape[1] // k.shape[1])  # (bs, n_heads, seqlen, head_dim)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
