@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torchtitan.config.manager import JobConfig
 from torchtitan.distributed.init import init_model_weights
 from torchtitan.models import Transformer
+from torchtitan.preflight import run_preflight
 from torchtitan.train import Trainer
 
 
@@ -44,7 +45,7 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
             "1000",
         ]
     )
-    config.validate(world_size=1)
+    run_preflight(config, world_size=1)
     return Trainer(config, world_size=1, rank=0)
 
 
@@ -97,11 +98,11 @@ def main() -> int:
     logging.disable(logging.INFO)  # the trainer's step lines would interleave with the JSON
 
     trainer = build_trainer(args)
-    data_iter = iter(trainer.data_loader)
-    batches = [next(data_iter) for _ in range(args.steps)]
+    trainer.data_iter = iter(trainer.data_loader)
+    batches = [next(trainer.data_iter) for _ in range(args.steps)]  # (inputs, labels) each
     minimal = MinimalLoop(trainer, batches)
     tokens = args.seq_len * args.batch_size
-    contenders = {"trainer": lambda: trainer.run_step(data_iter), "minimal": minimal.step}
+    contenders = {"trainer": trainer.run_step, "minimal": minimal.step}
     for fn in contenders.values():  # warmup: allocator, first-touch, caches
         timed_block(fn, 2, tokens)
     results: dict[str, list[float]] = {name: [] for name in contenders}
