@@ -25,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 
+from torchtitan.observability.peak_cache import cpu_model_name
+
 MODES = {
     "fp32": ["--training.mixed_precision_param", "float32"],
     "mixed": ["--training.mixed_precision_param", "bfloat16"],
@@ -93,7 +95,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--curves", default=None, help="also write every run's per-step losses to this JSON file")
     args = p.parse_args()
-    out: dict = {"steps": args.steps, "seq_len": args.seq_len, "batch_size": args.batch_size, "threads": args.threads}
+    out: dict = {
+        "cpu": cpu_model_name(),
+        **{k: getattr(args, k) for k in ("steps", "seq_len", "batch_size", "threads")},
+    }
     records = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode, extra in MODES.items():

@@ -18,6 +18,7 @@ import time
 import torch
 
 from torchtitan.models.llama.model import apply_rotary_emb, compute_rope_cache
+from torchtitan.observability.peak_cache import cpu_model_name
 
 
 def real_form(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -62,6 +63,7 @@ def main() -> None:
     print(
         json.dumps(
             {
+                "cpu": cpu_model_name(),
                 "shape": list(x.shape),
                 "threads": torch.get_num_threads(),
                 "bit_equal_forward_and_grad": exact,

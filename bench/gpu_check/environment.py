@@ -21,6 +21,7 @@ from bench.gpu_check.runs import GIB
 from bench.gpu_check.sections import Context, error_record
 from torchtitan.distributed.backend.device import DeviceInfo, get_device_info, init_distributed, synchronize
 from torchtitan.observability.flops import get_peak_flops
+from torchtitan.observability.peak_cache import cpu_model_name
 
 PACKAGES = ("transformers", "safetensors", "tiktoken", "tokenizers", "numpy", "triton", "torchao", "datasets")
 
@@ -99,10 +100,9 @@ def cpu_model() -> str:
             lines = f.read().splitlines()
     except OSError:
         lines = []
-    name = next((line.partition(":")[2].strip() for line in lines if line.startswith("model name")), "")
     flags = next((line.partition(":")[2].split() for line in lines if line.startswith("flags")), [])
     isa = " ".join(f for f in CPU_ISA if f in flags)
-    return f"{name or platform.processor() or 'unknown'} ({isa or 'none of ' + '/'.join(CPU_ISA)})"
+    return f"{cpu_model_name()} ({isa or 'none of ' + '/'.join(CPU_ISA)})"
 
 
 def _accelerator(device: torch.device) -> dict[str, Any]:

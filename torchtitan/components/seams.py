@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from torchtitan.dtypes import to_dtype
+
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator
 
@@ -301,7 +303,7 @@ class PlanTerms:
 
     def param_bytes(self, config: JobConfig, args: Any, params: int) -> int:
         """Bytes of the model's parameters (training.dtype's)."""
-        return params * (2 if config.training.dtype == "bfloat16" else 4)
+        return params * to_dtype(config.training.dtype).itemsize
 
     def state_bytes(self, config: JobConfig, args: Any, trainable: int) -> int | None:
         """The optimizer state's bytes; None: the optimizer's own rules over the whole model."""

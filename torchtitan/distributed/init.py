@@ -25,6 +25,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
+from torchtitan.models.common.init import LOW_PRECISION
+
 # In-place random fills whose result does not depend on the tensor's old values.
 _RANDOM_FILLS = {
     torch.Tensor.uniform_,
@@ -60,10 +62,6 @@ class _FullTensorInitMode(TorchFunctionMode):
         local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
         param.to_local().copy_(local.to_local())
         return param
-
-
-# Parameter dtypes the init draws in fp32 and rounds (training.dtype = "bfloat16").
-LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 @torch.no_grad()

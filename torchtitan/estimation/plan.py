@@ -45,6 +45,7 @@ from torchtitan.components.optim.param_groups import optimizer_state_by_group
 from torchtitan.components.seams import PlanTerms
 from torchtitan.config.schema_optimizer import Optimizer as OptimizerConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.dtypes import to_dtype
 from torchtitan.estimation.estimate import estimate_memory, named_shapes
 from torchtitan.estimation.fake_trainer import resolve_vocab
 from torchtitan.observability.flops import GPU_PEAK_FLOPS
@@ -187,7 +188,7 @@ def lower_bound_bytes(args, layout: Layout, config) -> int:
     params = sum(_param_counts(config, args))
     trainable = terms.trainable(config, args, params)
     shards = layout.tp * layout.pp * layout.dp_shard * layout.cp
-    grads = 0 if config.optimizer.early_step_in_backward else (2 if config.training.dtype == "bfloat16" else 4)
+    grads = 0 if config.optimizer.early_step_in_backward else to_dtype(config.training.dtype).itemsize
     state_bytes = terms.state_bytes(config, args, trainable)
     if state_bytes is None:
         state_bytes = _state_bytes(config, args)

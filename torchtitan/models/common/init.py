@@ -18,6 +18,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.torch_version import TorchVersion
 
 _TORCH_REDRAWS = TorchVersion(torch.__version__) >= (2, 12)
+# Parameter dtypes whose initial values are drawn in fp32 and rounded (training.dtype = "bfloat16").
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def trunc_normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0):
@@ -25,7 +27,7 @@ def trunc_normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, a: 
 
     A bf16 tensor (training.dtype) gets the fp32 draws rounded: the redraws test the range on fp32 values, so a
     value that rounding would move across a bound does not change which draws follow (nor the weights after)."""
-    if tensor.dtype in (torch.bfloat16, torch.float16) and not tensor.is_meta:
+    if tensor.dtype in LOW_PRECISION and not tensor.is_meta:
         wide = torch.empty_like(tensor, dtype=torch.float32)
         trunc_normal_(wide, mean=mean, std=std, a=a, b=b)
         with torch.no_grad():
