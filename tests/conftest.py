@@ -89,6 +89,16 @@ def moe_reference_run(tmp_path_factory) -> tuple[str, Launch]:
 
 
 @pytest.fixture(scope="session")
+def golden_run(tmp_path_factory) -> tuple[str, list[float]]:
+    """The golden-loss run (tests/test_golden_loss.py: the debug model, 100 steps through run_llama_train.sh, its
+    step-100 checkpoint saved): (dump folder, its 100 losses). tests/test_generate_trained.py generates from it."""
+    from tests.test_golden_loss import train_losses
+
+    folder = str(tmp_path_factory.mktemp("golden_run"))
+    return folder, train_losses(folder)
+
+
+@pytest.fixture(scope="session")
 def golden(request) -> GoldenCheck:
     """The matrix's golden values (tests/golden.py); the terminal summary says how they were compared."""
     check = session_check()

@@ -4,7 +4,9 @@
 runs ``torchtitan.train.main`` on the rest of the arguments; its checkpointer is the trainer's own
 (``engine.builders.build_checkpointer``) with an injected ``before_marker`` that sleeps SECONDS once step STEP's
 data is written and before its marker, so a test can SIGKILL the job mid-save. ``popen_held_marker``
-launches it on 2 ranks the way run_llama_train.sh launches the trainer.
+launches it on 2 ranks the way run_llama_train.sh launches the trainer. ``kill_mid_save`` runs the same trainer
+as a job in a worker pool of its own (tests/pool.py) and SIGKILLs its ranks: for a test that reads what the crash
+leaves on disk, not what a launcher prints (no launcher and no 2 fresh ranks: 3 torch imports, ~3 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import IO
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,6 +96,40 @@ def hold_marker(held_step: int, seconds: float, step: int) -> None:
     if step == held_step:
         logger.warning("holding back step-%d's marker for %.0f s", step, seconds)
         time.sleep(seconds)
+
+
+def kill_mid_save(step: int, overrides: list[str], written: Callable[[], bool], timeout_s: float = 300) -> None:
+    """The trainer (debug_model.toml plus ``overrides``) on 2 ranks of a worker pool of its own, step ``step``'s
+    marker held back; once ``written()`` holds (polled), both ranks are SIGKILLed, as a crash would.
+
+    Raises AssertionError when ``written()`` never held: the job ended, or ``timeout_s`` passed (the tails of
+    the ranks' output in the message)."""
+    from tests.pool import WorkerPool, train_job
+    from torchtitan.engine.builders import Builders, build_checkpointer
+
+    before_marker = functools.partial(hold_marker, step, 600.0)  # held until the kill
+    builders = Builders(checkpointer=functools.partial(build_checkpointer, before_marker=before_marker))
+    argv = ["--job.config_file", "./train_configs/debug_model.toml", *overrides]
+    pool = WorkerPool(2)
+    threads = ThreadPoolExecutor(1)
+    try:
+        job = threads.submit(pool.run, train_job, argv, builders, name="train held marker, killed")
+        deadline = time.monotonic() + timeout_s
+        while not written() and not job.done() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        seen = written()
+        pool.kill()
+        if not seen:
+            tails = []
+            for path in pool.out_paths:
+                with contextlib.suppress(OSError), open(path, errors="replace") as f:
+                    tails.append("".join(f.readlines()[-20:]))
+            raise AssertionError("the save to kill never came:\n" + "\n".join(tails))
+        with contextlib.suppress(Exception):  # the killed pool: PoolBroken, as expected
+            job.result(timeout=60)
+    finally:
+        pool.kill()
+        threads.shutdown(wait=False)
 
 
 def main(argv: list[str]) -> int:

@@ -12,8 +12,8 @@ Runs are shared between checks to keep the file short (6 steps, seq 64, the matr
   per rank, one optimizer over both), the cp2 one under FSDP2 (the data-parallel degree changes
   1 -> 2), the MoE EP2 one under FSDP2 without EP (experts resharded; the expert_bias buffer is
   model state) -> within RTOL.
-* fsdp2 with Muon and the no-decay preset: save at 3, resume bit-exact; the checkpoint resumed on 1 process
-  within RTOL.
+* fsdp2 with Muon and the no-decay preset, saving with async_mode = "async_with_pinned_mem" (step 4 trains while
+  step-3 is staged in the background): save at 3, resume bit-exact; the checkpoint resumed on 1 process within RTOL.
 * fsdp4 save at 3 -> fsdp2 x tp2 resume -> within RTOL (slow: two 4-process runs).
 """
 
@@ -101,7 +101,7 @@ def seeded_fsdp2(tmp_path_factory) -> tuple[str, dict[int, float], str]:
 def test_fsdp2_seed_async_purge_and_load_step(seeded_fsdp2):
     folder, full, log = seeded_fsdp2
     assert "loaded seed weights (model only) from step 0" in log
-    assert "writing in the background" in log  # async saves at 2 and 4; the final one is synchronous
+    assert "written in the background" in log  # async saves at 2 and 4; the final one is synchronous
     assert complete_steps(folder) == [0, 4, 6]  # keep_latest_k 2 purged step-2; the seed is kept
     shutil.copy(os.path.join(folder, "metrics.jsonl"), os.path.join(folder, "uninterrupted.jsonl"))
     log = train(2, folder, ["--training.batch_size", "4", "--checkpoint.interval", "2", "--checkpoint.load_step", "4"])
@@ -138,7 +138,10 @@ def test_killed_save_resumes_from_previous_complete(seeded_fsdp2, tmp_path):
 # (experts split over the ranks) under FSDP2 without EP (expert_bias included).
 # Muon beside AdamW with the no-decay preset (issue 47): the momentum buffers, sharded like their parameters,
 # and the five param groups go through DCP; the FSDP2 checkpoint resumes on one process (every buffer resharded).
+# Its step-3 save stages in the background (async_with_pinned_mem): step 4's forward and backward run during the
+# copy, its update waits for it, so the bit-exact resume shows the checkpoint holds step 3's weights and moments.
 MUON = ["--optimizer.name", "Muon", "--optimizer.no_decay", "norm,bias,embedding"]
+PINNED = ["--checkpoint.async_mode", "async_with_pinned_mem"]
 SAME_LAYOUT = {
     "tp2": (8, ["--training.tensor_parallel_degree", "2"]),
     "pp2_1f1b": (8, ["--experimental.pipeline_parallel_degree", "2", *pp_schedule("1F1B")]),
@@ -147,7 +150,7 @@ SAME_LAYOUT = {
         ["--experimental.context_parallel_degree", "2", "--experimental.context_parallel_rotate_method", "alltoall"],
     ),
     "moe_ep2": (4, ["--model.name", "llama3_moe", "--experimental.expert_parallel_degree", "2"]),
-    "fsdp2_muon": (4, MUON),
+    "fsdp2_muon": (4, [*MUON, *PINNED]),
 }
 RESHARDED = {
     "tp2": (1, 8, []),
@@ -187,8 +190,8 @@ def resumes(tmp_path_factory) -> dict[str, dict]:
     full = launch_jobs(2, [_job(folders[n], b, lay) for n, (b, lay) in SAME_LAYOUT.items()], str(base / "full.json"))
     out = {}
     for name, folder in folders.items():
-        check_job(f"{name} (uninterrupted)", folder, full)
-        out[name] = {"full": losses(folder)}
+        log = check_job(f"{name} (uninterrupted)", folder, full)
+        out[name] = {"full": losses(folder), "full_log": log}
         other = str(base / f"{name}_other")
         shutil.copytree(os.path.join(folder, "checkpoint", "step-3"), os.path.join(other, "checkpoint", "step-3"))
     jobs = [_job(folders[n], b, lay, "--checkpoint.load_step", "3") for n, (b, lay) in SAME_LAYOUT.items()]
@@ -213,6 +216,12 @@ def test_resume_same_layout_is_bit_exact(name, resumes):
     assert [resumed[s] for s in range(4, STEPS + 1)] == [full[s] for s in range(4, STEPS + 1)]
     assert "resumed from step 3" in resumes[name]["resharded_log"]
     assert_close(resumes[name]["resharded"], full, range(4, STEPS + 1))
+
+
+def test_background_staging_says_what_it_blocked(resumes):
+    log = resumes["fsdp2_muon"]["full_log"]
+    assert "here the staging buffers are plain host memory" in log  # once, at start, on CPU
+    assert "checkpoint step-3: blocked the step" in log and "(staging), written in the background" in log
 
 
 @pytest.mark.slow

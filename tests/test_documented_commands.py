@@ -6,6 +6,8 @@ resolves it (scripts/config_args.sh: the command's ``--job.config_file`` wins ov
 debug config; ``NGPU`` processes, 2 on a machine without a GPU) and checked in process with
 ``torchtitan.preflight``'s entry point. A doc that shows a command training another config than it says, or
 a flag that no longer exists, fails here by file and line. tests/test_launch_runs.py runs the script itself.
+The blocks a user runs line by line (``SEQUENCES``) run in order, each line as typed but for the training lines that
+another test already launches (``LAUNCHED_ELSEWHERE``): those are checked and trained in process and in the pool.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 
 import pytest
 
+from tests.pool import JobFailed, run_in_pool, train_job
 from torchtitan.config.manager import JobConfig
 from torchtitan.preflight.__main__ import _launch_flags
 from torchtitan.preflight.__main__ import main as preflight_main
@@ -99,11 +102,27 @@ def _preflight_argv(command: str) -> list[str]:
 
 # The blocks a user copies and runs line by line, run by test_documented_sequence_runs_in_order the same way: in
 # order, in a scratch folder that links the checkout's files (its outputs/ is the scratch's own). The one change
-# from the doc: a training command trains 1 step (`--training.steps 1` appended), so a step-<N> folder a later
-# line names, N that command's configured steps, is read as step-1. `python` is the interpreter running the tests.
+# from the doc: a training command trains 1 step of 1 sample a rank (`--training.steps 1 --training.batch_size 1`
+# appended: what the later lines read is the files the run writes, not what it learned; the debug config's 8 x 256
+# tokens a rank took ~5 s of a step on 2 cores), so a step-<N> folder a later line names, N that command's
+# configured steps, is read as step-1. `python` is the interpreter running the tests.
 SEQUENCES = {  # name -> (file, the start of the block's first line)
     "readme_generate_and_sft": ("README.md", "./run_llama_train.sh --checkpoint.enable_checkpoint"),
     "lora_recipe": ("docs/lora.md", "scripts/create_seed_checkpoint.sh --job.dump_folder outputs/lora_base"),
+}
+# A training line whose launch another test already makes through run_llama_train.sh (the same NGPU, LOG_RANK and
+# config-file resolution) is not launched again (~10-20 s each on 2 cores): its pre-launch check runs in process, as
+# the script runs it, and the trainer, with the arguments the script passes its ranks, trains as a job in the worker
+# pool of its world size, from the scratch folder (its outputs land where the next lines look). The README's first
+# line, the default run (no NGPU, no CONFIG_FILE: the script's own defaults, launched by no other test), still goes
+# through the script. The start of such a line -> the test that launches it.
+LAUNCHED_ELSEWHERE = {
+    "./run_llama_train.sh --job.config_file train_configs/sft_debug.toml": (
+        "tests/test_launch_runs.py::test_the_readme_sft_command_trains_the_sft_config_over_config_file"
+    ),
+    "NGPU=2 LOG_RANK=0 CONFIG_FILE=./train_configs/debug_model.toml bash run_llama_train.sh": (
+        "tests/test_reliability_runs.py (popen_train: this launch with the reliability runs' flags)"
+    ),
 }
 
 
@@ -134,6 +153,9 @@ def test_the_docs_show_the_commands_users_type():
     places = {where.split(":")[0] for where, _ in COMMANDS}
     assert {"README.md", "docs/sft.md", "train_configs/sft_debug.toml", "docs/fault_tolerance.md"} <= places, places
     assert len(COMMANDS) >= 15, COMMANDS
+    in_sequences = [text for path, first in SEQUENCES.values() for _, text in _block(path, first)]
+    for start in LAUNCHED_ELSEWHERE:  # each still names a line of a sequence
+        assert any(text.startswith(start) for text in in_sequences), start
 
 
 def _downloads_its_tokenizer(argv: list[str]) -> bool:
@@ -158,9 +180,33 @@ def _trains(words: list[str]) -> bool:
     return any(w.endswith("run_llama_train.sh") for w in words) or "torchtitan.train" in words
 
 
+def _train_from(rank: int, world_size: int, folder: str, argv: list[str]) -> JobFailed | None:
+    """``train_job`` from ``folder`` (the scratch checkout, whose paths the command's relative paths are)."""
+    os.chdir(folder)
+    try:
+        return train_job(rank, world_size, argv)
+    finally:
+        os.chdir(ROOT)  # where the pool's workers stay between jobs
+
+
+def _check_and_train_in_the_pool(where: str, command: str, scratch: str, capsys) -> None:
+    """A training line launched by another test: its pre-launch check (in process), then its trainer in the pool."""
+    argv = _preflight_argv(command)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(scratch)
+        code = preflight_main(argv)
+    err = capsys.readouterr().err
+    assert code == 0, f"{where}: `{command}` -> preflight {argv}: {err}"
+    world_size, _, args = _launch_flags(argv)
+    results = run_in_pool(_train_from, world_size, scratch, args, name=f"train {where}")
+    failed = [r.error for r in results if r is not None]
+    assert not failed, f"{where}: `{command}` trained in the pool: {failed[0][-3000:]}"
+
+
 @pytest.mark.integration
+@pytest.mark.pool(2)
 @pytest.mark.parametrize("name", SEQUENCES)
-def test_documented_sequence_runs_in_order(name, tmp_path):
+def test_documented_sequence_runs_in_order(name, tmp_path, capsys):
     path, first = SEQUENCES[name]
     scratch = tmp_path / "checkout"
     scratch.mkdir()
@@ -178,7 +224,10 @@ def test_documented_sequence_runs_in_order(name, tmp_path):
         if _trains(words):
             world_size, _, args = _launch_flags(_preflight_argv(shlex.join(words)))
             renamed[f"step-{JobConfig.parse_args(args, world_size=world_size).training.steps}"] = "step-1"
-            words += ["--training.steps", "1"]
+            words += ["--training.steps", "1", "--training.batch_size", "1"]
+            if any(text.startswith(start) for start in LAUNCHED_ELSEWHERE):
+                _check_and_train_in_the_pool(f"{path}:{line}", shlex.join(words), str(scratch), capsys)
+                continue
         result = subprocess.run(
             ["bash", "-c", shlex.join(words)], cwd=scratch, env=env, capture_output=True, text=True, timeout=300
         )

@@ -14,6 +14,10 @@ threads 2.2e-7 relative; AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``, ``MKL_ENABL
 A real change to the numerics fails it: a learning rate 0.1% higher from step 5 (4e-3 by the
 end), a different seed at step 1.
 
+The run also saves its step-100 checkpoint (``SAVE``: no effect on the losses): tests/test_generate_trained.py
+generates from it instead of training the debug model a second time. The run is the session fixture
+``golden_run`` (tests/conftest.py), made by whichever of the two files runs first.
+
 Regenerate after an intended change of the reference (say why in the commit):
 ``TORCHTITAN_REGENERATE_GOLDEN=1 python -m pytest tests/test_golden_loss.py`` rewrites the file
 and warns with the largest change; review the diff before committing it.
@@ -65,14 +69,18 @@ ARGS = [
 ]
 
 
+# Saved for tests/test_generate_trained.py; a checkpoint changes no loss, so ARGS (what the golden file pins) leaves it out.
+SAVE = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "100"]
+
+
 def command() -> str:
     return f"NGPU=1 CONFIG_FILE={CONFIG_FILE} ./run_llama_train.sh {' '.join(ARGS)} --job.dump_folder DIR"
 
 
 def train_losses(dump_folder: str) -> list[float]:
-    """The 100 per-step losses of one single-process run through run_llama_train.sh."""
+    """The 100 per-step losses of one single-process run through run_llama_train.sh (its step-100 checkpoint saved)."""
     env = dict(os.environ, NGPU="1", LOG_RANK="0", CONFIG_FILE=CONFIG_FILE, PREFLIGHT="0")
-    cmd = ["bash", "./run_llama_train.sh", *ARGS, "--job.dump_folder", dump_folder]
+    cmd = ["bash", "./run_llama_train.sh", *ARGS, *SAVE, "--job.dump_folder", dump_folder]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = [r for r in read_metrics(dump_folder) if "loss" in r]
@@ -124,8 +132,8 @@ def announce_regenerated(losses: list[float]) -> None:
     warnings.warn(note, stacklevel=2)
 
 
-def test_debug_model_matches_golden_losses(tmp_path):
-    losses = train_losses(str(tmp_path))
+def test_debug_model_matches_golden_losses(golden_run):
+    _, losses = golden_run
     if os.environ.get(REGENERATE_ENV) == "1":
         announce_regenerated(losses)
         write_golden(losses)

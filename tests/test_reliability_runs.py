@@ -1,8 +1,8 @@
 """Runs that used to lose work (issue: "a run that loses nothing"), each through the real trainer at 2 ranks.
 
 Runs are shared to keep CI short: a pool job (tests/pool.py) saves the checkpoints the others start
-from, two real runs are killed or signalled mid-way, and a final series of pool jobs runs every check
-that resumes (a model change refused, a changed optimizer config, a plain resume after a
+from, a pool job of its own has its ranks killed mid-save, a real run (run_llama_train.sh) is signalled
+mid-way, and a final series of pool jobs runs every check that resumes (a model change refused, a changed optimizer config, a plain resume after a
 rollback, the resume after SIGTERM and its uninterrupted reference).
 """
 
@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.held_marker_train import kill_job, popen_held_marker
+from tests.held_marker_train import kill_mid_save
 from tests.integration_tests import COMMON, ROOT, check_job, launch_jobs, read_metrics, run_train
 from tests.test_checkpoint_runs import complete_steps, losses
 
@@ -38,17 +38,11 @@ def job(folder: str, *args: str, expect_error: str | None = None) -> dict:
     return spec
 
 
-def popen_train(folder: str, args: list[str], *, hold_marker: tuple[int, float] | None = None) -> subprocess.Popen:
-    """run_llama_train.sh in the background; its output goes to ``<folder>.out`` (read with ``output``).
-
-    ``hold_marker``: (step, seconds) that step's checkpoint marker is held back, through the launcher
-    (tests/held_marker_train.py) instead of the script.
-    """
+def popen_train(folder: str, args: list[str]) -> subprocess.Popen:
+    """run_llama_train.sh in the background; its output goes to ``<folder>.out`` (read with ``output``)."""
     overrides = [*COMMON, *CKPT, *BATCH, *args, "--job.dump_folder", folder]
     environ = dict(os.environ, NGPU="2", LOG_RANK="0", CONFIG_FILE="./train_configs/debug_model.toml", PREFLIGHT="0")
     with open(folder + ".out", "w") as out:
-        if hold_marker is not None:
-            return popen_held_marker(*hold_marker, overrides, stdout=out)
         return subprocess.Popen(
             ["bash", "./run_llama_train.sh", *overrides],
             cwd=ROOT,
@@ -85,9 +79,9 @@ def runs(tmp_path_factory) -> dict:
         shutil.copytree(os.path.join(d["saved"], "checkpoint"), os.path.join(d[name], "checkpoint"))
     out = {"dirs": d}
 
-    # Rollback to step 2 with keep_latest_k 1, killed while step-4 is being saved again.
+    # Rollback to step 2 with keep_latest_k 1, its ranks SIGKILLed (a crash) while step-4 is being saved again: a
+    # job in a pool of its own (what the crash leaves on disk is the point, not what a launcher prints).
     rollback = ["--checkpoint.load_step", "2", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "1"]
-    proc = popen_train(d["rollback"], rollback, hold_marker=(4, 120))
     root = os.path.join(d["rollback"], "checkpoint")
     step4 = os.path.join(root, "step-4")
 
@@ -97,8 +91,7 @@ def runs(tmp_path_factory) -> dict:
             new_step3 and os.path.isfile(os.path.join(step4, ".metadata")) and not os.path.exists(step4 + "/.complete")
         )
 
-    wait_for(resaving_step4, proc, d["rollback"], "step-4's data written again")
-    kill_job(proc)
+    kill_mid_save(4, [*COMMON, *CKPT, *BATCH, *rollback, "--job.dump_folder", d["rollback"]], resaving_step4)
     out["after_kill"] = complete_steps(d["rollback"])
     out["set_aside"] = sorted(
         name for _, dirs, _ in os.walk(os.path.join(d["rollback"], "checkpoint", "set-aside")) for name in dirs

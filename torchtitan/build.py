@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +18,7 @@ from torchtitan.checkpointing.common import model_info, save_model_weights
 from torchtitan.checkpointing.hf_files import hf_embedding_rows
 from torchtitan.checkpointing.marker import read_marker, step_folder
 from torchtitan.checkpointing.state import ModelState
+from torchtitan.checkpointing.storage import under
 from torchtitan.components.loss import build_loss_fn
 from torchtitan.components.step import PipelineLoss, StepFunction
 from torchtitan.datasets.shard import DataShard
@@ -266,7 +266,7 @@ def build_model(
 
 def create_seed_checkpoint(config: JobConfig) -> str:
     """Build and initialise the model in this one process, save it as ``step-0`` (weights only)."""
-    path = step_folder(os.path.join(config.job.dump_folder, config.checkpoint.folder), 0)
+    path = step_folder(under(config.job.dump_folder, config.checkpoint.folder), 0)
     if read_marker(path) is not None:
         raise ValueError(f"checkpoint.create_seed_checkpoint: {path} already exists; delete it to make a new seed")
     spec = get_model_spec(config.model.name)

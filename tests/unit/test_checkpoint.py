@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from torchtitan.checkpointing.manager import CheckpointManager, trim_metrics
 from torchtitan.checkpointing.marker import EXPORT, FULL, SEED, step_folder, write_marker
 from torchtitan.checkpointing.state import ModelPartsView
 from torchtitan.config.schema import Checkpoint as CheckpointConfig
+from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.llama import ModelArgs, Transformer
 from torchtitan.models.llama.hf_adapter import ADAPTER
 from torchtitan.preflight import run_preflight
@@ -137,8 +139,10 @@ class _Loader:
         self.state = state
 
 
-def _manager(tmp_path, model: torch.nn.Module, clock=None, before_marker=None, **config) -> CheckpointManager:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def _manager(
+    tmp_path, model: torch.nn.Module, clock=None, before_marker=None, optimizer=torch.optim.AdamW, **config
+) -> CheckpointManager:
+    opt = optimizer(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
     cfg = CheckpointConfig(enable_checkpoint=True, folder="ckpt", **{"interval": 2, **config})
     return CheckpointManager(
@@ -253,7 +257,9 @@ def test_corrupted_checkpoint_is_a_value_error(tmp_path):
     marker = json.load(open(os.path.join(path, ".complete")))
     del marker["files"]
     json.dump(marker, open(os.path.join(path, ".complete"), "w"))
-    with pytest.raises(ValueError, match=r"checkpoint .*step-2 could not be loaded"):
+    with pytest.raises(
+        ValueError, match=r"checkpoint .*step-2 \(format 1, written by torchtitan .*\) could not be loaded"
+    ):
         _manager(tmp_path, _model(1)).load()
     with open(metadata, "wb") as f:
         f.write(b"garbage")
@@ -285,6 +291,41 @@ def test_async_save_copies_the_state_before_training_continues(tmp_path):
     assert os.path.isfile(os.path.join(step_folder(str(tmp_path / "ckpt"), 2), ".complete"))
     weights, _ = load_model_weights(step_folder(str(tmp_path / "ckpt"), 2))
     assert all(torch.equal(weights[k], before[k]) for k in before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.bf16)])
+def test_background_staging_holds_the_next_update_until_its_copy_is_done(tmp_path, dtype):
+    """async_with_pinned_mem: the step goes on while the state is copied, and the next optimizer step waits for the
+    copy, so the checkpoint holds the saved step's weights and moments. bf16: pure bf16's optimizer
+    (training.dtype = "bfloat16")."""
+    from torchtitan.components.optim.optim_lowp import LowPrecisionAdamW
+
+    model = _model(0).to(dtype)
+    optimizer = torch.optim.AdamW if dtype == torch.float32 else LowPrecisionAdamW
+    manager = _manager(tmp_path, model, optimizer=optimizer, async_mode="async_with_pinned_mem")
+    _train_step(model, manager)
+    gate = threading.Event()
+    manager.staging.copier._staging_executor.submit(gate.wait)  # its one staging thread: busy until the gate opens
+    manager.save(1)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = manager.optimizer.state[next(model.parameters())]["exp_avg"].clone()
+    tokens = torch.arange(16).view(2, 8) % ARGS.vocab_size
+    F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()  # while the copy waits at the gate
+    opened_before_update = []  # a pre-hook registered after the manager's runs after its wait
+    manager.optimizer.register_step_pre_hook(lambda *_: opened_before_update.append(gate.is_set()))
+    threading.Timer(0.1, gate.set).start()
+    manager.optimizer.step()  # waits for the gate and the copy, then updates
+    assert opened_before_update == [True]
+    assert not torch.equal(model.output.weight, weights["output.weight"])
+    manager.close()
+    saved, _ = load_model_weights(step_folder(str(tmp_path / "ckpt"), 1))
+    assert all(torch.equal(saved[k], weights[k]) for k in weights)
+    assert manager.blocked_seconds[1] > 0  # the wait is counted as blocked time
+    other = _model(1).to(dtype)
+    loader = _manager(tmp_path, other, optimizer=optimizer, async_mode="async_with_pinned_mem")
+    assert loader.load() == 1
+    assert torch.equal(loader.optimizer.state[next(other.parameters())]["exp_avg"], moments)
+    loader.close()
 
 
 def test_before_marker_runs_once_the_data_is_written_and_before_the_marker(tmp_path):
@@ -392,17 +433,33 @@ def test_hf_export_gives_our_logits(tmp_path):
         (["--checkpoint.interval", "0"], 1, "checkpoint.interval must be >= 1"),
         (["--checkpoint.load_step", "-2"], 1, "load_step must be -1"),
         (["--checkpoint.create_seed_checkpoint"], 2, "needs one process"),
-        (["--checkpoint.async_mode", "async_with_pinned_mem"], 1, "no GPU; use 'async'"),
     ],
 )
 def test_config_errors(args, world_size, match):
     from torchtitan.config.manager import JobConfig
 
-    if "async_with_pinned_mem" in args and torch.cuda.is_available():
-        pytest.skip("the CPU-only message")
     config = JobConfig.parse_args(["--checkpoint.enable_checkpoint", *args])
     with pytest.raises(ValueError, match=match):
         run_preflight(config, world_size)
+
+
+def test_background_staging_refuses_weight_changes_outside_the_optimizer_step():
+    from torchtitan.config.manager import JobConfig
+    from torchtitan.fault_tolerance.checks import check_fault_tolerance
+
+    pinned = ["--checkpoint.enable_checkpoint", "--checkpoint.async_mode", "async_with_pinned_mem"]
+    assert run_preflight(JobConfig.parse_args(pinned), 1) == []  # on CPU too: plain host buffers
+    in_backward = JobConfig.parse_args([*pinned, "--optimizer.early_step_in_backward", "--training.max_norm", "0"])
+    with pytest.raises(NotImplementedError, match="early_step_in_backward = true with checkpoint.async_mode"):
+        run_preflight(in_backward, 1)
+    ft = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2", "--checkpoint.keep_latest_k", "2"]
+    config = JobConfig.parse_args([*pinned, *ft])
+    dims = ParallelDims.from_sections(training=config.training, experimental=config.experimental, world_size=1)
+    with pytest.raises(NotImplementedError, match=r"fault_tolerance.enable \(synchronous\) with checkpoint.async_mode"):
+        check_fault_tolerance(config, dims)
+    diloco = ["--fault_tolerance.semi_sync_method", "diloco", "--training.steps", "10", "--checkpoint.interval", "5"]
+    config = JobConfig.parse_args([*pinned, *ft, *diloco])  # its weight changes run in hooks after the update
+    assert check_fault_tolerance(config, dims) == []
 
 
 def test_checkpoint_knobs_without_checkpointing_warn():

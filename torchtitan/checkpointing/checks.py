@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from torchtitan.checkpointing.hf_files import hf_weight_files, read_hf_config
 from torchtitan.checkpointing.marker import read_marker, why_not_loadable
+from torchtitan.checkpointing.storage import access_problem, is_url, missing_package
 from torchtitan.config.errors import ConfigError
 from torchtitan.spec import flavor_args, get_model_spec, hf_conversion_refusal
 
@@ -30,25 +31,13 @@ def check_checkpoint(config: JobConfig, dims: ParallelDims) -> list[str]:
                 f"are {list(EXCLUDABLE)} (the model weights are what a resume loads; the step and RNG follow them)"
             )
     _check_hf_keys(ck, model=config.model)
+    _check_url_keys(config)
     if ck.create_seed_checkpoint and dims.world_size != 1:
         raise ConfigError(
             f"checkpoint.create_seed_checkpoint = true needs one process (it initialises the whole model and "
             f"exits), got world_size {dims.world_size}; run scripts/create_seed_checkpoint.sh"
         )
-    if ck.async_mode == "async_with_pinned_mem":
-        raise NotImplementedError("checkpoint.async_mode = 'async_with_pinned_mem' is not built yet; use 'async'")
     return _warnings(ck)
-
-
-def check_pinned_memory_device(config: JobConfig, dims: ParallelDims, device_type: str) -> list[str]:
-    """On ``device_type``: pinned host memory only speeds device-to-host copies (refused on CPU for that reason,
-    before check_checkpoint's "not built yet")."""
-    if config.checkpoint.async_mode == "async_with_pinned_mem" and device_type == "cpu":
-        raise ConfigError(
-            "checkpoint.async_mode = 'async_with_pinned_mem' stages into pinned memory for fast GPU-to-host "
-            "copies, and the run trains on 'cpu': no GPU; use 'async' (the state is already in host memory)"
-        )
-    return []
 
 
 def _warnings(ck: Checkpoint) -> list[str]:
@@ -100,6 +89,9 @@ def check_initial_load(config: JobConfig, dims: ParallelDims) -> list[str]:
     path = ck.initial_load_path
     if not path:
         return []
+    if is_url(path):
+        _check_url_keys(config)  # an HF folder from a URL: refused before the store is asked
+        _check_store("checkpoint.initial_load_path", path, write=False)
     if ck.initial_load_in_hf:
         _check_hf_keys(ck, model=config.model)  # a family with no conversion: its reason, before any file is read
         hf = read_hf_config(path)
@@ -116,3 +108,44 @@ def check_initial_load(config: JobConfig, dims: ParallelDims) -> list[str]:
             why = "is not a complete checkpoint; it looks like a Hugging Face folder: set checkpoint.initial_load_in_hf = true"
         raise ConfigError(f"checkpoint.initial_load_path = '{path}' {why}")
     return []
+
+
+def _check_url_keys(config: JobConfig) -> None:
+    """Which keys may be URLs (docs/checkpoint.md, "Remote storage"): checkpoint.folder and initial_load_path.
+
+    Raises:
+        ConfigError: a URL job.dump_folder (the run's own files are local).
+        NotImplementedError: a URL initial_load_path with initial_load_in_hf (an HF folder is read from local files).
+    """
+    dump, ck = config.job.dump_folder, config.checkpoint
+    if "://" in dump:
+        raise ConfigError(
+            f"job.dump_folder = '{dump}' is a URL, and a run writes its own files there locally (metrics.jsonl, "
+            "config.toml, run.lock, traces); set it to a local folder, and checkpoint.folder to a URL to keep the "
+            f"checkpoints in a store (e.g. checkpoint.folder = '{dump.rstrip('/')}/checkpoint')"
+        )
+    if ck.initial_load_in_hf and is_url(ck.initial_load_path):
+        raise NotImplementedError(
+            f"checkpoint.initial_load_path = '{ck.initial_load_path}' with checkpoint.initial_load_in_hf = true: a "
+            "Hugging Face folder is read from local files (its safetensors are memory-mapped); copy it to a local "
+            "folder and pass that"
+        )
+
+
+def check_checkpoint_storage(config: JobConfig, dims: ParallelDims) -> list[str]:
+    """This machine: a URL checkpoint.folder can be written (its fsspec package is installed, the store accepts the
+    credentials, the bucket exists): a small object is written and deleted there, before any process group exists.
+
+    Raises:
+        ConfigError: naming the key, the URL and what the store answered (never the credentials).
+    """
+    ck = config.checkpoint
+    if (ck.enable_checkpoint or ck.create_seed_checkpoint) and is_url(ck.folder):
+        _check_store("checkpoint.folder", ck.folder, write=True)
+    return []
+
+
+def _check_store(key: str, url: str, *, write: bool) -> None:
+    problem = missing_package(url) or access_problem(url, write=write)
+    if problem is not None:
+        raise ConfigError(f"{key} = '{url}' {problem}")

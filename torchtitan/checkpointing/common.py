@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,14 +16,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import torchtitan.checkpointing.integrity as integrity
 from torchtitan.checkpointing.folders import CheckpointInfo, list_files, verify_files
+from torchtitan.checkpointing.format import check_readable
 from torchtitan.checkpointing.marker import SEED, read_marker, why_not_loadable, write_marker
+from torchtitan.checkpointing.storage import isdir, rmtree
 
 if TYPE_CHECKING:
     from torchtitan.config.schema import Model
 
 
 def agree(decide: Callable[[], Any], group: dist.ProcessGroup | None = None) -> Any:
-    """Rank 0 runs ``decide`` and every rank gets its result (or its ValueError, re-raised)."""
+    """Rank 0 runs ``decide`` and every rank gets its result (or its ValueError, re-raised; an OSError, as a store's
+    refusal to list a checkpoint folder, as a ValueError naming it), so no rank waits for an answer that never comes."""
     if not dist.is_initialized():
         return decide()
     box: list[Any] = [None]
@@ -33,6 +35,8 @@ def agree(decide: Callable[[], Any], group: dist.ProcessGroup | None = None) -> 
             box[0] = ("ok", decide())
         except ValueError as e:
             box[0] = ("error", str(e))
+        except OSError as e:
+            box[0] = ("error", f"{type(e).__name__}: {e}")
     dist.broadcast_object_list(box, src=0, group=group)
     status, value = box[0]
     if status == "error":
@@ -72,8 +76,8 @@ def model_info(*, model: Model, model_args: Any) -> dict[str, Any]:
 
 def save_model_weights(state_dict: dict[str, torch.Tensor], path: str, info: dict[str, Any]) -> None:
     """One process: write whole-model weights as a complete step-0 seed checkpoint at ``path``."""
-    if os.path.isdir(path):
-        shutil.rmtree(path)
+    if isdir(path):
+        rmtree(path)
     with one_process_quiet():
         integrity.save({"model": state_dict}, path, no_dist=True)
     write_marker(path, 0, SEED, model=info, files=list_files(path))  # sizes, and CRCs from the writer's sidecars
@@ -89,6 +93,7 @@ def load_model_weights(path: str, *, verify_checksums: bool = True) -> tuple[dic
     marker = read_marker(path)
     if marker is None:
         raise ValueError(f"{path} {why_not_loadable(path)}")
+    check_readable(marker, path)
     verify_files(CheckpointInfo(marker.get("step", -1), path, marker), checksums=verify_checksums)
     metadata = read_metadata(path)
     weights = {

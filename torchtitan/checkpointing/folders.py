@@ -1,6 +1,8 @@
-"""The checkpoint folder on disk: ``step-N`` folders, completion markers, discovery, purge, save schedule.
+"""The checkpoint folder on disk or in an object store: ``step-N`` folders, completion markers, discovery, purge,
+save schedule.
 
-No torch.distributed here: rank 0 calls these and broadcasts what it decided.
+No torch.distributed here: rank 0 calls these and broadcasts what it decided. Files go through storage.py: a local
+folder with os/shutil as always, a URL (``s3://...``) through fsspec.
 
 A checkpoint counts only when its ``.complete`` marker exists. The marker is written last, by
 rank 0, after DCP reports every rank's data written (DCP's coordinator writes ``.metadata`` only
@@ -13,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import Any
 
 from torchtitan.checkpointing.integrity import DATA_SUFFIX, SIDECAR_SUFFIX, crc32_of_file, read_sidecar
 from torchtitan.checkpointing.marker import EXPORT, FULL, MARKER, SEED, read_marker, step_folder
+from torchtitan.checkpointing.storage import copy_file, files, is_url, makedirs, remove, rmtree, subfolders
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +55,11 @@ def list_files(path: str) -> dict[str, list[int]]:
     another writer, or its size differs from what went through the stream) records -1 with a
     warning: only its size is checked then. The sidecars themselves are not listed.
     """
-    files = {}
-    for name in sorted(os.listdir(path)):
-        full = os.path.join(path, name)
-        if name.startswith(MARKER) or name.endswith(SIDECAR_SUFFIX) or not os.path.isfile(full):
-            continue
-        size = os.path.getsize(full)
-        files[name] = [size, _written_crc(full, size)]
-    return files
+    found = {}
+    for name, size in sorted(files(path).items()):
+        if not name.startswith(MARKER) and not name.endswith(SIDECAR_SUFFIX):
+            found[name] = [size, _written_crc(os.path.join(path, name), size)]
+    return found
 
 
 def _written_crc(full: str, size: int) -> int:
@@ -96,12 +95,16 @@ def verify_files(c: CheckpointInfo, *, checksums: bool = True) -> None:
     if not recorded:
         return
     problems = []
+    try:
+        present = files(c.path)  # one listing (an object store's gives every size)
+    except FileNotFoundError:
+        present = {}
     for name, (size, crc) in recorded.items():
         full = os.path.join(c.path, name)
-        if not os.path.isfile(full):
+        if name not in present:
             problems.append(f"{name} is missing")
-        elif os.path.getsize(full) != size:
-            problems.append(f"{name} has {os.path.getsize(full)} bytes, the save wrote {size}")
+        elif present[name] != size:
+            problems.append(f"{name} has {present[name]} bytes, the save wrote {size}")
         elif crc != -1 and (checksums or name == ".metadata") and crc32_of_file(full) != crc:
             problems.append(f"{name} does not match its CRC32 (altered after the save)")
     if problems:
@@ -113,13 +116,10 @@ def verify_files(c: CheckpointInfo, *, checksums: bool = True) -> None:
 
 def list_checkpoints(root: str) -> list[CheckpointInfo]:
     """Every ``step-N`` folder under ``root``, oldest first (none if ``root`` does not exist)."""
-    if not os.path.isdir(root):
-        return []
     found = []
-    for name in os.listdir(root):
-        m = _STEP_DIR.match(name)
-        path = os.path.join(root, name)
-        if m and os.path.isdir(path):
+    for name in subfolders(root):
+        if m := _STEP_DIR.match(name):
+            path = os.path.join(root, name)
             found.append(CheckpointInfo(int(m.group(1)), path, read_marker(path)))
     return sorted(found, key=lambda c: c.step)
 
@@ -209,8 +209,8 @@ def purge_stale(root: str, keep_latest_k: int) -> list[str]:
     for c in stale:
         # marker first: a purge interrupted half way leaves an incomplete folder, never a bad "complete" one
         if c.complete:
-            os.remove(os.path.join(c.path, MARKER))
-        shutil.rmtree(c.path, ignore_errors=True)
+            remove(os.path.join(c.path, MARKER))
+        rmtree(c.path, ignore_errors=True)
         logger.info("purged checkpoint %s (checkpoint.keep_latest_k = %d)", c.path, keep_latest_k)
     return [c.path for c in stale]
 
@@ -224,14 +224,29 @@ def set_aside(root: str, checkpoints: list[CheckpointInfo], why: str) -> list[st
     if not checkpoints:
         return []
     dest = os.path.join(root, SET_ASIDE, f"{why}-{time.strftime('%Y%m%d-%H%M%S')}")
-    os.makedirs(dest, exist_ok=True)
+    makedirs(dest, exist_ok=True)
     moved = []
     for c in checkpoints:
         target = os.path.join(dest, os.path.basename(c.path))
-        os.replace(c.path, target)
+        _move(c.path, target)
         moved.append(target)
     logger.warning("moved %s to %s (%s)", ", ".join(os.path.basename(c.path) for c in checkpoints), dest, why)
     return moved
+
+
+def _move(path: str, target: str) -> None:
+    """Move a checkpoint folder: a rename on disk; on an object store, which has none, copy every object (the
+    marker last), then delete the marker first: interrupted, it leaves a complete checkpoint at ``path`` or at
+    ``target``, never a damaged complete one."""
+    if not is_url(path):
+        os.replace(path, target)
+        return
+    names = sorted(files(path), key=lambda n: n == MARKER)
+    for name in names:
+        copy_file(os.path.join(path, name), os.path.join(target, name))
+    if MARKER in names:
+        remove(os.path.join(path, MARKER))
+    rmtree(path)
 
 
 def later_branch(root: str, step: int) -> list[CheckpointInfo]:

@@ -25,6 +25,7 @@ import torchtitan.checkpointing.integrity as integrity
 from torchtitan.checkpointing.common import agree, one_process_quiet, read_metadata, short_error
 from torchtitan.checkpointing.compat import check_model_matches
 from torchtitan.checkpointing.folders import CheckpointInfo, verify_files
+from torchtitan.checkpointing.format import check_readable
 from torchtitan.checkpointing.hf import adapter_of, check_hf_matches, export_to_hf
 from torchtitan.checkpointing.hf_files import hf_weight_files
 from torchtitan.checkpointing.marker import SEED, read_marker, why_not_loadable
@@ -141,6 +142,7 @@ def initial_load(
             marker = read_marker(path)
             if marker is None:
                 raise ValueError(f"checkpoint.initial_load_path = {path!r} {why_not_loadable(path)}")
+            check_readable(marker, path)
             found = CheckpointInfo(marker.get("step", 0), path, marker)
             verify_files(found, checksums=config.verify_checksums)
             return found

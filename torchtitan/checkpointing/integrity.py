@@ -21,17 +21,25 @@ import os
 import pickle
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+from torchtitan.checkpointing.format import upgrade_metadata
+from torchtitan.checkpointing.marker import read_marker
+from torchtitan.checkpointing.storage import FSSPEC_OPTIONS, is_url, open_file
 
 SIDECAR_SUFFIX = ".crc32"  # "__0_0.distcp" -> "__0_0.distcp.crc32"
 DATA_SUFFIX = DEFAULT_SUFFIX  # ".distcp"
@@ -111,10 +119,12 @@ class _CrcStream(io.IOBase):
             self._raw.close()
 
 
-class _ChecksummingFileSystem(FileSystem):
+class _Checksumming:
+    """File-system mixin: a data file's stream keeps a CRC32, and closing it writes the sidecar."""
+
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
-        with super().create_stream(path, mode) as raw:
+        with super().create_stream(path, mode) as raw:  # type: ignore[misc]
             if mode != "wb" or not str(path).endswith(DATA_SUFFIX):
                 yield raw  # .metadata (small; rank 0 checksums it directly) and reads
                 return
@@ -124,28 +134,49 @@ class _ChecksummingFileSystem(FileSystem):
             write_sidecar(str(path), stream.size, stream.crc)
 
 
+class _ChecksummingFileSystem(_Checksumming, FileSystem):
+    pass
+
+
+class _StoreFileSystem(FsspecFileSystem):
+    """DCP's fsspec file system, always with ``FSSPEC_OPTIONS`` (DCP re-inits the path on every save and load)."""
+
+    def init_path(self, path: str | os.PathLike, **kwargs: Any) -> str | os.PathLike:
+        return super().init_path(path, **{**FSSPEC_OPTIONS, **kwargs})
+
+
+class _ChecksummingStoreFileSystem(_Checksumming, _StoreFileSystem):
+    pass
+
+
 class ChecksummingWriter(FileSystemWriter):
     """DCP's file-system writer; each data file gets a ``.crc32`` sidecar computed from the bytes as written.
 
     Works for ``dcp.save`` and ``dcp.async_save`` (its background thread writes through the same
-    streams), with or without a process group: every rank writes its own files' sidecars.
+    streams), with or without a process group: every rank writes its own files' sidecars. A URL
+    (checkpointing/storage.py) is written through fsspec, as DCP's ``FsspecWriter`` does, with the
+    same sidecars; its objects are not fsynced (an upload is durable once it returns, and the
+    stream has no file descriptor: DCP would sync the whole machine's disks instead).
     """
 
     def __init__(self, path: str | os.PathLike, **kwargs: Any):
+        remote = is_url(path)
+        if remote:
+            kwargs.setdefault("sync_files", False)
         super().__init__(path, **kwargs)
-        self.fs = _ChecksummingFileSystem()
+        self.fs = _ChecksummingStoreFileSystem() if remote else _ChecksummingFileSystem()
         self.path = self.fs.init_path(path)
 
 
 def write_sidecar(data_path: str, size: int, crc: int) -> None:
-    with open(data_path + SIDECAR_SUFFIX, "w", encoding="utf-8") as f:
-        json.dump({"size": size, "crc32": crc}, f)
+    with open_file(data_path + SIDECAR_SUFFIX, "wb") as f:
+        f.write(json.dumps({"size": size, "crc32": crc}).encode())
 
 
 def read_sidecar(data_path: str) -> tuple[int, int] | None:
     """(size, crc32) the writer recorded for ``data_path``; None if it wrote none (or it is unreadable)."""
     try:
-        with open(data_path + SIDECAR_SUFFIX, encoding="utf-8") as f:
+        with open_file(data_path + SIDECAR_SUFFIX, "rb") as f:
             body = json.load(f)
         return int(body["size"]), int(body["crc32"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -155,7 +186,7 @@ def read_sidecar(data_path: str) -> tuple[int, int] | None:
 def crc32_of_file(path: str) -> int:
     """CRC32 of a file's bytes, read in 16 MiB pieces."""
     crc = 0
-    with open(path, "rb") as f:
+    with open_file(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             crc = zlib.crc32(chunk, crc)
     return crc
@@ -182,22 +213,30 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata_file(path: str) -> Metadata:
-    """Unpickle a DCP ``.metadata`` file admitting only DCP's metadata types.
+    """Unpickle a DCP ``.metadata`` file admitting only DCP's metadata types; the keys of an older checkpoint
+    format come renamed to this release's (checkpointing/format.py, from the folder's marker).
 
     Raises:
         ForeignPickleError: the pickle names any other type or function (it is not called).
     """
-    with open(path, "rb") as f:
+    with open_file(path, "rb") as f:
         metadata = _MetadataUnpickler(f, path).load()
     if not isinstance(metadata, Metadata):
         raise ForeignPickleError(f"checkpoint {path} holds a {type(metadata).__name__}, not DCP metadata")
-    return metadata
+    return upgrade_metadata(metadata, read_marker(os.path.dirname(path)))  # an older format's keys, renamed
 
 
 class RestrictedReader(FileSystemReader):
-    """DCP's file-system reader whose ``read_metadata`` is ``read_metadata_file``; pass it to ``dcp.load``."""
+    """DCP's file-system reader whose ``read_metadata`` is ``read_metadata_file``; pass it to ``dcp.load``. A URL
+    is read through fsspec (as DCP's ``FsspecReader`` does)."""
 
     refused: ForeignPickleError | None = None  # what read_metadata refused, for load() to report
+
+    def __init__(self, path: str | os.PathLike, **kwargs: Any):
+        super().__init__(path, **kwargs)
+        if is_url(path):
+            self.fs = _StoreFileSystem()
+            self.path = self.fs.init_path(path)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         try:
@@ -268,11 +307,33 @@ def save(state: dict[str, Any], path: str, *, process_group: Any = None, no_dist
     )
 
 
-def async_save(state: dict[str, Any], path: str, *, process_group: Any = None, no_dist: bool = False) -> Any:
-    """``dcp.async_save`` through ``ChecksummingWriter`` (its background thread writes the sidecars); a future."""
-    return dcp.async_save(
-        state, checkpoint_id=path, storage_writer=ChecksummingWriter(path), process_group=process_group, no_dist=no_dist
+def async_save(
+    state: dict[str, Any],
+    path: str,
+    *,
+    process_group: Any = None,
+    no_dist: bool = False,
+    copier: AsyncStager | None = None,
+) -> tuple[Future | None, Future]:
+    """``dcp.async_save`` through ``ChecksummingWriter`` (its background thread writes the sidecars).
+
+    Returns:
+        (copied, written): ``written`` completes once the files and ``.metadata`` are written. Without ``copier``
+        (torch's async stager) the writer copies the state before this returns and ``copied`` is None; with one
+        that copies in the background (checkpointing/staging.py) ``copied`` completes once its copy is done (until
+        then the state's tensors must not change).
+    """
+    response = dcp.async_save(
+        state,
+        checkpoint_id=path,
+        storage_writer=ChecksummingWriter(path),
+        process_group=process_group,
+        no_dist=no_dist,
+        async_stager=copier,
     )
+    if isinstance(response, AsyncSaveResponse):
+        return response.staging_completion, response.upload_completion
+    return None, response
 
 
 def load(state: dict[str, Any], path: str, *, process_group: Any = None, no_dist: bool = False) -> None:

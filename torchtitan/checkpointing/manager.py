@@ -1,7 +1,7 @@
 """CheckpointManager: when to save, what to save, how to resume; seed checkpoints; plain weight loading.
 
-Layout: ``<job.dump_folder>/<checkpoint.folder>/step-N/`` holds DCP files (``.metadata``,
-``__<rank>_0.distcp``) and, once complete, the ``.complete`` marker (folders.py). Top-level DCP keys:
+Layout: ``<job.dump_folder>/<checkpoint.folder>/step-N/`` (or ``<URL>/step-N/``, storage.py) holds DCP files
+(``.metadata``, ``__<rank>_0.distcp``) and, once complete, the ``.complete`` marker (folders.py). Top-level DCP keys:
 ``model``, ``optimizer``, ``lr_scheduler``, ``dataloader``, ``train_state`` (state.py).
 
 Trust (integrity.py): every file's CRC32 is taken as DCP writes it and recorded in the marker; a
@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,9 +38,11 @@ from torchtitan.checkpointing.folders import (
     resume_point,
     set_aside,
 )
+from torchtitan.checkpointing.format import check_readable, describe
 from torchtitan.checkpointing.jsonl import read_json_lines
 from torchtitan.checkpointing.marker import EXPORT, FULL, read_marker, step_folder, write_marker
 from torchtitan.checkpointing.scope import WHOLE_MODEL, ModelScope
+from torchtitan.checkpointing.staging import NO_STAGING, BackgroundStaging, InFlightSave, log_blocked
 from torchtitan.checkpointing.state import (
     DataLoaderState,
     ModelState,
@@ -52,6 +52,7 @@ from torchtitan.checkpointing.state import (
     build_model_view,
     check_model_keys,
 )
+from torchtitan.checkpointing.storage import isdir, makedirs, rmtree, under
 from torchtitan.dtypes import to_dtype
 
 if TYPE_CHECKING:
@@ -106,7 +107,7 @@ class CheckpointManager:
         self.config = config
         self.run_folder = run_folder or dump_folder
         self.enabled = config.enable_checkpoint
-        self.dump_folder, self.root = dump_folder, root or os.path.join(dump_folder, config.folder)
+        self.dump_folder, self.root = dump_folder, root or under(dump_folder, config.folder)
         self.extra = extra or {}
         self.sets_aside_later = sets_aside_later
         self.scope = scope
@@ -123,7 +124,10 @@ class CheckpointManager:
         # thread while training runs its own on the default group, and one group must not be used
         # by two threads at once.
         self.pg = dist.new_group(backend="gloo") if self.async_save and dist.is_initialized() else None
-        self._pending: tuple[Future, int, str, float] | None = None
+        self._pending: InFlightSave | None = None
+        self.blocked_seconds: dict[int, float] = {}  # step -> seconds its save blocked training (``wait_staging``)
+        pinned = self.enabled and config.async_mode == "async_with_pinned_mem"
+        self.staging = BackgroundStaging(device, optimizer, self.wait_staging, log=rank == 0) if pinned else NO_STAGING
         self._finished: set[int] = set()
         self._lock = threading.Lock()
         self.loaded: str | None = None
@@ -155,6 +159,7 @@ class CheckpointManager:
         if self.config.initial_load_path and self.rank == 0 and not base_first:
             logger.info("checkpoint.initial_load_path is not read: resuming from %s", info.path)
         marker = info.marker or {}
+        check_readable(marker, info.path)
         check_model_matches(marker.get("model"), self.model_info, info.path)
         if info.kind == FULL and self.rank == 0:
             warn_if_data_changed(marker.get("data"), self.data_info, info.path)
@@ -165,7 +170,9 @@ class CheckpointManager:
             with one_process_quiet():
                 integrity.load(state, info.path, process_group=self.pg, no_dist=not dist.is_initialized())
         except (Exception, CheckpointException) as e:
-            raise ValueError(f"checkpoint {info.path} could not be loaded: {short_error(e)}") from e
+            raise ValueError(
+                f"checkpoint {info.path} ({describe(marker)}) could not be loaded: {short_error(e)}"
+            ) from e
         seconds = time.perf_counter() - start
         step = self.train_state.step if info.kind == FULL else 0
         self.loaded = f"resumed from step-{info.step}"
@@ -199,7 +206,7 @@ class CheckpointManager:
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, sorted(model_sd))
             all_keys = set().union(*gathered)
-        check_model_keys(model_sd, metadata, info.path, all_keys)
+        check_model_keys(model_sd, metadata, f"{info.path} ({describe(info.marker)})", all_keys)
         state: dict[str, Any] = {"model": model}
         if info.kind == FULL:
             saved = set(metadata.state_dict_metadata)
@@ -236,33 +243,38 @@ class CheckpointManager:
     def save(self, step: int, *, final: bool = False) -> None:
         """Write ``step-N``; async (if configured) except for the final save, which also may be an export."""
         self.wait()
+        entered = time.perf_counter()  # the wait above counts for the previous save
         kind = EXPORT if final and self.config.model_weights_only else FULL
         path = step_folder(self.root, step)
         if self.rank == 0:
-            if os.path.isdir(path):  # a complete one is kept (set aside) until its replacement exists
+            if isdir(path):  # a complete one is kept (set aside) until its replacement exists
                 existing = read_marker(path)
                 if existing is None:
-                    shutil.rmtree(path)
+                    rmtree(path)
                 else:
                     set_aside(self.root, [CheckpointInfo(step, path, existing)], f"replaced-step-{step}")
-            os.makedirs(path)
+            makedirs(path)
         if dist.is_initialized():
             dist.barrier()  # nobody writes into the folder before rank 0 has cleared it
         state = self._save_state(step, kind)
         start = time.perf_counter()
         if self.async_save and not final:
+            copier = self.staging.copier_for_save()  # async_with_pinned_mem's; None: DCP's writer copies
             with one_process_quiet():
-                future = integrity.async_save(state, path, process_group=self.pg, no_dist=not dist.is_initialized())
-            self._pending = (future, step, kind, start)
-            if self.rank == 0:
-                logger.info(
-                    "checkpoint step-%d: staged in %.2f s, writing in the background", step, time.perf_counter() - start
+                copied, written = integrity.async_save(
+                    state, path, process_group=self.pg, no_dist=not dist.is_initialized(), copier=copier
                 )
-                future.add_done_callback(lambda f: f.exception() is None and self._mark_complete(step, kind, start))
+            self._pending = InFlightSave(written, step, kind, start, copied)
+            self.blocked_seconds[step] = time.perf_counter() - entered
+            if self.rank == 0:
+                written.add_done_callback(lambda f: f.exception() is None and self._mark_complete(step, kind, start))
+            if copied is None and self.rank == 0:  # "async": the writer copied the state before async_save returned
+                log_blocked(step, self.blocked_seconds[step])
         else:
             with one_process_quiet():
                 integrity.save(state, path, process_group=self.pg, no_dist=not dist.is_initialized())
             self._saved(step, kind, start)
+            self.blocked_seconds[step] = time.perf_counter() - entered
         self.schedule.saved()
         self.last_save_step = step
         if final and self.config.last_save_in_hf:
@@ -321,20 +333,36 @@ class CheckpointManager:
             self.last_saved = (step, time.perf_counter() - start)
             logger.info("checkpoint step-%d complete (%s) in %.2f s", step, kind, self.last_saved[1])
 
+    def wait_staging(self) -> None:
+        """Block until the in-flight save's background staging copy is done, before anything changes the tensors it
+        reads (the optimizer's step pre-hook calls it). ``blocked_seconds[step]`` counts the save call, this wait,
+        and ``wait``'s for the write when the next save (or the end) comes before it is done."""
+        pending = self._pending
+        waited = pending.wait_copy() if pending is not None else None
+        if waited is not None:
+            self.blocked_seconds[pending.step] += waited
+            if self.rank == 0:
+                log_blocked(pending.step, self.blocked_seconds[pending.step])
+
     def wait(self) -> None:
         """Block until the in-flight async save (if any) is written and marked complete."""
         if self._pending is None:
             return
-        future, step, kind, start = self._pending
-        self._pending = None
+        self.wait_staging()
+        pending, self._pending = self._pending, None
+        start = time.perf_counter()
         try:
-            future.result()
+            pending.written.result()
         except (Exception, CheckpointException) as e:
-            raise RuntimeError(f"async save of checkpoint step-{step} failed: {short_error(e)}") from e
-        self._saved(step, kind, start)
+            raise RuntimeError(f"async save of checkpoint step-{pending.step} failed: {short_error(e)}") from e
+        self._saved(pending.step, pending.kind, pending.start)
+        self.blocked_seconds[pending.step] += time.perf_counter() - start  # its write was not done yet
 
     def close(self) -> None:
-        self.wait()
+        try:
+            self.wait()
+        finally:
+            self.staging.close()
         if self.pg is not None:
             dist.destroy_process_group(self.pg)
             self.pg = None

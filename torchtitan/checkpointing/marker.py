@@ -1,6 +1,7 @@
-"""A checkpoint folder's completion marker (``.complete``: step, kind, model) and the step folders' names.
+"""A checkpoint folder's completion marker (``.complete``: step, kind, format, model) and the step folders' names.
 
-Light (json and os only): the pre-launch checks read markers without loading DCP.
+Light (json, os and storage.py, which imports fsspec only for a URL): the pre-launch checks read markers without
+loading DCP.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import re
 import time
 from pathlib import Path
 from typing import Any
+
+from torchtitan.checkpointing.format import marker_fields
+from torchtitan.checkpointing.storage import exists, is_url, isdir, open_file, subfolders, write_object
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +34,12 @@ def step_folder(root: str, step: int) -> str:
 
 
 def write_marker(path: str, step: int, kind: str, **extra: Any) -> None:
-    """Mark ``path`` complete. Atomic: readers see no marker or the whole marker."""
-    body = {"step": step, "kind": kind, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **extra}
+    """Mark ``path`` complete. Atomic: readers see no marker or the whole marker (on an object store: one object,
+    written in one request; there is no rename to make it atomic otherwise)."""
+    body = {"step": step, "kind": kind, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **marker_fields(), **extra}
+    if is_url(path):
+        write_object(os.path.join(path, MARKER), json.dumps(body, indent=1).encode())
+        return
     tmp = os.path.join(path, MARKER + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(body, f, indent=1)
@@ -42,11 +50,15 @@ def write_marker(path: str, step: int, kind: str, **extra: Any) -> None:
 
 def read_marker(path: str) -> dict[str, Any] | None:
     try:
-        with open(os.path.join(path, MARKER), encoding="utf-8") as f:
+        with open_file(os.path.join(path, MARKER), "rb") as f:
             return json.load(f)
     except FileNotFoundError:
         return None
     except (OSError, json.JSONDecodeError) as e:
+        if is_url(path) and isinstance(e, OSError):  # the store refused or failed (after its retries): no answer
+            raise ValueError(
+                f"checkpoint {path}: its {MARKER} marker could not be read: {type(e).__name__}: {e}"
+            ) from e
         logger.warning("checkpoint %s: unreadable marker (%s); treating it as incomplete", path, e)
         return None
 
@@ -90,15 +102,15 @@ def does_not_exist(path: str) -> str:
 
 def why_not_loadable(path: str) -> str:
     """Why ``path``, which has no marker, is not a complete checkpoint: the end of a one-line error naming it."""
-    if not os.path.exists(path):
-        if moved_by_a_later_run(path):
+    if not exists(path):
+        if not is_url(path) and moved_by_a_later_run(path):
             return f"{does_not_exist(path)}; pass that folder"
         return "does not exist; pass a complete step-N folder of a checkpoint (<dump_folder>/checkpoint/step-N)"
-    if not os.path.isdir(path):
+    if not isdir(path):
         return "is a file, not a checkpoint folder; pass a complete step-N folder of a checkpoint"
     steps = sorted(
         (int(m.group(1)), name)
-        for name in os.listdir(path)
+        for name in subfolders(path)
         if (m := re.fullmatch(r"step-(\d+)", name)) and read_marker(os.path.join(path, name)) is not None
     )
     if steps:

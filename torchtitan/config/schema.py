@@ -28,7 +28,11 @@ NORM_TYPES = ("rmsnorm", "fused_rmsnorm", "layernorm", "np_layernorm")
 @dataclass
 class Job:
     config_file: str | None = _f(None, "TOML file to load; its values override the defaults, CLI flags override it")
-    dump_folder: str = _f("./outputs", "folder for everything a run writes: metrics.jsonl, config.toml, tb/, traces")
+    dump_folder: str = _f(
+        "./outputs",
+        "local folder for everything a run writes: metrics.jsonl, config.toml, tb/, traces (not a URL: "
+        "checkpoint.folder may be one)",
+    )
     description: str = _f("default job", "free text describing the run")
     use_for_integration_test: bool = _f(False, "marks configs that the integration tests may use")
     print_args: bool = _f(False, "print the resolved config at start")

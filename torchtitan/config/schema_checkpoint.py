@@ -12,14 +12,23 @@ from torchtitan.config.fields import config_field as _f
 @dataclass
 class Checkpoint:
     enable_checkpoint: bool = _f(False, "save DCP checkpoints and resume from the newest complete one")
-    folder: str = _f("checkpoint", "checkpoint folder, relative to job.dump_folder")
+    folder: str = _f(
+        "checkpoint",
+        "checkpoint folder, relative to job.dump_folder; or a URL, used as it is: s3://bucket/prefix (pip install "
+        "s3fs), gs://bucket/prefix (gcsfs), any fsspec protocol; credentials from the environment "
+        "(docs/checkpoint.md, Remote storage)",
+    )
     interval_type: Literal["steps", "seconds"] = _f("steps", "unit of `interval` (seconds: rank 0's clock decides)")
     interval: int = _f(500, "save every N steps or seconds", bound=Bound(ge=1, text=">= 1 ({interval_type})"))
     model_weights_only: bool = _f(False, "the final save holds the model weights only (an export, not a resume point)")
     export_dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "dtype of a weights-only export")
     create_seed_checkpoint: bool = _f(False, "initialise on one process, save step-0 (weights only) and exit")
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = _f(
-        "disabled", "write checkpoints in a background thread (the final save is synchronous)"
+        "disabled",
+        "write checkpoints in a background thread (the final save is synchronous). async: the step waits while the "
+        "state is copied to host memory; async_with_pinned_mem: the copy also runs in the background, into host "
+        "buffers kept for the run (pinned with an accelerator, plain host memory on CPU), and the step waits for it "
+        "only before the next optimizer update",
     )
     keep_latest_k: int = _f(
         0,
@@ -39,7 +48,8 @@ class Checkpoint:
     initial_load_path: str = _f(
         "",
         "weights to start from when the checkpoint folder has nothing to resume: a complete step-N folder (DCP; "
-        "model weights only) or, with initial_load_in_hf, a Hugging Face folder (config.json + *.safetensors)",
+        "model weights only; a URL too) or, with initial_load_in_hf, a local Hugging Face folder (config.json + "
+        "*.safetensors)",
     )
     initial_load_in_hf: bool = _f(
         False,

@@ -75,6 +75,12 @@ def _check_composition(config: JobConfig) -> None:
             "indexed data or training.dataset_mix with fault_tolerance.enable = true is not supported yet; train "
             "fault-tolerant runs on text data (training.dataset_path to a .jsonl/.parquet corpus)"
         )
+    if ck.enable_checkpoint and ck.async_mode == "async_with_pinned_mem" and ft.semi_sync_method is None:
+        raise NotImplementedError(  # LocalSGD and DiLoCo change the weights in hooks after the optimizer step
+            "fault_tolerance.enable (synchronous) with checkpoint.async_mode = 'async_with_pinned_mem': a heal replaces "
+            "a group's weights at the start of a step, while the checkpoint's background copy (waited for before the "
+            "optimizer step) may still read them; use async_mode = 'async'"
+        )
     if config.optimizer.early_step_in_backward:
         raise NotImplementedError(
             "fault_tolerance.enable with optimizer.early_step_in_backward = true: each parameter would step during "

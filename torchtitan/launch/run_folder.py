@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from torchtitan.checkpointing.marker import EARLIER_RUNS
+from torchtitan.checkpointing.storage import under
 from torchtitan.config.errors import ConfigError
 from torchtitan.launch.parent_watch import GRACE_SECONDS, POLL_SECONDS, under_launcher
 
@@ -68,8 +69,9 @@ def run_folder(config: JobConfig) -> str:
 
 def checkpoint_root(config: JobConfig) -> str:
     """The checkpoint folder, or the subfolder of it a section asks for (fault tolerance's semi-synchronous
-    modes: each replica group keeps its own)."""
-    root = os.path.join(config.job.dump_folder, config.checkpoint.folder)
+    modes: each replica group keeps its own). A URL checkpoint.folder is the folder itself, not in the dump
+    folder."""
+    root = under(config.job.dump_folder, config.checkpoint.folder)
     sub = _section_subfolder(config, "checkpoint_subfolder")
     return os.path.join(root, sub) if sub else root
 

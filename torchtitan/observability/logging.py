@@ -29,8 +29,9 @@ def init_logger() -> None:
 
 
 # Third-party loggers whose notes at import time are detail: torchao's (optional kernels that did not load, no
-# triton) and torch's pytree notes on torchao's enums (register_constant() on an Enum subclass is deprecated).
-IMPORT_NOTES = ("torchao", "torch.utils._pytree")
+# triton) and torch's pytree notes on torchao's enums (register_constant() on an Enum subclass is deprecated); and
+# (aio)botocore's on each S3 session a URL checkpoint.folder opens ("Found credentials in environment variables.").
+IMPORT_NOTES = ("torchao", "torch.utils._pytree", "botocore", "aiobotocore")
 
 
 def set_log_level(level: str) -> None:

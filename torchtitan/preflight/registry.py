@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from torchtitan.checkpointing.checks import check_checkpoint, check_initial_load, check_pinned_memory_device
+from torchtitan.checkpointing.checks import check_checkpoint, check_checkpoint_storage, check_initial_load
 from torchtitan.components.checks import check_memory_options, check_training_dtype
 from torchtitan.components.optim.lr_schedule import check_lr_schedule
 from torchtitan.components.optim.param_groups import check_param_groups
@@ -216,7 +216,10 @@ FEATURES: tuple[Feature, ...] = (  # declarative table
     ),
     Feature("profiling", (Check(check_profiling),)),
     Feature("metrics", (Check(check_metrics),)),
-    Feature("checkpoint", (Check(check_pinned_memory_device, "device"), Check(check_checkpoint))),
+    Feature(
+        "checkpoint",
+        (Check(check_checkpoint), Check(check_checkpoint_storage, "machine", "a URL checkpoint.folder writable")),
+    ),
 )
 
 

@@ -30,6 +30,13 @@ def check_in_backward(config: JobConfig, dims: ParallelDims) -> list[str]:
             "needs every shard's gradient at once, not one parameter's as its hook fires; use AdamW or turn the "
             "in-backward step off"
         )
+    ck = config.checkpoint
+    if ck.enable_checkpoint and ck.async_mode == "async_with_pinned_mem":
+        raise NotImplementedError(
+            f"{_KEY} with checkpoint.async_mode = 'async_with_pinned_mem': each parameter steps during backward, "
+            "while the checkpoint's background copy (waited for before the optimizer step, which this mode never "
+            "calls) may still read it; use async_mode = 'async'"
+        )
     if t.max_norm > 0:
         raise NotImplementedError(
             f"{_KEY} with training.max_norm = {t.max_norm}: clipping needs the total gradient norm before any "

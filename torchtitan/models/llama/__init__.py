@@ -91,6 +91,10 @@ llama3_configs = {
         max_seq_len=131072,
     ),
 }
+# The shipped old-checkpoint assets' size (tests/assets/checkpoints): a few hundred KB with a small tokenizer.
+llama3_configs["debugmodel_nano"] = ModelArgs(
+    dim=32, n_layers=2, n_heads=2, multiple_of=32, rope_theta=500000, max_seq_len=2048
+)
 # debugmodel_tied at the parity size (its RoPE scaling and tied head kept)
 llama3_configs["debugmodel_tied_tiny"] = dataclasses.replace(
     llama3_configs["debugmodel_tied"], dim=64, n_layers=4, n_heads=4

@@ -8,6 +8,8 @@ to the loss) and under activation checkpointing; the trainer only calls ``update
 
 debugmodel_tiny: the loss-parity tests' size (dim 64, 4 layers, 4 experts of width 64, top 2).
 
+debugmodel_nano: the shipped old-checkpoint assets' size (dim 32, 2 layers, 4 experts of width 32).
+
 debugmodel_aux_loss: the same shape with softmax scores and the switch-style aux loss, which the
 trainer adds to each micro-batch's loss (not under pipeline parallel).
 """
@@ -48,6 +50,11 @@ moe_configs = {
 # The loss-parity tests' size: dim 64, 4 layers (layer 0 dense), 4 experts of width 64, top 2.
 moe_configs["debugmodel_tiny"] = dataclasses.replace(
     moe_configs["debugmodel"], dim=64, n_layers=4, n_heads=4, num_experts=4, moe_hidden_dim=64
+)
+# The shipped old-checkpoint assets' size (tests/assets/checkpoints): dim 32, 2 layers (layer 0 dense), 4 experts
+# of width 32.
+moe_configs["debugmodel_nano"] = dataclasses.replace(
+    moe_configs["debugmodel"], dim=32, n_layers=2, n_heads=2, multiple_of=32, num_experts=4, moe_hidden_dim=32
 )
 # The same shape balanced with the switch-style aux loss instead (softmax scores, no bias).
 moe_configs["debugmodel_aux_loss"] = dataclasses.replace(
