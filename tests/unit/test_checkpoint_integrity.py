@@ -31,10 +31,11 @@ def _model(seed: int) -> nn.Linear:
     return nn.Linear(64, 64)  # 16 KiB of weights: most of the data file is tensor bytes
 
 
-def _manager(tmp_path, model: nn.Module, **config) -> CheckpointManager:
+def _manager(tmp_path, model: nn.Module, *, folder: str = "ckpt", **config) -> CheckpointManager:
+    """A one-process manager of ``model`` saving to ``<tmp_path>/<folder>`` (a URL folder: there)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return CheckpointManager(
-        CheckpointConfig(enable_checkpoint=True, folder="ckpt", **config),
+        CheckpointConfig(enable_checkpoint=True, folder=folder, **config),
         dump_folder=str(tmp_path),
         model_parts=[model],
         optimizer=opt,

@@ -16,14 +16,13 @@ import pytest
 import torch
 
 from tests.moto_s3 import BUCKET, s3_server
-from tests.unit.test_checkpoint import _Loader
 from tests.unit.test_checkpoint_integrity import DATA, _model, _Pwn
+from tests.unit.test_checkpoint_integrity import _manager as _integrity_manager
 from torchtitan.checkpointing import integrity, storage
 from torchtitan.checkpointing.common import load_model_weights, save_model_weights
 from torchtitan.checkpointing.folders import SET_ASIDE, list_checkpoints
 from torchtitan.checkpointing.manager import CheckpointManager
 from torchtitan.checkpointing.marker import MARKER, read_marker, step_folder
-from torchtitan.config.schema import Checkpoint as CheckpointConfig
 from torchtitan.preflight.__main__ import main as preflight
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -45,19 +44,7 @@ def root(s3, request) -> str:
 
 def _manager(dump_folder, folder: str, model: torch.nn.Module, **config) -> CheckpointManager:
     """test_checkpoint_integrity's one-process manager, its checkpoint.folder a URL."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return CheckpointManager(
-        CheckpointConfig(enable_checkpoint=True, folder=folder, **config),
-        dump_folder=str(dump_folder),
-        model_parts=[model],
-        optimizer=opt,
-        lr_scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-        data_loader=_Loader(),
-        dp_rank=0,
-        rank=0,
-        device=torch.device("cpu"),
-        model_info=INFO,
-    )
+    return _integrity_manager(dump_folder, model, folder=folder, **config)
 
 
 def _objects(url: str) -> list[str]:

@@ -19,6 +19,7 @@ Light (no DCP import): the pre-launch checks read markers through it.
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,26 +108,30 @@ def upgrade_path(version: int) -> list[Upgrade] | None:
     return steps
 
 
-def upgraded_key(key: str, version: int) -> str:
-    """``key`` of a format-``version`` checkpoint, as this release names it."""
-    for step in upgrade_path(version) or []:
+def upgraded_key(key: str, steps: list[Upgrade]) -> str:
+    """``key`` of an older checkpoint after ``steps`` (its ``upgrade_path``), as this release names it."""
+    for step in steps:
         key = step.rename(key)
     return key
 
 
-def upgrade_metadata(metadata: Any, marker: dict[str, Any] | None) -> Any:
+def upgrade_metadata(metadata: Any, read_marker: Callable[[], dict[str, Any] | None]) -> Any:
     """A DCP ``Metadata`` of an older format with its keys renamed to this release's (in place; returned).
+    ``read_marker``: the checkpoint's marker, read only when some upgrade step renames keys (none does today, so a
+    load reads no marker here).
 
     Renaming the keys of ``state_dict_metadata`` and ``storage_data`` is all a key rename needs: the data
     files are addressed by offset, not by name, so the files stay as they were written.
     """
-    version = format_of(marker)
-    if version >= FORMAT_VERSION or not any(step.renames for step in upgrade_path(version) or []):
+    if not any(step.renames for step in UPGRADES.values()):
         return metadata
-    metadata.state_dict_metadata = {upgraded_key(k, version): v for k, v in metadata.state_dict_metadata.items()}
+    steps = [step for step in upgrade_path(format_of(read_marker())) or [] if step.renames]
+    if not steps:
+        return metadata
+    metadata.state_dict_metadata = {upgraded_key(k, steps): v for k, v in metadata.state_dict_metadata.items()}
     if metadata.storage_data is not None:
         metadata.storage_data = {
-            type(index)(upgraded_key(index.fqn, version), index.offset, index.index): info
+            type(index)(upgraded_key(index.fqn, steps), index.offset, index.index): info
             for index, info in metadata.storage_data.items()
         }
     return metadata

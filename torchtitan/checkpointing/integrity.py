@@ -223,7 +223,7 @@ def read_metadata_file(path: str) -> Metadata:
         metadata = _MetadataUnpickler(f, path).load()
     if not isinstance(metadata, Metadata):
         raise ForeignPickleError(f"checkpoint {path} holds a {type(metadata).__name__}, not DCP metadata")
-    return upgrade_metadata(metadata, read_marker(os.path.dirname(path)))  # an older format's keys, renamed
+    return upgrade_metadata(metadata, lambda: read_marker(os.path.dirname(path)))  # an older format's keys, renamed
 
 
 class RestrictedReader(FileSystemReader):
