@@ -24,7 +24,7 @@ from torchtitan.components.run_control import AgreedStop, RunStopped
 from torchtitan.config.manager import JobConfig, format_help, print_help, wants_help
 from torchtitan.distributed.backend.device import get_device_info, init_distributed, set_pg_timeout
 from torchtitan.engine.builders import Builders
-from torchtitan.engine.parts import build_core_parts, build_training_parts
+from torchtitan.engine.parts import CoreParts, build_core_parts, build_training_parts
 from torchtitan.engine.summary import start_summary
 from torchtitan.features.documents.feed import Batch
 from torchtitan.launch.failures import exit_without_finalization, report_exception, report_failure
@@ -34,6 +34,7 @@ from torchtitan.observability.logging import init_logger, set_log_level
 from torchtitan.observability.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.observability.run_records import run_record_names, write_run_records
 from torchtitan.preflight import run_preflight
+from torchtitan.preflight.registry import enabled_builders
 from torchtitan.spec import merge_metrics
 
 logger = logging.getLogger(__name__)
@@ -66,14 +67,22 @@ class Trainer:
         if world_size > 1 and not dist.is_initialized():  # the memory estimator brings its own (fake) group
             init_distributed(get_device_info(), config.comm.init_timeout_seconds, config.comm.trace_buf_size)
         core = build_core_parts(config, world_size=world_size, rank=rank, device=device, builders=builders)
-        self.parts = parts = build_training_parts(core, builders=builders)
+        self.parts = parts = build_training_parts(core, builders=self.training_builders(core, builders))
         self.core, self.config, self.rank, self.device = core, config, rank, device
         # A resumed run continues at checkpoint step + 1 (metrics.jsonl keeps the records up to it).
         self.step = self.start_step = parts.start_step
         self.stop_requested = False
         self.data_iter: Iterator | None = None
         if rank == 0:
-            logger.info("\n%s", start_summary(parts))
+            logger.info("\n%s", self.start_summary())
+
+    def start_summary(self) -> str:
+        """The block rank 0 logs before the first step."""
+        return start_summary(self.parts)
+
+    def training_builders(self, core: CoreParts, builders: Builders) -> Builders:
+        """The builders of the training parts, given the core parts (another loop adds what its checkpoints hold)."""
+        return builders
 
     # The parts tools and tests read most (the rest: ``self.core`` / ``self.parts``).
     model_parts = property(lambda self: self.core.model_parts)
@@ -184,13 +193,15 @@ class Trainer:
         if result.committed:
             self._after_step(result.loss, result.grad_norm)
 
+    def step_tokens(self) -> float:
+        """This rank's share of the step's tokens: TP, CP and PP ranks split the work on the same samples, so
+        tokens/s and MFU are per-rank numbers that add up across the world."""
+        t, dims = self.config.training, self.parallel_dims
+        return t.batch_size * t.gradient_accumulation_steps * t.seq_len / (dims.tp * dims.cp * dims.pp)
+
     def _after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        cfg, dims = self.config, self.parallel_dims
-        # This rank's share of the step's tokens: TP, CP and PP ranks split the work on the same
-        # samples, so tokens/s and MFU are per-rank numbers that add up across the world.
-        samples = cfg.training.batch_size * cfg.training.gradient_accumulation_steps
-        tokens = samples * cfg.training.seq_len / (dims.tp * dims.cp * dims.pp)
-        self.metrics.add_step(tokens)
+        cfg = self.config
+        self.metrics.add_step(self.step_tokens())
         first = self.step == self.start_step + 1
         if self._is_log_step():
             lr = self.core.lr_scheduler.get_last_lr()[0]
@@ -252,7 +263,9 @@ def run_job(config: JobConfig, *, world_size: int, rank: int, builders: Builders
         if config.checkpoint.create_seed_checkpoint:
             create_seed_checkpoint(config)
             return
-        trainer = Trainer(config, world_size=world_size, rank=rank, builders=builders)
+        drivers = enabled_builders(config, "driver")  # another loop over the same parts (RL's), else this one
+        driver = drivers[0][1] if drivers else Trainer
+        trainer = driver(config, world_size=world_size, rank=rank, builders=builders)
         try:
             trainer.train()
         finally:

@@ -11,7 +11,7 @@ Works on the local heads a tensor-parallel rank holds (the kernel reads head cou
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -75,19 +75,31 @@ class KVCache:
 
 @dataclass(frozen=True)
 class Sampling:
-    """``temperature`` 0: greedy (argmax); else softmax(logits / temperature) over the ``top_k`` best (0: all)."""
+    """``temperature`` 0: greedy (argmax); else softmax(logits / temperature) over the ``top_k`` best (0: all)
+    and, with ``top_p`` < 1, the smallest set of the best tokens whose probabilities reach ``top_p`` (nucleus)."""
 
     temperature: float = 0.0
     top_k: int = 0
+    top_p: float = 1.0
+
+    def scaled(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits the sampling distribution is the softmax of (before top-k/top-p): logits / temperature."""
+        return logits if self.temperature <= 0 else logits / self.temperature
 
     def pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """logits (bs, vocab) fp32 -> (bs,) token ids."""
         if self.temperature <= 0:
             return logits.argmax(dim=-1)
-        logits = logits / self.temperature
+        logits = self.scaled(logits)
         if self.top_k > 0:
             kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (bs, 1)
             logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p < 1.0:
+            ordered, order = logits.sort(dim=-1, descending=True)  # (bs, vocab)
+            probs = ordered.softmax(dim=-1)
+            drop_sorted = probs.cumsum(dim=-1) - probs >= self.top_p  # the better ones already reach top_p
+            drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)  # back in vocabulary order
+            logits = logits.masked_fill(drop, float("-inf"))
         return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
 
 
@@ -101,16 +113,29 @@ def generate(
     use_cache: bool = True,
     stop_token: int | Collection[int] | None = None,
     generator: torch.Generator | None = None,
+    logprobs: list[torch.Tensor] | None = None,
+    all_done: Callable[[torch.Tensor], bool] | None = None,
+    pad_multiple: int = 1,
 ) -> torch.Tensor:
     """prompt (bs, n) token ids -> (bs, n + generated): the prompt followed by up to ``max_new_tokens``.
 
     ``stop_token``: one id or several (a chat model's end of turn and its eos). Generation stops early
     once every row has produced one of them; a row that stopped first goes on to the end of the batch's
     generation, so cut each row at its first stop. ``generator`` seeds the sampling.
+
+    ``logprobs``: a list that gets, per generated position, the (bs,) fp32 log-probabilities of the picked
+    tokens under ``sampling.scaled`` logits (the policy at the sampling temperature, before top-k/top-p), as
+    reinforcement learning's ratio reads them. ``all_done``: (bs,) bool "row has stopped" -> stop now; ranks
+    that each generate their own rows under FSDP or TP must stop together, so they agree here (default: every
+    row of this batch).
+
+    ``pad_multiple``: with the cache, each forward's new tokens are padded on the right to a multiple of this
+    (tensor parallel's sequence parallel shards the sequence over the tp ranks: a 1-token step would leave a rank
+    none). Padding is harmless: no real token attends to a later one, and the next step overwrites its cache slots.
     """
     stops = _stop_ids(stop_token, prompt.device)  # (n_stops,) or None
     tokens = prompt
-    cache = KVCache(prompt.shape[1] + max_new_tokens) if use_cache else None
+    cache = KVCache(prompt.shape[1] + max_new_tokens + pad_multiple - 1) if use_cache else None
     swapped = cache.install(model) if cache is not None else []
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
     try:
@@ -119,14 +144,21 @@ def generate(
                 logits = model(tokens)[:, -1]
             else:  # only the tokens not yet cached, at their true positions
                 new = tokens[:, cache.length :]
-                positions = torch.arange(cache.length, tokens.shape[1], device=tokens.device)
-                logits = model(new, positions)[:, -1]
+                n = new.shape[1]
+                if n % pad_multiple:  # repeat the last token into the padding
+                    new = torch.cat([new, new[:, -1:].expand(-1, pad_multiple - n % pad_multiple)], dim=1)
+                positions = torch.arange(cache.length, cache.length + new.shape[1], device=tokens.device)
+                logits = model(new, positions)[:, n - 1]
                 cache.length = tokens.shape[1]
-            nxt = sampling.pick(_full(logits).float(), generator)  # (bs,)
+            logits = _full(logits).float()  # (bs, vocab)
+            nxt = sampling.pick(logits, generator)  # (bs,)
+            if logprobs is not None:
+                scaled = sampling.scaled(logits).log_softmax(dim=-1)
+                logprobs.append(scaled.gather(-1, nxt[:, None]).squeeze(-1))
             tokens = torch.cat([tokens, nxt[:, None]], dim=1)
             if stops is not None:
                 done |= torch.isin(nxt, stops)
-                if bool(done.all()):
+                if all_done(done) if all_done is not None else bool(done.all()):
                     break
     finally:
         for attention, kernel in swapped:

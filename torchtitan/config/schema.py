@@ -20,6 +20,7 @@ from torchtitan.config.schema_optimizer import Optimizer
 from torchtitan.config.schema_training import DatasetName, Training
 from torchtitan.fault_tolerance.config import FaultTolerance
 from torchtitan.lora.config import Lora
+from torchtitan.rl.config import Rl
 
 # The names of models/llama/model.py's NORM_TYPES (tests/unit/test_config.py keeps them equal).
 NORM_TYPES = ("rmsnorm", "fused_rmsnorm", "layernorm", "np_layernorm")
@@ -250,6 +251,7 @@ class JobConfigTree:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)
     lora: Lora = field(default_factory=Lora)
+    rl: Rl = field(default_factory=Rl)
     comm: Comm = field(default_factory=Comm)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)

@@ -14,6 +14,8 @@ Seams (``Slot``) and the signature of a builder for each:
 - ``after_load``: ``(core: CoreParts) -> None``, called once after the checkpoint load; every enabled one.
 - ``step_pass``: ``(core: CoreParts) -> StepPass``; one feature at most.
 - ``after_step``: ``(core: CoreParts, metrics) -> AfterStep``; every enabled one, in this table's order.
+- ``driver``: ``(config, *, world_size, rank, builders) -> Trainer``: the loop that drives the built parts instead of
+  the pre-training one (reinforcement learning's); one feature at most.
 - ``checkpoint_scope``: ``(config) -> ModelScope`` (checkpointing/scope.py): the part of the model the run trains
   and its checkpoints hold; one feature at most (default: the whole model).
 
@@ -51,12 +53,15 @@ from torchtitan.launch.run_folder import check_dump_folder
 from torchtitan.lora.checks import check_lora, check_qlora_torchao
 from torchtitan.observability.metrics import check_metrics
 from torchtitan.observability.profiling import check_memory_snapshot_device, check_profiling
+from torchtitan.rl.checks import check_rl, check_rl_machine
 from torchtitan.spec import Deferred, check_model
 
 if TYPE_CHECKING:
     from torchtitan.config.manager import JobConfig
 
-Slot = Literal["data_shard", "outer", "optimizer_step", "after_load", "step_pass", "after_step", "checkpoint_scope"]
+Slot = Literal[
+    "data_shard", "outer", "optimizer_step", "after_load", "step_pass", "after_step", "checkpoint_scope", "driver"
+]
 Reads = Literal["config", "device", "machine"]
 
 
@@ -114,6 +119,12 @@ _IN_BACKWARD = {"optimizer_step": _d("torchtitan.features.in_backward.in_backwar
 NOT_BUILT_TOGETHER: tuple[tuple[str, str, str], ...] = (
     ("lora", "fault_tolerance", "the replica groups would average and heal the frozen base, untested"),
     ("pure_bf16", "lora", "adapters over bf16 or NF4 base weights; LoRA's mixed precision already computes in bf16"),
+    ("rl", "lora", "the published policy and the reference over adapters, untested"),
+    ("rl", "fault_tolerance", "replica groups would each generate and score their own rollouts, untested"),
+    ("rl", "step_replay", "a replayed RL step would generate its rollouts again, untested"),
+    ("rl", "optimizer_in_backward", "RL's mini-batch updates clip and step after their backward"),
+    ("rl", "validation", "RL records its rewards each step; validate the exported policy with bench/rl_arith.py"),
+    ("rl", "eval", "RL records its rewards each step; evaluate the exported policy with lm-eval"),
 )
 
 
@@ -196,6 +207,14 @@ FEATURES: tuple[Feature, ...] = (  # declarative table
     Feature("context_parallel", (Check(check_context_parallel),)),
     Feature("attention", (Check(check_attention), Check(check_attention_device, "device"))),
     Feature("fine_tuning", (Check(check_fine_tuning),)),
+    Feature(
+        "rl",
+        (Check(check_rl), Check(check_rl_machine, "machine", "rl.prompts_path and rl.reward")),
+        enabled=lambda c: c.rl.enable,
+        switch="rl.enable",
+        builds={"driver": _d("torchtitan.train_rl:RLTrainer")},
+        what="the RL loop (generation, rewards, the policy update)",
+    ),
     Feature("data_paths", (Check(check_data_paths, "machine", "the tokenizer and data paths"),)),
     Feature("initial_load", (Check(check_initial_load, "machine", "checkpoint.initial_load_path"),)),
     Feature("dump_folder", (Check(check_dump_folder, "machine", "job.dump_folder writable"),)),

@@ -76,7 +76,22 @@ class LlamaAdapter(HfAdapter):
                 raise NotImplementedError(f"HF config {key} = {config[key]!r}: our {self.family} has no such feature")
         rope = parse_hf_rope(config, family=self.family, supports=("default", "llama3"), defaults=self.rope_defaults)
         args = base_model_args(config, rope.theta, norm_eps=1e-5, max_len=2048)
-        return {**args, "n_kv_heads": config.get("num_key_value_heads"), "rope_scaling": rope.scaling}
+        return {
+            **args,
+            "n_kv_heads": config.get("num_key_value_heads"),
+            "rope_scaling": rope.scaling,
+            **_ffn_fields(args["dim"], config.get("intermediate_size")),
+        }
+
+
+def _ffn_fields(dim: int, intermediate: int | None) -> dict[str, Any]:
+    """``multiple_of`` / ``ffn_dim_multiplier`` that make our SwiGLU width (model.ffn_hidden_dim: 2/3 of 4*dim, times
+    the multiplier, rounded up to multiple_of) exactly ``intermediate_size``: rounding any width in (0, intermediate]
+    up to a multiple of intermediate gives intermediate. None: our defaults."""
+    if not intermediate:
+        return {}
+    base = int(2 * (4 * dim) / 3)
+    return {"multiple_of": intermediate, "ffn_dim_multiplier": None if base <= intermediate else intermediate / base}
 
 
 ADAPTER = LlamaAdapter()

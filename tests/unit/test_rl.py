@@ -1,0 +1,184 @@
+"""RL's parts in process: advantages, token weights, the clipped loss and its KL, rewards and their errors, the
+prompt sampler, top-p sampling, the generator's log-probs, the pre-launch refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from torchtitan.components.generation import Sampling, generate
+from torchtitan.config.manager import JobConfig
+from torchtitan.datasets.sft.chat_template import ChatTokenizer
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.rl.checks import check_rl, check_rl_machine
+from torchtitan.rl.losses import Clip, group_advantages, policy_loss, token_weights
+from torchtitan.rl.prompts import PromptSource
+from torchtitan.rl.rewards import exact_match, format_reward, load_reward, number_match, score
+from torchtitan.rl.rollouts import Rollout, cut_at_stop, update_batch
+
+PROMPTS = "tests/assets/rl/arith_prompts.jsonl"
+TOKENIZER = "tests/assets/sft/tokenizer"
+
+
+def test_group_advantages_normalize_per_group():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
+    adv = group_advantages(rewards, std_normalize=True)
+    std = rewards[0].std().item()
+    assert torch.allclose(adv[0], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (std + 1e-6))
+    assert torch.equal(adv[1], torch.zeros(4)), "equal rewards: no signal, and no NaN"
+    dr = group_advantages(rewards, std_normalize=False)  # Dr. GRPO
+    assert torch.equal(dr[0], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+
+
+def test_token_weights_sequence_mean_vs_token_level():
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    grpo = token_weights(mask, algorithm="grpo")
+    assert torch.allclose(grpo[0, :2], torch.tensor([0.25, 0.25])) and torch.allclose(grpo[1], torch.full((4,), 0.125))
+    dapo = token_weights(mask, algorithm="dapo")
+    assert torch.allclose(dapo[mask], torch.full((6,), 1 / 6))
+    for w in (grpo, dapo):
+        assert math.isclose(w.sum().item(), 1.0, rel_tol=1e-6) and w[~mask].eq(0).all()
+
+
+def test_policy_loss_clips_each_side_and_k3_kl():
+    weights = torch.tensor([[0.5, 0.5]])
+    old = torch.zeros(1, 2)
+    new = torch.tensor([[math.log(1.5), math.log(0.5)]], requires_grad=True)  # ratios 1.5 and 0.5
+    clip = Clip(low=0.2, high=0.28)
+    loss, stats = policy_loss(new, old, torch.tensor([1.0]), weights, clip)
+    # positive advantage: min(r A, clip(r) A) -> 1.28 (clipped high) and 0.5 (the unclipped, lower one)
+    assert math.isclose(loss.item(), -(0.5 * 1.28 + 0.5 * 0.5), rel_tol=1e-6)
+    assert math.isclose(stats["clip_fraction"].item(), 0.5, rel_tol=1e-6)
+    loss.backward()
+    assert new.grad[0, 0] == 0 and new.grad[0, 1] != 0, "the clipped token gets no gradient"
+    neg, _ = policy_loss(new.detach(), old, torch.tensor([-1.0]), weights, clip)
+    assert math.isclose(neg.item(), 0.5 * 1.5 + 0.5 * 0.8, rel_tol=1e-6), "negative advantage: clipped at 1 - low"
+    ref = torch.zeros(1, 2)
+    _, with_kl = policy_loss(new.detach(), old, torch.tensor([1.0]), weights, clip, ref_logprobs=ref, kl_coef=0.1)
+    delta = ref - new.detach()
+    assert math.isclose(with_kl["kl"].item(), (0.5 * (delta.exp() - delta - 1)).sum().item(), rel_tol=1e-6)
+
+
+def test_shipped_rewards():
+    row = {"answer": "3 plus 4 is 7."}
+    assert exact_match(prompt="", completion=" 3 plus 4 is 7. ", row=row) == 1.0
+    assert exact_match(prompt="", completion="3 plus 4 is 8.", row=row) == 0.0
+    assert number_match(prompt="", completion="It is 7", row=row) == 1.0
+    assert format_reward(prompt="", completion="9 plus 9 is 1.", row=row) == 1.0
+    assert format_reward(prompt="", completion="seven", row=row) == 0.0
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("torchtitan.rl.rewards", "expected 'module:function'"),
+        ("no_such_module_xyz:f", "module 'no_such_module_xyz' cannot be imported"),
+        ("torchtitan.rl.rewards:nope", "torchtitan.rl.rewards has no function 'nope' (it has: "),
+    ],
+)
+def test_bad_reward_names_refused(spec, message):
+    with pytest.raises(ValueError, match="rl.reward") as e:
+        load_reward(spec)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_reward_errors_name_function_row_and_value():
+    fn = load_reward("tests.rl_rewards:not_a_number")
+    with pytest.raises(ValueError) as e:
+        score(fn, "tests.rl_rewards:not_a_number", prompt="p", completion="c", row={}, where="prompt row 7")
+    assert "returned 'yes' (str) on prompt row 7" in str(e.value)
+    with pytest.raises(ValueError, match=r"raised KeyError: 'answer' on prompt row 2"):
+        score(exact_match, "torchtitan.rl.rewards:exact_match", prompt="p", completion="c", row={}, where="prompt row 2")
+    with pytest.raises(ValueError, match="returned nan"):
+        score(lambda **_: float("nan"), "m:f", prompt="p", completion="c", row={}, where="row 1")
+
+
+@pytest.fixture(scope="module")
+def prompts() -> PromptSource:
+    tokenizer = ChatTokenizer(TOKENIZER)
+    return PromptSource(PROMPTS, tokenizer, seed=3, per_step=8, group_size=4, max_new_tokens=16, seq_len=48)
+
+
+def test_prompts_are_a_function_of_seed_and_step(prompts):
+    again = PromptSource(PROMPTS, ChatTokenizer(TOKENIZER), seed=3, per_step=8, group_size=4, max_new_tokens=16, seq_len=48)
+    assert [p.index for p in prompts.sample(5)] == [p.index for p in again.sample(5)]
+    assert [p.index for p in prompts.sample(5)] != [p.index for p in prompts.sample(6)]
+    n = len(prompts.prompts)
+    steps = n // 8  # one epoch: every row once
+    seen = [p.index for s in range(1, steps + 1) for p in prompts.sample(s)]
+    assert len(set(seen)) == len(seen) == steps * 8
+    assert [p.index for p in prompts.sample(5, round=1)] != [p.index for p in prompts.sample(5)]
+    assert prompts.prompts[0].row["answer"] == "0 plus 0 is 0." and prompts.prompts[0].text.endswith("assistant\n")
+
+
+def test_update_batch_aligns_labels_and_logprobs():
+    r = Rollout(1, 0, 0, [5, 6, 7], [8, 9, 2], [-0.1, -0.2, -0.3], 1.0)
+    batch = update_batch([r], [0.5], seq_len=8, pad_id=2)
+    assert batch.inputs[0].tolist() == [5, 6, 7, 8, 9, 2, 2, 2]
+    assert batch.labels[0].tolist() == [-100, -100, 8, 9, 2, -100, -100, -100]
+    assert torch.allclose(batch.old_logprobs[0, 2:5], torch.tensor([-0.1, -0.2, -0.3]))
+    assert cut_at_stop([4, 2, 9], [-1.0, -2.0, -3.0], {2}) == ([4, 2], [-1.0, -2.0])
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    g = torch.Generator().manual_seed(0)
+    picks = {Sampling(temperature=1.0, top_p=0.75).pick(logits, g).item() for _ in range(200)}
+    assert picks == {0, 1}
+
+
+def test_generator_logprobs_are_the_forward_logprobs():
+    from torchtitan.models.llama.model import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=2, vocab_size=64, multiple_of=32, max_seq_len=64))
+    model.init_weights()
+    prompt = torch.tensor([[3, 4, 5, 6]] * 3)
+    logprobs: list[torch.Tensor] = []
+    sampling = Sampling(temperature=0.7)
+    out = generate(model, prompt, 6, sampling, generator=torch.Generator().manual_seed(1), logprobs=logprobs)
+    with torch.no_grad():
+        full = (model(out[:, :-1]) / 0.7).log_softmax(-1)
+    want = full[:, 3:].gather(-1, out[:, 4:, None]).squeeze(-1)
+    assert torch.allclose(torch.stack(logprobs, 1), want, atol=1e-5)
+    padded: list[torch.Tensor] = []  # tensor parallel's padding of each step's new tokens changes nothing
+    again = generate(model, prompt, 6, sampling, generator=torch.Generator().manual_seed(1), logprobs=padded, pad_multiple=4)
+    assert torch.equal(again, out) and torch.allclose(torch.stack(padded, 1), torch.stack(logprobs, 1), atol=1e-6)
+
+
+def _config(*flags: str) -> tuple[JobConfig, ParallelDims]:
+    config = JobConfig.parse_args(["--job.config_file", "train_configs/grpo_arith.toml", *flags], world_size=2)
+    t, e = config.training, config.experimental
+    dims = ParallelDims.from_sections(training=t, experimental=e, world_size=2)
+    return config, dims
+
+
+@pytest.mark.parametrize(
+    "flags, error, message",
+    [
+        (["--rl.group_size", "1"], ValueError, "rl.group_size = 1: advantages compare the completions of one prompt"),
+        (["--experimental.pipeline_parallel_degree", "2", "--training.data_parallel_shard_degree", "1",
+          "--training.batch_size", "32"], NotImplementedError, "experimental.pipeline_parallel_degree = 2: not built"),
+        (["--experimental.context_parallel_degree", "2", "--training.data_parallel_shard_degree", "1",
+          "--training.batch_size", "32"], NotImplementedError, "experimental.context_parallel_degree = 2: not built"),
+        (["--rl.prompts_per_step", "3"], ValueError, "rl.prompts_per_step = 3 is not a multiple of the data-parallel"),
+        (["--training.batch_size", "8"], ValueError, "= 16 per rank, and training.batch_size x"),
+        (["--model.attn_mask_type", "block_causal"], NotImplementedError, "model.attn_mask_type = 'block_causal'"),
+    ],
+)
+def test_refused_before_launch(flags, error, message):
+    config, dims = _config(*flags)
+    with pytest.raises(error) as e:
+        check_rl(config, dims)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_algorithm_and_reward_refused():
+    with pytest.raises(Exception, match="rl.algorithm"):
+        _config("--rl.algorithm", "ppo")
+    config, dims = _config("--rl.reward", "torchtitan.rl.rewards:exactly")
+    with pytest.raises(ValueError, match="has no function 'exactly'"):
+        check_rl_machine(config, dims)
+    assert check_rl(*_config()) == [] and check_rl_machine(*_config()) == []

@@ -1,0 +1,75 @@
+"""GRPO and DAPO: advantages per group, per-token weights over the whole update, the clipped policy loss.
+
+Everything that needs more than one completion (a group's mean and std, a mini-batch's token count) is computed
+here over the whole step's completions, which every rank holds, before a rank takes its share: so a loss and its
+gradient are the same under every layout (one process, FSDP, TP, accumulation), however a group is split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ADVANTAGE_EPS = 1e-6  # added to a group's reward std: a group of equal rewards has advantages 0, not NaN
+
+
+def group_advantages(rewards: torch.Tensor, *, std_normalize: bool) -> torch.Tensor:
+    """rewards (groups, group_size) -> advantages of the same shape: reward - its group's mean, divided by the
+    group's std (unbiased, + eps) with ``std_normalize`` (GRPO), not without it (Dr. GRPO)."""
+    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if not std_normalize:
+        return centered
+    return centered / (rewards.std(dim=1, keepdim=True) + ADVANTAGE_EPS)
+
+
+def token_weights(mask: torch.Tensor, *, algorithm: str) -> torch.Tensor:
+    """mask (sequences, seq_len) of an update's trained tokens -> each token's weight in the update's loss (the
+    weights sum to 1). 'grpo': each sequence's tokens averaged, then the sequences; 'dapo': every token alike."""
+    mask = mask.float()
+    if algorithm == "dapo":
+        return mask / mask.sum().clamp(min=1.0)
+    lengths = mask.sum(dim=1, keepdim=True).clamp(min=1.0)  # (sequences, 1)
+    return mask / lengths / mask.shape[0]
+
+
+@dataclass(frozen=True)
+class Clip:
+    low: float
+    high: float
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    clip: Clip,
+    *,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped surrogate loss of some sequences, summed with ``weights`` (b, seq_len; 0 off the trained tokens).
+
+    logprobs (b, seq_len): the policy's, with gradient; old_logprobs: the generator's (the ratio's denominator);
+    advantages (b,): per sequence; ref_logprobs: the frozen reference's, for ``kl_coef`` * k3 (exp(r - p) - (r - p) - 1,
+    an unbiased, non-negative KL estimate). Returns the loss and weighted sums for the records: the fraction of tokens
+    whose ratio was clipped, the KL, and the off-policy gap (|policy - generator| log-prob).
+    """
+    on = weights > 0
+    diff = torch.where(on, logprobs - old_logprobs, 0.0)
+    ratio = diff.exp()
+    adv = advantages[:, None]
+    unclipped, clipped = -adv * ratio, -adv * ratio.clamp(1.0 - clip.low, 1.0 + clip.high)
+    per_token = torch.maximum(unclipped, clipped)
+    stats = {
+        "clip_fraction": ((clipped > unclipped) & on).float().mul(weights).sum().detach(),
+        "offpolicy_gap": diff.detach().abs().mul(weights).sum(),
+    }
+    if ref_logprobs is not None:
+        delta = torch.where(on, ref_logprobs - logprobs, 0.0)
+        kl = delta.exp() - delta - 1.0
+        stats["kl"] = kl.detach().mul(weights).sum()
+        if kl_coef > 0:
+            per_token = per_token + kl_coef * kl
+    return (per_token * weights).sum(), stats

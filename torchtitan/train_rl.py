@@ -1,0 +1,361 @@
+"""The RL loop (``rl.enable``): a second driver over the trainer's built parts (engine/parts.py), not a copy of the trainer.
+
+Each step: sample ``rl.prompts_per_step`` prompts, generate ``rl.group_size`` completions of each with the current
+policy (or read them from an outside engine's file), score them with ``rl.reward``, compute each group's advantages,
+then ``rl.updates_per_step`` optimizer updates, each over its slice of the step's completions (a dp rank's share
+of it, in ``training.gradient_accumulation_steps`` micro-batches of ``training.batch_size``). The model, its layout,
+the optimizer, the checkpoints (with the frozen reference when ``rl.kl_coef`` > 0), metrics and stop signals are
+the trainer's own; this class replaces the step only. docs/rl.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from torchtitan.build import build_meta_model, finish_model_part
+from torchtitan.components.generation import Sampling
+from torchtitan.datasets.sft.chat_template import ChatTokenizer
+from torchtitan.engine.builders import Builders, build_checkpointer
+from torchtitan.models.common.documents import IGNORE_INDEX
+from torchtitan.rl.losses import Clip, group_advantages, policy_loss, token_weights
+from torchtitan.rl.prompts import PromptSource
+from torchtitan.rl.publish import publish_policy
+from torchtitan.rl.rewards import load_reward, score
+from torchtitan.rl.rollouts import (
+    Rollout,
+    UpdateBatch,
+    agree_all_done,
+    generate_group,
+    group_seed,
+    read_step_rollouts,
+    update_batch,
+)
+from torchtitan.train import StepResult, Trainer
+
+logger = logging.getLogger(__name__)
+
+
+class RLTrainer(Trainer):
+    """``Trainer`` with the RL step: the same build, checkpoints, metrics, signals and ``train()`` loop."""
+
+    def __init__(self, config, *, world_size: int, rank: int, builders: Builders | None = None):
+        self.rl, self.tokenizer_path = config.rl, config.model.tokenizer_path
+        self.reference: nn.Module | None = None
+        builders = dataclasses.replace(builders or Builders(), data_loader=self._prompt_source)
+        super().__init__(config, world_size=world_size, rank=rank, builders=builders)
+        self.world_size = world_size
+        self.prompts: PromptSource = self.data_loader
+        if self.reference is not None and self.start_step == 0:  # the policy as the run starts, frozen
+            _copy_weights(self.model_parts[0], self.reference)
+        self.reward_fn = load_reward(self.rl.reward) if not self.rl.rollouts_path else None
+        self.stop_ids = tuple(self.rl.stop_ids) or self.prompts.stop_ids
+        self.sampling = Sampling(temperature=self.rl.temperature, top_k=self.rl.top_k, top_p=self.rl.top_p)
+        self.stats: dict[str, float] = {}
+        self.publish_root = self.rl.publish_folder or os.path.join(config.job.dump_folder, "policy")
+        if self.rl.publish_every > 0:
+            self._publish(self.start_step)
+
+    # -- the build: prompts as the data, the reference in the checkpoints ------------------------------------
+    def _prompt_source(self, training, tokenizer, shard) -> PromptSource:
+        rl, path = self.rl, self.tokenizer_path
+        return PromptSource(
+            rl.prompts_path,
+            ChatTokenizer(path, base=tokenizer),
+            seed=training.seed,
+            per_step=rl.prompts_per_step,
+            group_size=rl.group_size,
+            max_new_tokens=rl.max_new_tokens,
+            seq_len=training.seq_len,
+        )
+
+    def training_builders(self, core, builders: Builders) -> Builders:
+        """The checkpoints hold the frozen reference too (built here, before the load fills it on a resume)."""
+        if self.rl.kl_coef <= 0:
+            return builders
+        self.reference = reference = _build_reference(core)
+
+        def checkpointer(core, outer):
+            manager = build_checkpointer(core, outer)
+            manager.extra = {**manager.extra, "rl_reference": reference}
+            return manager
+
+        return dataclasses.replace(builders, checkpointer=checkpointer)
+
+    def start_summary(self) -> str:
+        """The trainer's block, its batch and data lines saying what an RL step does."""
+        rl = self.rl
+        source = f"rollouts from {rl.rollouts_path}" if rl.rollouts_path else f"prompts from {rl.prompts_path}"
+        reward = f"reward {rl.reward}" if not rl.rollouts_path else "rewards from the rollouts"
+        kl = f", KL to the start's policy x {rl.kl_coef:g}" if rl.kl_coef > 0 else ""
+        lines = {
+            "batch": f"{rl.prompts_per_step} prompts x {rl.group_size} completions (<= {rl.max_new_tokens} tokens, "
+            f"temperature {rl.temperature:g}) per step, {rl.updates_per_step} update(s) per step",
+            "data": f"{source}; {reward}",
+            "rl": f"{rl.algorithm.upper()}{kl}" + ("" if rl.std_normalize else " (advantages not std-normalized)"),
+        }
+        out = []
+        for line in super().start_summary().splitlines():
+            key = line.split(" ", 1)[0]
+            out.append(f"{key:<12}{lines.pop(key)}" if key in lines and key != "rl" else line)
+        return "\n".join([*out, f"{'rl':<12}{lines['rl']}"])
+
+    # -- one step ------------------------------------------------------------------------------------------
+    def run_step(self) -> None:
+        attempt = self.outer.start_step()
+        self.step = attempt.step
+        start = time.perf_counter()
+        rollouts, dropped = self._step_rollouts(self.step)
+        generation_s = time.perf_counter() - start
+        self.metrics.add_data_time(generation_s)
+        update_start = time.perf_counter()
+        result = self._update(rollouts)
+        update_s = time.perf_counter() - update_start
+        self.outer.commit(self.step)  # one group: RL refuses fault tolerance's replica groups (preflight)
+        self.outer.finish_step(True)
+        self.step = self.outer.step
+        self._record(rollouts, dropped, generation_s, update_s)
+        self._after_step(result.loss, result.grad_norm)
+        if self.rank == 0 and self._is_log_step():
+            logger.info(format_rl_line(self.step, self.stats))
+        if self.rl.publish_every > 0 and self.step % self.rl.publish_every == 0:
+            self._publish(self.step)
+
+    def step_tokens(self) -> float:
+        """This rank's tokens of the update (every completion is trained once per step, padded to seq_len)."""
+        rl, t, dims = self.rl, self.config.training, self.parallel_dims
+        return rl.prompts_per_step * rl.group_size * t.seq_len / (dims.dp_degree * dims.tp)
+
+    def _extra(self):
+        fields = dict(self.stats)
+        return fields, {f"rl/{k}": v for k, v in fields.items()}
+
+    # -- rollouts ------------------------------------------------------------------------------------------
+    def _step_rollouts(self, step: int) -> tuple[list[Rollout], int]:
+        """The step's ``prompts_per_step`` groups (every rank holds all of them) and how many groups were dropped.
+
+        DAPO drops the groups whose rewards are all equal (their advantages are 0: they teach nothing) and generates
+        fresh prompts' groups, up to ``rl.max_sampling_rounds`` rounds; a step still short of groups is topped up
+        with dropped ones. GRPO keeps every group."""
+        rl = self.rl
+        kept: list[list[Rollout]] = []
+        dropped: list[list[Rollout]] = []
+        rounds = 1 if rl.rollouts_path or rl.algorithm != "dapo" else rl.max_sampling_rounds
+        for round in range(rounds):
+            for group in self._file_groups(step) if rl.rollouts_path else self._generate(step, round):
+                equal = rl.algorithm == "dapo" and len({r.reward for r in group}) == 1
+                (dropped if equal else kept).append(group)
+            if len(kept) >= rl.prompts_per_step:
+                break
+        groups = (kept + dropped)[: rl.prompts_per_step]
+        groups = [[dataclasses.replace(r, group=i) for r in g] for i, g in enumerate(groups)]
+        self._write_rollouts(groups)
+        return [r for group in groups for r in group], len(dropped)
+
+    def _file_groups(self, step: int) -> list[list[Rollout]]:
+        rl = self.rl
+        rows = read_step_rollouts(rl.rollouts_path, step, rl.prompts_per_step * rl.group_size, rl.rollouts_wait_seconds)
+        return [rows[i : i + rl.group_size] for i in range(0, len(rows), rl.group_size)]
+
+    def _generate(self, step: int, round: int) -> list[list[Rollout]]:
+        """This dp rank's share of the round's prompts, generated and scored; then every rank's, gathered."""
+        rl, dims = self.rl, self.parallel_dims
+        prompts = self.prompts.sample(step, round)
+        share = len(prompts) // dims.dp_degree
+        dp_rank = self.core.world.local_rank("dp")
+        model, all_done = self.model_parts[0], agree_all_done(self.world_size)
+        mine, error = [], None
+        with self.core.step_fn.autocast():
+            for position in range(dp_rank * share, (dp_rank + 1) * share):
+                prompt = prompts[position]
+                completions = generate_group(
+                    model, prompt, group_size=rl.group_size, sampling=self.sampling, max_new_tokens=rl.max_new_tokens,
+                    stop_ids=self.stop_ids, seed=group_seed(self.config.training.seed, step, round, position),
+                    device=self.device, all_done=all_done, pad_multiple=dims.tp,
+                )
+                group = []
+                for ids, logprobs in completions:
+                    reward = 0.0
+                    if error is None:
+                        try:
+                            reward = self._score(prompt, ids, f"prompt row {prompt.index + 1} of {rl.prompts_path}")
+                        except ValueError as e:  # raised on every rank after the gather: no rank waits alone
+                            error = str(e)
+                    group.append(Rollout(step, position, prompt.index, prompt.ids, ids, logprobs, reward))
+                mine.append(group)
+        groups, errors = self._gather(mine, error)
+        if errors:
+            raise ValueError(errors[0])
+        return groups
+
+    def _score(self, prompt, ids: list[int], where: str) -> float:
+        stops = set(self.stop_ids)
+        text_ids = [t for t in ids if t not in stops]
+        completion = self.prompts.decode(text_ids)
+        return score(self.reward_fn, self.rl.reward, prompt=prompt.text, completion=completion, row=prompt.row, where=where)
+
+    def _gather(self, mine: list, error: str | None) -> tuple[list, list[str]]:
+        group = self.core.world.group("dp")
+        if group is None:
+            return mine, [error] if error else []
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, (mine, error), group=group)
+        return [g for groups, _ in everyone for g in groups], [e for _, e in everyone if e]
+
+    def _write_rollouts(self, groups: list[list[Rollout]]) -> None:
+        if self.rank != 0:
+            return
+        with open(os.path.join(self.core.run_folder, "rollouts.jsonl"), "a", encoding="utf-8") as f:
+            for group in groups:
+                for r in group:
+                    f.write(json.dumps(r.record()) + "\n")
+
+    # -- the update ----------------------------------------------------------------------------------------
+    def _update(self, rollouts: list[Rollout]) -> StepResult:
+        rl, t, core = self.rl, self.config.training, self.core
+        rewards = torch.tensor([r.reward for r in rollouts]).view(-1, rl.group_size)
+        advantages = group_advantages(rewards, std_normalize=rl.std_normalize).flatten().tolist()
+        batch = update_batch(rollouts, advantages, t.seq_len, pad_id=self.core.tokenizer.eos_id)
+        per_update = len(rollouts) // rl.updates_per_step
+        dp, dp_rank = self.parallel_dims.dp_degree, core.world.local_rank("dp")
+        per_rank = per_update // dp
+        sums = {"loss": 0.0, "clip_fraction": 0.0, "offpolicy_gap": 0.0, "kl": 0.0}
+        loss_sum = torch.zeros((), device=self.device)
+        grad_norm = torch.zeros((), device=self.device)
+        for u in range(rl.updates_per_step):
+            update = batch.rows(u * per_update, (u + 1) * per_update)
+            weights = token_weights(update.mask, algorithm=rl.algorithm)
+            mine = update.rows(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+            my_weights = weights[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+            update_loss = torch.zeros((), device=self.device)
+            for m in range(t.gradient_accumulation_steps):
+                rows = slice(m * t.batch_size, (m + 1) * t.batch_size)
+                micro = mine.rows(rows.start, rows.stop)
+                loss, stats = self._micro_batch(micro, my_weights[rows].to(self.device))
+                # FSDP and DDP average gradients over the dp ranks; the weights already divide by the update's size
+                (loss * dp).backward()
+                update_loss += loss.detach()
+                for k, v in stats.items():
+                    sums[k] += float(v)
+            grad_norm = self._optimizer_update(update_loss)
+            loss_sum += update_loss * dp / rl.updates_per_step
+        core.lr_scheduler.step()
+        self.stats.update(self._reduce_stats(sums))
+        return StepResult(loss_sum, grad_norm, True)
+
+    def _micro_batch(self, micro: UpdateBatch, weights: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        rl = self.rl
+        inputs, labels = micro.inputs.to(self.device), micro.labels.to(self.device)
+        logprobs = self._logprobs(self.model_parts[0], inputs, labels)
+        ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = self._logprobs(self.reference, inputs, labels)
+        return policy_loss(
+            logprobs,
+            micro.old_logprobs.to(self.device),
+            micro.advantages.to(self.device),
+            weights,
+            Clip(rl.clip_low, rl.clip_high),
+            ref_logprobs=ref,
+            kl_coef=rl.kl_coef,
+        )
+
+    def _logprobs(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """(b, seq_len) log-probs of ``labels`` at the sampling temperature (0 where a label is ignored)."""
+        step_fn = self.core.step_fn
+        with step_fn.autocast():
+            logits = model(inputs)  # (b, seq_len, vocab); vocab-sharded DTensor under loss parallel
+        temperature = self.rl.temperature if self.rl.temperature > 0 else 1.0
+        with step_fn.loss_context():
+            if isinstance(logits, DTensor) and not self.parallel_dims.loss_parallel_enabled:
+                logits = logits.full_tensor()
+            scaled = logits.float() / temperature
+            targets = labels.flatten()
+            if isinstance(scaled, DTensor):  # loss parallel: the per-token loss's backward wants the targets as one too
+                targets = DTensor.from_local(targets, scaled.device_mesh, [Replicate()] * scaled.device_mesh.ndim)
+            nll = F.cross_entropy(scaled.flatten(0, 1), targets, reduction="none", ignore_index=IGNORE_INDEX)
+            if isinstance(nll, DTensor):
+                nll = nll.full_tensor()
+        return -nll.view(labels.shape)
+
+    def _optimizer_update(self, loss: torch.Tensor) -> torch.Tensor:
+        core, parts = self.core, self.parts
+        step_fn = core.step_fn
+        _, params = self.outer.reduce_gradients(step_fn.finish_gradients, loss)
+        max_norm = self.config.training.max_norm
+        grad_norm = core.optimizer_step.grad_norm(lambda ps: step_fn.clip_grad_norm_(max_norm, ps), params)
+        verdict = parts.guard.check(self.step, loss, grad_norm)
+        self.stop_requested = self.stop_requested or verdict.stop
+        if not verdict.skip:
+            core.optimizer_step.apply(core.optimizer, self.outer)
+        core.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _reduce_stats(self, sums: dict[str, float]) -> dict[str, float]:
+        """The update's weighted sums, added over the dp ranks, averaged over the updates."""
+        keys = sorted(sums)
+        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        group = self.core.world.group("dp")
+        if group is not None:
+            dist.all_reduce(values, group=group)
+        n = self.rl.updates_per_step
+        out = {k: v / n for k, v in zip(keys, values.tolist()) if k != "loss"}
+        if self.reference is None:
+            out.pop("kl")
+        return out
+
+    # -- records and publishing ----------------------------------------------------------------------------
+    def _record(self, rollouts: list[Rollout], dropped: int, generation_s: float, update_s: float) -> None:
+        rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
+        lengths = torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float64)
+        generated = float(lengths.sum())
+        self.stats.update(
+            reward_mean=float(rewards.mean()),
+            reward_std=float(rewards.std()) if len(rollouts) > 1 else 0.0,
+            accuracy=float((rewards >= self.rl.correct_reward).double().mean()),
+            completion_length=float(lengths.mean()),
+            dropped_groups=float(dropped),
+            generation_tps=generated / max(generation_s, 1e-9),
+            update_tps=self.step_tokens() / max(update_s, 1e-9),
+        )
+
+    def _publish(self, step: int) -> None:
+        publish_policy(self.model_parts[0], self.core, self.publish_root, step)
+
+
+def format_rl_line(step: int, stats: dict[str, float]) -> str:
+    """The console's RL line under each step line."""
+    s = stats
+    kl = f"  kl {s['kl']:.2e}" if "kl" in s else ""
+    return (
+        f"rl   {step}  reward {s['reward_mean']:.3f} (std {s['reward_std']:.3f})  accuracy {s['accuracy']:.3f}  length "
+        f"{s['completion_length']:.1f}  clipped {s['clip_fraction']:.3f}{kl}  off-policy {s['offpolicy_gap']:.1e}  dropped "
+        f"{s['dropped_groups']:.0f}  generation {s['generation_tps']:,.0f} tok/s  update {s['update_tps']:,.0f} tok/s"
+    )
+
+
+def _build_reference(core) -> nn.Module:
+    """A second copy of the model under the same layout, frozen (filled from the policy or the checkpoint)."""
+    reference = build_meta_model(core.spec, core.model_args)
+    finish_model_part(reference, core.spec, core.config, core.world, core.device)
+    for p in reference.parameters():
+        p.requires_grad_(False)
+    return reference
+
+
+@torch.no_grad()
+def _copy_weights(source: nn.Module, target: nn.Module) -> None:
+    for a, b in zip(source.state_dict().values(), target.state_dict().values(), strict=True):
+        b.copy_(a)
+
