@@ -49,13 +49,38 @@ def sft(args: argparse.Namespace, base: Path) -> tuple[Path, dict]:
 def rl(args: argparse.Namespace, algorithm: str, hf_in: Path, folder: Path) -> tuple[float, list[dict]]:
     """One RL run; its wall time and per-step records."""
     cmd = [
-        sys.executable, "-m", "torchtitan.train", "--job.config_file", CONFIG, "--job.dump_folder", str(folder),
-        "--training.data_parallel_shard_degree", "1", "--training.seed", str(args.seed),
-        "--training.steps", str(args.steps), "--training.batch_size", str(args.prompts * args.group),
-        "--rl.algorithm", algorithm, "--rl.prompts_per_step", str(args.prompts), "--rl.group_size", str(args.group),
-        "--optimizer.lr", str(args.lr), "--rl.temperature", str(args.temperature), "--rl.publish_every", str(args.steps),
-        "--checkpoint.initial_load_path", str(hf_in), "--checkpoint.initial_load_in_hf",
-        "--model.tokenizer_path", str(ASSETS / "tokenizer"),
+        sys.executable,
+        "-m",
+        "torchtitan.train",
+        "--job.config_file",
+        CONFIG,
+        "--job.dump_folder",
+        str(folder),
+        "--training.data_parallel_shard_degree",
+        "1",
+        "--training.seed",
+        str(args.seed),
+        "--training.steps",
+        str(args.steps),
+        "--training.batch_size",
+        str(args.prompts * args.group),
+        "--rl.algorithm",
+        algorithm,
+        "--rl.prompts_per_step",
+        str(args.prompts),
+        "--rl.group_size",
+        str(args.group),
+        "--optimizer.lr",
+        str(args.lr),
+        "--rl.temperature",
+        str(args.temperature),
+        "--rl.publish_every",
+        str(args.steps),
+        "--checkpoint.initial_load_path",
+        str(hf_in),
+        "--checkpoint.initial_load_in_hf",
+        "--model.tokenizer_path",
+        str(ASSETS / "tokenizer"),
         *(["--rl.clip_high", "0.28"] if algorithm == "dapo" else []),
         *args.overrides,
     ]
@@ -72,7 +97,9 @@ def rl(args: argparse.Namespace, algorithm: str, hf_in: Path, folder: Path) -> t
 def held_out(hf: Path, tokenizer: ChatTokenizer) -> dict:
     questions = first_questions(ASSETS / "arith_val.jsonl")
     longest = max(len(chat_prompt_ids(tokenizer, u, system=s)) for s, u, _ in questions)
-    model = generate_script().load_model(None, str(hf), longest + MAX_NEW_TOKENS, tokenizer.base.n_words, torch.device("cpu"))
+    model = generate_script().load_model(
+        None, str(hf), longest + MAX_NEW_TOKENS, tokenizer.base.n_words, torch.device("cpu")
+    )
     return score(model, tokenizer, questions)
 
 
@@ -99,7 +126,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--group", type=int, default=16, help="rl.group_size")
     p.add_argument("--lr", type=float, default=1e-4, help="optimizer.lr")
     p.add_argument(
-        "--temperature", type=float, default=2.5,
+        "--temperature",
+        type=float,
+        default=2.5,
         help="rl.temperature: the SFT policy is so peaked that at 1.0 most groups sample one answer (no advantage)",
     )
     p.add_argument("--algorithms", nargs="+", default=["grpo", "dapo"], choices=["grpo", "dapo"])
@@ -120,8 +149,14 @@ def main() -> int:
     hf_in, sft_report = sft(args, base)
     tokenizer = ChatTokenizer(str(ASSETS / "tokenizer"))
     before = held_out(hf_in, tokenizer)
-    report = {"benchmark": "rl_arith", **machine(), "settings": {k: v for k, v in vars(args).items() if k != "dump_folder"},
-              "sft": sft_report, "before": before, "runs": {}}
+    report = {
+        "benchmark": "rl_arith",
+        **machine(),
+        "settings": {k: v for k, v in vars(args).items() if k != "dump_folder"},
+        "sft": sft_report,
+        "before": before,
+        "runs": {},
+    }
     curves = {}
     for algorithm in args.algorithms:
         folder = base / algorithm

@@ -14,8 +14,13 @@ import argparse
 import json
 import random
 
-FORMS = ("What is {a} plus {b}?", "What is {a} + {b}?", "How much is {a} plus {b}?", "Add {a} and {b}.",
-         "What is the sum of {a} and {b}?")
+FORMS = (
+    "What is {a} plus {b}?",
+    "What is {a} + {b}?",
+    "How much is {a} plus {b}?",
+    "Add {a} and {b}.",
+    "What is the sum of {a} and {b}?",
+)
 NUMBER_ONLY = "Answer with the number only."
 
 

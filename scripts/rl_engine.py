@@ -67,8 +67,13 @@ def main() -> int:
         sys.exit("rl_engine: the trainer's flags set no rl.rollouts_path (where the engine writes)")
     tokenizer = ChatTokenizer(config.model.tokenizer_path)
     prompts = PromptSource(
-        rl.prompts_path, tokenizer, seed=t.seed, per_step=rl.prompts_per_step, group_size=rl.group_size,
-        max_new_tokens=rl.max_new_tokens, seq_len=t.seq_len,
+        rl.prompts_path,
+        tokenizer,
+        seed=t.seed,
+        per_step=rl.prompts_per_step,
+        group_size=rl.group_size,
+        max_new_tokens=rl.max_new_tokens,
+        seq_len=t.seq_len,
     )
     reward = load_reward(rl.reward)
     stop_ids = tuple(rl.stop_ids) or prompts.stop_ids
@@ -84,13 +89,25 @@ def main() -> int:
         rows = []
         for position, prompt in enumerate(prompts.sample(step)):
             completions = generate_group(
-                model, prompt, group_size=rl.group_size, sampling=sampling, max_new_tokens=rl.max_new_tokens,
-                stop_ids=stop_ids, seed=group_seed(t.seed, step, 0, position), device=device,
+                model,
+                prompt,
+                group_size=rl.group_size,
+                sampling=sampling,
+                max_new_tokens=rl.max_new_tokens,
+                stop_ids=stop_ids,
+                seed=group_seed(t.seed, step, 0, position),
+                device=device,
             )
             for ids, logprobs in completions:
                 text = prompts.decode([i for i in ids if i not in stop_ids])
-                value = score(reward, rl.reward, prompt=prompt.text, completion=text, row=prompt.row,
-                              where=f"prompt row {prompt.index + 1}")
+                value = score(
+                    reward,
+                    rl.reward,
+                    prompt=prompt.text,
+                    completion=text,
+                    row=prompt.row,
+                    where=f"prompt row {prompt.index + 1}",
+                )
                 rows.append(Rollout(step, position, prompt.index, prompt.ids, ids, logprobs, value).record())
         with open(rl.rollouts_path, "a", encoding="utf-8") as f:  # the step's rows in one write
             f.write("".join(json.dumps(row) + "\n" for row in rows))

@@ -46,7 +46,10 @@ ROWS = [  # in-process generation unless they read the reference's rollouts
 ]
 FROM_FILE = Row("rl_1proc_from_file", 1, 4)
 RL_REFERENCES = [REFERENCE, FROM_FILE]  # counted by the rank-row budget
-GREEDY = [Row("rl_1proc_greedy", 1, 4, ["--rl.temperature", "0"]), Row("rl_fsdp2_greedy", 2, 2, ["--rl.temperature", "0"])]
+GREEDY = [
+    Row("rl_1proc_greedy", 1, 4, ["--rl.temperature", "0"]),
+    Row("rl_fsdp2_greedy", 2, 2, ["--rl.temperature", "0"]),
+]
 RESUMED = [Row("rl_resume_1proc", 1, 4, CHECKPOINT), Row("rl_resume_fsdp2", 2, 2, CHECKPOINT)]
 
 
@@ -91,8 +94,18 @@ def reference(tmp_path_factory) -> str:
 def test_reference_learns_something_and_records(reference):
     records = _records(reference)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    for key in ("reward_mean", "reward_std", "accuracy", "completion_length", "clip_fraction", "kl", "offpolicy_gap",
-                "dropped_groups", "generation_tps", "update_tps"):
+    for key in (
+        "reward_mean",
+        "reward_std",
+        "accuracy",
+        "completion_length",
+        "clip_fraction",
+        "kl",
+        "offpolicy_gap",
+        "dropped_groups",
+        "generation_tps",
+        "update_tps",
+    ):
         assert all(key in r for r in records), key
     # the reference is the policy at the start: step 1's first update has KL 0, its later ones (after an update) do not
     assert 0 < records[0]["kl"] < records[-1]["kl"], [r["kl"] for r in records]
@@ -176,11 +189,24 @@ def test_outside_engine_drives_the_trainer(reference, tmp_path):
     """scripts/rl_engine.py plays vLLM: it reloads each published policy and writes the next step's rollouts; the
     trainer reads them (waiting) and publishes again. Same seeds, same weights: the reference's run, exactly."""
     folder, rollouts = str(tmp_path / "engine_driven"), str(tmp_path / "engine_rollouts.jsonl")
-    flags = [*RL, "--training.batch_size", "4", "--job.dump_folder", folder, "--rl.rollouts_path", rollouts,
-             "--rl.rollouts_wait_seconds", "120", "--rl.publish_every", "1"]
+    flags = [
+        *RL,
+        "--training.batch_size",
+        "4",
+        "--job.dump_folder",
+        folder,
+        "--rl.rollouts_path",
+        rollouts,
+        "--rl.rollouts_wait_seconds",
+        "120",
+        "--rl.publish_every",
+        "1",
+    ]
     engine = subprocess.Popen(
         [sys.executable, "scripts/rl_engine.py", "--steps", str(STEPS), "--", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         status = run_train_job(1, flags)

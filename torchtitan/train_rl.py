@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -179,9 +178,16 @@ class RLTrainer(Trainer):
             for position in range(dp_rank * share, (dp_rank + 1) * share):
                 prompt = prompts[position]
                 completions = generate_group(
-                    model, prompt, group_size=rl.group_size, sampling=self.sampling, max_new_tokens=rl.max_new_tokens,
-                    stop_ids=self.stop_ids, seed=group_seed(self.config.training.seed, step, round, position),
-                    device=self.device, all_done=all_done, pad_multiple=dims.tp,
+                    model,
+                    prompt,
+                    group_size=rl.group_size,
+                    sampling=self.sampling,
+                    max_new_tokens=rl.max_new_tokens,
+                    stop_ids=self.stop_ids,
+                    seed=group_seed(self.config.training.seed, step, round, position),
+                    device=self.device,
+                    all_done=all_done,
+                    pad_multiple=dims.tp,
                 )
                 group = []
                 for ids, logprobs in completions:
@@ -202,7 +208,9 @@ class RLTrainer(Trainer):
         stops = set(self.stop_ids)
         text_ids = [t for t in ids if t not in stops]
         completion = self.prompts.decode(text_ids)
-        return score(self.reward_fn, self.rl.reward, prompt=prompt.text, completion=completion, row=prompt.row, where=where)
+        return score(
+            self.reward_fn, self.rl.reward, prompt=prompt.text, completion=completion, row=prompt.row, where=where
+        )
 
     def _gather(self, mine: list, error: str | None) -> tuple[list, list[str]]:
         group = self.core.world.group("dp")
@@ -358,4 +366,3 @@ def _build_reference(core) -> nn.Module:
 def _copy_weights(source: nn.Module, target: nn.Module) -> None:
     for a, b in zip(source.state_dict().values(), target.state_dict().values(), strict=True):
         b.copy_(a)
-

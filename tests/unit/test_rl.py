@@ -90,7 +90,9 @@ def test_reward_errors_name_function_row_and_value():
         score(fn, "tests.rl_rewards:not_a_number", prompt="p", completion="c", row={}, where="prompt row 7")
     assert "returned 'yes' (str) on prompt row 7" in str(e.value)
     with pytest.raises(ValueError, match=r"raised KeyError: 'answer' on prompt row 2"):
-        score(exact_match, "torchtitan.rl.rewards:exact_match", prompt="p", completion="c", row={}, where="prompt row 2")
+        score(
+            exact_match, "torchtitan.rl.rewards:exact_match", prompt="p", completion="c", row={}, where="prompt row 2"
+        )
     with pytest.raises(ValueError, match="returned nan"):
         score(lambda **_: float("nan"), "m:f", prompt="p", completion="c", row={}, where="row 1")
 
@@ -102,7 +104,9 @@ def prompts() -> PromptSource:
 
 
 def test_prompts_are_a_function_of_seed_and_step(prompts):
-    again = PromptSource(PROMPTS, ChatTokenizer(TOKENIZER), seed=3, per_step=8, group_size=4, max_new_tokens=16, seq_len=48)
+    again = PromptSource(
+        PROMPTS, ChatTokenizer(TOKENIZER), seed=3, per_step=8, group_size=4, max_new_tokens=16, seq_len=48
+    )
     assert [p.index for p in prompts.sample(5)] == [p.index for p in again.sample(5)]
     assert [p.index for p in prompts.sample(5)] != [p.index for p in prompts.sample(6)]
     n = len(prompts.prompts)
@@ -144,7 +148,9 @@ def test_generator_logprobs_are_the_forward_logprobs():
     want = full[:, 3:].gather(-1, out[:, 4:, None]).squeeze(-1)
     assert torch.allclose(torch.stack(logprobs, 1), want, atol=1e-5)
     padded: list[torch.Tensor] = []  # tensor parallel's padding of each step's new tokens changes nothing
-    again = generate(model, prompt, 6, sampling, generator=torch.Generator().manual_seed(1), logprobs=padded, pad_multiple=4)
+    again = generate(
+        model, prompt, 6, sampling, generator=torch.Generator().manual_seed(1), logprobs=padded, pad_multiple=4
+    )
     assert torch.equal(again, out) and torch.allclose(torch.stack(padded, 1), torch.stack(logprobs, 1), atol=1e-6)
 
 
@@ -159,10 +165,30 @@ def _config(*flags: str) -> tuple[JobConfig, ParallelDims]:
     "flags, error, message",
     [
         (["--rl.group_size", "1"], ValueError, "rl.group_size = 1: advantages compare the completions of one prompt"),
-        (["--experimental.pipeline_parallel_degree", "2", "--training.data_parallel_shard_degree", "1",
-          "--training.batch_size", "32"], NotImplementedError, "experimental.pipeline_parallel_degree = 2: not built"),
-        (["--experimental.context_parallel_degree", "2", "--training.data_parallel_shard_degree", "1",
-          "--training.batch_size", "32"], NotImplementedError, "experimental.context_parallel_degree = 2: not built"),
+        (
+            [
+                "--experimental.pipeline_parallel_degree",
+                "2",
+                "--training.data_parallel_shard_degree",
+                "1",
+                "--training.batch_size",
+                "32",
+            ],
+            NotImplementedError,
+            "experimental.pipeline_parallel_degree = 2: not built",
+        ),
+        (
+            [
+                "--experimental.context_parallel_degree",
+                "2",
+                "--training.data_parallel_shard_degree",
+                "1",
+                "--training.batch_size",
+                "32",
+            ],
+            NotImplementedError,
+            "experimental.context_parallel_degree = 2: not built",
+        ),
         (["--rl.prompts_per_step", "3"], ValueError, "rl.prompts_per_step = 3 is not a multiple of the data-parallel"),
         (["--training.batch_size", "8"], ValueError, "= 16 per rank, and training.batch_size x"),
         (["--model.attn_mask_type", "block_causal"], NotImplementedError, "model.attn_mask_type = 'block_causal'"),

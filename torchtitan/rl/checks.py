@@ -34,15 +34,23 @@ def check_rl(config: JobConfig, dims: ParallelDims) -> list[str]:
     if rl.top_p > 1:
         raise ValueError(f"rl.top_p = {rl.top_p}: a probability mass in (0, 1]")
     if rl.clip_low >= 1:
-        raise ValueError(f"rl.clip_low = {rl.clip_low}: the ratio's floor 1 - clip_low must be positive; use a value < 1")
+        raise ValueError(
+            f"rl.clip_low = {rl.clip_low}: the ratio's floor 1 - clip_low must be positive; use a value < 1"
+        )
     for key, value, why in (
         ("training.dataset_format", t.dataset_format != "text", "RL reads its prompts from rl.prompts_path"),
-        ("model.attn_mask_type", config.model.attn_mask_type != "causal", "each RL sequence is one prompt + completion"),
+        (
+            "model.attn_mask_type",
+            config.model.attn_mask_type != "causal",
+            "each RL sequence is one prompt + completion",
+        ),
         ("training.loss_chunk_size", t.loss_chunk_size > 0, "the RL loss reads every position's log-prob"),
         ("training.compile", t.compile, "generation's shapes change every token"),
     ):
         if value:
-            raise NotImplementedError(f"rl.enable with {key} = {getattr(*_section(config, key))!r}: not built ({why}); unset it")
+            raise NotImplementedError(
+                f"rl.enable with {key} = {getattr(*_section(config, key))!r}: not built ({why}); unset it"
+            )
     _check_shape(config, dims)
     return []
 

@@ -33,8 +33,12 @@ class Rl:
     updates_per_step: int = _f(
         1, "optimizer updates per step: the step's completions split into this many mini-batches", bound=POSITIVE
     )
-    max_new_tokens: int = _f(16, "generation budget per completion (prompt + budget <= training.seq_len)", bound=POSITIVE)
-    temperature: float = _f(1.0, "sampling temperature (0: greedy); log-probs are of logits / temperature", bound=Bound(ge=0))
+    max_new_tokens: int = _f(
+        16, "generation budget per completion (prompt + budget <= training.seq_len)", bound=POSITIVE
+    )
+    temperature: float = _f(
+        1.0, "sampling temperature (0: greedy); log-probs are of logits / temperature", bound=Bound(ge=0)
+    )
     top_p: float = _f(1.0, "nucleus sampling: the best tokens up to this probability mass", bound=Bound(gt=0))
     top_k: int = _f(0, "sample among the k best tokens (0: all)", bound=Bound(ge=0))
     stop_ids: list[int] = _f([], "token ids that end a completion (default: the chat template's end of turn and eos)")
@@ -46,9 +50,13 @@ class Rl:
     correct_reward: float = _f(1.0, "a completion counts as correct (the logged accuracy) at a reward >= this")
     std_normalize: bool = _f(True, "divide each group's advantages by its reward std (false: Dr. GRPO)")
     clip_low: float = _f(0.2, "the ratio is clipped below at 1 - clip_low", bound=Bound(gt=0))
-    clip_high: float = _f(0.2, "the ratio is clipped above at 1 + clip_high (DAPO's clip-higher: e.g. 0.28)", bound=Bound(gt=0))
+    clip_high: float = _f(
+        0.2, "the ratio is clipped above at 1 + clip_high (DAPO's clip-higher: e.g. 0.28)", bound=Bound(gt=0)
+    )
     kl_coef: float = _f(
-        0.0, "weight of the k3 KL estimate to a frozen reference (the policy at the run's start); 0: no reference", bound=Bound(ge=0)
+        0.0,
+        "weight of the k3 KL estimate to a frozen reference (the policy at the run's start); 0: no reference",
+        bound=Bound(ge=0),
     )
     max_sampling_rounds: int = _f(
         3,
@@ -62,7 +70,9 @@ class Rl:
         "reward; docs/rl.md) instead of generating them",
     )
     rollouts_wait_seconds: float = _f(
-        0.0, "with rollouts_path: wait up to this long for a step's rows to appear (0: they must be there)", bound=Bound(ge=0)
+        0.0,
+        "with rollouts_path: wait up to this long for a step's rows to appear (0: they must be there)",
+        bound=Bound(ge=0),
     )
     publish_every: int = _f(
         0,

@@ -45,13 +45,17 @@ def _render(tokenizer: ChatTokenizer, row: dict[str, Any], where: str) -> tuple[
         if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
             raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
         if messages[-1].get("role") != "user":
-            raise ValueError(f"{where}: the last message is a {messages[-1].get('role')!r} turn; a prompt ends with a user turn")
+            raise ValueError(
+                f"{where}: the last message is a {messages[-1].get('role')!r} turn; a prompt ends with a user turn"
+            )
     elif isinstance(row.get("prompt"), str):
         messages = [{"role": "user", "content": row["prompt"]}]
     else:
         raise ValueError(f"{where}: a prompt row has 'messages' (chat) or a 'prompt' string; got keys {sorted(row)}")
     try:
-        text = render_chat(tokenizer.template_source(), messages, add_generation_prompt=True, variables=tokenizer.variables)
+        text = render_chat(
+            tokenizer.template_source(), messages, add_generation_prompt=True, variables=tokenizer.variables
+        )
     except jinja2.TemplateError as e:
         raise ValueError(f"{where}: the chat template failed on this row: {e}") from e
     return text, tokenizer.encode_chat(text)[0]
@@ -67,7 +71,14 @@ class PromptSource:
     """
 
     def __init__(
-        self, path: str, tokenizer: ChatTokenizer, *, seed: int, per_step: int, group_size: int, max_new_tokens: int,
+        self,
+        path: str,
+        tokenizer: ChatTokenizer,
+        *,
+        seed: int,
+        per_step: int,
+        group_size: int,
+        max_new_tokens: int,
         seq_len: int,
     ):
         self.path, self.seed, self.per_step, self.group_size = path, seed, per_step, group_size

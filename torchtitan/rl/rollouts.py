@@ -89,8 +89,15 @@ def generate_group(
     generator = torch.Generator(device=device).manual_seed(seed)
     logprobs: list[torch.Tensor] = []
     out = generate(
-        model, ids, max_new_tokens, sampling, stop_token=stop_ids, generator=generator, logprobs=logprobs,
-        all_done=all_done, pad_multiple=pad_multiple,
+        model,
+        ids,
+        max_new_tokens,
+        sampling,
+        stop_token=stop_ids,
+        generator=generator,
+        logprobs=logprobs,
+        all_done=all_done,
+        pad_multiple=pad_multiple,
     )
     new = out[:, len(prompt.ids) :].tolist()
     lps = torch.stack(logprobs, dim=1).tolist() if logprobs else [[] for _ in range(group_size)]
