@@ -27,8 +27,8 @@ from torchtitan.components.generation import Sampling  # noqa: E402
 from torchtitan.config.manager import JobConfig  # noqa: E402
 from torchtitan.datasets.sft.chat_template import ChatTokenizer  # noqa: E402
 from torchtitan.rl.prompts import PromptSource  # noqa: E402
-from torchtitan.rl.rewards import load_reward, score  # noqa: E402
-from torchtitan.rl.rollouts import Rollout, generate_group, group_seed  # noqa: E402
+from torchtitan.rl.rewards import load_reward  # noqa: E402
+from torchtitan.rl.rollouts import Rollout, generate_group, group_seed, score_completion  # noqa: E402
 
 
 def _load_model_fn():
@@ -99,15 +99,7 @@ def main() -> int:
                 device=device,
             )
             for ids, logprobs in completions:
-                text = prompts.decode([i for i in ids if i not in stop_ids])
-                value = score(
-                    reward,
-                    rl.reward,
-                    prompt=prompt.text,
-                    completion=text,
-                    row=prompt.row,
-                    where=f"prompt row {prompt.index + 1}",
-                )
+                value = score_completion(reward, rl.reward, prompts, prompt, ids, stop_ids)
                 rows.append(Rollout(step, position, prompt.index, prompt.ids, ids, logprobs, value).record())
         with open(rl.rollouts_path, "a", encoding="utf-8") as f:  # the step's rows in one write
             f.write("".join(json.dumps(row) + "\n" for row in rows))

@@ -11,6 +11,7 @@ the trainer's own; this class replaces the step only. docs/rl.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -30,14 +31,15 @@ from torchtitan.models.common.documents import IGNORE_INDEX
 from torchtitan.rl.losses import Clip, group_advantages, policy_loss, token_weights
 from torchtitan.rl.prompts import PromptSource
 from torchtitan.rl.publish import publish_policy
-from torchtitan.rl.rewards import load_reward, score
+from torchtitan.rl.rewards import load_reward
 from torchtitan.rl.rollouts import (
     Rollout,
+    RolloutFile,
     UpdateBatch,
     agree_all_done,
     generate_group,
     group_seed,
-    read_step_rollouts,
+    score_completion,
     update_batch,
 )
 from torchtitan.train import StepResult, Trainer
@@ -58,6 +60,7 @@ class RLTrainer(Trainer):
         if self.reference is not None and self.start_step == 0:  # the policy as the run starts, frozen
             _copy_weights(self.model_parts[0], self.reference)
         self.reward_fn = load_reward(self.rl.reward) if not self.rl.rollouts_path else None
+        self.rollout_file = RolloutFile(self.rl.rollouts_path) if self.rl.rollouts_path else None
         self.stop_ids = tuple(self.rl.stop_ids) or self.prompts.stop_ids
         self.sampling = Sampling(temperature=self.rl.temperature, top_k=self.rl.top_k, top_p=self.rl.top_p)
         self.stats: dict[str, float] = {}
@@ -84,11 +87,7 @@ class RLTrainer(Trainer):
             return builders
         self.reference = reference = _build_reference(core)
 
-        def checkpointer(core, outer):
-            manager = build_checkpointer(core, outer)
-            manager.extra = {**manager.extra, "rl_reference": reference}
-            return manager
-
+        checkpointer = functools.partial(build_checkpointer, extra={"rl_reference": reference})
         return dataclasses.replace(builders, checkpointer=checkpointer)
 
     def start_summary(self) -> str:
@@ -163,7 +162,7 @@ class RLTrainer(Trainer):
 
     def _file_groups(self, step: int) -> list[list[Rollout]]:
         rl = self.rl
-        rows = read_step_rollouts(rl.rollouts_path, step, rl.prompts_per_step * rl.group_size, rl.rollouts_wait_seconds)
+        rows = self.rollout_file.take(step, rl.prompts_per_step * rl.group_size, rl.rollouts_wait_seconds)
         return [rows[i : i + rl.group_size] for i in range(0, len(rows), rl.group_size)]
 
     def _generate(self, step: int, round: int) -> list[list[Rollout]]:
@@ -194,7 +193,9 @@ class RLTrainer(Trainer):
                     reward = 0.0
                     if error is None:
                         try:
-                            reward = self._score(prompt, ids, f"prompt row {prompt.index + 1} of {rl.prompts_path}")
+                            reward = score_completion(
+                                self.reward_fn, rl.reward, self.prompts, prompt, ids, self.stop_ids
+                            )
                         except ValueError as e:  # raised on every rank after the gather: no rank waits alone
                             error = str(e)
                     group.append(Rollout(step, position, prompt.index, prompt.ids, ids, logprobs, reward))
@@ -203,14 +204,6 @@ class RLTrainer(Trainer):
         if errors:
             raise ValueError(errors[0])
         return groups
-
-    def _score(self, prompt, ids: list[int], where: str) -> float:
-        stops = set(self.stop_ids)
-        text_ids = [t for t in ids if t not in stops]
-        completion = self.prompts.decode(text_ids)
-        return score(
-            self.reward_fn, self.rl.reward, prompt=prompt.text, completion=completion, row=prompt.row, where=where
-        )
 
     def _gather(self, mine: list, error: str | None) -> tuple[list, list[str]]:
         group = self.core.world.group("dp")
@@ -237,7 +230,7 @@ class RLTrainer(Trainer):
         per_update = len(rollouts) // rl.updates_per_step
         dp, dp_rank = self.parallel_dims.dp_degree, core.world.local_rank("dp")
         per_rank = per_update // dp
-        sums = {"loss": 0.0, "clip_fraction": 0.0, "offpolicy_gap": 0.0, "kl": 0.0}
+        sums: dict[str, torch.Tensor] = {}  # the stats' weighted sums, on the device: read once, in _reduce_stats
         loss_sum = torch.zeros((), device=self.device)
         grad_norm = torch.zeros((), device=self.device)
         for u in range(rl.updates_per_step):
@@ -254,7 +247,7 @@ class RLTrainer(Trainer):
                 (loss * dp).backward()
                 update_loss += loss.detach()
                 for k, v in stats.items():
-                    sums[k] += float(v)
+                    sums[k] = sums[k] + v if k in sums else v
             grad_norm = self._optimizer_update(update_loss)
             loss_sum += update_loss * dp / rl.updates_per_step
         core.lr_scheduler.step()
@@ -310,18 +303,16 @@ class RLTrainer(Trainer):
         core.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
-    def _reduce_stats(self, sums: dict[str, float]) -> dict[str, float]:
-        """The update's weighted sums, added over the dp ranks, averaged over the updates."""
+    def _reduce_stats(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The updates' weighted sums (``kl`` only with a reference), added over the dp ranks, averaged over the
+        updates."""
         keys = sorted(sums)
-        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        values = torch.stack([sums[k] for k in keys]).double()
         group = self.core.world.group("dp")
         if group is not None:
             dist.all_reduce(values, group=group)
         n = self.rl.updates_per_step
-        out = {k: v / n for k, v in zip(keys, values.tolist()) if k != "loss"}
-        if self.reference is None:
-            out.pop("kl")
-        return out
+        return {k: v / n for k, v in zip(keys, values.tolist())}
 
     # -- records and publishing ----------------------------------------------------------------------------
     def _record(self, rollouts: list[Rollout], dropped: int, generation_s: float, update_s: float) -> None:

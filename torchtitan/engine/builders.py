@@ -83,9 +83,14 @@ def build_metrics(core: Parts, outer: OuterSync, *, start_step: int) -> StepMetr
 
 
 def build_checkpointer(
-    core: Parts, outer: OuterSync, *, before_marker: Callable[[int], None] | None = None
+    core: Parts,
+    outer: OuterSync,
+    *,
+    before_marker: Callable[[int], None] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> CheckpointManager:
-    """The default ``Builders.checkpointer``; ``before_marker``: see ``CheckpointManager``.
+    """The default ``Builders.checkpointer``; ``before_marker``: see ``CheckpointManager``; ``extra``: more stateful
+    parts a loop's checkpoints hold (RL's frozen reference), beside ``outer``'s.
 
     The data position saved is what ``outer`` says (with replica groups: every group's, so the shared
     checkpoint one group writes resumes all of them); the run's own files (metrics) are in its run folder.
@@ -94,7 +99,7 @@ def build_checkpointer(
         core.config,
         root=checkpoint_root(core.config),
         run_folder=core.run_folder,
-        extra=outer.checkpoint_state(),
+        extra={**outer.checkpoint_state(), **(extra or {})},
         sets_aside_later=outer.sets_aside_later,
         model_parts=core.model_parts,
         optimizer=core.optimizer,

@@ -66,7 +66,7 @@ def policy_loss(
         "clip_fraction": ((clipped > unclipped) & on).float().mul(weights).sum().detach(),
         "offpolicy_gap": diff.detach().abs().mul(weights).sum(),
     }
-    if ref_logprobs is not None:
+    if ref_logprobs is not None:  # the KL is recorded only with a reference
         delta = torch.where(on, ref_logprobs - logprobs, 0.0)
         kl = delta.exp() - delta - 1.0
         stats["kl"] = kl.detach().mul(weights).sum()

@@ -30,7 +30,8 @@ from torch import nn
 
 from torchtitan.components.generation import Sampling, generate
 from torchtitan.models.common.documents import IGNORE_INDEX
-from torchtitan.rl.prompts import Prompt, mix_seed
+from torchtitan.rl.prompts import Prompt, PromptSource, mix_seed
+from torchtitan.rl.rewards import score
 
 
 @dataclass(frozen=True)
@@ -109,45 +110,80 @@ def group_seed(seed: int, step: int, round: int, position: int) -> int:
     return mix_seed(seed, step, round, position)
 
 
-def read_step_rollouts(path: str, step: int, expected: int, wait_s: float) -> list[Rollout]:
-    """The ``expected`` rows of ``step`` in ``path`` (an outside engine's file), waiting up to ``wait_s`` for them.
+class RolloutFile:
+    """An outside engine's rollouts file (``rl.rollouts_path``), read forward: each complete line once (the file
+    grows by a step's rows per write), its rows kept by step until the trainer takes them."""
 
-    Raises:
-        ValueError: the file is missing, or holds another number of rows for the step after the wait.
-    """
-    deadline = time.monotonic() + wait_s
-    while True:
-        rows = _rows_of(path, step) if os.path.exists(path) else None
-        if rows is not None and len(rows) >= expected:
-            break
-        if time.monotonic() >= deadline:
-            have = "the file does not exist" if rows is None else f"it has {len(rows)}"
-            raise ValueError(
-                f"rl.rollouts_path {path}: step {step} needs {expected} rollouts (rl.prompts_per_step x rl.group_size) "
-                f"and {have} after {wait_s:g} s (rl.rollouts_wait_seconds); the engine writes a step's rows with "
-                '"step": N (docs/rl.md)'
-            )
-        time.sleep(0.2)
-    if len(rows) > expected:
-        raise ValueError(f"rl.rollouts_path {path}: step {step} has {len(rows)} rollouts, expected {expected}")
-    fields = Rollout.__dataclass_fields__
-    try:
-        return [Rollout(**{k: row[k] for k in fields}) for row in rows]
-    except KeyError as e:
-        raise ValueError(f"rl.rollouts_path {path}: a row of step {step} lacks {e}; rows have {sorted(fields)}") from e
+    def __init__(self, path: str):
+        self.path, self.offset = path, 0
+        self.rows: dict[int, list[dict]] = {}
 
+    def _read_new(self) -> bool:
+        """Read the lines written since the last call; False while the file does not exist."""
+        if not os.path.exists(self.path):
+            return False
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a line still being written: read it again next time
+                    break
+                self.offset += len(line)
+                self.rows.setdefault(row.get("step"), []).append(row)
+        return True
 
-def _rows_of(path: str, step: int) -> list[dict]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # a line still being written: the step is not complete yet
+    def take(self, step: int, expected: int, wait_s: float) -> list[Rollout]:
+        """The ``expected`` rows of ``step``, waiting up to ``wait_s`` for them.
+
+        Raises:
+            ValueError: the file is missing, or holds another number of rows for the step after the wait.
+        """
+        deadline = time.monotonic() + wait_s
+        while True:
+            exists = self._read_new()
+            rows = self.rows.get(step, [])
+            if len(rows) >= expected:
                 break
-            if row.get("step") == step:
-                rows.append(row)
-    return rows
+            if time.monotonic() >= deadline:
+                have = f"it has {len(rows)}" if exists else "the file does not exist"
+                raise ValueError(
+                    f"rl.rollouts_path {self.path}: step {step} needs {expected} rollouts (rl.prompts_per_step x "
+                    f"rl.group_size) and {have} after {wait_s:g} s (rl.rollouts_wait_seconds); the engine writes a "
+                    'step\'s rows with "step": N (docs/rl.md)'
+                )
+            time.sleep(0.2)
+        for old in [s for s in self.rows if not isinstance(s, int) or s <= step]:
+            del self.rows[old]  # this step's are taken; earlier ones (before a resume's step) are never read
+        if len(rows) > expected:
+            raise ValueError(f"rl.rollouts_path {self.path}: step {step} has {len(rows)} rollouts, expected {expected}")
+        fields = Rollout.__dataclass_fields__
+        try:
+            return [Rollout(**{k: row[k] for k in fields}) for row in rows]
+        except KeyError as e:
+            raise ValueError(
+                f"rl.rollouts_path {self.path}: a row of step {step} lacks {e}; rows have {sorted(fields)}"
+            ) from e
+
+
+def score_completion(
+    reward_fn: Callable[..., float],
+    spec: str,
+    prompts: PromptSource,
+    prompt: Prompt,
+    ids: list[int],
+    stop_ids: tuple[int, ...],
+) -> float:
+    """``rl.reward`` of one completion: its text without the stop id it ends with (rewards.score's errors)."""
+    text_ids = ids[:-1] if ids and ids[-1] in stop_ids else ids  # cut_at_stop keeps one stop, at the end
+    return score(
+        reward_fn,
+        spec,
+        prompt=prompt.text,
+        completion=prompts.decode(text_ids),
+        row=prompt.row,
+        where=f"prompt row {prompt.index + 1} of {prompts.path}",
+    )
 
 
 @dataclass(frozen=True)
