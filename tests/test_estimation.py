@@ -55,6 +55,7 @@ from tests.test_frontier_runs import DSV3_ROWS, GPT_OSS_ROWS
 from tests.test_lora_runs import LLAMA_ROWS as LORA_ROWS
 from tests.test_model_family_runs import QWEN3_MOE_ROWS, QWEN3_ROWS, TIED_ROWS
 from tests.test_optimizer_in_backward_runs import IB_ROWS
+from tests.test_rl_runs import RL
 from torchtitan.config.manager import JobConfig
 
 pytestmark = pytest.mark.integration
@@ -75,6 +76,19 @@ ESTIMATOR_ROWS = [
     Row("cp2_alltoall", 2, 8, ROTATE_ALLTOALL, cp=2),
     Row("hsdp_2x2", 4, 2, HSDP_2x2),
 ]
+# The RL step (tests/test_rl_runs.py's runs: DAPO with a KL reference, nano flavor): one group's generation at full
+# length, then the update with the reference's forward. FSDP2: the reference is a second FSDP root the tracker
+# instruments too; TP2: each decode step padded for sequence parallel; DDP: the frozen reference is not wrapped.
+RL_ROWS = [
+    Row("rl_fsdp2", 2, 2),
+    Row("rl_tp2", 2, 4, tp=2),
+    Row(
+        "rl_ddp2",
+        2,
+        2,
+        ["--training.data_parallel_shard_degree", "1", *("--training.data_parallel_replicate_degree", "2")],
+    ),
+]
 # block_causal on the short-document corpus; with context parallel not modeled (its block skipping
 # depends on the data), the pipeline rows not tried
 ESTIMATED_DOC_ROWS = [r for r in DOC_ROWS if r.name in ("docs_fsdp2", "docs_tp2")]
@@ -90,6 +104,7 @@ ALL_ROWS = [
     + FRONTIER
     + LORA_ROWS
     + PURE_BF16_ROWS
+    + RL_ROWS
     if r.name not in NOT_PRACTICAL and r.ngpu > 1
 ]
 # CI measures one row per feature (~4 minutes); every practical row takes ~15 minutes:
@@ -119,6 +134,7 @@ CI_ROWS = {
     "gpt_oss_ep2",  # attention sinks and sliding windows (an fp32 masked-softmax kernel), biased experts
     "bf16_pure_fsdp2",  # training.dtype = "bfloat16": parameters, gradients and moments at 2 bytes
     "lora_llama3_fsdp2",  # a frozen base: no gradients or optimizer state (full AC: 36.16 vs fsdp2_ac_full's 80.31 MiB)
+    *(r.name for r in RL_ROWS),  # generation's KV cache, the reference, the update (test_rl_generation_phase too)
 }
 TRACKER_ROWS = (
     ALL_ROWS if os.environ.get("TORCHTITAN_ESTIMATION_ALL_ROWS") else [r for r in ALL_ROWS if r.name in CI_ROWS]
@@ -161,6 +177,8 @@ def _argv(row: Row) -> list[str]:
 
     No dump folder: the estimator writes nothing; no validation: the estimate covers the training step.
     """
+    if row in RL_ROWS:
+        return [*RL, "--training.batch_size", str(row.local_batch), *row.args(), "--validation.enabled", "false"]
     argv = [*job_argv(row, "unused")[:-2], "--validation.enabled", "false"]
     if row.name not in DEBUG_FLAVOR_ROWS:
         return argv
@@ -267,6 +285,7 @@ def _needs(item: pytest.Item) -> set[str]:
         "test_fault_tolerance_terms": {"fsdp2", "ft sync", "ft diloco"},
         "test_estimate_matches_the_tracker_on_the_real_step": {"measured", *rows},
         "test_lora_estimate_is_below_full_fine_tuning": rows,
+        "test_rl_generation_phase_and_reference": {"measured", *rows},
         "test_in_backward_step_peaks_lower_than_the_regular_step": {"measured"},
         "test_estimate_matches_real_peak_rss": {"measured", *rows},
         "test_real_flavors_terms_match_hand_computed": {f"flavor {params.get('flavor')}"},
@@ -385,6 +404,20 @@ def test_estimate_matches_the_tracker_on_the_real_step(row: Row, measured, estim
             f"{real / MIB:9.2f} MiB  {err:+.2%}"
         )
         assert abs(err) <= TRACKER_RTOL, (role.role, role.memory.breakdown, measured[row.name][role.rank]["breakdown"])
+
+
+def test_rl_generation_phase_and_reference(measured, estimates):
+    """The RL step's generation (one group: the KV cache over the longest prompt + rl.max_new_tokens, the sampling's
+    temporaries) is a phase of its own: its peak equals the real run's tracker, like the step's. The frozen
+    reference is counted: under DDP every rank holds the policy's fp32 parameters twice."""
+    for row in RL_ROWS:
+        for role in estimates[row.name].roles:
+            real = measured[row.name][role.rank]["phases"]["generation"]
+            estimate = role.memory.phases["generation"].total
+            assert abs(estimate - real) <= TRACKER_RTOL * real, (row.name, estimate, real)
+            assert estimate < role.memory.peak  # the update's fp32 log-probs over the vocabulary peak higher here
+    ddp = estimates["rl_ddp2"]
+    assert ddp.roles[0].memory.breakdown["params"] == 2 * 4 * ddp.params
 
 
 def test_lora_estimate_is_below_full_fine_tuning(estimates):

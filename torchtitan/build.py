@@ -125,10 +125,19 @@ def build_data_loader(training: Training, tokenizer: Any, shard: DataShard) -> I
 
 
 def finish_model_part(
-    part: nn.Module, spec: ModelSpec, config: JobConfig, world: WorldMesh, device: torch.device
+    part: nn.Module,
+    spec: ModelSpec,
+    config: JobConfig,
+    world: WorldMesh,
+    device: torch.device,
+    *,
+    frozen: bool = False,
 ) -> None:
     """Float8-convert or add LoRA adapters (if asked), parallelize a meta model (or pipeline stage), materialise it on ``device``, init
-    from the seed. The float8 conversion comes first: TP picks float8 styles for converted linears."""
+    from the seed. The float8 conversion comes first: TP picks float8 styles for converted linears.
+
+    ``frozen``: no parameter is trained (the RL loop's reference): frozen before the parallelisms, so DDP, which
+    only averages gradients, is not applied."""
     if config.float8.enable_float8_linear:
         check_float8_runs(device, config.float8.recipe_name)
         if device.type == "cpu" and (problem := cpu_float8_onednn_problem()) is not None:
@@ -138,6 +147,8 @@ def finish_model_part(
         apply_lora(part, config.lora, spec)
     if config.training.dtype != "float32":  # before FSDP/TP wrap them: every layout holds the same bf16 tensors
         cast_parameters_(part, to_dtype(config.training.dtype))
+    if frozen:
+        part.requires_grad_(False)
     spec.parallelize_fn(
         part,
         world_mesh=world.mesh,

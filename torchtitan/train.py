@@ -12,7 +12,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +83,15 @@ class Trainer:
     def training_builders(self, core: CoreParts, builders: Builders) -> Builders:
         """The builders of the training parts, given the core parts (another loop adds what its checkpoints hold)."""
         return builders
+
+    def step_modules(self) -> list[torch.nn.Module]:
+        """Modules the step runs besides ``model_parts`` (the RL loop's frozen reference): the memory estimator
+        tracks them too."""
+        return []
+
+    def phase_done(self, name: str) -> None:
+        """Called by a step at the end of a phase of its own (the RL step's generation); the memory estimator's
+        tracker replaces it to read the phase's peak. A no-op in training."""
 
     # The parts tools and tests read most (the rest: ``self.core`` / ``self.parts``).
     model_parts = property(lambda self: self.core.model_parts)
@@ -239,6 +248,13 @@ class Trainer:
         self.outer.close()
 
 
+def driver(config: JobConfig, *, estimate: bool = False) -> Callable[..., Trainer]:
+    """The loop over the run's parts: a feature's (RL's) if one is on, else the pre-training ``Trainer``.
+    ``estimate``: the memory estimator's version of it (preflight/registry.py)."""
+    drivers = enabled_builders(config, "driver", estimate=estimate)
+    return drivers[0][1] if drivers else Trainer
+
+
 def run_job(config: JobConfig, *, world_size: int, rank: int, builders: Builders | None = None) -> None:
     """Validate, build, train. Joins the process group if none exists and leaves it as it is.
 
@@ -263,9 +279,7 @@ def run_job(config: JobConfig, *, world_size: int, rank: int, builders: Builders
         if config.checkpoint.create_seed_checkpoint:
             create_seed_checkpoint(config)
             return
-        drivers = enabled_builders(config, "driver")  # another loop over the same parts (RL's), else this one
-        driver = drivers[0][1] if drivers else Trainer
-        trainer = driver(config, world_size=world_size, rank=rank, builders=builders)
+        trainer = driver(config)(config, world_size=world_size, rank=rank, builders=builders)
         try:
             trainer.train()
         finally:

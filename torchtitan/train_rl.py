@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from torchtitan.build import build_meta_model, finish_model_part
+from torchtitan.build import finish_model_part
 from torchtitan.components.generation import Sampling
 from torchtitan.datasets.sft.chat_template import ChatTokenizer
 from torchtitan.engine.builders import Builders, build_checkpointer
@@ -59,12 +59,17 @@ class RLTrainer(Trainer):
         self.prompts: PromptSource = self.data_loader
         if self.reference is not None and self.start_step == 0:  # the policy as the run starts, frozen
             _copy_weights(self.model_parts[0], self.reference)
-        self.reward_fn = load_reward(self.rl.reward) if not self.rl.rollouts_path else None
-        self.rollout_file = RolloutFile(self.rl.rollouts_path) if self.rl.rollouts_path else None
         self.stop_ids = tuple(self.rl.stop_ids) or self.prompts.stop_ids
         self.sampling = Sampling(temperature=self.rl.temperature, top_k=self.rl.top_k, top_p=self.rl.top_p)
         self.stats: dict[str, float] = {}
         self.publish_root = self.rl.publish_folder or os.path.join(config.job.dump_folder, "policy")
+        self._open_outside()
+
+    def _open_outside(self) -> None:
+        """What the loop reads and writes outside the process: the reward function, an engine's rollouts file, the
+        published policy (the memory estimator's step has none of them)."""
+        self.reward_fn = load_reward(self.rl.reward) if not self.rl.rollouts_path else None
+        self.rollout_file = RolloutFile(self.rl.rollouts_path) if self.rl.rollouts_path else None
         if self.rl.publish_every > 0:
             self._publish(self.start_step)
 
@@ -85,10 +90,13 @@ class RLTrainer(Trainer):
         """The checkpoints hold the frozen reference too (built here, before the load fills it on a resume)."""
         if self.rl.kl_coef <= 0:
             return builders
-        self.reference = reference = _build_reference(core)
+        self.reference = reference = _build_reference(core, builders)
 
         checkpointer = functools.partial(build_checkpointer, extra={"rl_reference": reference})
         return dataclasses.replace(builders, checkpointer=checkpointer)
+
+    def step_modules(self) -> list[nn.Module]:
+        return [self.reference] if self.reference is not None else []
 
     def start_summary(self) -> str:
         """The trainer's block, its batch and data lines saying what an RL step does."""
@@ -223,11 +231,22 @@ class RLTrainer(Trainer):
 
     # -- the update ----------------------------------------------------------------------------------------
     def _update(self, rollouts: list[Rollout]) -> StepResult:
-        rl, t, core = self.rl, self.config.training, self.core
+        result, sums = self._train_update(self._update_batch(rollouts))
+        self.stats.update(self._reduce_stats(sums))
+        return result
+
+    def _update_batch(self, rollouts: list[Rollout]) -> UpdateBatch:
+        """The step's sequences with their group advantages (on the host)."""
+        rl = self.rl
         rewards = torch.tensor([r.reward for r in rollouts]).view(-1, rl.group_size)
         advantages = group_advantages(rewards, std_normalize=rl.std_normalize).flatten().tolist()
-        batch = update_batch(rollouts, advantages, t.seq_len, pad_id=self.core.tokenizer.eos_id)
-        per_update = len(rollouts) // rl.updates_per_step
+        return update_batch(rollouts, advantages, self.config.training.seq_len, pad_id=self.core.tokenizer.eos_id)
+
+    def _train_update(self, batch: UpdateBatch) -> tuple[StepResult, dict[str, torch.Tensor]]:
+        """``rl.updates_per_step`` optimizer updates over the step's sequences; the result and the stats' weighted
+        sums (on the device, read by ``_reduce_stats``)."""
+        rl, t, core = self.rl, self.config.training, self.core
+        per_update = batch.inputs.shape[0] // rl.updates_per_step
         dp, dp_rank = self.parallel_dims.dp_degree, core.world.local_rank("dp")
         per_rank = per_update // dp
         sums: dict[str, torch.Tensor] = {}  # the stats' weighted sums, on the device: read once, in _reduce_stats
@@ -251,8 +270,7 @@ class RLTrainer(Trainer):
             grad_norm = self._optimizer_update(update_loss)
             loss_sum += update_loss * dp / rl.updates_per_step
         core.lr_scheduler.step()
-        self.stats.update(self._reduce_stats(sums))
-        return StepResult(loss_sum, grad_norm, True)
+        return StepResult(loss_sum, grad_norm, True), sums
 
     def _micro_batch(self, micro: UpdateBatch, weights: torch.Tensor) -> tuple[torch.Tensor, dict]:
         rl = self.rl
@@ -344,12 +362,10 @@ def format_rl_line(step: int, stats: dict[str, float]) -> str:
     )
 
 
-def _build_reference(core) -> nn.Module:
+def _build_reference(core, builders: Builders) -> nn.Module:
     """A second copy of the model under the same layout, frozen (filled from the policy or the checkpoint)."""
-    reference = build_meta_model(core.spec, core.model_args)
-    finish_model_part(reference, core.spec, core.config, core.world, core.device)
-    for p in reference.parameters():
-        p.requires_grad_(False)
+    reference = builders.meta_model(core.spec, core.model_args)
+    finish_model_part(reference, core.spec, core.config, core.world, core.device, frozen=True)
     return reference
 
 

@@ -11,7 +11,9 @@ from torchtitan.estimation.tracker import ROWS
 
 
 def _role(role: str, phase: str, gib: float) -> RoleEstimate:
-    memory = SimpleNamespace(breakdown={ROWS[0]: int(gib * GIB)}, peak=int(gib * GIB), peak_phase=phase, notes=[])
+    memory = SimpleNamespace(
+        breakdown={ROWS[0]: int(gib * GIB)}, peak=int(gib * GIB), peak_phase=phase, notes=[], phases={}
+    )
     return RoleEstimate(role=role, rank=0, memory=memory)
 
 

@@ -116,8 +116,8 @@ def parallelize(
         apply_compile(model, tp_enabled=parallel_dims.tp_enabled)
     if parallel_dims.fsdp_enabled:
         _apply_fsdp(model, world_mesh, parallel_dims, training=training)
-    elif parallel_dims.dp_replicate_enabled:
-        apply_ddp(model, world_mesh["dp_replicate"])
+    elif parallel_dims.dp_replicate_enabled and any(p.requires_grad for p in model.parameters()):
+        apply_ddp(model, world_mesh["dp_replicate"])  # (a frozen model has no gradients to average)
 
 
 def _apply_tp(

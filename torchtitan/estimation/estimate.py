@@ -34,7 +34,7 @@ from torchtitan.estimation.tracker import DDP_BUCKETS, StepMemory, track_steps, 
 from torchtitan.preflight import run_preflight
 from torchtitan.preflight.registry import check_estimable_features
 from torchtitan.spec import get_model_spec
-from torchtitan.train import Trainer
+from torchtitan.train import driver
 
 # The optimizer step is modeled as torch 2.13 and later run it (the tracker on real runs agrees on 2.13 and 2.15).
 # On 2.11 and 2.12 the tiny family's real FSDP2 step (tests/distributed/test_model_family.py) held 7x its sharded
@@ -143,7 +143,7 @@ def estimate_rank(
         builders = estimation_builders(vocab, n_layers=n_layers)
         if not fake:  # the accuracy tests' real run: same builders (and routing assumption), real tensors
             with gloo_frees_in_order() if get_device_info().backend == "gloo" else contextlib.nullcontext():
-                trainer = Trainer(config, world_size=world_size, rank=rank, builders=builders)
+                trainer = driver(config, estimate=True)(config, world_size=world_size, rank=rank, builders=builders)
                 return track_steps(trainer)
         # allow_non_fake_inputs: the meta model (see estimation_builders) is plain meta tensors.
         with (
@@ -153,7 +153,7 @@ def estimate_rank(
             _pipeline_patches(config, world_size, vocab),
             _backend_patches(),
         ):
-            trainer = Trainer(config, world_size=world_size, rank=rank, builders=builders)
+            trainer = driver(config, estimate=True)(config, world_size=world_size, rank=rank, builders=builders)
             foreach_temp = use_per_parameter_step(trainer.optimizer)
             # In backward each parameter steps alone in a hook (its group's foreach flag is copied
             # there): the tracker sees that step's own temporaries, there are no list-wide ones.

@@ -47,7 +47,8 @@ def measure_case(argv: list[str], world_size: int, rank: int) -> dict:
     memory = estimate_rank(config, world_size, rank, vocab, fake=False)
     rss_peak = _status_kib("VmHWM") * 1024 - baseline
     dist.barrier()
-    return {"tracker_peak": memory.peak, "rss_peak": rss_peak, "breakdown": memory.breakdown}
+    phases = {name: phase.total for name, phase in memory.phases.items()}
+    return {"tracker_peak": memory.peak, "rss_peak": rss_peak, "breakdown": memory.breakdown, "phases": phases}
 
 
 def main(out_path: str, cases_path: str) -> None:

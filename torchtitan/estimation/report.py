@@ -26,6 +26,7 @@ def to_dict(est: Estimate) -> dict:
                 "rank": r.rank,
                 "peak_bytes": r.memory.peak,
                 "peak_phase": r.memory.peak_phase,
+                "phase_peaks_bytes": {name: phase.total for name, phase in r.memory.phases.items()},
                 "breakdown_bytes": r.memory.breakdown,
                 "notes": r.memory.notes,
             }
@@ -57,6 +58,8 @@ def format_table(est: Estimate, title: str) -> str:
             out.append(line(f"  {row}", [f"{r.memory.breakdown.get(row, 0) / GIB:.2f}" for r in roles]))
     out.append(line("peak", [f"{r.memory.peak / GIB:.2f}" for r in roles]))
     out.append(line("peak falls in", [r.memory.peak_phase for r in roles]))
+    for name in dict.fromkeys(n for r in roles for n in r.memory.phases):  # a step's own phases (RL's generation)
+        out.append(line(f"peak of {name}", [f"{r.memory.phases[name].total / GIB:.2f}" for r in roles]))
     for r in roles:
         out += [f"note ({r.role}): {n}" for n in r.memory.notes]
     if len(est.optimizer_groups) > 1 or any(g["optimizer"] == "Muon" for g in est.optimizer_groups):

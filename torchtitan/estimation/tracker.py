@@ -7,6 +7,7 @@ disable_fake_mode``, used by the accuracy tests), so the two are directly compar
 from __future__ import annotations
 
 import gc
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -80,11 +81,13 @@ class StepMemory:
     # semi-synchronous modes' synchronization after it (fault_tolerance/estimate.py): that plus their copies.
     at_optimizer_step: Phase | None = None
     synchronization: Phase | None = None
+    # The peak of each phase a step names (``Trainer.phase_done``: the RL step's generation) in the last step.
+    phases: dict[str, Phase] = field(default_factory=dict)
 
     @property
     def _phases(self) -> list[Phase]:
         candidates = (self.tracked, self.all_activations, self.optimizer_step, self.synchronization)
-        return [p for p in candidates if p is not None]
+        return [p for p in candidates if p is not None] + list(self.phases.values())
 
     @property
     def _top(self) -> Phase:
@@ -100,6 +103,9 @@ class StepMemory:
 
     @property
     def peak_phase(self) -> str:
+        for name, phase in self.phases.items():  # a named phase that reaches the tracked peak holds it
+            if phase.total >= self._top.total:
+                return name
         if self._top is self.synchronization:
             return "replica synchronization"
         return "optimizer step" if self._top is self.optimizer_step else "forward/backward"
@@ -147,6 +153,7 @@ class StepMemory:
             both(self.all_activations, other.all_activations),
             both(self.at_optimizer_step, other.at_optimizer_step),
             both(self.synchronization, other.synchronization),
+            {n: p.extrapolate(other.phases[n], t) for n, p in self.phases.items() if n in other.phases},
         )
 
 
@@ -163,11 +170,31 @@ def _total(snapshot: dict) -> int:
     return sum(stats.get("Total", 0) for stats in snapshot.values())
 
 
-def _build_tracker(model_parts, optimizer):
-    if len(model_parts) == 1 and isinstance(model_parts[0], FSDPModule):
-        return _skip_frozen(FSDPMemTracker(mod=model_parts[0], optm=optimizer), model_parts)
-    tracker = _skip_frozen(MemTracker(), model_parts)
-    tracker.track_external(*model_parts, optimizer)
+class _FSDPRootsMemTracker(FSDPMemTracker):
+    """``FSDPMemTracker`` over the model and the FSDP modules the step runs besides it (the RL loop's frozen
+    reference): each root's FSDP states are instrumented alike (sharded parameters, unsharded ones while they
+    are all-gathered), where torch's tracker instruments its one root only."""
+
+    def __init__(self, roots: list, optimizer):
+        super().__init__(mod=roots[0], optm=optimizer)
+        self._roots = roots
+
+    def _instrument_fsdp_module(self) -> None:
+        model = self._root_mod
+        try:
+            for root in self._roots:
+                self._root_mod = root
+                super()._instrument_fsdp_module()
+        finally:
+            self._root_mod = model
+
+
+def _build_tracker(model_parts, optimizer, step_modules=()):
+    modules = [*model_parts, *step_modules]
+    if len(model_parts) == 1 and all(isinstance(m, FSDPModule) for m in modules):
+        return _skip_frozen(_FSDPRootsMemTracker(modules, optimizer), modules)
+    tracker = _skip_frozen(MemTracker(), modules)
+    tracker.track_external(*modules, optimizer)
     return tracker
 
 
@@ -299,10 +326,14 @@ def track_steps(trainer, *, foreach_temp: int = 0, steps: int = 2) -> StepMemory
     ``use_per_parameter_step``); the optimizer-step peak is then the memory live when the step
     starts plus these, and the reported peak is the larger of that and the tracked peak.
     """
-    tracker = _build_tracker(trainer.model_parts, trainer.optimizer)
+    step_modules = trainer.step_modules()
+    tracker = _build_tracker(trainer.model_parts, trainer.optimizer, step_modules)
     at_opt_step: list[dict] = []
     snap = tracker.get_tracker_snapshot
     hooks = [trainer.optimizer.register_step_pre_hook(lambda *_: at_opt_step.append(snap("current")))]
+    # a phase of the step's own (the RL step's generation): its peak in the last step, which starts it afresh
+    phases: dict[str, dict] = {}
+    trainer.phase_done = lambda name: phases.__setitem__(name, snap("peak"))
     hooks += _label_in_backward_states(tracker, trainer)
     after_last_block: list[dict] = []
     for part in trainer.model_parts:
@@ -320,7 +351,14 @@ def track_steps(trainer, *, foreach_temp: int = 0, steps: int = 2) -> StepMemory
     gc.collect()
     gc.disable()
     try:
-        with _one_tracked_forward_per_call(tracker, trainer.model_parts), tracker:
+        with (
+            _one_tracked_forward_per_call(tracker, [*trainer.model_parts, *step_modules]),
+            tracker,
+            warnings.catch_warnings(),
+        ):
+            # torch's module tracker runs each forward's end-of-backward callback at the next backward; modules that
+            # ran without autograd and were dropped before it (the RL step's generation cache kernels) are gone then
+            warnings.filterwarnings("ignore", message="Module is None. Skipping POST_BW hook")
             for i in range(steps):
                 batches = trainer.next_batches(iter(trainer.data_loader))
                 if isinstance(tracker, FSDPMemTracker):
@@ -336,9 +374,12 @@ def track_steps(trainer, *, foreach_temp: int = 0, steps: int = 2) -> StepMemory
         peak = max(tracker.get_tracker_snapshot("peak"), earlier, key=_total)
     finally:
         gc.enable()
+        del trainer.phase_done
         for hook in hooks:
             hook.remove()
-    return _step_memory(peak, at_opt_step[-1] if at_opt_step else None, after_last_block, foreach_temp)
+    memory = _step_memory(peak, at_opt_step[-1] if at_opt_step else None, after_last_block, foreach_temp)
+    memory.phases = {name: Phase(_total(p), _breakdown(p)) for name, p in phases.items()}
+    return memory
 
 
 def _step_memory(peak: dict, at_opt_step: dict | None, after_last_block: list[dict], foreach_temp: int) -> StepMemory:
