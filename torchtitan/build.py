@@ -60,6 +60,8 @@ def build_model_args(config: JobConfig, spec: ModelSpec, vocab_size: int, *, dev
     default the device this process trains on (``get_device_info``), as the trainer's.
     """
     flavor = spec.flavors[config.model.flavor]
+    if spec.configure is not None:
+        flavor = spec.configure(flavor, config.model)
     ck = config.checkpoint
     if ck.initial_load_in_hf and ck.initial_load_path:
         vocab_size = hf_embedding_rows(ck.initial_load_path, vocab_size, config.model.tokenizer_path)

@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     from torchtitan.distributed.parallel_dims import ParallelDims
 
 
+ANY_HF_MODEL_TYPE = "*"
+
+
 class Deferred:
     """A function named by ``"module:attribute"``, imported on its first call.
 
@@ -204,10 +207,13 @@ class ModelSpec:
             NotImplementedError naming the key; return warnings.
         layer_pattern: ``args -> (prefix, period)``: after ``prefix`` leading layers, the layers
             repeat with this period (the estimator extrapolates memory over whole periods).
-        hf_model_type: the Hugging Face ``model_type`` a ``config.json`` names for this family.
+        hf_model_type: the Hugging Face ``model_type`` a ``config.json`` names for this family (``"*"``: any; the
+            ``hf`` family builds transformers' own class for it; never picked by ``spec_for_hf_model_type``).
         hf_refusal: ``args -> str | None`` (``args`` a dict: a flavor's, or a checkpoint marker's): why
             such weights have no Hugging Face counterpart, one line ending in the fix; None where they
             convert. Read through ``hf_conversion_refusal`` (the pre-launch check and the converters).
+        configure: ``(flavor_args, model: Model) -> args``: the args of the flavor under the run's ``[model]`` section
+            (the ``hf`` family reads ``model.hf_config``); None: the flavor's args as listed.
         documents: the family's forward takes ``doc_ids`` (and per-row ``positions``) and passes them to
             every block's attention, so ``model.attn_mask_type = "block_causal"`` can run on it; its
             args then have an ``attention_backend`` field (``build_model_args`` sets it).
@@ -228,6 +234,7 @@ class ModelSpec:
     hf_model_type: str | None = None  # config.json's "model_type" this family imports (with state_dict_adapter)
     hf_refusal: Callable[[Mapping[str, Any]], str | None] | None = None
     documents: bool = False
+    configure: Callable[[Any, Model], Any] | None = None
 
 
 def hf_conversion_refusal(spec: ModelSpec, args: Mapping[str, Any], *, export: bool = True) -> str | None:
@@ -249,6 +256,7 @@ _FAMILIES: dict[str, str] = {
     "qwen3_moe": "torchtitan.models.qwen3.spec",
     "deepseek_v3": "torchtitan.models.deepseek_v3.spec",
     "gpt_oss": "torchtitan.models.gpt_oss.spec",
+    "hf": "torchtitan.models.hf.spec",
 }
 _SPECS: dict[str, ModelSpec] = {}  # loaded from _FAMILIES, or registered with register_model_spec
 
@@ -308,7 +316,8 @@ def flavor_args(model: Model) -> Any:
         raise ConfigError(str(e)) from None
     if model.flavor not in flavors:
         raise ConfigError(f"model.flavor = {model.flavor!r} is not a {model.name} flavor; allowed are {list(flavors)}")
-    return flavors[model.flavor]
+    spec = get_model_spec(model.name)
+    return flavors[model.flavor] if spec.configure is None else spec.configure(flavors[model.flavor], model)
 
 
 def spec_for_hf_model_type(model_type: str) -> ModelSpec:
@@ -317,7 +326,7 @@ def spec_for_hf_model_type(model_type: str) -> ModelSpec:
     for spec in specs:
         if spec.hf_model_type == model_type:
             return spec
-    known = sorted(s.hf_model_type for s in specs if s.hf_model_type)
+    known = sorted(s.hf_model_type for s in specs if s.hf_model_type and s.hf_model_type != ANY_HF_MODEL_TYPE)
     raise ValueError(f"Hugging Face model_type {model_type!r} has no model family here; known: {known}")
 
 

@@ -64,7 +64,10 @@ class Profiling:
 
 @dataclass
 class Model:
-    name: str = _f("llama3", "model family: llama3")
+    name: str = _f(
+        "llama3",
+        "model family: llama3, llama3_moe, qwen3, qwen3_moe, deepseek_v3, gpt_oss, or hf (any transformers causal LM)",
+    )
     flavor: str = _f(
         "debugmodel",
         "model size, per model.name (docs/models.md): debugmodel, debugmodel_tiny (the parity tests' size) and "
@@ -90,6 +93,11 @@ class Model:
         "than a masked SDPA on CPU), 'flex' (FlexAttention with a block mask built once per batch; CUDA only: "
         "torch 2.13 has no FlexAttention backward on CPU), 'auto' (flex on CUDA, sdpa elsewhere). Causal "
         "attention always runs SDPA; context parallel runs its ring attention",
+    )
+    hf_config: str = _f(
+        "",
+        "model.name = 'hf' with model.flavor = 'config': the transformers causal LM to build, as a local HF model "
+        'folder (its config.json), a config.json path, or JSON text {"model_type": ..., fields}',
     )
     tokenizer_path: str = _f(
         "./torchtitan/datasets/assets/tokenizer/pydocs_bpe2048.tiktoken",

@@ -56,7 +56,8 @@ def _op_policy():
     return create_selective_checkpoint_contexts(policy)
 
 
-def _wrap(block: nn.Module, *, op_selective: bool) -> nn.Module:
+def wrap_block(block: nn.Module, *, op_selective: bool) -> nn.Module:
+    """``block`` under activation checkpointing: full recompute, or the op policy's selective one."""
     if op_selective:
         return checkpoint_wrapper(
             block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, context_fn=_op_policy, preserve_rng_state=False
@@ -78,7 +79,7 @@ def apply_ac(model: nn.Module, config: ActivationCheckpoint) -> None:
     every = int(config.selective_ac_option) if config.mode == "selective" and not op_selective else 1
     for i, (name, block) in enumerate(list(model.layers.items())):
         if i % every == 0:
-            model.layers[name] = _wrap(block, op_selective=op_selective)
+            model.layers[name] = wrap_block(block, op_selective=op_selective)
 
 
 def check_activation_checkpoint(config: JobConfig, dims: ParallelDims) -> list[str]:

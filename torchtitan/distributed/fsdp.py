@@ -24,6 +24,7 @@ def apply_fsdp(
     cpu_offload: bool = False,
     pin_memory: bool = False,
     experts_mesh: DeviceMesh | None = None,
+    blocks: list[nn.Module] | None = None,
 ) -> None:
     """Shard each block, then the root (embedding, norm, output), over ``dp_mesh``.
 
@@ -44,10 +45,11 @@ def apply_fsdp(
     (the EP all-to-all already averaged them inside the EP group); the rest of the block shards
     over ``dp_mesh`` as usual. A size-1 experts_mesh still wraps them (it is what keeps them out
     of the block's unit, whose mesh overlaps the EP mesh).
+    blocks: the units (default ``model.layers``' blocks; a transformers model's decoder layers).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = {"offload_policy": CPUOffloadPolicy(pin_memory=pin_memory)} if cpu_offload else {}
-    blocks = list(model.layers.values())
+    blocks = list(model.layers.values()) if blocks is None else blocks
     for i, block in enumerate(blocks):
         last = i == len(blocks) - 1
         reshard = reshard_after_forward == "always" or (reshard_after_forward == "default" and not last)

@@ -7,8 +7,16 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
-from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.activation_checkpoint import apply_ac, wrap_block
 from torchtitan.distributed.context_parallel.context_parallel import apply_cp, compute_cp_positions
 from torchtitan.distributed.context_parallel.torch_context_parallel import apply_torch_cp
 from torchtitan.distributed.expert_parallel.experts import apply_ep
@@ -202,3 +210,111 @@ def _apply_fsdp(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: Paralle
             "training.enable_cpu_offload on a CPU device: parameters already live in CPU memory, "
             "so offloading saves nothing here (it applies on accelerators)"
         )
+
+
+# -- transformers' own models (model.name = "hf", models/hf/): the decoder's layers are the units of FSDP, activation
+# checkpointing and compile, found generically; TP follows the model's own base_model_tp_plan. The same order as above;
+# pipeline and context parallel are refused by the family's check.
+
+
+def _style(style: str) -> ParallelStyle | None:
+    """torch's ParallelStyle for a transformers TP plan entry; None for one not built here."""
+    return {
+        "colwise": lambda: ColwiseParallel(),
+        "rowwise": lambda: RowwiseParallel(),
+        # the full output on every rank (a fused projection whose halves must not be split across ranks)
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        # a replicated input, split here along its last dim
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+        # a weight applied to this rank's heads only (QK-norm after a colwise projection): replicated, its
+        # gradient summed over the TP ranks. The input is marked sharded on dim 0 for that: the norm is over the
+        # last dim, so which dim is named changes nothing but the gradient's reduction.
+        "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=0, use_local_output=True),
+    }.get(style, lambda: None)()
+
+
+def tp_plan(model: nn.Module) -> dict[str, str]:
+    """The decoder's TP plan (``base_model_tp_plan``: keys relative to the decoder, ``layers.*.`` per layer)."""
+    return dict(getattr(model.config.get_text_config(), "base_model_tp_plan", None) or {})
+
+
+def apply_hf_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Each decoder layer by the model's plan; every other parameter (embedding, norms, head) replicated.
+
+    The replicated ones become Replicate DTensors whose module takes and returns plain tensors, so every parameter
+    of the model is a DTensor on the TP mesh (the optimizer's foreach step and the gradient norm take no mix). Their
+    inputs and gradients are the same on every TP rank: the plan's styles leave the hidden state replicated between
+    them.
+    """
+    plan = tp_plan(model)
+    keys = [key.removeprefix("layers.*.") for key in plan]
+    for layer in model.decoder_layers:
+        parallelize_module(layer, tp_mesh, {key: _style(plan[f"layers.*.{key}"]) for key in keys})
+    for module in list(model.modules()):
+        if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            distribute_module(module, tp_mesh, _replicate_own, _inputs_replicated, _outputs_local)
+
+
+def _replicate_own(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    for key, p in list(module.named_parameters(recurse=False)):
+        if not isinstance(p, DTensor):
+            module.register_parameter(key, nn.Parameter(distribute_tensor(p, mesh, [Replicate()]), p.requires_grad))
+    for key, b in list(module.named_buffers(recurse=False)):
+        if not isinstance(b, DTensor):
+            module.register_buffer(
+                key, distribute_tensor(b, mesh, [Replicate()]), key not in module._non_persistent_buffers_set
+            )
+
+
+def _inputs_replicated(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    return tuple(
+        DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+        else t
+        for t in inputs
+    )
+
+
+def _outputs_local(module: nn.Module, outputs, mesh: DeviceMesh):
+    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+
+def parallelize_hf(
+    model: nn.Module,
+    *,
+    world_mesh: DeviceMesh | None,
+    parallel_dims,
+    training,
+    experimental,
+    activation_checkpoint,
+    float8,
+) -> None:
+    """Every parallelism of ``parallel_dims`` on a transformers model, in place (``ModelSpec.parallelize_fn``)."""
+    if parallel_dims.tp_enabled:
+        apply_hf_tp(model, world_mesh["tp"])
+    layers = model.decoder_layers
+    if activation_checkpoint.mode != "none":
+        op = activation_checkpoint.mode == "selective" and activation_checkpoint.selective_ac_option == "op"
+        every = 1 if activation_checkpoint.mode == "full" or op else int(activation_checkpoint.selective_ac_option)
+        for i in range(len(layers)):
+            if i % every == 0:
+                layers[i] = wrap_block(layers[i], op_selective=op)
+    if training.compile:
+        for layer in layers:
+            layer.compile()  # in place: the layer keeps its name (no _orig_mod in checkpoints)
+    if parallel_dims.fsdp_enabled:
+        shard_axis = parallel_dims.axis_name("dp_shard_cp")
+        axes = ("dp_replicate", shard_axis) if parallel_dims.dp_replicate_enabled else (shard_axis,)
+        apply_fsdp(
+            model,
+            world_mesh[axes],
+            param_dtype=to_dtype(training.mixed_precision_param),
+            reduce_dtype=to_dtype(training.mixed_precision_reduce),
+            reshard_after_forward=training.fsdp_reshard_after_forward,
+            prefetch_depth=training.fsdp_prefetch_depth,
+            cpu_offload=training.enable_cpu_offload,
+            pin_memory=world_mesh.device_type != "cpu",
+            blocks=list(layers),
+        )
+    elif parallel_dims.dp_replicate_enabled and any(p.requires_grad for p in model.parameters()):
+        apply_ddp(model, world_mesh["dp_replicate"])

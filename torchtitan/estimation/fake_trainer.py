@@ -21,7 +21,7 @@ from torchtitan.components.run_control import Verdict
 from torchtitan.datasets.tokenizer import build_tokenizer, find_tokenizer_file
 from torchtitan.distributed.backend.c10d_compat import ALL_GATHER, REDUCE_SCATTER
 from torchtitan.engine.builders import Builders
-from torchtitan.spec import get_model_spec
+from torchtitan.spec import flavor_args
 
 
 def _outside_fake_mode(fn):
@@ -91,7 +91,7 @@ def resolve_vocab(config) -> tuple[int, str]:
     path = config.model.tokenizer_path
     if find_tokenizer_file(path) is not None:
         return build_tokenizer(path).n_words, f"tokenizer {path}"
-    n = get_model_spec(config.model.name).flavors[config.model.flavor].vocab_size
+    n = flavor_args(config.model).vocab_size
     return n, f"flavor {config.model.flavor} vocabulary (tokenizer file {path} not found)"
 
 

@@ -171,9 +171,8 @@ def _total(snapshot: dict) -> int:
 
 
 class _FSDPRootsMemTracker(FSDPMemTracker):
-    """``FSDPMemTracker`` over the model and the FSDP modules the step runs besides it (the RL loop's frozen
-    reference): each root's FSDP states are instrumented alike (sharded parameters, unsharded ones while they
-    are all-gathered), where torch's tracker instruments its one root only."""
+    """``FSDPMemTracker`` over the model and the FSDP modules the step runs besides it (RL's frozen reference), each
+    root's FSDP states instrumented alike (torch's tracker instruments its one root only)."""
 
     def __init__(self, roots: list, optimizer):
         super().__init__(mod=roots[0], optm=optimizer)
@@ -331,8 +330,7 @@ def track_steps(trainer, *, foreach_temp: int = 0, steps: int = 2) -> StepMemory
     at_opt_step: list[dict] = []
     snap = tracker.get_tracker_snapshot
     hooks = [trainer.optimizer.register_step_pre_hook(lambda *_: at_opt_step.append(snap("current")))]
-    # a phase of the step's own (the RL step's generation): its peak in the last step, which starts it afresh
-    phases: dict[str, dict] = {}
+    phases: dict[str, dict] = {}  # a phase of the step's own (RL's generation): its peak in the last step
     trainer.phase_done = lambda name: phases.__setitem__(name, snap("peak"))
     hooks += _label_in_backward_states(tracker, trainer)
     after_last_block: list[dict] = []
@@ -356,8 +354,8 @@ def track_steps(trainer, *, foreach_temp: int = 0, steps: int = 2) -> StepMemory
             tracker,
             warnings.catch_warnings(),
         ):
-            # torch's module tracker runs each forward's end-of-backward callback at the next backward; modules that
-            # ran without autograd and were dropped before it (the RL step's generation cache kernels) are gone then
+            # torch's module tracker runs each forward's end-of-backward callback at the next backward: modules run
+            # without autograd and dropped before it (the RL generation's cache kernels) are gone then
             warnings.filterwarnings("ignore", message="Module is None. Skipping POST_BW hook")
             for i in range(steps):
                 batches = trainer.next_batches(iter(trainer.data_loader))

@@ -213,7 +213,7 @@ FEATURES: tuple[Feature, ...] = (  # declarative table
         enabled=lambda c: c.rl.enable,
         switch="rl.enable",
         builds={"driver": _d("torchtitan.train_rl:RLTrainer")},
-        estimate={"driver": _d("torchtitan.rl.estimate:EstimatedRLTrainer")},
+        estimate={"driver": _d("torchtitan.train_rl_estimate:EstimatedRLTrainer")},
         what="the RL loop (generation, rewards, the policy update)",
     ),
     Feature("data_paths", (Check(check_data_paths, "machine", "the tokenizer and data paths"),)),

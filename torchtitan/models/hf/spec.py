@@ -1,0 +1,296 @@
+"""``model.name = "hf"``: any transformers causal LM as a family (models/hf/model.py), its flavors, checks and
+Hugging Face conversion (the weights keep transformers' names under ``hf.``).
+
+Flavors: ``config`` builds what ``model.hf_config`` names (a local HF folder, its config.json, or JSON text); the
+others are tiny random shapes of the tested architectures, for tests and ``train_configs/hf_debug.toml``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.models.hf.model import LOGIT_TRANSFORMS, HFArgs, HFCausalLM, unbuilt_tp_styles
+from torchtitan.spec import Deferred, ModelSpec
+
+
+def from_hf_config(fields: dict[str, Any], source: str) -> HFArgs:
+    """``HFArgs`` of a ``config.json`` dict (model_type included)."""
+    config = build_hf_config(fields)
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    return HFArgs(
+        config=json.dumps(fields, sort_keys=True),
+        n_layers=text.num_hidden_layers,
+        dim=text.hidden_size,
+        n_heads=heads,
+        n_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        vocab_size=text.vocab_size,
+        max_seq_len=getattr(text, "max_position_embeddings", 0) or 0,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        source=source,
+    )
+
+
+def build_hf_config(fields: dict[str, Any]):
+    """transformers' config object for ``fields`` (refusing what this path cannot build, in one line)."""
+    from transformers import AutoConfig
+
+    fields = dict(fields)
+    if fields.get("auto_map"):
+        raise NotImplementedError(
+            "model.hf_config needs remote code (its config.json has auto_map): model.name = 'hf' builds "
+            "transformers' own classes only; use a model transformers ships"
+        )
+    model_type = fields.pop("model_type", None)
+    if not model_type:
+        raise ValueError("model.hf_config has no model_type; a transformers config.json names its architecture there")
+    try:
+        config = AutoConfig.for_model(model_type, **fields)
+    except ValueError as e:
+        raise ValueError(f"model.hf_config: model_type {model_type!r} is not one transformers knows ({e})") from None
+    return config
+
+
+def causal_lm_class(config) -> type[nn.Module]:
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise NotImplementedError(
+            f"model.hf_config: model_type {config.model_type!r} is not a causal language model in transformers (no "
+            "AutoModelForCausalLM class); model.name = 'hf' trains causal LMs only"
+        )
+    return AutoModelForCausalLM._model_mapping[type(config)]
+
+
+def build_transformers(fields: dict[str, Any], vocab_size: int) -> nn.Module:
+    """transformers' causal LM for ``fields`` with ``vocab_size`` rows (SDPA attention, no KV cache)."""
+    config = build_hf_config(fields)
+    config.vocab_size = vocab_size
+    config.get_text_config().vocab_size = vocab_size
+    config.use_cache = False
+    config._attn_implementation = "sdpa"
+    return causal_lm_class(config)(config)
+
+
+HFCausalLM.build_transformers = staticmethod(build_transformers)
+
+_SMALL = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "vocab_size": 2048,
+    "pad_token_id": None,
+    "bos_token_id": None,
+    "eos_token_id": None,
+}
+# The tested architectures at tiny shapes (transformers builds them at random init: no download)
+TINY: dict[str, dict[str, Any]] = {
+    "llama_tiny": {"model_type": "llama", **_SMALL},
+    "mistral_tiny": {"model_type": "mistral", **_SMALL, "sliding_window": None},
+    "gemma3_tiny": {
+        "model_type": "gemma3_text",
+        **_SMALL,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    "olmo2_tiny": {"model_type": "olmo2", **_SMALL},
+    "smollm3_tiny": {"model_type": "smollm3", **_SMALL, "no_rope_layers": [1, 0]},
+    "phi3_tiny": {"model_type": "phi3", **_SMALL, "sliding_window": None},
+    "qwen3_moe_tiny": {
+        "model_type": "qwen3_moe",
+        **_SMALL,
+        "head_dim": 16,
+        "moe_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+    "olmoe_tiny": {
+        "model_type": "olmoe",
+        **_SMALL,
+        "intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+    },
+}
+CONFIG_FLAVOR = "config"
+
+
+class _Flavors(Mapping):
+    """The flavors' args, built from their transformers config on first use (importing transformers then)."""
+
+    def __init__(self):
+        self._built: dict[str, HFArgs] = {}
+
+    def __getitem__(self, name: str) -> HFArgs:
+        if name == CONFIG_FLAVOR:
+            return HFArgs(source="model.hf_config")
+        if name not in self._built:
+            self._built[name] = from_hf_config(TINY[name], name)
+        return self._built[name]
+
+    def __iter__(self):
+        return iter([*TINY, CONFIG_FLAVOR])
+
+    def __len__(self) -> int:
+        return len(TINY) + 1
+
+
+def read_hf_config(source: str) -> dict[str, Any]:
+    """``model.hf_config``: a folder holding config.json, the file itself, or JSON text ``{"model_type": ...}``."""
+    if source.lstrip().startswith("{"):
+        try:
+            return json.loads(source)
+        except json.JSONDecodeError as e:
+            raise ConfigError(
+                f"model.hf_config is not valid JSON ({e}); give a folder, a config.json or a JSON dict"
+            ) from None
+    path = Path(source)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"model.hf_config = '{source}': no config.json there; give a local HF model folder")
+    return json.loads(file.read_text(encoding="utf-8"))
+
+
+def configure(args: HFArgs, model) -> HFArgs:
+    """The flavor's args, or with ``model.flavor = 'config'`` the transformers config ``model.hf_config`` names."""
+    if model.flavor != CONFIG_FLAVOR:
+        if model.hf_config:
+            raise ConfigError(
+                f"model.hf_config is set and model.flavor = {model.flavor!r}: the config builds the model only with "
+                f"model.flavor = '{CONFIG_FLAVOR}'; set it, or unset model.hf_config"
+            )
+        return args
+    if not model.hf_config:
+        raise ConfigError(
+            f"model.flavor = '{CONFIG_FLAVOR}' reads model.hf_config, which is unset: give a local HF model folder, "
+            'its config.json, or JSON text {"model_type": ...}'
+        )
+    return from_hf_config(read_hf_config(model.hf_config), model.hf_config)
+
+
+def check_hf(args: HFArgs, *, model, training, experimental) -> list[str]:
+    """What the generic path does not build, refused in one line each."""
+    config = build_hf_config(args.config_dict)
+    causal_lm_class(config)
+    for key, degree, why in (
+        ("experimental.pipeline_parallel_degree", experimental.pipeline_parallel_degree, "its stages are not split"),
+        ("experimental.context_parallel_degree", experimental.context_parallel_degree, "its attention is not ours"),
+    ):
+        if degree > 1:
+            raise NotImplementedError(
+                f"model.name = 'hf' with {key} = {degree}: not built ({why}); use FSDP, HSDP, DDP or TP, or a native "
+                "family (docs/models.md)"
+            )
+    if training.tensor_parallel_degree > 1:
+        _check_tp(config)
+        if training.compile:
+            raise NotImplementedError(
+                "model.name = 'hf' with training.compile and TP: not built (transformers' layers over TP's local "
+                "shards are not traced here); use one of them"
+            )
+    text = config.get_text_config()
+    transforms = [k for k in LOGIT_TRANSFORMS if getattr(text, k, None) not in (None, 1, 1.0)]
+    if training.loss_chunk_size > 0 and transforms:
+        raise NotImplementedError(
+            f"training.loss_chunk_size = {training.loss_chunk_size} with a {config.model_type} model whose logits are "
+            f"transformed after the head ({', '.join(transforms)}): the chunked loss applies the head alone; set "
+            "training.loss_chunk_size = 0"
+        )
+    return []
+
+
+def _check_tp(config) -> None:
+    plan = dict(getattr(config.get_text_config(), "base_model_tp_plan", None) or {})
+    if not plan:
+        raise NotImplementedError(
+            f"training.tensor_parallel_degree > 1 with a {config.model_type} model: transformers gives it no TP plan "
+            "(base_model_tp_plan); use FSDP or DDP"
+        )
+    unbuilt = unbuilt_tp_styles(plan)
+    if unbuilt:
+        listed = ", ".join(f"{k}: {v}" for k, v in sorted(unbuilt.items()))
+        raise NotImplementedError(
+            f"training.tensor_parallel_degree > 1 with a {config.model_type} model: its TP plan has styles not built "
+            f"here ({listed}); use FSDP or DDP"
+        )
+
+
+def count_flop_params(args: HFArgs, model: nn.Module) -> int:
+    """Parameters a token is multiplied by: all but the input embedding (kept when tied to the head); an MoE's routed
+    experts count ``num_experts_per_tok / num_experts`` of theirs."""
+    text = build_hf_config(args.config_dict).get_text_config()
+    experts, active = getattr(text, "num_experts", None), getattr(text, "num_experts_per_tok", None)
+    embed = model.hf.get_input_embeddings().weight
+    total = 0.0
+    for name, p in model.named_parameters():
+        if p is embed and not args.tie_word_embeddings:
+            continue
+        share = active / experts if experts and active and ".experts." in name else 1.0
+        total += p.numel() * share
+    return int(total)
+
+
+class HFAdapter:
+    """transformers' names and layouts: ours are theirs under ``hf.``; config.json is the config the model was
+    built from, with the run's vocabulary."""
+
+    block_names: Mapping[str, str] = {}
+
+    def to_hf_state_dict(self, sd: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, torch.Tensor]:
+        out = {}
+        for key, value in sd.items():
+            if not key.startswith("hf."):
+                raise ValueError(f"weight {key!r} is not a transformers model's (no 'hf.' prefix)")
+            out[key.removeprefix("hf.")] = value
+        if args.get("tie_word_embeddings"):
+            out.pop("lm_head.weight", None)  # transformers saves a tied head once, as the embedding
+        return out
+
+    def from_hf_state_dict(self, hf: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {f"hf.{key}": value for key, value in hf.items()}
+
+    def hf_config(self, args: dict[str, Any], weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
+        fields = json.loads(args["config"])
+        config = build_hf_config(fields)
+        config.vocab_size = args["vocab_size"]
+        out = config.to_dict()
+        out["architectures"] = [causal_lm_class(config).__name__]
+        out["dtype"] = str(dtype).removeprefix("torch.")
+        return out
+
+    def model_args_from_hf(self, config: dict[str, Any]) -> dict[str, Any]:
+        args = from_hf_config(config, "config.json")
+        out = {k: v for k, v in vars(args).items() if k not in ("config", "source", "vocab_size", "max_seq_len")}
+        return out
+
+
+HF = HFAdapter()
+
+SPEC = ModelSpec(
+    "hf",
+    HFCausalLM,
+    _Flavors(),
+    parallelize_fn=Deferred("torchtitan.distributed.parallelize:parallelize_hf"),
+    pipeline_split_fn=None,
+    count_flop_params=count_flop_params,
+    state_dict_adapter=HF,
+    check_fn=check_hf,
+    hf_model_type="*",
+    configure=configure,
+)
