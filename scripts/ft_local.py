@@ -199,7 +199,8 @@ def check(dump: Path) -> str:
 def stopped(pids: list[int]) -> Iterator[None]:
     """SIGSTOP ``pids``, SIGCONT on exit (a process that died meanwhile is skipped)."""
     for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
+        with contextlib.suppress(ProcessLookupError):  # it exited since its pid was read
+            os.kill(pid, signal.SIGSTOP)
     try:
         yield
     finally:
