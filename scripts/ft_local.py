@@ -266,12 +266,16 @@ class Job:
         def up() -> bool:
             return all(self.rank0(g, nth) is not None for g, nth in nths.items())
 
-        held, what = [pid for g in running if (pid := self.rank0(g))], f"replica groups {newcomers}' start"
+        self.wait_held_back(f"replica groups {newcomers}' start", up, held=running, watch=tuple(newcomers))
+
+    def wait_held_back(self, what: str, done: Callable[[], bool], held: list[int], watch: tuple[int, ...]) -> None:
+        """``wait`` for ``what`` with the ``held`` groups stopped for HELD_S of every HELD_S + LET_S (see ``join``)."""
+        pids = [pid for g in held if (pid := self.rank0(g))]
         deadline = time.monotonic() + WAIT_S
-        while not up():
-            with stopped(held):
-                self.wait_a_while(what, HELD_S, up, watch=tuple(newcomers))
-            self.wait_a_while(what, LET_S, up, watch=tuple(newcomers))
+        while not done():
+            with stopped(pids):
+                self.wait_a_while(what, HELD_S, done, watch=watch)
+            self.wait_a_while(what, LET_S, done, watch=watch)
             if time.monotonic() > deadline:
                 raise ClaimFailed(f"no {what} within {WAIT_S} s")
 
@@ -306,7 +310,9 @@ class Job:
                 rows = (r for g in others for r in logged(s.dump, g))
                 return any(r["step"] > record.survivors_at and r["replica_groups"] == s.groups - 1 for r in rows)
 
-            self.wait(f"a step without replica group {k}", trained_alone, watch=tuple(others))
+            # held back while they show a step alone: on a tiny model they could otherwise finish every step before
+            # the restarted group is up, leaving it no live group to heal from (a CI run: 30 steps in 4 s)
+            self.wait_held_back(f"a step without replica group {k}", trained_alone, held=others, watch=tuple(others))
             print(f"restarting replica group {k} with the same command")
             self.join([k], running=others)
         record.exit_codes = {str(g): self.launchers[g].wait(timeout=WAIT_S) for g in groups}
