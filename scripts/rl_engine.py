@@ -66,15 +66,7 @@ def main() -> int:
     if not rl.rollouts_path:
         sys.exit("rl_engine: the trainer's flags set no rl.rollouts_path (where the engine writes)")
     tokenizer = ChatTokenizer(config.model.tokenizer_path)
-    prompts = PromptSource(
-        rl.prompts_path,
-        tokenizer,
-        seed=t.seed,
-        per_step=rl.prompts_per_step,
-        group_size=rl.group_size,
-        max_new_tokens=rl.max_new_tokens,
-        seq_len=t.seq_len,
-    )
+    prompts = PromptSource.of_run(rl, t, tokenizer)
     reward = load_reward(rl.reward)
     stop_ids = tuple(rl.stop_ids) or prompts.stop_ids
     sampling = Sampling(temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p)

@@ -75,16 +75,7 @@ class RLTrainer(Trainer):
 
     # -- the build: prompts as the data, the reference in the checkpoints ------------------------------------
     def _prompt_source(self, training, tokenizer, shard) -> PromptSource:
-        rl, path = self.rl, self.tokenizer_path
-        return PromptSource(
-            rl.prompts_path,
-            ChatTokenizer(path, base=tokenizer),
-            seed=training.seed,
-            per_step=rl.prompts_per_step,
-            group_size=rl.group_size,
-            max_new_tokens=rl.max_new_tokens,
-            seq_len=training.seq_len,
-        )
+        return PromptSource.of_run(self.rl, training, ChatTokenizer(self.tokenizer_path, base=tokenizer))
 
     def training_builders(self, core, builders: Builders) -> Builders:
         """The checkpoints hold the frozen reference too (built here, before the load fills it on a resume)."""

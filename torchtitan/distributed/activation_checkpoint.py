@@ -65,8 +65,11 @@ def wrap_block(block: nn.Module, *, op_selective: bool) -> nn.Module:
     return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False)
 
 
-def apply_ac(model: nn.Module, config: ActivationCheckpoint) -> None:
-    """Wrap blocks of ``model.layers`` in place. ``mode`` none is a no-op.
+def apply_ac(
+    model: nn.Module, config: ActivationCheckpoint, blocks: nn.ModuleDict | nn.ModuleList | None = None
+) -> None:
+    """Wrap blocks of ``blocks`` (default ``model.layers``; a transformers model's decoder layers) in place. ``mode``
+    none is a no-op.
 
     full: every block recomputes its forward in backward. selective 'N': every N-th block does.
     selective 'op': every block keeps only the outputs of the ops in the save policy.
@@ -77,9 +80,11 @@ def apply_ac(model: nn.Module, config: ActivationCheckpoint) -> None:
     if op_selective:
         torch.utils.checkpoint.SAC_IGNORED_OPS.update(_PROFILER_OPS)  # once, not in every block's forward
     every = int(config.selective_ac_option) if config.mode == "selective" and not op_selective else 1
-    for i, (name, block) in enumerate(list(model.layers.items())):
+    blocks = model.layers if blocks is None else blocks
+    keys = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else range(len(blocks))
+    for i, key in enumerate(keys):
         if i % every == 0:
-            model.layers[name] = wrap_block(block, op_selective=op_selective)
+            blocks[key] = wrap_block(blocks[key], op_selective=op_selective)
 
 
 def check_activation_checkpoint(config: JobConfig, dims: ParallelDims) -> list[str]:

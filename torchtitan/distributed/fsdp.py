@@ -89,7 +89,11 @@ def _set_explicit_prefetch(blocks: list[nn.Module], depth: int) -> None:
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> None:
-    """Replicate parameters; gradients are all-reduced (averaged) in buckets during backward."""
+    """Replicate parameters; gradients are all-reduced (averaged) in buckets during backward. A model with nothing to
+    train (the RL loop's frozen reference) is left as it is: it has no gradients to average, and DDP refuses it."""
     from torch.distributed._composable.replicate import replicate
+
+    if not any(p.requires_grad for p in model.parameters()):
+        return
 
     replicate(model, device_mesh=dp_mesh, bucket_cap_mb=100)

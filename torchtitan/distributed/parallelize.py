@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchtitan.distributed.activation_checkpoint import apply_ac, wrap_block
+from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.context_parallel.context_parallel import apply_cp, compute_cp_positions
 from torchtitan.distributed.context_parallel.torch_context_parallel import apply_torch_cp
 from torchtitan.distributed.expert_parallel.experts import apply_ep
@@ -124,8 +124,8 @@ def parallelize(
         apply_compile(model, tp_enabled=parallel_dims.tp_enabled)
     if parallel_dims.fsdp_enabled:
         _apply_fsdp(model, world_mesh, parallel_dims, training=training)
-    elif parallel_dims.dp_replicate_enabled and any(p.requires_grad for p in model.parameters()):
-        apply_ddp(model, world_mesh["dp_replicate"])  # (a frozen model has no gradients to average)
+    elif parallel_dims.dp_replicate_enabled:
+        apply_ddp(model, world_mesh["dp_replicate"])
 
 
 def _apply_tp(
@@ -190,7 +190,14 @@ def _apply_cp(
     )
 
 
-def _apply_fsdp(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: ParallelDims, *, training: Training) -> None:
+def _apply_fsdp(
+    model: nn.Module,
+    world_mesh: DeviceMesh,
+    parallel_dims: ParallelDims,
+    *,
+    training: Training,
+    blocks: list[nn.Module] | None = None,
+) -> None:
     shard_axis = parallel_dims.axis_name("dp_shard_cp")
     dims = ("dp_replicate", shard_axis) if parallel_dims.dp_replicate_enabled else (shard_axis,)
     apply_fsdp(
@@ -204,6 +211,7 @@ def _apply_fsdp(model: nn.Module, world_mesh: DeviceMesh, parallel_dims: Paralle
         # pinned host memory speeds up host<->device copies; there are none on a CPU device
         pin_memory=world_mesh.device_type != "cpu",
         experts_mesh=_experts_fsdp_mesh(world_mesh, parallel_dims),
+        blocks=blocks,
     )
     if training.enable_cpu_offload and world_mesh.device_type == "cpu":
         logger.warning(
@@ -293,28 +301,11 @@ def parallelize_hf(
     if parallel_dims.tp_enabled:
         apply_hf_tp(model, world_mesh["tp"])
     layers = model.decoder_layers
-    if activation_checkpoint.mode != "none":
-        op = activation_checkpoint.mode == "selective" and activation_checkpoint.selective_ac_option == "op"
-        every = 1 if activation_checkpoint.mode == "full" or op else int(activation_checkpoint.selective_ac_option)
-        for i in range(len(layers)):
-            if i % every == 0:
-                layers[i] = wrap_block(layers[i], op_selective=op)
+    apply_ac(model, activation_checkpoint, blocks=layers)
     if training.compile:
         for layer in layers:
             layer.compile()  # in place: the layer keeps its name (no _orig_mod in checkpoints)
     if parallel_dims.fsdp_enabled:
-        shard_axis = parallel_dims.axis_name("dp_shard_cp")
-        axes = ("dp_replicate", shard_axis) if parallel_dims.dp_replicate_enabled else (shard_axis,)
-        apply_fsdp(
-            model,
-            world_mesh[axes],
-            param_dtype=to_dtype(training.mixed_precision_param),
-            reduce_dtype=to_dtype(training.mixed_precision_reduce),
-            reshard_after_forward=training.fsdp_reshard_after_forward,
-            prefetch_depth=training.fsdp_prefetch_depth,
-            cpu_offload=training.enable_cpu_offload,
-            pin_memory=world_mesh.device_type != "cpu",
-            blocks=list(layers),
-        )
-    elif parallel_dims.dp_replicate_enabled and any(p.requires_grad for p in model.parameters()):
+        _apply_fsdp(model, world_mesh, parallel_dims, training=training, blocks=list(layers))
+    elif parallel_dims.dp_replicate_enabled:
         apply_ddp(model, world_mesh["dp_replicate"])

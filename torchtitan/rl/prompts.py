@@ -107,6 +107,19 @@ class PromptSource:
         self.tokenizer = tokenizer
         self._order: tuple[int, torch.Tensor] | None = None
 
+    @classmethod
+    def of_run(cls, rl, training, tokenizer: ChatTokenizer) -> PromptSource:
+        """The run's prompts (its ``[rl]`` and ``[training]`` sections): the trainer's and an outside engine's."""
+        return cls(
+            rl.prompts_path,
+            tokenizer,
+            seed=training.seed,
+            per_step=rl.prompts_per_step,
+            group_size=rl.group_size,
+            max_new_tokens=rl.max_new_tokens,
+            seq_len=training.seq_len,
+        )
+
     def decode(self, ids: list[int]) -> str:
         """A completion's text, special tokens left out (what the reward reads)."""
         return self.tokenizer.base.model.decode(ids, skip_special_tokens=True)

@@ -24,8 +24,8 @@ from torch import nn
 # config.json fields that change what the causal LM's forward does after the head: our chunked loss applies the head
 # itself, so it is refused where one is set
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
-# wrappers our parallelisms put around a module (activation checkpointing; compile's in-place form adds none)
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+# the wrapper our parallelisms put around a module: activation checkpointing's (FSDP2 and in-place compile add none)
+_WRAPPER = "_checkpoint_wrapped_module."
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,7 @@ def _with_depth(fields: dict[str, Any], n_layers: int) -> dict[str, Any]:
 
 def canonical_name(name: str) -> str:
     """A module's name without the wrappers our parallelisms add (the same name under every layout)."""
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
+    return name.replace(_WRAPPER, "")
 
 
 class HFCausalLM(nn.Module):

@@ -234,7 +234,7 @@ def _check_tp(config) -> None:
 def count_flop_params(args: HFArgs, model: nn.Module) -> int:
     """Parameters a token is multiplied by: all but the input embedding (kept when tied to the head); an MoE's routed
     experts count ``num_experts_per_tok / num_experts`` of theirs."""
-    text = build_hf_config(args.config_dict).get_text_config()
+    text = model.hf.config.get_text_config()
     experts, active = getattr(text, "num_experts", None), getattr(text, "num_experts_per_tok", None)
     embed = model.hf.get_input_embeddings().weight
     total = 0.0
