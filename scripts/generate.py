@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import jinja2  # noqa: E402
 import torch  # noqa: E402
 
-from torchtitan.components.generation import Sampling, generate  # noqa: E402
+from torchtitan.components.generation import KVCache, Sampling, generate  # noqa: E402
 
 SHIPPED_TOKENIZER = "./torchtitan/datasets/assets/tokenizer/pydocs_bpe2048.tiktoken"
 
@@ -238,12 +238,17 @@ def main(argv: list[str] | None = None) -> int:
 def complete(model: torch.nn.Module, prompt: Prompt, args: argparse.Namespace, device: torch.device) -> list[int]:
     """The ids generated after the prompt (the prompt left out), up to and including the first of
     ``prompt.stop_ids`` when one comes within ``--max_new_tokens``."""
+    use_cache = not args.no_cache and KVCache.fits(model)
+    if not args.no_cache and not use_cache:
+        print(
+            "note: this model's attention is not ours: generating without the KV cache (as --no_cache)", file=sys.stderr
+        )
     out = generate(
         model,
         torch.tensor([prompt.ids], device=device),
         args.max_new_tokens,
         Sampling(args.temperature, args.top_k),
-        use_cache=not args.no_cache,
+        use_cache=use_cache,
         stop_token=prompt.stop_ids,
         generator=torch.Generator(device).manual_seed(args.seed),
     )

@@ -129,6 +129,26 @@ def test_export_loads_in_transformers_with_equal_logits(references):
 GPT2 = '{"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 2048}'
 
 
+def test_a_local_hf_folder_loads_sharded_and_exports_back_bit_exact(references, tmp_path):
+    """The documented fine-tuning command (docs/models.md) on the reference's export, under FSDP2 with an lr of 1e-30
+    (an update below every weight's last bit): each rank loads its shards of the folder (``model.flavor = 'config'``
+    reads the same folder's config.json), and the last step's export holds the same tensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    source = os.path.join(references[CHECKPOINTED], "hf", f"step-{STEPS}")
+    folder = str(tmp_path / "from_hf")
+    argv = [*HF, "--model.flavor", "config", "--model.hf_config", source, "--checkpoint.initial_load_path", source]
+    argv += ["--checkpoint.initial_load_in_hf", "--checkpoint.enable_checkpoint", "--checkpoint.last_save_in_hf"]
+    argv += ["--training.steps", "1", "--optimizer.lr", "1e-30", "--optimizer.weight_decay", "0"]
+    argv += ["--training.batch_size", "2", "--job.dump_folder", folder]
+    status = run_train_job(2, argv)
+    assert status["ok"], status["error"]
+    want = load_file(os.path.join(source, "model.safetensors"))
+    got = load_file(os.path.join(folder, "hf", "step-1", "model.safetensors"))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [

@@ -236,6 +236,10 @@ class ModelSpec:
     documents: bool = False
     configure: Callable[[Any, Model], Any] | None = None
 
+    def reads_hf_model_type(self, model_type: str | None) -> bool:
+        """Whether this family imports a Hugging Face ``config.json`` of ``model_type``."""
+        return self.hf_model_type == ANY_HF_MODEL_TYPE or model_type == self.hf_model_type
+
 
 def hf_conversion_refusal(spec: ModelSpec, args: Mapping[str, Any], *, export: bool = True) -> str | None:
     """Why weights of ``spec``'s family with ``args`` (a dict) do not convert to (``export``) or from

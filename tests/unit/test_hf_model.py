@@ -70,3 +70,21 @@ def test_hf_conversion_round_trips(flavor):
         args.head_dim,
     )
     assert config["vocab_size"] == 2048 and config["architectures"] == [type(model.hf).__name__]
+
+
+def test_built_to_load_weights_equals_transformers():
+    """As scripts/generate.py builds a checkpoint's model: to_empty, init_buffers (the rotary tables, Gemma 3's
+    embedding scale), then the weights: transformers' logits, and KVCache.fits says the cache is not ours."""
+    from torchtitan.components.generation import KVCache
+
+    trained, args = _built("gemma3_tiny", seed=5)
+    model = build_meta_model(SPEC, args)
+    model.to_empty(device="cpu")
+    model.init_buffers(torch.device("cpu"))
+    model.load_state_dict(trained.state_dict())
+    theirs = AutoModelForCausalLM.from_config(model.hf.config)
+    theirs.load_state_dict({k.removeprefix("hf."): v for k, v in trained.state_dict().items()})
+    tokens = torch.randint(0, 2048, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(model(tokens), theirs(input_ids=tokens).logits)
+    assert not KVCache.fits(model)

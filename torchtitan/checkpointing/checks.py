@@ -96,11 +96,11 @@ def check_initial_load(config: JobConfig, dims: ParallelDims) -> list[str]:
         _check_hf_keys(ck, model=config.model)  # a family with no conversion: its reason, before any file is read
         hf = read_hf_config(path)
         hf_weight_files(path)
-        want = get_model_spec(config.model.name).hf_model_type
-        if hf.get("model_type") != want:
+        spec = get_model_spec(config.model.name)
+        if not spec.reads_hf_model_type(hf.get("model_type")):
             raise ConfigError(
                 f"checkpoint.initial_load_path = '{path}' holds a {hf.get('model_type')!r} model and model.name = "
-                f"{config.model.name!r} reads {want!r}; set model.name to that model's family"
+                f"{config.model.name!r} reads {spec.hf_model_type!r}; set model.name to that model's family"
             )
     elif read_marker(path) is None:
         why = why_not_loadable(path)

@@ -23,7 +23,6 @@ from torchtitan.checkpointing.hf_files import load_hf_weights, read_hf_config, s
 from torchtitan.checkpointing.marker import read_marker
 from torchtitan.checkpointing.scope import partial_scope_of
 from torchtitan.spec import (
-    ANY_HF_MODEL_TYPE,
     StateDictAdapter,
     get_model_spec,
     hf_conversion_refusal,
@@ -107,7 +106,7 @@ def check_hf_matches(hf_dir: str, model_name: str, args: dict[str, Any]) -> None
     spec = get_model_spec(model_name)
     adapter = adapter_of(model_name)
     config = read_hf_config(hf_dir)
-    if spec.hf_model_type != ANY_HF_MODEL_TYPE and config.get("model_type") != spec.hf_model_type:
+    if not spec.reads_hf_model_type(config.get("model_type")):
         raise ValueError(
             f"checkpoint.initial_load_path = {hf_dir!r} holds a {config.get('model_type')!r} model and "
             f"model.name = {model_name!r} reads {spec.hf_model_type!r}; set model.name to that family"

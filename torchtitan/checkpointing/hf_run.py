@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -64,7 +65,7 @@ def load_hf_into(
     for key in files:  # "model.layers.3.mlp..." -> "3"; embedding, norm, head -> ""
         parts = key.split(".")
         groups.setdefault(parts[2] if parts[:2] == ["model", "layers"] else "", []).append(key)
-    ours_needed = {k.split(".")[1] if k.startswith("layers.") else "" for k in targets}
+    ours_needed = {_layer_of(k) for k in targets}
     loaded: dict[str, torch.Tensor] = {}
     with contextlib.ExitStack() as stack:
         handles: dict[str, Any] = {}
@@ -91,6 +92,15 @@ def load_hf_into(
         loaded.setdefault(key, targets[key])  # buffers HF does not store: as initialised
     model.load_state_dict(loaded)
     return len(loaded)
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _layer_of(key: str) -> str:
+    """Our key's layer ("layers.3...", or "hf.model.layers.3..." for a transformers model), "" outside the layers."""
+    found = _LAYER.search(key)
+    return found.group(1) if found else ""
 
 
 def local_slice(target: torch.Tensor, full: torch.Tensor, key: str, hf_dir: str) -> torch.Tensor:

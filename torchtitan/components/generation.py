@@ -63,6 +63,13 @@ class KVCache:
     def __init__(self, max_len: int):
         self.max_len, self.length = max_len, 0
 
+    @staticmethod
+    def fits(model: nn.Module) -> bool:
+        """Whether ``model``'s blocks have our attention's kernel seam (``layers[*].attention.sdpa``): not a
+        transformers model's (``model.name = "hf"``), which generates without the cache."""
+        layers = getattr(model, "layers", None)
+        return layers is not None and all(hasattr(getattr(b, "attention", None), "sdpa") for b in layers.values())
+
     def install(self, model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
         """Swap the attention kernels; returns (attention, its original kernel) to restore."""
         swapped = []

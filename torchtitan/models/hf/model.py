@@ -12,6 +12,7 @@ the same weights under every layout), ``init_buffers`` (the rotary tables, recom
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Callable, Iterator
@@ -48,6 +49,12 @@ class HFArgs:
     @property
     def config_dict(self) -> dict[str, Any]:
         return json.loads(self.config)
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> HFArgs:
+        """The args a checkpoint marker records (``dataclasses.asdict``), back as this class."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in fields.items() if k in known})
 
 
 def _with_depth(fields: dict[str, Any], n_layers: int) -> dict[str, Any]:
@@ -109,10 +116,14 @@ class HFCausalLM(nn.Module):
                 yield f"hf.{canonical_name(name)}", functools.partial(self.hf._init_weights, module)
 
     def init_buffers(self, buffer_device: torch.device | None = None) -> None:
-        """Re-tie a tied head (``to_empty`` gave it a parameter of its own); the buffers (rotary tables) are filled by
-        ``init_units`` (transformers' ``_init_weights`` computes them)."""
+        """Re-tie a tied head (``to_empty`` gave it a parameter of its own), then fill the buffers (rotary tables, an
+        embedding's scale) with transformers' ``_init_weights`` of their modules: a load of the weights comes after
+        (tools that build the model to load a checkpoint), or ``init_units`` (training)."""
         if self.args.tie_word_embeddings:
             self.hf.get_output_embeddings().weight = self.hf.get_input_embeddings().weight
+        for module in self.hf.modules():
+            if any(True for _ in module.buffers(recurse=False)):
+                self.hf._init_weights(module)
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         self.init_buffers(buffer_device)
