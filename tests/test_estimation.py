@@ -52,6 +52,7 @@ from tests.integration_tests import (
 )
 from tests.test_float8_runs import FLOAT8_ROWS
 from tests.test_frontier_runs import DSV3_ROWS, GPT_OSS_ROWS
+from tests.test_hf_model_runs import HF
 from tests.test_lora_runs import LLAMA_ROWS as LORA_ROWS
 from tests.test_model_family_runs import QWEN3_MOE_ROWS, QWEN3_ROWS, TIED_ROWS
 from tests.test_optimizer_in_backward_runs import IB_ROWS
@@ -89,6 +90,12 @@ RL_ROWS = [
         ["--training.data_parallel_shard_degree", "1", *("--training.data_parallel_replicate_degree", "2")],
     ),
 ]
+# model.name = "hf": transformers' own layers and masks (tests/test_hf_model_runs.py's runs, 2 layers at seq 64); with
+# LoRA under TP (its adapter styles over the model's own plan, Phi-3's fused projections) with every row only
+HF_ROWS = [
+    Row("hf_mistral_fsdp2", 2, 2, ["--model.flavor", "mistral_tiny"]),
+    Row("hf_phi3_lora_tp2", 2, 4, ["--model.flavor", "phi3_tiny", "--lora.enable"], tp=2),
+]
 # block_causal on the short-document corpus; with context parallel not modeled (its block skipping
 # depends on the data), the pipeline rows not tried
 ESTIMATED_DOC_ROWS = [r for r in DOC_ROWS if r.name in ("docs_fsdp2", "docs_tp2")]
@@ -105,6 +112,7 @@ ALL_ROWS = [
     + LORA_ROWS
     + PURE_BF16_ROWS
     + RL_ROWS
+    + HF_ROWS
     if r.name not in NOT_PRACTICAL and r.ngpu > 1
 ]
 # CI measures one row per feature (~4 minutes); every practical row takes ~15 minutes:
@@ -140,6 +148,9 @@ CI_ROWS = {
     # documents for the all-gather, is the suspect)
     "rl_fsdp2",
     "rl_ddp2",
+    # transformers' masks under fake tensors: it takes them for traced ones and builds explicit masks a real causal
+    # run does not (+1.8% before models/hf/spec.py's fake_tensor_context)
+    "hf_mistral_fsdp2",
 }
 TRACKER_ROWS = (
     ALL_ROWS if os.environ.get("TORCHTITAN_ESTIMATION_ALL_ROWS") else [r for r in ALL_ROWS if r.name in CI_ROWS]
@@ -184,6 +195,8 @@ def _argv(row: Row) -> list[str]:
     """
     if row in RL_ROWS:
         return [*RL, "--training.batch_size", str(row.local_batch), *row.args(), "--validation.enabled", "false"]
+    if row in HF_ROWS:
+        return [*HF, "--training.batch_size", str(row.local_batch), *row.args(), "--validation.enabled", "false"]
     argv = [*job_argv(row, "unused")[:-2], "--validation.enabled", "false"]
     if row.name not in DEBUG_FLAVOR_ROWS:
         return argv

@@ -1,7 +1,8 @@
 """lm-evaluation-harness backend (issue 49; docs/evaluation.md), on a tiny fine-tuned model of the shipped
 arithmetic chat data (20 steps of llama3 ``debugmodel_tiny``, its checkpoint and our HF export of it).
 
-- Our backend vs lm-eval's own ``hf`` backend (transformers on our export), same tokenizer, fp32: on the shipped
+- Our backend vs lm-eval's own ``hf`` backend (transformers on our export), same tokenizer, fp32 (llama3, and
+  transformers' Mistral class as ``model.name = "hf"``, fine-tuned the same way): on the shipped
   multiple-choice task and two tasks this test writes (rolling perplexity, greedy generation with stop strings),
   every per-request loglikelihood within 1e-4, the same is-greedy flags, accuracy and exact match identical,
   perplexities within relative 1e-5, the same generated strings.
@@ -34,6 +35,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.pool(2)]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "train_configs/sft_debug.toml"
 TINY = ["--model.flavor", "debugmodel_tiny", "--training.data_parallel_shard_degree", "1"]
+HF_MODEL = ["--model.name", "hf", "--model.flavor", "mistral_tiny", "--training.data_parallel_shard_degree", "1"]
 TASKS = ["arith_mc", "t_ppl", "t_gen"]
 LIMIT = 8
 ATOL_LL = (
@@ -59,9 +61,9 @@ def _offline(monkeypatch):
     monkeypatch.chdir(ROOT)
 
 
-def _train_argv(folder: str, steps: int, extra: list[str] = ()) -> list[str]:
+def _train_argv(folder: str, steps: int, extra: list[str] = (), model: list[str] = TINY) -> list[str]:
     return [
-        "--job.config_file", CONFIG, *TINY,
+        "--job.config_file", CONFIG, *model,
         "--training.steps", str(steps), "--training.batch_size", "2", "--training.warmup_steps", "2",
         "--optimizer.lr", "1e-2", "--validation.enabled", "false", "--metrics.log_freq", "1",
         "--training.seed", "3", "--job.dump_folder", folder, *extra,
@@ -107,6 +109,18 @@ def trained(tmp_path_factory):
     return run, str(base / "tasks")
 
 
+@pytest.fixture(scope="module")
+def trained_hf(trained, tmp_path_factory):
+    """(run folder, task folder) as ``trained``, for transformers' Mistral class (``model.name = "hf"``)."""
+    from torchtitan.checkpointing.hf import export_to_hf
+
+    run = str(tmp_path_factory.mktemp("eval_hf") / "run")
+    argv = _train_argv(run, 20, ["--checkpoint.enable_checkpoint"], HF_MODEL)
+    run_job(JobConfig.parse_args(argv), world_size=1, rank=0)
+    export_to_hf(os.path.join(run, "checkpoint", "step-20"), os.path.join(run, "hf"))
+    return run, trained[1]
+
+
 def _evaluate(lm, task_folder: str) -> dict:
     import lm_eval
 
@@ -120,11 +134,11 @@ def _responses(out: dict) -> dict[str, list]:
     return {t: [s["resps"] for s in out["samples"][t]] for t in TASKS}
 
 
-def _ours(run: str, overrides: list[str] = ()) -> object:
+def _ours(run: str, overrides: list[str] = (), model: list[str] = TINY) -> object:
     from torchtitan.eval.lm import TorchtitanLM
 
     ckpt = os.path.join(run, "checkpoint", "step-20")
-    return TorchtitanLM(config=CONFIG, checkpoint=ckpt, overrides=" ".join([*TINY, *overrides]), batch_size=4)
+    return TorchtitanLM(config=CONFIG, checkpoint=ckpt, overrides=" ".join([*model, *overrides]), batch_size=4)
 
 
 def _flat_lls(resps: list) -> list[float]:
@@ -137,10 +151,18 @@ def _flat_lls(resps: list) -> list[float]:
 
 
 def test_backend_equals_lm_eval_hf_backend(trained):
+    _equals_lm_eval_hf_backend(*trained, TINY)
+
+
+def test_hf_family_backend_equals_lm_eval_hf_backend(trained_hf):
+    """transformers' own class through our backend (its generation without our KV cache) gives lm-eval's numbers."""
+    _equals_lm_eval_hf_backend(*trained_hf, HF_MODEL)
+
+
+def _equals_lm_eval_hf_backend(run: str, tasks: str, model: list[str]) -> None:
     from lm_eval.models.huggingface import HFLM
 
-    run, tasks = trained
-    ours = _evaluate(_ours(run), tasks)
+    ours = _evaluate(_ours(run, model=model), tasks)
     hf = HFLM(
         pretrained=os.path.join(run, "hf"),
         tokenizer="tests/assets/sft/tokenizer",

@@ -2,8 +2,10 @@
 
 Per architecture a 1-rank reference, a data-parallel row and (where its TP plan is built) TP2 at 2 ranks, at the
 matrix's rtol; the options ride on the data-parallel rows (full AC on Gemma 3's FSDP2 row, selective op AC on
-Phi-3's, DDP for OLMo 2). Mistral's reference checkpoints and exports to HF: the export loads in transformers with the
-built model's logits, and a resume on FSDP2 continues the reference's losses. The logits of every built model equal
+Phi-3's, DDP with each layer compiled for OLMo 2; SmolLM3's rows fine-tune on chat data with block_causal documents). Mistral's reference
+checkpoints and exports to HF: the export loads in transformers with the built model's logits, a resume on FSDP2
+continues the reference's losses, and LoRA over that export (1 rank, FSDP2, TP2) is at parity, its PEFT export loading
+in peft with the merged export's logits. The logits of every built model equal
 transformers' own class with the same weights (tests/unit/test_hf_model.py, in process).
 """
 
@@ -34,17 +36,30 @@ HSDP = ["--training.data_parallel_shard_degree", "2", "--training.data_parallel_
 ARCHITECTURES = {
     "mistral_tiny": (("fsdp2", []), True),  # also the checkpoint, HF export and resume rows
     "gemma3_tiny": (("fsdp2_ac_full", FULL_AC), True),  # sliding-window layers, QK-norm replicated over TP, tied head
-    "olmo2_tiny": (("ddp2", DDP), True),  # QK-norm over the whole projection: its TP plan gathers q/k/v
-    "smollm3_tiny": (("fsdp2", []), True),  # layers without RoPE
+    # QK-norm over the whole projection: its TP plan gathers q/k/v; its DDP row compiles each layer
+    "olmo2_tiny": (("ddp2_compile", [*DDP, "--training.compile"]), True),
+    "smollm3_tiny": (("fsdp2", []), True),  # layers without RoPE; its rows fine-tune on chat data (SFT below)
     "phi3_tiny": (("fsdp2_ac_op", OP_AC), True),  # fused qkv and gate_up projections (colwise_gather_output)
     "qwen3_moe_tiny": (("fsdp2", []), False),  # transformers' grouped experts; its TP plan's expert styles are refused
 }
 CHECKPOINTED = "mistral_tiny"
+# SmolLM3's rows fine-tune on the shipped chat task with its tokenizer's template, examples packed whole and kept
+# apart by block_causal documents (transformers' packed-sequence mask from the restarting positions)
+SFT = [
+    *("--model.tokenizer_path", "./tests/assets/sft/tokenizer", "--training.dataset", "sft_arith"),
+    *("--training.dataset_format", "chat", "--training.loss_on", "assistant", "--training.overlong_examples"),
+    *("truncate", "--model.attn_mask_type", "block_causal", "--model.positions_per_document"),
+]
+DATA = {"smollm3_tiny": SFT}
 REFERENCES = [Row(f"hf_{f}_1proc", 1, 4) for f in ARCHITECTURES]
 ROWS = [Row(f"hf_{f}_{dp[0]}", 2, 2, dp[1]) for f, (dp, _) in ARCHITECTURES.items()] + [
     Row(f"hf_{f}_tp2", 2, 4, tp=2) for f, (_, tp) in ARCHITECTURES.items() if tp
 ]
 RESUMED = [Row(f"hf_{CHECKPOINTED}_resume_fsdp2", 2, 2, CHECKPOINT)]
+# LoRA on the Mistral reference's export (its HF folder as the frozen base; the targets read from transformers'
+# layers): a 1-rank reference, FSDP2 and TP2 (the adapters sharded like their linears; its PEFT export checked)
+LORA_REFERENCE = [Row("hf_lora_1proc", 1, 4)]
+LORA_ROWS = [Row("hf_lora_fsdp2", 2, 2), Row("hf_lora_tp2", 2, 4, CHECKPOINT, tp=2)]
 
 
 def _flavor(row: Row) -> str:
@@ -52,8 +67,11 @@ def _flavor(row: Row) -> str:
 
 
 def _run(row: Row, folder: str, extra: list[str] = (), expect_error: str | None = None) -> dict:
-    argv = [*HF, "--model.flavor", _flavor(row), "--training.batch_size", str(row.local_batch), *row.args()]
-    return run_train_job(row.ngpu, [*argv, *extra, "--job.dump_folder", folder], expect_error=expect_error)
+    argv = [*HF, "--model.flavor", _flavor(row), *DATA.get(_flavor(row), [])]
+    argv += ["--training.batch_size", str(row.local_batch), *row.args()]
+    compiled = "--training.compile" in argv  # the worker restarts after a compiled run, as the matrix's
+    argv = [*argv, *extra, "--job.dump_folder", folder]
+    return run_train_job(row.ngpu, argv, expect_error=expect_error, restart_after=compiled)
 
 
 def _records(folder: str) -> list[dict]:
@@ -103,6 +121,71 @@ def test_resume_on_fsdp2_continues_the_reference(references, tmp_path):
     assert [r["step"] for r in got] == [3, 4]
     for a, b in zip(want, got, strict=True):
         _close(a["loss"], b["loss"], f"resumed on FSDP2, step {a['step']} loss")
+
+
+def _lora_run(row: Row, folder: str, base: str) -> dict:
+    argv = [*HF, "--model.flavor", "config", "--model.hf_config", base, "--checkpoint.initial_load_path", base]
+    argv += ["--checkpoint.initial_load_in_hf", "--lora.enable", "--lora.rank", "4", "--lora.alpha", "8"]
+    argv += ["--training.batch_size", str(row.local_batch), *row.args(), "--job.dump_folder", folder]
+    return run_train_job(row.ngpu, argv)
+
+
+@pytest.fixture(scope="module")
+def lora_reference(references, tmp_path_factory) -> tuple[str, str]:
+    """(the 1-rank LoRA run's folder, its base: the Mistral reference's HF export)."""
+    base = os.path.join(references[CHECKPOINTED], "hf", f"step-{STEPS}")
+    folder = str(tmp_path_factory.mktemp("hf_lora") / LORA_REFERENCE[0].name)
+    status = _lora_run(LORA_REFERENCE[0], folder, base)
+    assert status["ok"], status["error"]
+    return folder, base
+
+
+@pytest.mark.parametrize("row", LORA_ROWS, ids=lambda r: r.name)
+def test_lora_at_parity(lora_reference, row, tmp_path):
+    """LoRA's losses and gradient norms (the adapters' only: the base is frozen) equal the 1-rank run's; step 1 is the
+    base's own loss (B starts at zero), below the reference's first (the base is the reference after 4 steps)."""
+    reference, base = lora_reference
+    folder = str(tmp_path / row.name)
+    status = _lora_run(row, folder, base)
+    assert status["ok"], status["error"]
+    want, got = _records(reference), _records(folder)
+    assert want[0]["loss"] < _records(os.path.dirname(os.path.dirname(base)))[0]["loss"]
+    for a, b in zip(want, got, strict=True):
+        _close(a["loss"], b["loss"], f"{row.name} step {a['step']} loss")
+        _close(a["grad_norm"], b["grad_norm"], f"{row.name} step {a['step']} grad_norm")
+    if row.tp == 2:
+        _check_peft_export(folder, base)
+
+
+def _check_peft_export(folder: str, base: str) -> None:
+    """The TP2 run's last step as a PEFT folder (checkpoint.last_save_in_hf) loads in peft over the base with the
+    logits of the same checkpoint merged into its base (scripts/convert_to_hf.py --merge_lora's path)."""
+    import json
+
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from torchtitan.lora.hf_export import export_lora
+
+    adapter = os.path.join(folder, "hf", f"step-{STEPS}")
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        assert sorted(json.load(f)["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj"] + [
+            "q_proj",
+            "up_proj",
+            "v_proj",
+        ]
+    merged = os.path.join(folder, "merged")
+    export_lora(os.path.join(folder, "checkpoint", f"step-{STEPS}"), merged, merge=True, dtype=None)
+    tokens = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(base).eval()
+        before = plain(input_ids=tokens).logits
+        got = peft.PeftModel.from_pretrained(plain, adapter).eval()(input_ids=tokens).logits
+        want = AutoModelForCausalLM.from_pretrained(merged).eval()(input_ids=tokens).logits
+    assert (want - before).abs().max() > 1e-4, "4 steps of LoRA should move the logits"
+    gap = (got - want).abs().max().item()
+    assert gap <= 1e-5 * want.abs().max().item(), f"peft over the base vs merged: {gap}"
 
 
 def test_export_loads_in_transformers_with_equal_logits(references):

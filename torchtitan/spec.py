@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -174,6 +175,10 @@ class AdapterLayout:
     peft_ffn_remapped: bool = False
     """peft re-targets gate_proj/up_proj/down_proj of this model type onto its fused routed experts, so a PEFT
     export of FFN adapters would load onto other weights (peft 0.21 on transformers 5: deepseek_v3)."""
+    linears: Callable[[nn.Module], list[str]] | None = None
+    """A family whose targets are read from its blocks, not listed (``hf``: each model's own module names): a block
+    -> the paths of the linears LoRA may adapt; a target's name, ours and PEFT's alike, is its module's
+    (``q_proj``). ``block_names`` and ``ffn_paths`` are then empty."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +202,9 @@ class ModelSpec:
             None`` (``shape_inference``: the pipeline's ``ShapeInference``, whose forwards a hook must not count).
         fake_tensor_args: ``args -> args`` to build under fake tensors (the memory estimator):
             data-dependent choices replaced by a fixed assumption; None: the args as they are.
+        fake_tensor_context: ``() -> context manager`` the memory estimator runs the fake build and step in:
+            the family's own code adapted to fake tensors where it reads values, changing no shape (the ``hf``
+            family's transformers masks); None: none.
         state_dict_adapter: the Hugging Face conversion of the family (a ``StateDictAdapter``,
             models/common/hf_adapter.py), or None.
         adapters: where LoRA adapts the family's linears and their PEFT names (``AdapterLayout``, read by
@@ -227,6 +235,7 @@ class ModelSpec:
     pipeline_split_fn: Callable[[nn.Module, int, int, bool, bool], None] | None = PRUNE_TO_STAGE
     build_step_hooks: Callable[..., StepHooks | None] | None = None
     fake_tensor_args: Callable[[Any], Any] | None = None
+    fake_tensor_context: Callable[[], AbstractContextManager] | None = None
     state_dict_adapter: StateDictAdapter | None = None
     adapters: AdapterLayout | None = None
     check_fn: Callable[..., list[str]] | None = None

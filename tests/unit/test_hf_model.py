@@ -88,3 +88,39 @@ def test_built_to_load_weights_equals_transformers():
     with torch.no_grad():
         assert torch.equal(model(tokens), theirs(input_ids=tokens).logits)
     assert not KVCache.fits(model)
+
+
+@pytest.mark.parametrize("flavor", list(TINY))
+def test_packed_documents_equal_documents_alone(flavor):
+    """block_causal with positions per document: a packed row's logits are each document's alone (Gemma 3's
+    sliding window of 8 inside a 10-token document, MoE routing per token); with positions running on across
+    them, the later documents' logits change (the check can fail)."""
+    model, _ = _built(flavor)
+    lengths = (10, 8, 6)
+    docs = [torch.randint(0, 2048, (1, n), generator=torch.Generator().manual_seed(i)) for i, n in enumerate(lengths)]
+    tokens = torch.cat(docs, dim=1)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    with torch.no_grad():
+        packed = model(tokens, positions, doc_ids).split(lengths, dim=1)
+        alone = [model(doc, torch.arange(doc.shape[1])[None]) for doc in docs]
+        running_on = model(tokens, torch.arange(tokens.shape[1])[None]).split(lengths, dim=1)
+    for i, (p, a) in enumerate(zip(packed, alone)):
+        gap = (p - a).abs().max().item()
+        assert gap <= 1e-5 * a.abs().max().item(), f"{flavor} document {i}: packed vs alone {gap}"
+    assert (running_on[2] - alone[2]).abs().max() > 1e-3, "without the documents the last one should change"
+
+
+def test_float8_converts_the_layers_linears_and_keeps_the_head():
+    """float8 on transformers' linears: every decoder layer's nn.Linear becomes torchao's Float8Linear; the head
+    (``lm_head``, found as the model's ``output``, not by our families' name) stays in high precision."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from torchtitan.config.schema import Float8
+    from torchtitan.features.float8.float8 import apply_float8
+
+    model = build_meta_model(SPEC, dataclasses.replace(SPEC.flavors["mistral_tiny"], vocab_size=2048))
+    converted = apply_float8(model, Float8(enable_float8_linear=True))
+    linears = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+    assert sorted(converted) == sorted(linears) and len(linears) == 2 * 7  # q, k, v, o, gate, up, down per layer
+    assert type(model.hf.lm_head) is torch.nn.Linear

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from torchtitan.checkpointing.hf import save_hf_folder
@@ -31,10 +32,13 @@ TOL = 1e-5
 
 
 def _ours(family: str, vocab: int = 256) -> tuple[nn.Module, dict]:
-    """Our tiny model of ``family`` (fp32) with rank-4 adapters whose B is random (not the zero init)."""
+    """Our tiny model of ``family`` (``hf:FLAVOR``: that transformers architecture; fp32) with rank-4 adapters on
+    every linear LoRA adapts, whose B is random (not the zero init)."""
     from tests.unit.test_lora import _model
 
-    model = _model("--model.name", family, "--lora.enable", "--lora.rank", "4", "--lora.alpha", "8")
+    family, _, flavor = family.partition(":")
+    extra = ("--model.flavor", flavor) if flavor else ()
+    model = _model("--model.name", family, *extra, "--lora.enable", "--lora.rank", "4", "--lora.alpha", "8")
     torch.manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -51,9 +55,12 @@ def _hf_base(model: nn.Module, family: str, args: dict, folder: str) -> nn.Modul
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+# hf: transformers' own classes, the targets read from their layers (Phi-3's fused qkv_proj and gate_up_proj; Qwen3-MoE's
+# attention beside grouped experts and a router that are not adapted)
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "hf:phi3_tiny", "hf:qwen3_moe_tiny"])
 def test_our_adapter_loads_in_peft_and_merges(family: str, tmp_path):
     model, args = _ours(family)
+    family = family.partition(":")[0]
     spec = get_model_spec(family)
     tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -61,7 +68,10 @@ def test_our_adapter_loads_in_peft_and_merges(family: str, tmp_path):
     hf_dir, peft_dir = str(tmp_path / "base"), str(tmp_path / "adapter")
     hf_model = _hf_base(model, family, args, hf_dir)
     adapters = {k: v.detach() for k, v in model.state_dict().items() if is_adapter_key(k)}
-    save_peft_folder(adapters, adapter_config(LORA, spec, hf_dir), peft_dir, spec, args)
+    config = adapter_config(LORA, spec, hf_dir, adapters)
+    save_peft_folder(adapters, config, peft_dir, spec, args)
+    saved = load_file(os.path.join(peft_dir, "adapter_model.safetensors"))
+    assert {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in saved} == set(config["target_modules"])
     with torch.no_grad():
         base_gap = (hf_model(tokens).logits - ours).abs().max().item()
         peft_model = peft.PeftModel.from_pretrained(hf_model, peft_dir).eval()

@@ -24,7 +24,8 @@ from torchtitan.distributed.expert_parallel.moe_balance import apply_global_bala
 from torchtitan.distributed.fsdp import apply_ddp, apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel.checks import resolve_async_tp
-from torchtitan.distributed.tensor_parallel.plan import apply_tp
+from torchtitan.distributed.tensor_parallel.module_styles import with_module_styles
+from torchtitan.distributed.tensor_parallel.plan import apply_tp, frozen_names, refreeze
 from torchtitan.dtypes import to_dtype
 
 if TYPE_CHECKING:
@@ -254,10 +255,12 @@ def apply_hf_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     inputs and gradients are the same on every TP rank: the plan's styles leave the hidden state replicated between
     them.
     """
-    plan = tp_plan(model)
+    plan, frozen = tp_plan(model), frozen_names(model)
     keys = [key.removeprefix("layers.*.") for key in plan]
     for layer in model.decoder_layers:
-        parallelize_module(layer, tp_mesh, {key: _style(plan[f"layers.*.{key}"]) for key in keys})
+        styles = {key: _style(plan[f"layers.*.{key}"]) for key in keys}
+        parallelize_module(layer, tp_mesh, with_module_styles(styles, layer))  # e.g. LoRA's: adapters alike
+    refreeze(model, frozen)
     for module in list(model.modules()):
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             distribute_module(module, tp_mesh, _replicate_own, _inputs_replicated, _outputs_local)

@@ -123,6 +123,12 @@ def role_ranks(dims: ParallelDims) -> list[tuple[str, int, int]]:
     return [(f"pp rank {k}", k * per_stage, k) for k in range(dims.pp)]
 
 
+def _family_patches(config):
+    """The family's own fake-tensor adaptations (``ModelSpec.fake_tensor_context``), or none."""
+    context = get_model_spec(config.model.name).fake_tensor_context
+    return context() if context is not None else contextlib.nullcontext()
+
+
 def estimate_rank(
     config, world_size: int, rank: int, vocab: int, *, fake: bool = True, n_layers: int | None = None
 ) -> StepMemory:
@@ -152,6 +158,7 @@ def estimate_rank(
             grouped_mm_patches(),
             _pipeline_patches(config, world_size, vocab),
             _backend_patches(),
+            _family_patches(config),
         ):
             trainer = driver(config, estimate=True)(config, world_size=world_size, rank=rank, builders=builders)
             foreach_temp = use_per_parameter_step(trainer.optimizer)

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torchtitan.distributed.init import init_named_units
 from torchtitan.lora.config import Lora
 from torchtitan.lora.linear import LoRALinear, is_adapter_key
-from torchtitan.lora.names import Target, resolve_targets, target_paths
+from torchtitan.lora.names import Target, model_blocks, resolve_targets, target_paths
 from torchtitan.spec import ModelSpec
 
 
@@ -25,20 +25,21 @@ def apply_lora(model: nn.Module, lora: Lora, spec: ModelSpec) -> list[str]:
     Returns:
         the FQNs of the adapted linears.
     """
-    targets = resolve_targets(spec, lora.target_modules)
+    blocks = model_blocks(model)
+    targets = resolve_targets(spec, lora.target_modules, [block for _, block in blocks])
     adapted = []
-    for layer_id, block in model.layers.items():
+    for prefix, block in blocks:
         for path in target_paths(block, targets):
             parent_path, _, leaf = path.rpartition(".")
             parent = block.get_submodule(parent_path)
             base = getattr(parent, leaf)
-            assert type(base) is nn.Linear, f"layers.{layer_id}.{path} is {type(base).__name__}"
+            assert type(base) is nn.Linear, f"{prefix}.{path} is {type(base).__name__}"
             # Plain meta tensors like the rest of the meta model, also where the memory estimator builds under a
             # FakeTensorMode (a fake parameter made here could not be materialised by to_empty).
             with unset_fake_temporarily():
                 new = LoRALinear.from_linear(base, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
             setattr(parent, leaf, new)
-            adapted.append(f"layers.{layer_id}.{path}")
+            adapted.append(f"{prefix}.{path}")
     freeze_base(model)
     return adapted
 

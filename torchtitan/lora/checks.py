@@ -6,9 +6,17 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.lora.names import dense_families, family_targets, resolve_targets, target_paths
+from torchtitan.lora.names import (
+    adapter_layout,
+    dense_families,
+    family_targets,
+    model_blocks,
+    resolve_targets,
+    target_paths,
+)
 from torchtitan.lora.peft_io import check_peft_exportable
 from torchtitan.lora.quantize import check_nf4_shapes, check_torchao_for_nf4
 from torchtitan.spec import flavor_args, get_model_spec, hf_conversion_refusal
@@ -29,13 +37,15 @@ def check_lora(config: JobConfig, dims: ParallelDims) -> list[str]:
             )
         return []
     spec = get_model_spec(config.model.name)
-    targets = resolve_targets(spec, lora.target_modules)  # the family and the names
+    adapter_layout(spec)  # the family (one line naming those LoRA runs on)
+    blocks = _meta_blocks(config)
+    targets = resolve_targets(spec, lora.target_modules, blocks)  # the family and the names
     shapes = [s for kind in _kind_shapes(config).values() for s in kind.values()]
     if not shapes:
         raise ConfigError(
             f"lora.target_modules = {lora.target_modules}: model {config.model.name} flavor {config.model.flavor} has "
             f"none of them (deepseek_v3's wq_a/wq_b exist only with q_lora_rank > 0, its wq only without); name "
-            f"linears it has: {' '.join(family_targets(spec))}"
+            f"linears it has: {' '.join(family_targets(spec, blocks))}"
         )
     smallest = min(min(s) for s in shapes)
     if lora.rank > smallest:
@@ -46,7 +56,7 @@ def check_lora(config: JobConfig, dims: ParallelDims) -> list[str]:
     if not lora.dropout < 1:
         raise ConfigError(f"lora.dropout = {lora.dropout}: must be in [0, 1); 0 turns it off")
     _check_combinations(config, dims)
-    if not spec.adapters.dense:
+    if not spec.adapters.dense and spec.adapters.linears is None:  # a family read from its blocks: its own checks
         _check_moe_layout(config, dims)
     if config.checkpoint.last_save_in_hf:
         check_peft_exportable(spec, lora.target_modules)
@@ -88,6 +98,15 @@ def check_qlora_torchao(config: JobConfig, dims: ParallelDims) -> list[str]:
     return []
 
 
+def target_names(config: JobConfig) -> list[str]:
+    """The names of the linears ``lora.target_modules`` adapts in the configured flavor (ours; a family read from
+    its blocks: its modules' own), in the order given, then the family's."""
+    spec, blocks, requested = get_model_spec(config.model.name), _meta_blocks(config), config.lora.target_modules
+    held = [t.name for t in resolve_targets(spec, requested, blocks) if any(target_paths(b, [t]) for b in blocks)]
+    order = {name: i for i, name in enumerate(requested)}
+    return sorted(held, key=lambda name: order.get(name, len(order)))
+
+
 def target_shapes(config: JobConfig) -> dict[str, tuple[int, int]]:
     """Our target name -> (out, in) of that linear in block 0 of the configured flavor (a dense family's every
     block; QLoRA's shape check)."""
@@ -98,25 +117,43 @@ def target_shapes(config: JobConfig) -> dict[str, tuple[int, int]]:
 
 def adapted_shapes(config: JobConfig, n_layers: int) -> list[tuple[int, int]]:
     """(out, in) of every linear LoRA adapts in a model of ``n_layers`` blocks of the configured flavor: an MoE
-    family's dense layers, MoE layers (attention, shared expert) each with their own."""
-    shapes, args = _kind_shapes(config), flavor_args(config.model)
-    kind = getattr(args, "is_moe_layer", lambda i: False)
-    return [shape for i in range(n_layers) for shape in shapes[int(kind(i))].values()]
+    family's dense layers, MoE layers (attention, shared expert) each with their own; a family read from its
+    blocks (``hf``) each layer's own, its schedule repeated past the flavor's depth."""
+    shapes = _kind_shapes(config)
+    return [shape for i in range(n_layers) for shape in shapes[_layer_kind(config, i, len(shapes))].values()]
+
+
+def _layer_kind(config: JobConfig, layer: int, kinds: int) -> int:
+    if get_model_spec(config.model.name).adapters.linears is not None:
+        return layer % kinds  # every layer its own kind
+    return int(getattr(flavor_args(config.model), "is_moe_layer", lambda i: False)(layer))
+
+
+def _meta_blocks(config: JobConfig) -> list[nn.Module]:
+    """The blocks of a meta build of the configured flavor that hold every kind of layer: the first ones (a native
+    family's dense and MoE layers), or every one (a family read from its blocks)."""
+    spec = get_model_spec(config.model.name)
+    args = flavor_args(config.model)
+    if spec.adapters.linears is not None:
+        n = args.n_layers
+    elif getattr(args, "is_moe_layer", None) is None:
+        n = 1  # a dense family: every block alike
+    else:
+        n = min(args.n_layers, args.first_k_dense + args.moe_every + 1)
+    with torch.device("meta"):
+        model = spec.model_cls(dataclasses.replace(args, n_layers=n))
+    return [block for _, block in model_blocks(model)]
 
 
 def _kind_shapes(config: JobConfig) -> dict[int, dict[str, tuple[int, int]]]:
-    """Per layer kind (0 dense, 1 MoE; only those the flavor has): the block path -> (out, in) of its targets,
-    from a meta build of the first layers (enough to hold both kinds)."""
+    """Per layer kind (0 dense, 1 MoE; only those the flavor has; a family read from its blocks: per layer): the
+    block path -> (out, in) of its targets, from a meta build of the layers that hold every kind."""
     spec = get_model_spec(config.model.name)
-    args = flavor_args(config.model)
-    targets = resolve_targets(spec, config.lora.target_modules)
-    kind = getattr(args, "is_moe_layer", None)
-    n = 1 if kind is None else min(args.n_layers, args.first_k_dense + args.moe_every + 1)
-    with torch.device("meta"):
-        model = spec.model_cls(dataclasses.replace(args, n_layers=n))
+    blocks = _meta_blocks(config)
+    targets = resolve_targets(spec, config.lora.target_modules, blocks)
     out: dict[int, dict[str, tuple[int, int]]] = {}
-    for i, block in model.layers.items():
-        k = 0 if kind is None else int(kind(int(i)))
+    for i, block in enumerate(blocks):
+        k = _layer_kind(config, i, len(blocks))
         out.setdefault(k, {p: tuple(block.get_submodule(p).weight.shape) for p in target_paths(block, targets)})
     return out
 

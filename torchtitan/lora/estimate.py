@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from torchtitan.components.seams import PlanTerms
-from torchtitan.lora.checks import adapted_shapes, target_shapes
+from torchtitan.lora.checks import adapted_shapes, target_names, target_shapes
 from torchtitan.lora.quantize import nf4_bytes
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ class LoraPlanTerms(PlanTerms):
         name = "QLoRA (NF4 base)" if lora.quantize_base == "nf4" else "LoRA"
         total = params + adapters
         return (
-            f"{name} rank {lora.rank} on {','.join(lora.target_modules)}: {adapters / total:.2%} of parameters "
+            f"{name} rank {lora.rank} on {','.join(target_names(config))}: {adapters / total:.2%} of parameters "
             f"trainable ({adapters:,} of {total:,})"
         )
 

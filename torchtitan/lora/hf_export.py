@@ -33,7 +33,7 @@ def export_lora(checkpoint_path: str, output_dir: str, *, merge: bool, dtype: to
     adapters = {k: v for k, v in weights.items() if is_adapter_key(k)}
     dtype = dtype or next(iter(adapters.values())).dtype
     if not merge:
-        config = adapter_config(lora, spec, lora["base"])
+        config = adapter_config(lora, spec, lora["base"], adapters)
         save_peft_folder({k: v.to(dtype) for k, v in adapters.items()}, config, output_dir, spec, args)
         return config
     merged = merged_weights(adapters, info, checkpoint_path)

@@ -39,7 +39,7 @@ def dense_families() -> list[str]:
     return [name for name in lora_families() if get_model_spec(name).adapters.dense]
 
 
-def _layout(spec: ModelSpec) -> AdapterLayout:
+def adapter_layout(spec: ModelSpec) -> AdapterLayout:
     if spec.adapters is None:
         raise NotImplementedError(
             f"lora.enable with model.name = {spec.name!r}: not built for this family (no LoRA targets or rows); LoRA "
@@ -48,13 +48,16 @@ def _layout(spec: ModelSpec) -> AdapterLayout:
     return spec.adapters
 
 
-def family_targets(spec: ModelSpec) -> dict[str, Target]:
-    """Our short name -> Target, for every linear LoRA adapts in ``spec``'s family.
+def family_targets(spec: ModelSpec, blocks: list[nn.Module] = ()) -> dict[str, Target]:
+    """Our short name -> Target, for every linear LoRA adapts in ``spec``'s family; a family read from its blocks
+    (``AdapterLayout.linears``: ``hf``) has those of ``blocks``.
 
     Raises:
         NotImplementedError: the family is not one LoRA supports (one line naming those that are).
     """
-    layout = _layout(spec)
+    layout = adapter_layout(spec)
+    if layout.linears is not None:
+        return _read_targets(layout, blocks)
     out = {}
     for ours, hf in layout.block_names.items():
         path, hf_path = ours.removesuffix(".weight"), hf.removesuffix(".weight")
@@ -67,21 +70,44 @@ def family_targets(spec: ModelSpec) -> dict[str, Target]:
     return out
 
 
-def resolve_targets(spec: ModelSpec, requested: list[str]) -> list[Target]:
+def _read_targets(layout: AdapterLayout, blocks: list[nn.Module]) -> dict[str, Target]:
+    """The targets of a family read from its blocks: one per module name (``q_proj``), at every path it has in any
+    of ``blocks`` (a shared expert's ``gate_proj`` beside a dense layer's)."""
+    paths: dict[str, list[str]] = {}
+    for block in blocks:
+        for path in layout.linears(block):
+            found = paths.setdefault(path.rsplit(".", 1)[-1], [])
+            if path not in found:
+                found.append(path)
+    return {name: Target(name, tuple(p), name, p[0]) for name, p in paths.items()}
+
+
+def model_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(FQN, block) of every repeated block ``model`` holds: a native family's ``layers`` (a ModuleDict), or the
+    layers a model names itself (``decoder_layers``: transformers' own, ``hf.model.layers.N``)."""
+    layers = getattr(model, "layers", None)
+    if isinstance(layers, nn.ModuleDict):
+        return [(f"layers.{i}", block) for i, block in layers.items()]
+    names = {id(m): name for name, m in model.named_modules()}
+    return [(names[id(block)], block) for block in model.decoder_layers]
+
+
+def resolve_targets(spec: ModelSpec, requested: list[str], blocks: list[nn.Module] = ()) -> list[Target]:
     """``lora.target_modules`` (ours or PEFT's names, mixed) -> the family's Targets, in block order. The default
-    list (the seven linears of a dense block) means every linear the family adapts.
+    list (the seven linears of a dense block) means every linear the family adapts. ``blocks``: a family read
+    from its blocks (``hf``) has the targets these hold.
 
     Raises:
         ConfigError: an unknown name, an MoE expert's or router's name (one line listing the valid ones), or an
             empty list.
     """
-    targets = family_targets(spec)
+    targets = family_targets(spec, blocks)
     if list(requested) == DEFAULT_TARGETS:
         return list(targets.values())
     by_any = {**{t.peft: t for t in targets.values()}, **targets}
     unknown = [n for n in requested if n not in by_any]
     if unknown or not requested:
-        valid = " ".join(f"{t.name}/{t.peft}" for t in targets.values())
+        valid = " ".join(t.name if t.name == t.peft else f"{t.name}/{t.peft}" for t in targets.values())
         what = f"has no linear named {', '.join(map(repr, unknown))}" if unknown else "is empty"
         experts = [n for n in unknown if _names_expert(spec, n)]
         if experts:
@@ -99,7 +125,7 @@ def resolve_targets(spec: ModelSpec, requested: list[str]) -> list[Target]:
 def _names_expert(spec: ModelSpec, name: str) -> bool:
     """``name`` is an MoE part this family has and does not adapt (routed experts, router, or an FFN linear name
     whose only nn.Linear home in this family would be the experts)."""
-    layout = _layout(spec)
+    layout = adapter_layout(spec)
     if layout.dense:
         return False
     ffn_names = {"w1", "w2", "w3", "gate_proj", "up_proj", "down_proj"}

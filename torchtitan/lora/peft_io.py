@@ -76,8 +76,10 @@ def from_peft_state_dict(peft: dict[str, torch.Tensor], spec: ModelSpec, args: d
 
 def check_peft_exportable(spec: ModelSpec, target_modules: list[str]) -> None:
     """Raises NotImplementedError (one line) for a PEFT export that peft would load onto other weights."""
+    if not spec.adapters.peft_ffn_remapped:
+        return
     ffn = [t.name for t in resolve_targets(spec, target_modules) if t.name in ("w1", "w2", "w3")]
-    if spec.adapters.peft_ffn_remapped and ffn:  # peft would load them onto the routed experts
+    if ffn:  # peft would load them onto the routed experts
         raise NotImplementedError(
             f"a PEFT export of {spec.name} adapters on {ffn}: peft maps gate_proj/up_proj/down_proj of this model "
             "type onto its fused routed experts, not the dense and shared FFNs; export merged (scripts/convert_to_hf.py "
@@ -85,13 +87,20 @@ def check_peft_exportable(spec: ModelSpec, target_modules: list[str]) -> None:
         )
 
 
-def adapter_config(lora: dict[str, Any], spec: ModelSpec, base_model: str | None) -> dict[str, Any]:
-    """``adapter_config.json``: ``lora`` as a marker records it (rank, alpha, dropout, our target names).
+def adapter_config(
+    lora: dict[str, Any], spec: ModelSpec, base_model: str | None, adapters: dict[str, Any] = ()
+) -> dict[str, Any]:
+    """``adapter_config.json``: ``lora`` as a marker records it (rank, alpha, dropout, our target names); a family
+    read from its blocks (``hf``) names the modules ``adapters`` (our adapter keys) adapt.
 
     Raises:
         NotImplementedError: a PEFT folder peft would load onto other weights (``check_peft_exportable``).
     """
     check_peft_exportable(spec, lora["target_modules"])
+    if spec.adapters.linears is not None:
+        targets = sorted({key.split(".lora_")[0].rsplit(".", 1)[-1] for key in adapters})
+    else:
+        targets = sorted(t.peft for t in resolve_targets(spec, lora["target_modules"]))
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -99,7 +108,7 @@ def adapter_config(lora: dict[str, Any], spec: ModelSpec, base_model: str | None
         "r": lora["rank"],
         "lora_alpha": lora["alpha"],
         "lora_dropout": lora["dropout"],
-        "target_modules": sorted(t.peft for t in resolve_targets(spec, lora["target_modules"])),
+        "target_modules": targets,
         "bias": "none",
         "fan_in_fan_out": False,
         "init_lora_weights": True,

@@ -260,7 +260,7 @@ def apply_tp(
     plan = {k: v for k, v in top_level_plan(loss_parallel).items() if getattr(model, k, None) is not None}
     embedding, output = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
     tied = embedding is not None and output is not None and output.weight is embedding.weight
-    frozen = _frozen(model)
+    frozen = frozen_names(model)
     parallelize_module(model, tp_mesh, plan)
     if tied:
         # Each style distributed its own copy of the one table; both are Shard(0) over the vocab,
@@ -289,14 +289,14 @@ def apply_tp(
             plan = {**plan, "attention.q_norm": TokenShardedReplicate(2), "attention.k_norm": TokenShardedReplicate(2)}
         parallelize_module(block, tp_mesh, with_module_styles(plan, block))  # e.g. adapted linears: adapters alike
         shard_sinks(block.attention, tp_mesh)
-    _refreeze(model, frozen)
+    refreeze(model, frozen)
 
 
-def _frozen(model: nn.Module) -> set[str]:
+def frozen_names(model: nn.Module) -> set[str]:
     return {name for name, p in model.named_parameters() if not p.requires_grad}
 
 
-def _refreeze(model: nn.Module, frozen: set[str]) -> None:
+def refreeze(model: nn.Module, frozen: set[str]) -> None:
     """torch's SequenceParallel re-creates the weights it replicates as trainable: a frozen one (LoRA's base) is
     frozen again, before FSDP wraps it."""
     for name, p in model.named_parameters():

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.spec import get_model_spec
+from torchtitan.spec import get_model_spec, model_names
 
 if TYPE_CHECKING:
     from torchtitan.config.manager import JobConfig
@@ -34,7 +34,7 @@ def check_attention(config: JobConfig, dims: ParallelDims) -> list[str]:
         raise NotImplementedError(
             f"model.attn_mask_type = 'block_causal' with model.name = {m.name!r}: this family's blocks take no "
             "document ids (ModelSpec.documents is false); use attn_mask_type = 'causal' or a family that "
-            "supports it (llama3, llama3_moe, qwen3, qwen3_moe)"
+            f"supports it ({', '.join(n for n in model_names() if get_model_spec(n).documents)})"
         )
     if dims.cp_enabled and exp.context_parallel_impl == "torch":
         raise NotImplementedError(

@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DIM_MULTIPLE = 16  # _scaled_mm needs both GEMM dims of the weight divisible by 16
-ALWAYS_HIGH_PRECISION = ("output",)
 # CUDA float8 GEMMs need Ada (8.9) or Hopper (9.0) tensor cores or newer.
 MIN_CUDA_CAPABILITY = (8, 9)
 # The first release whose CPU _scaled_mm takes rowwise scales (torch 2.11's asserts one scale per operand);
@@ -217,9 +216,12 @@ def is_float8_friendly(linear: nn.Linear) -> bool:
     return linear.in_features % DIM_MULTIPLE == 0 and linear.out_features % DIM_MULTIPLE == 0
 
 
-def high_precision_reason(fqn: str, module: nn.Module, filter_fqns: list[str]) -> str | None:
-    """Why the linear ``fqn`` stays in high precision, or None when it converts."""
-    if fqn in ALWAYS_HIGH_PRECISION:
+def high_precision_reason(
+    fqn: str, module: nn.Module, filter_fqns: list[str], head: nn.Module | None = None
+) -> str | None:
+    """Why the linear ``fqn`` stays in high precision, or None when it converts. ``head``: the model's output head
+    (its ``output``: our families' ``output``, a transformers model's ``lm_head``), never converted."""
+    if module is head:
         return "the output head"
     matched = [f for f in filter_fqns if f in fqn]
     if matched:
@@ -235,11 +237,12 @@ def apply_float8(model: nn.Module, cfg: Float8) -> list[str]:
 
     kept: dict[str, str] = {}
     converted: list[str] = []
+    head = getattr(model, "output", None)  # a pipeline stage without the head has none
 
     def convert(module: nn.Module, fqn: str) -> bool:
         if not isinstance(module, nn.Linear):
             return True  # torchao asks for containers too
-        reason = high_precision_reason(fqn, module, cfg.filter_fqns)
+        reason = high_precision_reason(fqn, module, cfg.filter_fqns, head)
         if reason is None:
             converted.append(fqn)
             return True

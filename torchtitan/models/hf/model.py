@@ -43,6 +43,7 @@ class HFArgs:
     vocab_size: int = 0
     max_seq_len: int = 0
     norm_type: str = "rmsnorm"
+    attention_backend: str = "sdpa"  # transformers' SDPA attention, its masks its own
     tie_word_embeddings: bool = False
     source: str = ""  # where the config came from (a flavor's name, or a folder)
 
@@ -131,9 +132,19 @@ class HFCausalLM(nn.Module):
             init()
 
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, *, return_hidden: bool = False
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+        *,
+        return_hidden: bool = False,
     ) -> torch.Tensor:
-        """tokens (bs, seqlen) -> logits (bs, seqlen, vocab), or the decoder's normed hidden state (``return_hidden``)."""
+        """tokens (bs, seqlen) -> logits (bs, seqlen, vocab), or the decoder's normed hidden state (``return_hidden``).
+
+        Documents (``model.attn_mask_type = "block_causal"``): transformers reads them from ``positions`` restarting
+        at each one (its packed-sequence mask, for full and sliding-window layers alike), so the family runs them
+        with ``positions_per_document`` only (spec.py's check); ``doc_ids``, the same boundaries, is not needed.
+        """
         position_ids = None
         if positions is not None:
             position_ids = positions if positions.dim() == 2 else positions[None].expand(tokens.shape[0], -1)

@@ -7,8 +7,10 @@ others are tiny random shapes of the tested architectures, for tests and ``train
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Mapping
+import unittest.mock
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ from torch import nn
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.models.hf.model import LOGIT_TRANSFORMS, HFArgs, HFCausalLM, unbuilt_tp_styles
-from torchtitan.spec import Deferred, ModelSpec
+from torchtitan.spec import AdapterLayout, Deferred, ModelSpec
 
 
 def from_hf_config(fields: dict[str, Any], source: str) -> HFArgs:
@@ -197,6 +199,16 @@ def check_hf(args: HFArgs, *, model, training, experimental) -> list[str]:
                 f"model.name = 'hf' with {key} = {degree}: not built ({why}); use FSDP, HSDP, DDP or TP, or a native "
                 "family (docs/models.md)"
             )
+    if model.attn_mask_type == "block_causal" and not model.positions_per_document:
+        raise NotImplementedError(
+            "model.attn_mask_type = 'block_causal' with model.name = 'hf' needs model.positions_per_document = true: "
+            "transformers finds the documents where the positions restart (its packed-sequence mask); set it"
+        )
+    if model.attention_backend not in ("auto", "sdpa"):
+        raise NotImplementedError(
+            f"model.attention_backend = {model.attention_backend!r} with model.name = 'hf': transformers' own "
+            "attention runs SDPA here; set model.attention_backend = 'auto'"
+        )
     if training.tensor_parallel_degree > 1:
         _check_tp(config)
         if training.compile:
@@ -282,6 +294,31 @@ class HFAdapter:
 
 HF = HFAdapter()
 
+
+@contextlib.contextmanager
+def fake_tensor_context() -> Iterator[None]:
+    """The memory estimator's fake step: transformers reads a fake tensor as a traced one and, not knowing whether
+    the positions restart (packed documents), builds an explicit mask for every attention; a real run of causal
+    attention (or of one document per row, the estimator's assumption for block_causal) builds none, SDPA's causal
+    kernel masking by itself. Here no packed documents are found, as in that run."""
+    from transformers import masking_utils
+
+    with unittest.mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None):
+        yield
+
+
+# MoE routers: never adapted (a plain linear in some architectures, e.g. OLMoE's gate)
+_ROUTERS = ("gate", "router", "shared_expert_gate")
+
+
+def adaptable_linears(block: nn.Module) -> list[str]:
+    """The paths in a decoder layer (before any adapter) of the linears LoRA may adapt: every plain ``nn.Linear``
+    but an MoE router (routed experts are grouped weights, not linears)."""
+    return [
+        name for name, m in block.named_modules() if type(m) is nn.Linear and name.rsplit(".", 1)[-1] not in _ROUTERS
+    ]
+
+
 SPEC = ModelSpec(
     "hf",
     HFCausalLM,
@@ -293,4 +330,7 @@ SPEC = ModelSpec(
     check_fn=check_hf,
     hf_model_type="*",
     configure=configure,
+    adapters=AdapterLayout(block_names={}, ffn_paths=(), linears=adaptable_linears),
+    documents=True,
+    fake_tensor_context=fake_tensor_context,
 )
