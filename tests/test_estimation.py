@@ -96,6 +96,8 @@ HF_ROWS = [
     Row("hf_mistral_fsdp2", 2, 2, ["--model.flavor", "mistral_tiny"]),
     Row("hf_phi3_lora_tp2", 2, 4, ["--model.flavor", "phi3_tiny", "--lora.enable"], tp=2),
 ]
+# Qwen3.5: Gated DeltaNet's chunked recurrence (its per-chunk systems and the state passed along), causal
+QWEN3_5_ROWS = [Row("qwen3_5_fsdp2", 2, 2)]
 # block_causal on the short-document corpus; with context parallel not modeled (its block skipping
 # depends on the data), the pipeline rows not tried
 ESTIMATED_DOC_ROWS = [r for r in DOC_ROWS if r.name in ("docs_fsdp2", "docs_tp2")]
@@ -113,6 +115,7 @@ ALL_ROWS = [
     + PURE_BF16_ROWS
     + RL_ROWS
     + HF_ROWS
+    + QWEN3_5_ROWS
     if r.name not in NOT_PRACTICAL and r.ngpu > 1
 ]
 # CI measures one row per feature (~4 minutes); every practical row takes ~15 minutes:
@@ -151,6 +154,7 @@ CI_ROWS = {
     # transformers' masks under fake tensors: it takes them for traced ones and builds explicit masks a real causal
     # run does not (+1.8% before models/hf/spec.py's fake_tensor_context)
     "hf_mistral_fsdp2",
+    "qwen3_5_fsdp2",  # the chunked gated delta rule's activations (equal at the debug flavor too: 240.9 MiB)
 }
 TRACKER_ROWS = (
     ALL_ROWS if os.environ.get("TORCHTITAN_ESTIMATION_ALL_ROWS") else [r for r in ALL_ROWS if r.name in CI_ROWS]
@@ -195,6 +199,10 @@ def _argv(row: Row) -> list[str]:
     """
     if row in RL_ROWS:
         return [*RL, "--training.batch_size", str(row.local_batch), *row.args(), "--validation.enabled", "false"]
+    if row in QWEN3_5_ROWS:
+        flavor = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "64", "--training.steps", "4"]
+        argv = ["--job.config_file", "./train_configs/qwen3_5_debug.toml", *flavor, "--validation.enabled", "false"]
+        return [*argv, "--training.batch_size", str(row.local_batch), *row.args()]
     if row in HF_ROWS:
         return [*HF, "--training.batch_size", str(row.local_batch), *row.args(), "--validation.enabled", "false"]
     argv = [*job_argv(row, "unused")[:-2], "--validation.enabled", "false"]

@@ -249,6 +249,13 @@ def test_a_local_hf_folder_loads_sharded_and_exports_back_bit_exact(references, 
         ),
         (["--model.flavor", "config"], "model.flavor = 'config' reads model.hf_config, which is unset"),
         (
+            [
+                *("--model.flavor", "config", "--model.hf_config", '{"model_type": "qwen3_5_text"}'),
+                *("--model.attn_mask_type", "block_causal", "--model.positions_per_document"),
+            ],
+            "are not attention, and their state would cross the packed documents",
+        ),
+        (
             ["--model.flavor", "config", "--model.hf_config", '{"model_type": "t5"}'],
             "is not a causal language model in transformers",
         ),

@@ -269,6 +269,7 @@ _FAMILIES: dict[str, str] = {
     "qwen3_moe": "torchtitan.models.qwen3.spec",
     "deepseek_v3": "torchtitan.models.deepseek_v3.spec",
     "gpt_oss": "torchtitan.models.gpt_oss.spec",
+    "qwen3_5": "torchtitan.models.qwen3_5.spec",
     "hf": "torchtitan.models.hf.spec",
 }
 _SPECS: dict[str, ModelSpec] = {}  # loaded from _FAMILIES, or registered with register_model_spec

@@ -66,7 +66,8 @@ class KVCache:
     @staticmethod
     def fits(model: nn.Module) -> bool:
         """Whether ``model``'s blocks have our attention's kernel seam (``layers[*].attention.sdpa``): not a
-        transformers model's (``model.name = "hf"``), which generates without the cache."""
+        transformers model's (``model.name = "hf"``) nor a hybrid's with recurrent layers (``qwen3_5``: its state is
+        not cached yet), which generate without the cache."""
         layers = getattr(model, "layers", None)
         return layers is not None and all(hasattr(getattr(b, "attention", None), "sdpa") for b in layers.values())
 

@@ -199,6 +199,8 @@ def check_hf(args: HFArgs, *, model, training, experimental) -> list[str]:
                 f"model.name = 'hf' with {key} = {degree}: not built ({why}); use FSDP, HSDP, DDP or TP, or a native "
                 "family (docs/models.md)"
             )
+    if model.attn_mask_type == "block_causal":
+        _check_documents(config, model)
     if model.attn_mask_type == "block_causal" and not model.positions_per_document:
         raise NotImplementedError(
             "model.attn_mask_type = 'block_causal' with model.name = 'hf' needs model.positions_per_document = true: "
@@ -225,6 +227,25 @@ def check_hf(args: HFArgs, *, model, training, experimental) -> list[str]:
             "training.loss_chunk_size = 0"
         )
     return []
+
+
+# layer kinds whose documents transformers' packed-sequence mask keeps apart (attention of some extent)
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def _check_documents(config, model) -> None:
+    """block_causal only on models whose every layer is attention: a recurrent or convolutional layer (Mamba, Gated
+    DeltaNet, short convolutions) would carry its state across the packed documents, which no mask stops."""
+    text = config.get_text_config()
+    other = sorted(set(getattr(text, "layer_types", None) or []) - set(ATTENTION_LAYER_TYPES))
+    fields = sorted(k for k in vars(text) if k.startswith(("mamba_", "ssm_", "linear_conv", "conv_")))
+    if other or fields:
+        raise NotImplementedError(
+            f"model.attn_mask_type = 'block_causal' with a {config.model_type} model: its "
+            f"{'layer types ' + str(other) if other else 'fields ' + str(fields[:3])} are not attention, and their "
+            "state would cross the packed documents (transformers masks attention only); use attn_mask_type = "
+            "'causal', or a family of ours that restarts them per document (qwen3_5)"
+        )
 
 
 def _check_tp(config) -> None:

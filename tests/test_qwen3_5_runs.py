@@ -1,0 +1,92 @@
+"""Qwen3.5 (``model.name = "qwen3_5"``) through the trainer (worker-pool jobs): the tiny flavor (3 Gated DeltaNet
+layers and one gated full attention, chunk 16) on the short-document corpus with block_causal documents (every row
+runs the per-document recurrence and convolution, and the attention's document mask), 4 steps at seq 64.
+
+A 1-rank reference, and FSDP2, FSDP2 + gradient accumulation 2, PP2 (1F1B) at 2 ranks and HSDP 2x2 at 4, each at
+loss and grad-norm parity (the matrix's rule: loss rtol 1e-5, grad norm 3e-4); tensor and context parallel refused in one line. The logits of
+the model equal transformers' ``Qwen3_5ForCausalLM`` (tests/unit/test_qwen3_5.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration_tests import DOCS_TRAIN, GRAD_NORM_RTOL, RTOL, Row, pp_schedule, read_metrics
+from tests.pool import run_train_job
+
+pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2, 4)]
+
+STEPS = 4
+QWEN3_5 = [
+    *("--job.config_file", "./train_configs/qwen3_5_debug.toml", "--model.flavor", "debugmodel_tiny"),
+    *("--training.steps", str(STEPS), "--metrics.log_freq", "1", "--training.seq_len", "64"),
+    *("--training.warmup_steps", "0", "--optimizer.lr", "1e-2"),
+    *DOCS_TRAIN,  # the short-document corpus: several documents in every 64-token window
+    "--model.positions_per_document",
+]
+REFERENCE = Row("qwen3_5_1proc", 1, 4)
+ROWS = [
+    Row("qwen3_5_fsdp2", 2, 2),
+    Row("qwen3_5_fsdp2_accum2", 2, 1, ["--training.gradient_accumulation_steps", "2"]),
+    Row("qwen3_5_pp2_1f1b", 2, 4, pp_schedule("1F1B"), pp=2),
+    Row(
+        "qwen3_5_hsdp_2x2",
+        4,
+        1,
+        ["--training.data_parallel_shard_degree", "2", "--training.data_parallel_replicate_degree", "2"],
+    ),
+]
+REFERENCES = [REFERENCE]
+
+
+def _run(row: Row, folder: str) -> dict:
+    argv = [*QWEN3_5, "--training.batch_size", str(row.local_batch), *row.args(), "--job.dump_folder", folder]
+    return run_train_job(row.ngpu, argv)
+
+
+def _records(folder: str) -> list[dict]:
+    return [r for r in read_metrics(folder) if "loss" in r]
+
+
+def _close(a: float, b: float, what: str, rtol: float = RTOL) -> None:
+    assert abs(a - b) <= rtol * max(abs(a), abs(b)), f"{what}: {a} vs {b} (rtol {rtol})"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> str:
+    folder = str(tmp_path_factory.mktemp("qwen3_5") / REFERENCE.name)
+    status = _run(REFERENCE, folder)
+    assert status["ok"], status["error"]
+    losses = [r["loss"] for r in _records(folder)]
+    assert len(losses) == STEPS and losses[-1] < losses[0], losses
+    return folder
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda r: r.name)
+def test_layout_at_parity(reference, row, tmp_path):
+    folder = str(tmp_path / row.name)
+    status = _run(row, folder)
+    assert status["ok"], status["error"]
+    for a, b in zip(_records(reference), _records(folder), strict=True):
+        _close(a["loss"], b["loss"], f"{row.name} step {a['step']} loss")
+        _close(a["grad_norm"], b["grad_norm"], f"{row.name} step {a['step']} grad_norm", GRAD_NORM_RTOL)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--training.tensor_parallel_degree", "2"], "model.name = 'qwen3_5' with training.tensor_parallel_degree"),
+        (
+            ["--experimental.context_parallel_degree", "2"],
+            "model.name = 'qwen3_5' with experimental.context_parallel_degree",
+        ),
+    ],
+)
+def test_refused_in_one_line(flags, expected):
+    from torchtitan.config.manager import JobConfig
+    from torchtitan.preflight import run_preflight
+
+    config = JobConfig.parse_args([*QWEN3_5, *flags])
+    with pytest.raises((ValueError, NotImplementedError)) as info:
+        run_preflight(config, 2, this_machine=False)
+    assert expected in str(info.value) and "\n" not in str(info.value)

@@ -1,0 +1,220 @@
+"""Gated DeltaNet, Qwen3.5's linear-attention layer (Yang et al. 2024), in torch.
+
+Per value head a state S (k_dim, v_dim) is carried along the sequence. At each token t, with a decay
+a_t = exp(g_t) in (0, 1] and a write strength beta_t in (0, 1):
+
+    S <- a_t S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
+
+(the delta rule: the state's own prediction of v_t is corrected, not added to). q and k are L2-normalised
+per head, q scaled by k_dim^-0.5. ``recurrent_gated_delta_rule`` is that loop (generation, and the
+reference); ``chunked_gated_delta_rule`` computes the same outputs ``chunk`` tokens at a time (training): inside
+a chunk the corrections are the solution of a unit lower-triangular system (the "UT transform"), between
+chunks the state is passed on. The layer around it (``GatedDeltaNet``): one fused q/k/v projection, a depthwise
+causal convolution of width ``conv_kernel`` over it (SiLU), the decay from ``A_log`` and ``dt_bias``, beta from
+its own projection, an RMSNorm of each head's output gated by SiLU(z), and the output projection.
+
+Documents (``doc_ids``): neither the state nor the convolution crosses a document boundary: each document
+runs from a zero state and zero convolution history, as if alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+
+from torchtitan.models.common.attention import document_lengths
+from torchtitan.models.common.init import trunc_normal_
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (transformers' and flash-linear-attention's form)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _heads_first(q, k, v, g, beta):
+    """(bs, T, H, d) / (bs, T, H) -> fp32 (bs, H, T, d) / (bs, H, T); k/q heads repeated to the value heads;
+    q and k L2-normalised, q scaled by d^-0.5."""
+    rep = v.shape[2] // k.shape[2]
+    if rep > 1:  # each q/k head serves ``rep`` consecutive value heads
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    q, k, v = (x.transpose(1, 2).float().contiguous() for x in (q, k, v))
+    g, beta = (x.transpose(1, 2).float().contiguous() for x in (g, beta))
+    q, k = l2_normalize(q), l2_normalize(k)
+    return q * q.shape[-1] ** -0.5, k, v, g, beta
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token by token. q, k (bs, T, Hk, dk); v (bs, T, H, dv); g (log decay, <= 0), beta (bs, T, H); state
+    (bs, H, dk, dv) or None (zero) -> (out (bs, T, H, dv) in v's dtype, the final state, fp32)."""
+    dtype = v.dtype
+    q, k, v, g, beta = _heads_first(q, k, v, g, beta)
+    bs, heads, length, dk = k.shape
+    s = q.new_zeros(bs, heads, dk, v.shape[-1]) if state is None else state.float()
+    out = []
+    for t in range(length):
+        s = s * g[:, :, t].exp()[..., None, None]
+        delta = (v[:, :, t] - (s * k[:, :, t, :, None]).sum(-2)) * beta[:, :, t, None]  # (bs, H, dv)
+        s = s + k[:, :, t, :, None] * delta[:, :, None, :]
+        out.append((s * q[:, :, t, :, None]).sum(-2))
+    return torch.stack(out, dim=1).to(dtype), s
+
+
+def chunked_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk: int = 64,
+    state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chunk`` tokens at a time; the arguments and results of ``recurrent_gated_delta_rule``.
+
+    Within a chunk, with G the cumulative log decay and D[i, j] = exp(G_i - G_j) for j <= i (else 0):
+    the corrections u solve (I + strictly_lower((beta k) k^T * D)) u = beta v - (beta k exp(G)) S, split as
+    u = U - W S with U, W solved once for every chunk; then o = (q exp(G)) S + ((q k^T) * D) u and
+    S <- exp(G_last) S + (k exp(G_last - G))^T u.
+    """
+    dtype, length = v.dtype, v.shape[1]
+    q, k, v, g, beta = _heads_first(q, k, v, g, beta)
+    bs, heads, _, dk = k.shape
+    pad = -length % chunk
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    q, k, v = (x.unflatten(2, (-1, chunk)) for x in (q, k, v))  # (bs, H, N, C, d)
+    g, beta = (x.unflatten(2, (-1, chunk)) for x in (g, beta))  # (bs, H, N, C)
+    cum = g.cumsum(-1)
+    later = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)  # j > i: no decay, no attention
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(later, float("-inf")).exp()  # (bs, H, N, C, C)
+    kb = k * beta[..., None]
+    system = (kb @ k.transpose(-1, -2)) * decay
+    solve = dict(upper=False, unitriangular=True)  # the diagonal is taken as 1: (I + strictly lower)
+    u0 = torch.linalg.solve_triangular(system, v * beta[..., None], **solve)
+    w = torch.linalg.solve_triangular(system, kb * cum.exp()[..., None], **solve)
+    inner = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * cum.exp()[..., None]
+    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # (bs, H, N, 1, 1)
+    s = q.new_zeros(bs, heads, dk, v.shape[-1]) if state is None else state.float()
+    out = []
+    for n in range(q.shape[2]):
+        u = u0[:, :, n] - w[:, :, n] @ s
+        out.append(q_decayed[:, :, n] @ s + inner[:, :, n] @ u)
+        s = s * chunk_decay[:, :, n] + k_to_end[:, :, n].transpose(-1, -2) @ u
+    o = torch.stack(out, dim=2).flatten(2, 3)[:, :, :length]  # (bs, H, T, dv)
+    return o.transpose(1, 2).to(dtype), s
+
+
+def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (bs, T, C), weight (C, K) -> SiLU of each channel's causal convolution (bs, T, C): output t sees
+    inputs t-K+1..t, zeros before the start."""
+    width = weight.shape[-1]
+    out = F.conv1d(x.transpose(1, 2), weight.unsqueeze(1), padding=width - 1, groups=weight.shape[0])
+    return F.silu(out[..., : x.shape[1]]).transpose(1, 2)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output (fp32), times its weight, times SiLU(z) (the gate)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        return (self.weight * normed * F.silu(z.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear-attention layer; its submodule names are transformers' (``in_proj_qkv``, ``conv1d``...).
+
+    Args:
+        dim: the model width; key_heads / value_heads, key_dim / value_dim: the linear attention's heads and
+            their sizes (value heads a multiple of key heads); conv_kernel: the convolution's width;
+            chunk: the chunked rule's chunk length; eps: the gated norm's.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        key_heads: int,
+        value_heads: int,
+        key_dim: int,
+        value_dim: int,
+        conv_kernel: int,
+        chunk: int,
+        eps: float,
+    ):
+        super().__init__()
+        self.key_dim, self.value_dim, self.chunk = key_dim, value_dim, chunk
+        keys, values = key_heads * key_dim, value_heads * value_dim
+        self.split = (keys, keys, values)
+        self.in_proj_qkv = nn.Linear(dim, 2 * keys + values, bias=False)
+        self.in_proj_z = nn.Linear(dim, values, bias=False)
+        self.in_proj_b = nn.Linear(dim, value_heads, bias=False)
+        self.in_proj_a = nn.Linear(dim, value_heads, bias=False)
+        self.conv1d = nn.Conv1d(2 * keys + values, 2 * keys + values, conv_kernel, groups=2 * keys + values, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(value_heads))
+        self.A_log = nn.Parameter(torch.zeros(value_heads))
+        self.norm = GatedRMSNorm(value_dim, eps)
+        self.out_proj = nn.Linear(values, dim, bias=False)
+
+    def init_weights(self, init_std: float) -> None:
+        for linear in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a):
+            trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        trunc_normal_(self.out_proj.weight, mean=0.0, std=init_std)
+        self.conv1d.reset_parameters()
+        nn.init.ones_(self.dt_bias)
+        with torch.no_grad():  # per-head decay rates A in [0.01, 16] (log-uniform would be as good)
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log())
+        self.norm.reset_parameters()
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None):
+        """x (bs, T, dim) -> (bs, T, dim); ``rope`` is not used (the block's signature); doc_ids (bs, T): each
+        document from a zero state and convolution history."""
+        mixed = self.in_proj_qkv(x)  # (bs, T, 2 keys + values)
+        z = self.in_proj_z(x).unflatten(-1, (-1, self.value_dim))  # (bs, T, H, dv)
+        beta = self.in_proj_b(x).sigmoid()  # (bs, T, H)
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # (bs, T, H), <= 0
+        weight = self.conv1d.weight.squeeze(1)  # (C, K)
+        if doc_ids is None:
+            out = self._mix(mixed, weight, g, beta)
+        else:
+            out = self._mix_documents(mixed, weight, g, beta, doc_ids)
+        return self.out_proj(self.norm(out, z).flatten(2))  # the norm per head
+
+    def _mix(self, mixed, weight, g, beta, state=None):
+        """The convolution and the chunked rule over whole rows -> (bs, T, H, dv)."""
+        q, k, v = causal_depthwise_conv(mixed, weight).to(mixed.dtype).split(self.split, dim=-1)
+        q, k = q.unflatten(-1, (-1, self.key_dim)), k.unflatten(-1, (-1, self.key_dim))
+        v = v.unflatten(-1, (-1, self.value_dim))
+        return chunked_gated_delta_rule(q, k, v, g, beta, self.chunk, state)[0]
+
+    def _mix_documents(self, mixed, weight, g, beta, doc_ids):
+        """``_mix`` per document (no state or convolution history crosses a boundary) -> (bs, T, H, dv)."""
+        bs, length = doc_ids.shape
+        # every row's documents, row after row; under fake tensors (the memory estimator) the ids cannot be read and
+        # one document per row stands in (the memory does not depend on the count), as for the attention
+        lengths = [length] * bs if is_fake(doc_ids) else document_lengths(doc_ids)
+
+        def documents(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return t.flatten(0, 1).split(lengths)
+
+        parts = [self._mix(m[None], weight, a[None], b[None]) for m, a, b in zip(*map(documents, (mixed, g, beta)))]
+        return torch.cat(parts, dim=1).view(bs, length, *parts[0].shape[2:])
