@@ -126,16 +126,23 @@ def adapted_shapes(config: JobConfig, n_layers: int) -> list[tuple[int, int]]:
 def _layer_kind(config: JobConfig, layer: int, kinds: int) -> int:
     if get_model_spec(config.model.name).adapters.linears is not None:
         return layer % kinds  # every layer its own kind
-    return int(getattr(flavor_args(config.model), "is_moe_layer", lambda i: False)(layer))
+    args = flavor_args(config.model)
+    types = getattr(args, "layer_types", None)
+    if types is not None:  # a hybrid's schedule (qwen3_5: Gated DeltaNet, full attention): a kind per layer type
+        return list(dict.fromkeys(types)).index(types[layer])
+    return int(getattr(args, "is_moe_layer", lambda i: False)(layer))
 
 
 def _meta_blocks(config: JobConfig) -> list[nn.Module]:
     """The blocks of a meta build of the configured flavor that hold every kind of layer: the first ones (a native
-    family's dense and MoE layers), or every one (a family read from its blocks)."""
+    family's dense and MoE layers, a hybrid's layer types), or every one (a family read from its blocks)."""
     spec = get_model_spec(config.model.name)
     args = flavor_args(config.model)
+    types = getattr(args, "layer_types", None)
     if spec.adapters.linears is not None:
         n = args.n_layers
+    elif types is not None:  # up to the first layer of each type
+        n = max(types.index(t) for t in set(types)) + 1
     elif getattr(args, "is_moe_layer", None) is None:
         n = 1  # a dense family: every block alike
     else:

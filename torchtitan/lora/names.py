@@ -62,8 +62,10 @@ def family_targets(spec: ModelSpec, blocks: list[nn.Module] = ()) -> dict[str, T
     for ours, hf in layout.block_names.items():
         path, hf_path = ours.removesuffix(".weight"), hf.removesuffix(".weight")
         parent, _, name = path.rpartition(".")
-        if "norm" in name or name == "expert_bias" or parent not in ("attention", "feed_forward") or name in out:
-            continue  # norms, the router and expert bias, the shared expert's (its w1 is the FFN's w1)
+        if not ours.endswith(".weight") or "norm" in name or "conv" in name or name in out:
+            continue  # per-head parameters (expert bias, Gated DeltaNet's A_log), norms, convolutions, repeats
+        if parent not in ("attention", "feed_forward"):
+            continue  # the router, the shared expert's (its w1 is the FFN's w1)
         paths = (path,) if parent == "attention" else tuple(f"{p}.{name}" for p in layout.ffn_paths)
         if paths:
             out[name] = Target(name, paths, hf_path.rsplit(".", 1)[-1], hf_path)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from torchtitan.models.llama.spec import check_dense_config
 from torchtitan.models.qwen3_5 import Qwen35Transformer, qwen3_5_configs
 from torchtitan.models.qwen3_5.hf_adapter import QWEN3_5
-from torchtitan.spec import ModelSpec
+from torchtitan.spec import AdapterLayout, ModelSpec
 
 if TYPE_CHECKING:
     from torchtitan.config.schema import Experimental, Model, Training
@@ -52,6 +52,7 @@ SPEC = ModelSpec(
     qwen3_5_configs,
     documents=True,
     state_dict_adapter=QWEN3_5,
+    adapters=AdapterLayout(QWEN3_5.block_names, ("feed_forward",), dense=True),
     check_fn=check_qwen3_5,
     hf_model_type="qwen3_5_text",
 )
