@@ -201,7 +201,7 @@ class GatedDeltaNet(nn.Module):
 
     def _mix(self, mixed, weight, g, beta, state=None):
         """The convolution and the chunked rule over whole rows -> (bs, T, H, dv)."""
-        q, k, v = causal_depthwise_conv(mixed, weight).to(mixed.dtype).split(self.split, dim=-1)
+        q, k, v = causal_depthwise_conv(mixed, weight).split(self.split, dim=-1)
         q, k = q.unflatten(-1, (-1, self.key_dim)), k.unflatten(-1, (-1, self.key_dim))
         v = v.unflatten(-1, (-1, self.value_dim))
         return chunked_gated_delta_rule(q, k, v, g, beta, self.chunk, state)[0]
