@@ -31,7 +31,6 @@ CHECKPOINT = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "2", "-
 FULL_AC = ["--activation_checkpoint.mode", "full"]
 OP_AC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
 DDP = ["--training.data_parallel_shard_degree", "1", "--training.data_parallel_replicate_degree", "2"]
-HSDP = ["--training.data_parallel_shard_degree", "2", "--training.data_parallel_replicate_degree", "2"]
 # flavor -> (its data-parallel row: name and arguments, TP2 built)
 ARCHITECTURES = {
     "mistral_tiny": (("fsdp2", []), True),  # also the checkpoint, HF export and resume rows
