@@ -59,9 +59,7 @@ def build_model_args(config: JobConfig, spec: ModelSpec, vocab_size: int, *, dev
     ``device_type``: the run's device, which ``model.attention_backend = 'auto'`` resolves against;
     default the device this process trains on (``get_device_info``), as the trainer's.
     """
-    flavor = spec.flavors[config.model.flavor]
-    if spec.configure is not None:
-        flavor = spec.configure(flavor, config.model)
+    flavor = spec.flavor_args(config.model)
     ck = config.checkpoint
     if ck.initial_load_in_hf and ck.initial_load_path:
         vocab_size = hf_embedding_rows(ck.initial_load_path, vocab_size, config.model.tokenizer_path)

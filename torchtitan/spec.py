@@ -245,6 +245,11 @@ class ModelSpec:
     documents: bool = False
     configure: Callable[[Any, Model], Any] | None = None
 
+    def flavor_args(self, model: Model) -> Any:
+        """The args of ``model.flavor`` under the run's ``[model]`` section (``configure``)."""
+        flavor = self.flavors[model.flavor]
+        return flavor if self.configure is None else self.configure(flavor, model)
+
     def reads_hf_model_type(self, model_type: str | None) -> bool:
         """Whether this family imports a Hugging Face ``config.json`` of ``model_type``."""
         return self.hf_model_type == ANY_HF_MODEL_TYPE or model_type == self.hf_model_type
@@ -330,8 +335,7 @@ def flavor_args(model: Model) -> Any:
         raise ConfigError(str(e)) from None
     if model.flavor not in flavors:
         raise ConfigError(f"model.flavor = {model.flavor!r} is not a {model.name} flavor; allowed are {list(flavors)}")
-    spec = get_model_spec(model.name)
-    return flavors[model.flavor] if spec.configure is None else spec.configure(flavors[model.flavor], model)
+    return get_model_spec(model.name).flavor_args(model)
 
 
 def spec_for_hf_model_type(model_type: str) -> ModelSpec:

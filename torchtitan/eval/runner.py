@@ -106,11 +106,11 @@ class ModelRunner:
         stopped: Callable[[list[int]], bool],
         generator: torch.Generator | None,
     ) -> list[list[int]]:
-        """Continue each context (all of one length), with our KV cache where it fits, until ``stopped(row's new tokens)`` for
-        every row or ``max_new_tokens``; returns each row's new tokens, cut after the step that stopped it."""
+        """Continue each context (all of one length), with our KV cache where it fits, until ``stopped(row's new
+        tokens)`` for every row or ``max_new_tokens``; returns each row's new tokens, cut after the step that stopped
+        it."""
         tokens = torch.tensor(contexts, dtype=torch.long, device=self.em.device)  # (bs, n)
         n = tokens.shape[1]
-        # our KV cache where the blocks have its seam (not transformers' own, model.name = "hf")
         cache = KVCache(n + max_new_tokens) if self.multiple == 1 and KVCache.fits(self.em.model) else None
         swapped = cache.install(self.em.model) if cache is not None else []
         done = [False] * len(contexts)

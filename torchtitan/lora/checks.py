@@ -38,9 +38,10 @@ def check_lora(config: JobConfig, dims: ParallelDims) -> list[str]:
         return []
     spec = get_model_spec(config.model.name)
     adapter_layout(spec)  # the family (one line naming those LoRA runs on)
-    blocks = _meta_blocks(config)
+    blocks, kinds = _meta_layers(config)
     targets = resolve_targets(spec, lora.target_modules, blocks)  # the family and the names
-    shapes = [s for kind in _kind_shapes(config).values() for s in kind.values()]
+    by_kind = _kind_shapes(spec, lora.target_modules, blocks, kinds)
+    shapes = [s for kind in by_kind.values() for s in kind.values()]
     if not shapes:
         raise ConfigError(
             f"lora.target_modules = {lora.target_modules}: model {config.model.name} flavor {config.model.flavor} has "
@@ -69,7 +70,7 @@ def check_lora(config: JobConfig, dims: ParallelDims) -> list[str]:
                 f"the dense families {', '.join(dense_families())}); set lora.quantize_base = 'none' for LoRA on it"
             )
         check_qlora_layout(config, dims)
-        check_nf4_shapes(target_shapes(config), dims.dp_shard if dims.fsdp_enabled else 1)
+        check_nf4_shapes(_first_kind(by_kind), dims.dp_shard if dims.fsdp_enabled else 1)
     return []
 
 
@@ -101,7 +102,8 @@ def check_qlora_torchao(config: JobConfig, dims: ParallelDims) -> list[str]:
 def target_names(config: JobConfig) -> list[str]:
     """The names of the linears ``lora.target_modules`` adapts in the configured flavor (ours; a family read from
     its blocks: its modules' own), in the order given, then the family's."""
-    spec, blocks, requested = get_model_spec(config.model.name), _meta_blocks(config), config.lora.target_modules
+    spec, requested = get_model_spec(config.model.name), config.lora.target_modules
+    blocks, _ = _meta_layers(config)
     held = [t.name for t in resolve_targets(spec, requested, blocks) if any(target_paths(b, [t]) for b in blocks)]
     order = {name: i for i, name in enumerate(requested)}
     return sorted(held, key=lambda name: order.get(name, len(order)))
@@ -110,59 +112,58 @@ def target_names(config: JobConfig) -> list[str]:
 def target_shapes(config: JobConfig) -> dict[str, tuple[int, int]]:
     """Our target name -> (out, in) of that linear in block 0 of the configured flavor (a dense family's every
     block; QLoRA's shape check)."""
-    shapes = _kind_shapes(config)
-    first = shapes[min(shapes)]
-    return {path.rsplit(".", 1)[-1]: shape for path, shape in first.items()}
+    blocks, kinds = _meta_layers(config)
+    return _first_kind(_kind_shapes(get_model_spec(config.model.name), config.lora.target_modules, blocks, kinds))
 
 
 def adapted_shapes(config: JobConfig, n_layers: int) -> list[tuple[int, int]]:
     """(out, in) of every linear LoRA adapts in a model of ``n_layers`` blocks of the configured flavor: an MoE
     family's dense layers, MoE layers (attention, shared expert) each with their own; a family read from its
     blocks (``hf``) each layer's own, its schedule repeated past the flavor's depth."""
-    shapes = _kind_shapes(config)
-    return [shape for i in range(n_layers) for shape in shapes[_layer_kind(config, i, len(shapes))].values()]
+    blocks, kinds = _meta_layers(config)
+    shapes = _kind_shapes(get_model_spec(config.model.name), config.lora.target_modules, blocks, kinds)
+    return [shape for kind in _layer_kinds(config, n_layers) for shape in shapes[kind].values()]
 
 
-def _layer_kind(config: JobConfig, layer: int, kinds: int) -> int:
-    if get_model_spec(config.model.name).adapters.linears is not None:
-        return layer % kinds  # every layer its own kind
-    args = flavor_args(config.model)
-    types = getattr(args, "layer_types", None)
-    if types is not None:  # a hybrid's schedule (qwen3_5: Gated DeltaNet, full attention): a kind per layer type
-        return list(dict.fromkeys(types)).index(types[layer])
-    return int(getattr(args, "is_moe_layer", lambda i: False)(layer))
-
-
-def _meta_blocks(config: JobConfig) -> list[nn.Module]:
-    """The blocks of a meta build of the configured flavor that hold every kind of layer: the first ones (a native
-    family's dense and MoE layers, a hybrid's layer types), or every one (a family read from its blocks)."""
-    spec = get_model_spec(config.model.name)
-    args = flavor_args(config.model)
-    types = getattr(args, "layer_types", None)
+def _layer_kinds(config: JobConfig, n_layers: int | None = None) -> list[int]:
+    """Each layer's kind in the configured flavor at ``n_layers`` layers (default its own depth): 0 dense and 1 MoE,
+    a hybrid's layer types (qwen3_5) in the order they first appear, or, in a family read from its blocks (``hf``),
+    each layer of the flavor its own kind, repeated past its depth."""
+    spec, args = get_model_spec(config.model.name), flavor_args(config.model)
+    n = args.n_layers if n_layers is None else n_layers
     if spec.adapters.linears is not None:
-        n = args.n_layers
-    elif types is not None:  # up to the first layer of each type
-        n = max(types.index(t) for t in set(types)) + 1
-    elif getattr(args, "is_moe_layer", None) is None:
-        n = 1  # a dense family: every block alike
-    else:
-        n = min(args.n_layers, args.first_k_dense + args.moe_every + 1)
+        return [i % args.n_layers for i in range(n)]
+    args = dataclasses.replace(args, n_layers=n)
+    types = getattr(args, "layer_types", None)
+    if types is not None:
+        order = list(dict.fromkeys(types))
+        return [order.index(t) for t in types]
+    moe = getattr(args, "is_moe_layer", None)
+    return [int(moe(i)) if moe is not None else 0 for i in range(n)]
+
+
+def _meta_layers(config: JobConfig) -> tuple[list[nn.Module], list[int]]:
+    """(blocks, kinds): a meta build of the configured flavor's first blocks, up to the first layer of its every kind,
+    and each of its layers' kind (``_layer_kinds``)."""
+    spec, args = get_model_spec(config.model.name), flavor_args(config.model)
+    kinds = _layer_kinds(config)
     with torch.device("meta"):
-        model = spec.model_cls(dataclasses.replace(args, n_layers=n))
-    return [block for _, block in model_blocks(model)]
+        model = spec.model_cls(dataclasses.replace(args, n_layers=max(kinds.index(k) for k in set(kinds)) + 1))
+    return [block for _, block in model_blocks(model)], kinds
 
 
-def _kind_shapes(config: JobConfig) -> dict[int, dict[str, tuple[int, int]]]:
-    """Per layer kind (0 dense, 1 MoE; only those the flavor has; a family read from its blocks: per layer): the
-    block path -> (out, in) of its targets, from a meta build of the layers that hold every kind."""
-    spec = get_model_spec(config.model.name)
-    blocks = _meta_blocks(config)
-    targets = resolve_targets(spec, config.lora.target_modules, blocks)
+def _kind_shapes(spec, requested: list[str], blocks: list[nn.Module], kinds: list[int]) -> dict:
+    """Per layer kind: the block path -> (out, in) of the targets ``requested`` in its first block."""
+    targets = resolve_targets(spec, requested, blocks)
     out: dict[int, dict[str, tuple[int, int]]] = {}
-    for i, block in enumerate(blocks):
-        k = _layer_kind(config, i, len(blocks))
-        out.setdefault(k, {p: tuple(block.get_submodule(p).weight.shape) for p in target_paths(block, targets)})
+    for kind, block in zip(kinds, blocks):
+        out.setdefault(kind, {p: tuple(block.get_submodule(p).weight.shape) for p in target_paths(block, targets)})
     return out
+
+
+def _first_kind(shapes: dict[int, dict[str, tuple[int, int]]]) -> dict[str, tuple[int, int]]:
+    """Our target name -> (out, in) in the first layer kind's block."""
+    return {path.rsplit(".", 1)[-1]: shape for path, shape in shapes[min(shapes)].items()}
 
 
 def _check_combinations(config: JobConfig, dims: ParallelDims) -> None:

@@ -201,11 +201,6 @@ def check_hf(args: HFArgs, *, model, training, experimental) -> list[str]:
             )
     if model.attn_mask_type == "block_causal":
         _check_documents(config, model)
-    if model.attn_mask_type == "block_causal" and not model.positions_per_document:
-        raise NotImplementedError(
-            "model.attn_mask_type = 'block_causal' with model.name = 'hf' needs model.positions_per_document = true: "
-            "transformers finds the documents where the positions restart (its packed-sequence mask); set it"
-        )
     if model.attention_backend not in ("auto", "sdpa"):
         raise NotImplementedError(
             f"model.attention_backend = {model.attention_backend!r} with model.name = 'hf': transformers' own "
@@ -234,8 +229,14 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attenti
 
 
 def _check_documents(config, model) -> None:
-    """block_causal only on models whose every layer is attention: a recurrent or convolutional layer (Mamba, Gated
-    DeltaNet, short convolutions) would carry its state across the packed documents, which no mask stops."""
+    """block_causal only with per-document positions (transformers finds the documents where the positions restart:
+    its packed-sequence mask), on models whose every layer is attention: a recurrent or convolutional layer (Mamba,
+    Gated DeltaNet, short convolutions) would carry its state across the packed documents, which no mask stops."""
+    if not model.positions_per_document:
+        raise NotImplementedError(
+            "model.attn_mask_type = 'block_causal' with model.name = 'hf' needs model.positions_per_document = true: "
+            "transformers finds the documents where the positions restart (its packed-sequence mask); set it"
+        )
     text = config.get_text_config()
     other = sorted(set(getattr(text, "layer_types", None) or []) - set(ATTENTION_LAYER_TYPES))
     fields = sorted(k for k in vars(text) if k.startswith(("mamba_", "ssm_", "linear_conv", "conv_")))

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from torchtitan.models.common.attention import document_lengths
+from torchtitan.models.common.attention import DocumentLayoutCache, document_lengths
 from torchtitan.models.common.init import trunc_normal_
 
 
@@ -174,6 +174,8 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(value_heads))
         self.norm = GatedRMSNorm(value_dim, eps)
         self.out_proj = nn.Linear(values, dim, bias=False)
+        # the model's one document layout per batch (Qwen35Transformer shares its cache, as llama's attention does)
+        self.documents = DocumentLayoutCache()
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a):
@@ -211,7 +213,7 @@ class GatedDeltaNet(nn.Module):
         bs, length = doc_ids.shape
         # every row's documents, row after row; under fake tensors (the memory estimator) the ids cannot be read and
         # one document per row stands in (the memory does not depend on the count), as for the attention
-        lengths = [length] * bs if is_fake(doc_ids) else document_lengths(doc_ids)
+        lengths = [length] * bs if is_fake(doc_ids) else self.documents.get(doc_ids, "lengths", document_lengths)
 
         def documents(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
             return t.flatten(0, 1).split(lengths)

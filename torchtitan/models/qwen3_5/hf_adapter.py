@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from torchtitan.models.common.hf_adapter import HfAdapter, base_model_args, torch_dtype_name
+from torchtitan.models.qwen3_5.model import FULL_ATTENTION, LINEAR_ATTENTION, Qwen35Args
 
 _FULL = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -45,7 +46,7 @@ _COMMON = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-BUILT_LAYER_TYPES = ("linear_attention", "full_attention")
+BUILT_LAYER_TYPES = (LINEAR_ATTENTION, FULL_ATTENTION)
 
 
 class Qwen35Adapter(HfAdapter):
@@ -54,7 +55,6 @@ class Qwen35Adapter(HfAdapter):
 
     def hf_config(self, args: dict[str, Any], weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
         """``config.json`` for ``Qwen3_5ForCausalLM``."""
-        every = args["full_attention_interval"]
         return {
             "architectures": ["Qwen3_5ForCausalLM"],
             "model_type": "qwen3_5_text",
@@ -72,7 +72,7 @@ class Qwen35Adapter(HfAdapter):
                 "rope_theta": args["rope_theta"],
                 "partial_rotary_factor": args["partial_rotary_factor"],
             },
-            "layer_types": [BUILT_LAYER_TYPES[int((i + 1) % every == 0)] for i in range(args["n_layers"])],
+            "layer_types": Qwen35Args.from_dict(args).layer_types,
             "linear_conv_kernel_dim": args["linear_conv_kernel"],
             "linear_key_head_dim": args["linear_key_head_dim"],
             "linear_value_head_dim": args["linear_value_head_dim"],
@@ -128,9 +128,8 @@ def _full_attention_interval(layer_types: list[str] | None, n_layers: int) -> in
         raise NotImplementedError(
             f"HF Qwen3.5 config layer_types has {unknown}: our Qwen3.5 builds {' and '.join(BUILT_LAYER_TYPES)} layers"
         )
-    full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
-    every = full[0] + 1 if full else 0
-    if not full or [i for i in range(n_layers) if (i + 1) % every == 0] != full:
+    every = layer_types.index(FULL_ATTENTION) + 1 if FULL_ATTENTION in layer_types else 0
+    if not every or Qwen35Args(n_layers=n_layers, full_attention_interval=every).layer_types != list(layer_types):
         raise NotImplementedError(
             f"HF Qwen3.5 config layer_types {layer_types}: our Qwen3.5 builds full attention at every k-th layer "
             "(full_attention_interval), Gated DeltaNet between"

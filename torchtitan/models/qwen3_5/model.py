@@ -168,6 +168,9 @@ class Qwen35Transformer(Transformer):
     def __init__(self, args: Qwen35Args):
         super().__init__(args, build_block=HybridBlock)
         self.norm = ZeroCenteredRMSNorm(args.dim, args.norm_eps)
+        for module in self.layers.modules():
+            if isinstance(module, GatedDeltaNet):
+                module.documents = self.document_cache  # one document layout per batch, the attention's too
 
     def _rope_cache(self) -> torch.Tensor:
         args = self.args
