@@ -130,3 +130,18 @@ def test_published_flavors_have_transformers_parameter_count(flavor):
     count = sum(p.numel() for p in ours.parameters())
     assert count == sum(p.numel() for p in theirs.parameters()), flavor
     print(f"{flavor}: {count:,} parameters")
+
+
+def test_mfu_counts_attention_in_full_attention_layers_and_the_recurrence():
+    """MFU's FLOPs per token: softmax attention in the 1 full-attention layer of the tiny flavor's 4, Gated DeltaNet's
+    chunked matmuls in the other 3 (docs/metrics.md's formula, by hand here); a llama's args count every layer."""
+    from torchtitan.observability.metrics import compute_num_flops_per_token, model_flops_per_token
+
+    args = SPEC.flavors["debugmodel_tiny"]
+    c, dk, dv, heads = 16, 16, 16, 4
+    recurrence = 3 * (4 * c * dk + 2 * c * dv + 6 * dk * dv) * heads * 3  # 3 Gated DeltaNet layers
+    assert model_flops_per_token(1000, args, 64) == 6 * 1000 + 12 * 1 * 4 * 16 * 64 + recurrence
+    llama = get_model_spec("llama3").flavors["debugmodel_tiny"]
+    assert model_flops_per_token(1000, llama, 64) == compute_num_flops_per_token(
+        1000, llama.n_layers, llama.n_heads, llama.head_dim, 64
+    )

@@ -49,7 +49,7 @@ from torchtitan.dtypes import to_dtype
 from torchtitan.estimation.estimate import estimate_memory, named_shapes
 from torchtitan.estimation.fake_trainer import resolve_vocab
 from torchtitan.observability.flops import GPU_PEAK_FLOPS
-from torchtitan.observability.metrics import compute_num_flops_per_token
+from torchtitan.observability.metrics import model_flops_per_token
 from torchtitan.preflight import run_preflight
 from torchtitan.preflight.registry import plan_terms
 from torchtitan.spec import get_model_spec
@@ -222,7 +222,7 @@ def throughput(args, layout: Layout, config, global_batch: int, world_size: int,
     """Step time and tokens/s per GPU of a layout under the model in the module docstring (peak filled later)."""
     seq, bytes_param = config.training.seq_len, 2 if config.training.mixed_precision_param == "bfloat16" else 4
     embed, rest = _param_counts(config, args)
-    flops_per_token = compute_num_flops_per_token(rest + embed // 2, args.n_layers, args.n_heads, args.head_dim, seq)
+    flops_per_token = model_flops_per_token(rest + embed // 2, args, seq)
     f8 = config.float8
     if f8.enable_float8_linear:  # the linears' 6N share runs float8 GEMMs
         linear = 6 * (rest + embed // 2)

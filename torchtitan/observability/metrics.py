@@ -202,6 +202,15 @@ def compute_num_flops_per_token(
     return 6 * num_params + 12 * n_layers * n_heads * head_dim * pairs
 
 
+def model_flops_per_token(num_params: int, args, seq_len: int, attention_pairs: float | None = None) -> float:
+    """``compute_num_flops_per_token`` for a model's ``args``: softmax attention in its ``attention_layers`` (default
+    every layer), plus the weightless FLOPs of its other token mixers (``mixer_flops_per_token``, default 0:
+    Qwen3.5's Gated DeltaNet layers)."""
+    layers = getattr(args, "attention_layers", args.n_layers)
+    flops = compute_num_flops_per_token(num_params, layers, args.n_heads, args.head_dim, seq_len, attention_pairs)
+    return flops + getattr(args, "mixer_flops_per_token", 0)
+
+
 def compute_mfu(tokens_per_second: float, flops_per_token: float, peak_flops: float) -> float:
     """Model FLOPs utilisation in percent: achieved FLOP/s over the device's peak FLOP/s.
 

@@ -22,7 +22,7 @@ from torchtitan.observability.metrics import (
     build_device_memory_monitor,
     build_metric_logger,
     compute_mfu,
-    compute_num_flops_per_token,
+    model_flops_per_token,
 )
 from torchtitan.observability.peak_cache import drop_entry
 
@@ -63,12 +63,10 @@ class StepMetrics:
         self.device = device
         self.documents, self.seq_len, self.cp_degree = documents, training.seq_len, cp_degree
         self.data_mix = data_mix  # a blend: each source's samples and tokens in the step (record fields, scalars)
-        self.flop_shape = (num_params, model_args.n_layers, model_args.n_heads, model_args.head_dim)
+        self.flop_model = (num_params, model_args)
         self.enabled = enabled
         self.reduce_loss = reduce_loss  # per-rank loss -> (global mean, max): the step function's
-        self.flops_per_token = compute_num_flops_per_token(
-            num_params, model_args.n_layers, model_args.n_heads, model_args.head_dim, training.seq_len
-        )
+        self.flops_per_token = model_flops_per_token(num_params, model_args, training.seq_len)
         self.peak = build_peak_flops(
             device, model_args, training=training, metrics=metrics, float8=float8, cp_degree=cp_degree
         )
@@ -174,8 +172,8 @@ class StepMetrics:
     def _flops_per_token(self, docs: DocumentStats | None) -> float:
         if docs is None:
             return self.flops_per_token
-        return compute_num_flops_per_token(
-            *self.flop_shape, self.seq_len, attention_pairs=docs.pairs / (docs.windows * self.seq_len)
+        return model_flops_per_token(
+            *self.flop_model, self.seq_len, attention_pairs=docs.pairs / (docs.windows * self.seq_len)
         )
 
     def _mfu(self, tps: float, flops_per_token: float) -> float | None:

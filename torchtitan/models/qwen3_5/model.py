@@ -50,6 +50,21 @@ class Qwen35Args(Qwen3Args):
         return [FULL_ATTENTION if (i + 1) % every == 0 else LINEAR_ATTENTION for i in range(self.n_layers)]
 
     @property
+    def attention_layers(self) -> int:
+        """The layers with softmax attention (MFU's attention term: observability/metrics.py)."""
+        return self.layer_types.count(FULL_ATTENTION)
+
+    @property
+    def mixer_flops_per_token(self) -> int:
+        """Gated DeltaNet's FLOPs per token that no weight accounts for, forward and backward (3x the forward), as
+        its chunked form computes them, per value head: q.k and (beta k).k within the chunk (2 x 2 C dk), the
+        scores times the corrections (2 C dv), the state read by q and by the keys and written (3 x 2 dk dv); the
+        triangular solves left out (docs/metrics.md)."""
+        chunk, dk, dv = self.linear_chunk, self.linear_key_head_dim, self.linear_value_head_dim
+        per_head = 4 * chunk * dk + 2 * chunk * dv + 6 * dk * dv
+        return 3 * per_head * self.linear_num_value_heads * (self.n_layers - self.attention_layers)
+
+    @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
