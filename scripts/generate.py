@@ -241,7 +241,7 @@ def complete(model: torch.nn.Module, prompt: Prompt, args: argparse.Namespace, d
     use_cache = not args.no_cache and KVCache.fits(model)
     if not args.no_cache and not use_cache:
         print(
-            "note: not every layer of this model is our attention (transformers' own, or a recurrent layer): generating "
+            "note: this model's layers are transformers' own, not our attention or recurrent layers: generating "
             "without the KV cache (as --no_cache)",
             file=sys.stderr,
         )

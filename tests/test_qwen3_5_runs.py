@@ -2,9 +2,11 @@
 layers and one gated full attention, chunk 16) on the short-document corpus with block_causal documents (every row
 runs the per-document recurrence and convolution, and the attention's document mask), 4 steps at seq 64.
 
-A 1-rank reference, and FSDP2, FSDP2 + gradient accumulation 2, PP2 (1F1B) at 2 ranks and HSDP 2x2 at 4, each at
-loss and grad-norm parity (the matrix's rule: loss rtol 1e-5, grad norm 3e-4); tensor and context parallel refused in one line. The logits of
-the model equal transformers' ``Qwen3_5ForCausalLM`` (tests/unit/test_qwen3_5.py).
+A 1-rank reference, and FSDP2, FSDP2 + gradient accumulation 2, PP2 (1F1B) at 2 ranks, each at loss and grad-norm
+parity (the matrix's rule: loss rtol 1e-5, grad norm 3e-4); tensor and context parallel refused in one line.
+Qwen3.5-MoE (``qwen3_5_moe``, the tiny flavor: 4 experts, top 2, the gated shared expert, expert-bias balancing) has
+its own 1-rank reference, and FSDP2 + EP2 at 2 ranks and HSDP 2x2 + EP2 at 4 at parity with it. The logits of both
+equal transformers' (tests/unit/test_qwen3_5.py).
 """
 
 from __future__ import annotations
@@ -24,19 +26,23 @@ QWEN3_5 = [
     *DOCS_TRAIN,  # the short-document corpus: several documents in every 64-token window
     "--model.positions_per_document",
 ]
+MOE = ["--model.name", "qwen3_5_moe"]
+EP2 = ["--experimental.expert_parallel_degree", "2"]
 REFERENCE = Row("qwen3_5_1proc", 1, 4)
+MOE_REFERENCE = Row("qwen3_5_moe_1proc", 1, 4, MOE)
 ROWS = [
     Row("qwen3_5_fsdp2", 2, 2),
     Row("qwen3_5_fsdp2_accum2", 2, 1, ["--training.gradient_accumulation_steps", "2"]),
     Row("qwen3_5_pp2_1f1b", 2, 4, pp_schedule("1F1B"), pp=2),
+    Row("qwen3_5_moe_fsdp2_ep2", 2, 2, [*MOE, *EP2]),
     Row(
-        "qwen3_5_hsdp_2x2",
+        "qwen3_5_moe_hsdp_2x2_ep2",
         4,
         1,
-        ["--training.data_parallel_shard_degree", "2", "--training.data_parallel_replicate_degree", "2"],
+        [*MOE, *EP2, "--training.data_parallel_shard_degree", "2", "--training.data_parallel_replicate_degree", "2"],
     ),
 ]
-REFERENCES = [REFERENCE]
+REFERENCES = [REFERENCE, MOE_REFERENCE]
 
 
 def _run(row: Row, folder: str) -> dict:
@@ -53,17 +59,22 @@ def _close(a: float, b: float, what: str, rtol: float = RTOL) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> str:
-    folder = str(tmp_path_factory.mktemp("qwen3_5") / REFERENCE.name)
-    status = _run(REFERENCE, folder)
-    assert status["ok"], status["error"]
-    losses = [r["loss"] for r in _records(folder)]
-    assert len(losses) == STEPS and losses[-1] < losses[0], losses
-    return folder
+def references(tmp_path_factory) -> dict[str, str]:
+    """Each family's 1-rank run (its losses fall): the folder, by whether the rows are the MoE's."""
+    folders = {}
+    for row in REFERENCES:
+        folder = str(tmp_path_factory.mktemp("qwen3_5") / row.name)
+        status = _run(row, folder)
+        assert status["ok"], status["error"]
+        losses = [r["loss"] for r in _records(folder)]
+        assert len(losses) == STEPS and losses[-1] < losses[0], (row.name, losses)
+        folders[row.name] = folder
+    return folders
 
 
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: r.name)
-def test_layout_at_parity(reference, row, tmp_path):
+def test_layout_at_parity(references, row, tmp_path):
+    reference = references[(MOE_REFERENCE if row.overrides[:2] == MOE else REFERENCE).name]
     folder = str(tmp_path / row.name)
     status = _run(row, folder)
     assert status["ok"], status["error"]

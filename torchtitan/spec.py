@@ -217,6 +217,8 @@ class ModelSpec:
             repeat with this period (the estimator extrapolates memory over whole periods).
         hf_model_type: the Hugging Face ``model_type`` a ``config.json`` names for this family (``"*"``: any; the
             ``hf`` family builds transformers' own class for it; never picked by ``spec_for_hf_model_type``).
+        hf_wrapper_model_type: the ``model_type`` of a published multimodal folder whose ``text_config`` and
+            language-model weights the family also imports (Qwen3.5's ``"qwen3_5"``); None: none.
         hf_refusal: ``args -> str | None`` (``args`` a dict: a flavor's, or a checkpoint marker's): why
             such weights have no Hugging Face counterpart, one line ending in the fix; None where they
             convert. Read through ``hf_conversion_refusal`` (the pre-launch check and the converters).
@@ -241,6 +243,7 @@ class ModelSpec:
     check_fn: Callable[..., list[str]] | None = None
     layer_pattern: Callable[[Any], tuple[int, int]] = lambda args: (0, 1)
     hf_model_type: str | None = None  # config.json's "model_type" this family imports (with state_dict_adapter)
+    hf_wrapper_model_type: str | None = None
     hf_refusal: Callable[[Mapping[str, Any]], str | None] | None = None
     documents: bool = False
     configure: Callable[[Any, Model], Any] | None = None
@@ -252,7 +255,8 @@ class ModelSpec:
 
     def reads_hf_model_type(self, model_type: str | None) -> bool:
         """Whether this family imports a Hugging Face ``config.json`` of ``model_type``."""
-        return self.hf_model_type == ANY_HF_MODEL_TYPE or model_type == self.hf_model_type
+        read = (self.hf_model_type, self.hf_wrapper_model_type)
+        return self.hf_model_type == ANY_HF_MODEL_TYPE or (model_type is not None and model_type in read)
 
 
 def hf_conversion_refusal(spec: ModelSpec, args: Mapping[str, Any], *, export: bool = True) -> str | None:
@@ -275,6 +279,7 @@ _FAMILIES: dict[str, str] = {
     "deepseek_v3": "torchtitan.models.deepseek_v3.spec",
     "gpt_oss": "torchtitan.models.gpt_oss.spec",
     "qwen3_5": "torchtitan.models.qwen3_5.spec",
+    "qwen3_5_moe": "torchtitan.models.qwen3_5.spec",
     "hf": "torchtitan.models.hf.spec",
 }
 _SPECS: dict[str, ModelSpec] = {}  # loaded from _FAMILIES, or registered with register_model_spec
@@ -342,7 +347,7 @@ def spec_for_hf_model_type(model_type: str) -> ModelSpec:
     """The family that imports a Hugging Face ``config.json`` of this ``model_type`` (imports every family)."""
     specs = [get_model_spec(name) for name in model_names()]
     for spec in specs:
-        if spec.hf_model_type == model_type:
+        if spec.hf_model_type != ANY_HF_MODEL_TYPE and spec.reads_hf_model_type(model_type):
             return spec
     known = sorted(s.hf_model_type for s in specs if s.hf_model_type and s.hf_model_type != ANY_HF_MODEL_TYPE)
     raise ValueError(f"Hugging Face model_type {model_type!r} has no model family here; known: {known}")

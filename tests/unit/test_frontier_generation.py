@@ -1,6 +1,8 @@
 """Generation with the KV cache for the frontier families: multi-head latent attention (deepseek_v3: v heads
-narrower than q/k) and attention sinks with a sliding window (gpt_oss). Each cached decoding step's
-logits equal a full forward over the whole sequence (fp32), past the window's length."""
+narrower than q/k), attention sinks with a sliding window (gpt_oss), and the hybrids' recurrent layers (qwen3_5 and
+qwen3_5_moe: each Gated DeltaNet layer's convolution inputs and state carried between calls; the prompt shorter than
+a chunk runs the token-by-token rule, the full forward the chunked one). Each cached decoding step's logits equal a
+full forward over the whole sequence (fp32), past the window's length."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def _model(name: str) -> torch.nn.Module:
     return model.eval()
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss", "qwen3_5", "qwen3_5_moe"])
 @torch.no_grad()
 def test_cached_decoding_equals_a_full_forward(name):
     model = _model(name)
@@ -45,8 +47,7 @@ def test_cached_decoding_equals_a_full_forward(name):
             cached.append(model(tokens[:, t : t + 1], torch.arange(t, t + 1)))
             cache.length = t + 1
     finally:
-        for attention, kernel in swapped:
-            attention.sdpa = kernel
+        KVCache.uninstall(swapped)
     delta = (torch.cat(cached, dim=1) - full).abs().max().item()
     print(f"{name}: max |dlogits| cached vs full {delta:.1e}")
     assert delta <= 1e-4, delta

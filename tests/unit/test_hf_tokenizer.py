@@ -157,6 +157,8 @@ def _download_script(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 REAL_SIZE_HF = [
     ("qwen3_8b.toml", 8, "Qwen/Qwen3-8B"),
     ("qwen3_moe_30b_a3b.toml", 8, "Qwen/Qwen3-30B-A3B"),
+    ("qwen3_5_9b.toml", 8, "Qwen/Qwen3.5-9B"),
+    ("qwen3_5_moe_35b_a3b.toml", 8, "Qwen/Qwen3.5-35B-A3B"),
     ("deepseek_v3_16b.toml", 8, "deepseek-ai/DeepSeek-V2-Lite"),
     ("deepseek_v3_671b.toml", 256, "deepseek-ai/DeepSeek-V3"),
     ("gpt_oss_20b.toml", 8, "openai/gpt-oss-20b"),

@@ -57,7 +57,9 @@ def _hf_base(model: nn.Module, family: str, args: dict, folder: str) -> nn.Modul
 
 # hf: transformers' own classes, the targets read from their layers (Phi-3's fused qkv_proj and gate_up_proj; Qwen3-MoE's
 # attention beside grouped experts and a router that are not adapted)
-@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_5", "hf:phi3_tiny", "hf:qwen3_moe_tiny"])
+@pytest.mark.parametrize(
+    "family", ["llama3", "qwen3", "qwen3_5", "qwen3_5_moe:debugmodel_aux_loss", "hf:phi3_tiny", "hf:qwen3_moe_tiny"]
+)
 def test_our_adapter_loads_in_peft_and_merges(family: str, tmp_path):
     model, args = _ours(family)
     family = family.partition(":")[0]

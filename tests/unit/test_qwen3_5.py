@@ -1,5 +1,5 @@
-"""Qwen3.5's text model (``model.name = "qwen3_5"``), in process: logits equal transformers' ``Qwen3_5ForCausalLM``
-with the same weights; the chunked gated delta rule equals the token-by-token one; packed documents equal the
+"""Qwen3.5's text model (``model.name = "qwen3_5"``, and ``"qwen3_5_moe"``), in process: logits equal
+transformers' ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` with the same weights; the chunked gated delta rule equals the token-by-token one; packed documents equal the
 documents alone; the HF conversion round-trips; HF configs we do not build are refused in one line."""
 
 from __future__ import annotations
@@ -11,19 +11,25 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from torchtitan.build import build_meta_model
+from torchtitan.checkpointing.hf_files import save_hf_folder
 from torchtitan.distributed.init import init_model_weights
 from torchtitan.models.qwen3_5.gated_delta import chunked_gated_delta_rule, recurrent_gated_delta_rule
-from torchtitan.models.qwen3_5.hf_adapter import QWEN3_5
+from torchtitan.models.qwen3_5.hf_adapter import QWEN3_5, QWEN3_5_MOE
 from torchtitan.spec import get_model_spec
 
 SPEC = get_model_spec("qwen3_5")
+ADAPTERS = {"qwen3_5": QWEN3_5, "qwen3_5_moe": QWEN3_5_MOE}
 VOCAB = 512
 
 
-def _built(seed: int = 0):
-    """The tiny flavor (4 layers: 3 Gated DeltaNet, 1 full attention), its norms moved off their zero init."""
-    args = dataclasses.replace(SPEC.flavors["debugmodel_tiny"], vocab_size=VOCAB, max_seq_len=128)
-    model = build_meta_model(SPEC, args)
+def _built(seed: int = 0, family: str = "qwen3_5"):
+    """The tiny flavor (4 layers: 3 Gated DeltaNet, 1 full attention), its norms moved off their zero init; the
+    MoE's balanced by the aux loss (as transformers' is: no expert bias)."""
+    spec = get_model_spec(family)
+    args = dataclasses.replace(spec.flavors["debugmodel_tiny"], vocab_size=VOCAB, max_seq_len=128)
+    if family == "qwen3_5_moe":
+        args = dataclasses.replace(args, load_balance="aux_loss")
+    model = build_meta_model(spec, args)
     model.to_empty(device="cpu")
     init_model_weights(model, seed, torch.device("cpu"))
     with torch.no_grad():
@@ -33,26 +39,52 @@ def _built(seed: int = 0):
     return model.eval(), dataclasses.asdict(args)
 
 
-def _transformers(model, fields):
-    config = QWEN3_5.hf_config(fields, {}, torch.float32)
-    model_type = config.pop("model_type")
-    config = AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k not in ("architectures",)})
-    config._attn_implementation = "sdpa"
-    theirs = AutoModelForCausalLM.from_config(config).eval()
-    theirs.load_state_dict(QWEN3_5.to_hf_state_dict(model.state_dict(), fields))
-    return theirs
+def _transformers(model, fields, folder, adapter=QWEN3_5):
+    """transformers' model of our weights, read from the HF folder our adapter writes (its loader fuses the MoE's
+    per-expert tensors, as for a published checkpoint)."""
+    config = adapter.hf_config(fields, {}, torch.float32)
+    save_hf_folder(adapter.to_hf_state_dict(model.state_dict(), fields), config, str(folder))
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
-def test_logits_equal_transformers():
-    """40 tokens: the tiny flavor's chunk of 16 pads the last chunk (transformers' rule runs chunks of 64)."""
-    model, fields = _built()
-    theirs = _transformers(model, fields)
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_logits_equal_transformers(family, tmp_path):
+    """40 tokens: the tiny flavor's chunk of 16 pads the last chunk (transformers' rule runs chunks of 64). The MoE:
+    4 experts, top 2, and the gated shared expert."""
+    model, fields = _built(family=family)
+    theirs = _transformers(model, fields, tmp_path, ADAPTERS[family])
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in theirs.parameters())
     tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours, want = model(tokens), theirs(input_ids=tokens).logits
     gap = ((ours - want).abs().max() / want.abs().max()).item()
     assert gap <= 1e-5, gap
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_greedy_generation_equals_transformers(family, tmp_path, monkeypatch):
+    """Greedy text with our cache (the attention's keys and values, each Gated DeltaNet layer's convolution inputs
+    and state) equals transformers' generate with its own cache, and ours without a cache. The matrices are drawn
+    at unit gain so the mixers, not the embedding alone, pick the tokens: forgetting the state between calls changes
+    the text (the check can fail)."""
+    from torchtitan.components.generation import generate
+    from torchtitan.models.qwen3_5.gated_delta import GatedDeltaNet, RecurrentState
+
+    model, fields = _built(family=family)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "embeddings" not in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    theirs = _transformers(model, fields, tmp_path, ADAPTERS[family])
+    prompt = torch.randint(0, VOCAB, (2, 21), generator=torch.Generator().manual_seed(3))
+    ours = generate(model, prompt, 24, use_cache=True)
+    want = theirs.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False)
+    assert torch.equal(ours, want), (ours[:, 21:].tolist(), want[:, 21:].tolist())
+    assert torch.equal(ours, generate(model, prompt, 24, use_cache=False))
+    carried = GatedDeltaNet._continue
+    monkeypatch.setattr(GatedDeltaNet, "_continue", lambda self, *a: carried(self, *a[:-1], RecurrentState()))
+    assert not torch.equal(ours, generate(model, prompt, 24, use_cache=True))
 
 
 @pytest.mark.parametrize(("length", "chunk"), [(37, 8), (64, 16), (5, 16), (50, 64)])
@@ -89,15 +121,26 @@ def test_packed_documents_equal_documents_alone():
     assert (causal[1] - alone[1]).abs().max() > 1e-3
 
 
-def test_hf_conversion_round_trips():
-    model, fields = _built()
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_hf_conversion_round_trips(family):
+    """Bit-exact both ways; a published multimodal folder's layout (the language model under
+    ``model.language_model.``, a vision tower and an MTP layer beside it) reads as the same weights."""
+    model, fields = _built(family=family)
+    adapter = ADAPTERS[family]
     ours = model.state_dict()
-    hf = QWEN3_5.to_hf_state_dict(ours, fields)
+    hf = adapter.to_hf_state_dict(ours, fields)
     assert "model.layers.0.linear_attn.in_proj_qkv.weight" in hf and "model.layers.3.self_attn.q_proj.weight" in hf
-    back = QWEN3_5.from_hf_state_dict(hf, fields)
+    back = adapter.from_hf_state_dict(hf, fields)
     assert back.keys() == ours.keys() and all(torch.equal(back[k], ours[k]) for k in ours)
-    read = QWEN3_5.model_args_from_hf(QWEN3_5.hf_config(fields, ours, torch.float32))
+    multimodal = {k.replace("model.", "model.language_model.", 1): w for k, w in hf.items()}
+    multimodal |= {"model.visual.blocks.0.attn.qkv.weight": torch.ones(2), "mtp.fc.weight": torch.ones(2)}
+    back = adapter.from_hf_state_dict(multimodal, fields)
+    assert back.keys() == ours.keys() and all(torch.equal(back[k], ours[k]) for k in ours)
+    config = adapter.hf_config(fields, ours, torch.float32)
+    read = adapter.model_args_from_hf(config)
     assert {k: fields[k] for k in read} == read
+    nested = {"model_type": family, "text_config": config, "vision_config": {"depth": 2}}
+    assert adapter.model_args_from_hf(nested) == read
 
 
 @pytest.mark.parametrize(
@@ -115,14 +158,21 @@ def test_hf_configs_we_do_not_build_are_refused_in_one_line(layer_types, expecte
     assert expected in str(info.value) and "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("flavor", ["0.8B", "2B", "4B", "9B", "27B"])
-def test_published_flavors_have_transformers_parameter_count(flavor):
+@pytest.mark.parametrize(
+    ("family", "flavor"),
+    [
+        *(("qwen3_5", f) for f in ("0.8B", "2B", "4B", "9B", "27B")),
+        *(("qwen3_5_moe", f) for f in ("35B-A3B", "122B-A10B", "397B-A17B")),
+    ],
+)
+def test_published_flavors_have_transformers_parameter_count(family, flavor):
     """Each published flavor built on the meta device has as many parameters as transformers' model of the config
     our adapter writes for it (a tied head counted once)."""
-    args = SPEC.flavors[flavor]
+    spec = get_model_spec(family)
+    args = spec.flavors[flavor]
     with torch.device("meta"):
-        ours = SPEC.model_cls(dataclasses.replace(args, max_seq_len=16))
-        config = QWEN3_5.hf_config(dataclasses.asdict(args), {}, torch.float32)
+        ours = spec.model_cls(dataclasses.replace(args, max_seq_len=16))
+        config = ADAPTERS[family].hf_config(dataclasses.asdict(args), {}, torch.float32)
         model_type = config.pop("model_type")
         theirs = AutoModelForCausalLM.from_config(
             AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "architectures"})

@@ -104,7 +104,8 @@ def hf_embedding_rows(hf_dir: str, tokenizer_words: int, tokenizer_path: str) ->
     Raises:
         ValueError: fewer rows than the tokenizer has words (another model's tokenizer).
     """
-    rows = read_hf_config(hf_dir).get("vocab_size", tokenizer_words)
+    config = read_hf_config(hf_dir)
+    rows = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", tokenizer_words)
     if rows < tokenizer_words:
         raise ValueError(
             f"Hugging Face folder {hf_dir!r} has vocab_size {rows}, fewer rows than the tokenizer's "

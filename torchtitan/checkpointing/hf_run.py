@@ -62,9 +62,8 @@ def load_hf_into(
     params = {name for name, _ in view.named_parameters(remove_duplicate=False)}
     files = hf_weight_files(hf_dir)
     groups: dict[str, list[str]] = {}
-    for key in files:  # "model.layers.3.mlp..." -> "3"; embedding, norm, head -> ""
-        parts = key.split(".")
-        groups.setdefault(parts[2] if parts[:2] == ["model", "layers"] else "", []).append(key)
+    for key in files:  # "model.layers.3.mlp..." (or "model.language_model.layers.3...") -> "3"; the rest -> ""
+        groups.setdefault(_layer_of(key), []).append(key)
     ours_needed = {_layer_of(k) for k in targets}
     loaded: dict[str, torch.Tensor] = {}
     with contextlib.ExitStack() as stack:

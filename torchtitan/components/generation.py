@@ -2,7 +2,9 @@
 
 The model is not edited: ``KVCache.install`` swaps each block's attention kernel
 (``layers[*].attention.sdpa``, the seam context parallel uses too) for one that appends the step's
-keys and values to a per-layer cache and attends over everything cached so far. The model gets the
+keys and values to a per-layer cache and attends over everything cached so far. A recurrent layer
+(Qwen3.5's Gated DeltaNet: a ``state`` seam, None while training, and ``new_state()``) gets an empty state to
+carry its convolution inputs and recurrence from one call to the next. The model gets the
 new tokens' true positions (its ``positions`` argument), so RoPE rotates them as in a full forward.
 Without the cache every step runs the whole sequence again: the reference the cache is tested against.
 
@@ -65,20 +67,42 @@ class KVCache:
 
     @staticmethod
     def fits(model: nn.Module) -> bool:
-        """Whether ``model``'s blocks have our attention's kernel seam (``layers[*].attention.sdpa``): not a
-        transformers model's (``model.name = "hf"``) nor a hybrid's with recurrent layers (``qwen3_5``: its state is
-        not cached yet), which generate without the cache."""
+        """Whether each of ``model``'s blocks has our attention's kernel seam (``layers[*].attention.sdpa``) or a
+        recurrent layer's state seam (``attention.state``): not a transformers model's (``model.name = "hf"``),
+        which generates without the cache."""
         layers = getattr(model, "layers", None)
-        return layers is not None and all(hasattr(getattr(b, "attention", None), "sdpa") for b in layers.values())
+        seams = ("sdpa", "state")
+        return layers is not None and all(
+            any(hasattr(getattr(b, "attention", None), seam) for seam in seams) for b in layers.values()
+        )
 
-    def install(self, model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
-        """Swap the attention kernels; returns (attention, its original kernel) to restore."""
-        swapped = []
+    def install(self, model: nn.Module, pad_multiple: int = 1) -> list[tuple[nn.Module, str, object]]:
+        """Swap the attention kernels and give each recurrent layer an empty state; returns (module, attribute,
+        original) for ``uninstall``.
+
+        Raises:
+            NotImplementedError: ``pad_multiple`` > 1 (``generate``'s padding) on a model with recurrent layers.
+        """
+        if pad_multiple > 1 and any(hasattr(b.attention, "state") for b in model.layers.values()):
+            raise NotImplementedError(
+                f"generate with pad_multiple = {pad_multiple} on a model with recurrent layers: padding tokens would "
+                "enter their state; generate without tensor parallel's sequence sharding (pad_multiple = 1)"
+            )
+        swapped: list[tuple[nn.Module, str, object]] = []
         for block in model.layers.values():
-            kernel = block.attention.sdpa
-            swapped.append((block.attention, kernel))
-            block.attention.sdpa = CachedAttention(self, window=getattr(kernel, "window", None))
+            attention = block.attention
+            if hasattr(attention, "sdpa"):
+                swapped.append((attention, "sdpa", attention.sdpa))
+                attention.sdpa = CachedAttention(self, window=getattr(attention.sdpa, "window", None))
+            else:
+                swapped.append((attention, "state", attention.state))
+                attention.state = attention.new_state()
         return swapped
+
+    @staticmethod
+    def uninstall(swapped: list[tuple[nn.Module, str, object]]) -> None:
+        for module, attribute, original in swapped:
+            setattr(module, attribute, original)
 
 
 @dataclass(frozen=True)
@@ -144,7 +168,7 @@ def generate(
     stops = _stop_ids(stop_token, prompt.device)  # (n_stops,) or None
     tokens = prompt
     cache = KVCache(prompt.shape[1] + max_new_tokens + pad_multiple - 1) if use_cache else None
-    swapped = cache.install(model) if cache is not None else []
+    swapped = cache.install(model, pad_multiple) if cache is not None else []
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
     try:
         for _ in range(max_new_tokens):
@@ -169,8 +193,7 @@ def generate(
                 if all_done(done) if all_done is not None else bool(done.all()):
                     break
     finally:
-        for attention, kernel in swapped:
-            attention.sdpa = kernel
+        KVCache.uninstall(swapped)
     return tokens
 
 

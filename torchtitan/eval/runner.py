@@ -132,7 +132,6 @@ class ModelRunner:
                 if all(done):
                     break
         finally:
-            for attention, kernel in swapped:
-                attention.sdpa = kernel
+            KVCache.uninstall(swapped)
         out = tokens[:, n:].tolist()
         return [row[:end] for row, end in zip(out, ends)]

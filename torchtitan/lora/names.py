@@ -64,8 +64,9 @@ def family_targets(spec: ModelSpec, blocks: list[nn.Module] = ()) -> dict[str, T
         parent, _, name = path.rpartition(".")
         if not ours.endswith(".weight") or "norm" in name or "conv" in name or name in out:
             continue  # per-head parameters (expert bias, Gated DeltaNet's A_log), norms, convolutions, repeats
-        if parent not in ("attention", "feed_forward"):
-            continue  # the router, the shared expert's (its w1 is the FFN's w1)
+        ffn = parent in ("feed_forward", "feed_forward.shared_expert") and name in ("w1", "w2", "w3")
+        if parent != "attention" and not ffn:
+            continue  # the router, the shared expert's gate (a router-like gate of one output)
         paths = (path,) if parent == "attention" else tuple(f"{p}.{name}" for p in layout.ffn_paths)
         if paths:
             out[name] = Target(name, paths, hf_path.rsplit(".", 1)[-1], hf_path)

@@ -214,7 +214,7 @@ class TokenShardedReplicate(ParallelStyle):
         return distribute_module(module, device_mesh, replicate, input_fn=to_dtensor, output_fn=to_local)
 
 
-def moe_block_plan(has_shared_expert: bool) -> dict[str, ParallelStyle]:
+def moe_block_plan(has_shared_expert: bool, has_shared_gate: bool = False) -> dict[str, ParallelStyle]:
     """TP + SP for an MoE block: llama's attention plan; the MoE works on the local sequence shard."""
     plan = {k: v for k, v in block_plan().items() if not k.startswith("feed_forward")}
     # ffn_norm's output is a Shard(1) DTensor; the MoE gets its local (bs, seq/tp, dim) part and
@@ -225,6 +225,8 @@ def moe_block_plan(has_shared_expert: bool) -> dict[str, ParallelStyle]:
     plan["feed_forward.router.gate"] = TokenShardedReplicate()
     if has_shared_expert:
         plan["feed_forward.shared_expert"] = TokenShardedReplicate()
+    if has_shared_gate:
+        plan["feed_forward.shared_expert_gate"] = TokenShardedReplicate()
     return plan
 
 
@@ -274,7 +276,8 @@ def apply_tp(
                 "async plan has neither; turn async TP off"
             )
         if isinstance(block.feed_forward, MoE):
-            plan = moe_block_plan(has_shared_expert=block.feed_forward.shared_expert is not None)
+            moe = block.feed_forward
+            plan = moe_block_plan(moe.shared_expert is not None, moe.shared_expert_gate is not None)
         elif ring_async:
             plan = async_block_plan()
         elif mla:  # MLA's dense blocks: the plain styles (its linears are not all wq/wk/wv)

@@ -33,6 +33,9 @@ class MoEArgs(ModelArgs):
     # The shared expert's width in units of moe_hidden_dim: DeepSeek's n_shared_experts, which are
     # one SwiGLU that many times wider (the same function as that many experts summed).
     shared_expert_multiplier: int = 1
+    # Scale the shared expert's output by sigmoid(a learned linear of the token) (Qwen2-MoE's and Qwen3.5-MoE's
+    # ``shared_expert_gate``); False: added as it is (DeepSeek-V3).
+    shared_expert_gate: bool = False
     load_balance: str = "aux_loss"  # "aux_loss", "bias" (aux-loss-free, DeepSeek-V3) or "none"
     aux_loss_coeff: float = 0.01  # weight of the balance loss returned by aux_loss()
     # load_balance="aux_loss": the balance loss of each sequence (batch row), averaged over the rows

@@ -216,6 +216,8 @@ class MoE(nn.Module):
         self.shared_expert: FeedForward | None = (
             FeedForward(args, hidden=shared_width) if args.num_shared_experts else None
         )
+        gated = args.num_shared_experts and args.shared_expert_gate
+        self.shared_expert_gate: nn.Linear | None = nn.Linear(args.dim, 1, bias=False) if gated else None
         if args.load_balance == "bias":
             # Model state (checkpointed), but not trained: only update_expert_bias changes it.
             self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
@@ -237,6 +239,8 @@ class MoE(nn.Module):
         self.experts.init_weights(init_std)
         if self.shared_expert is not None:
             self.shared_expert.init_weights(init_std)
+        if self.shared_expert_gate is not None:
+            trunc_normal_(self.shared_expert_gate.weight, mean=0.0, std=0.02)
         with torch.no_grad():
             if self.expert_bias is not None:
                 self.expert_bias.zero_()
@@ -268,7 +272,10 @@ class MoE(nn.Module):
         routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
         out = torch.zeros_like(x).index_add(0, token_of_slot, routed)  # (T, dim): sum over the top-k
         if self.shared_expert is not None:
-            out = out + self.shared_expert(x)
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return out.view(bs, seqlen, dim)
 
     def count_tokens(self, experts: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ Not part of the pure model: this module may import ``torchtitan.spec`` and the c
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -47,6 +48,27 @@ def llama3_moe_hf_refusal(args: Any) -> str:
         "no shared expert, Qwen2-MoE gates it, DeepSeek-V3 has its own attention); train model.name = 'qwen3_moe' "
         "(flavor debugmodel_aux_loss at the debug size) for a mixture of experts that exports"
     )
+
+
+def expert_bias_hf_refusal(
+    name: str, hf_class: str, flavors: Mapping[str, Any]
+) -> Callable[[Mapping[str, Any]], str | None]:
+    """A family whose Hugging Face class balances its experts with an aux loss: weights balanced with our expert
+    bias have no counterpart there (the hf_refusal of qwen3_moe and qwen3_5_moe)."""
+    aux_loss = [flavor_name for flavor_name, flavor in flavors.items() if flavor.load_balance == "aux_loss"]
+    fix = ", ".join(aux_loss[:-1]) + f" or {aux_loss[-1]}" if len(aux_loss) > 1 else aux_loss[0]
+
+    def refusal(args: Mapping[str, Any]) -> str | None:
+        if args.get("load_balance") != "bias":
+            return None
+        return (
+            f"{name} weights balanced with an expert bias (load_balance = 'bias') have no Hugging Face counterpart: "
+            f"{hf_class}'s router has no bias, and folding it into the router is not exact (the bias only picks the "
+            f"experts, their weights come from the unbiased scores); set model.flavor to one balanced by the aux "
+            f"loss, as {hf_class} is: {fix}"
+        )
+
+    return refusal
 
 
 def check_moe_config(args: Any, *, model: Model, training: Training, experimental: Experimental) -> list[str]:

@@ -50,6 +50,9 @@ class Qwen3MoEArgs(MoEArgs, Qwen3Args):
     """Qwen3-MoE: Qwen3's attention and our MoE fields. Every layer is MoE (``first_k_dense = 0``),
     softmax routing with the top-k probabilities renormalised, no shared expert."""
 
+    # Qwen3's again: MoEArgs's own (llama's 1e-5 and 1e4) come later in the field order and would win
+    norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
     first_k_dense: int = 0
     score_func: str = "softmax"
     route_norm: bool = True

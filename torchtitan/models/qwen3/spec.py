@@ -8,11 +8,8 @@ on the first ``get_model_spec`` of either name.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from torchtitan.models.llama.spec import check_dense_config
-from torchtitan.models.moe.spec import MOE_WIRING
+from torchtitan.models.moe.spec import MOE_WIRING, expert_bias_hf_refusal
 from torchtitan.models.qwen3 import (
     Qwen3MoETransformer,
     Qwen3Transformer,
@@ -22,18 +19,7 @@ from torchtitan.models.qwen3 import (
 from torchtitan.models.qwen3.hf_adapter import QWEN3, QWEN3_MOE
 from torchtitan.spec import AdapterLayout, ModelSpec
 
-
-def qwen3_moe_hf_refusal(args: Mapping[str, Any]) -> str | None:
-    """Qwen3-MoE balances its experts with an aux loss; HF's router has no place for our expert bias."""
-    if args.get("load_balance") != "bias":
-        return None
-    aux_loss = [name for name, flavor in qwen3_moe_configs.items() if flavor.load_balance == "aux_loss"]
-    return (
-        "qwen3_moe weights balanced with an expert bias (load_balance = 'bias') have no Hugging Face counterpart: "
-        "Qwen3-MoE's router has no bias, and folding it into the router is not exact (the bias only picks the "
-        "experts, their weights come from the unbiased scores); set model.flavor to one balanced by the aux loss, "
-        f"as Qwen3-MoE is: {', '.join(aux_loss[:-1])} or {aux_loss[-1]}"
-    )
+qwen3_moe_hf_refusal = expert_bias_hf_refusal("qwen3_moe", "Qwen3-MoE", qwen3_moe_configs)
 
 
 SPECS = {

@@ -10,11 +10,27 @@ The published dense text models (their config.json: vocab 248320, head_dim 256, 
 head, Gated DeltaNet's conv 4 and key/value heads of 128 with 16 key heads, full attention every 4th layer):
 0.8B, 2B and 4B tie the head to the embedding, 9B and 27B do not. Their parameter counts equal transformers'
 ``Qwen3_5ForCausalLM`` of the same config (tests/unit/test_qwen3_5.py).
+
+Qwen3.5-MoE ("qwen3_5_moe"): the hybrid with every feed-forward an MoE (softmax top-k renormalised, one shared
+expert scaled by its sigmoid gate). debugmodel: the dense debug model's mixers with 8 experts of width 128, top 2,
+balanced by the expert bias (aux-loss free, the global counts: every layout, pipeline parallel included, trains it
+to the same loss); debugmodel_aux_loss: the same with Qwen3.5-MoE's own aux loss (what exports to Hugging Face);
+debugmodel_tiny: the parity tests' size. The published 35B-A3B, 122B-A10B and 397B-A17B from their config.json
+(vocab 248320, head_dim 256, untied), parameter counts equal to transformers' ``Qwen3_5MoeForCausalLM``.
 """
 
-from torchtitan.models.qwen3_5.model import Qwen35Args, Qwen35Transformer
+import dataclasses
 
-__all__ = ["Qwen35Args", "Qwen35Transformer", "qwen3_5_configs"]
+from torchtitan.models.qwen3_5.model import Qwen35Args, Qwen35MoEArgs, Qwen35MoETransformer, Qwen35Transformer
+
+__all__ = [
+    "Qwen35Args",
+    "Qwen35MoEArgs",
+    "Qwen35MoETransformer",
+    "Qwen35Transformer",
+    "qwen3_5_configs",
+    "qwen3_5_moe_configs",
+]
 
 _DEBUG = dict(
     dim=256,
@@ -29,6 +45,19 @@ _DEBUG = dict(
     linear_value_head_dim=32,
     linear_num_key_heads=4,
     linear_num_value_heads=8,
+)
+# the parity tests' size: 4 layers (linear, linear, linear, full), the chunked rule at chunk 16
+_TINY = dict(
+    dim=64,
+    n_layers=4,
+    n_heads=4,
+    head_dim=16,
+    ffn_dim=192,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_chunk=16,
 )
 
 
@@ -47,24 +76,35 @@ def _published(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: 
 
 qwen3_5_configs = {
     "debugmodel": Qwen35Args(**_DEBUG),
-    "debugmodel_tiny": Qwen35Args(
-        **{
-            **_DEBUG,
-            "dim": 64,
-            "n_layers": 4,
-            "n_heads": 4,
-            "head_dim": 16,
-            "ffn_dim": 192,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_chunk": 16,
-        }
-    ),
+    "debugmodel_tiny": Qwen35Args(**{**_DEBUG, **_TINY}),
     "0.8B": _published(1024, 24, 8, 2, 3584, 16, tied=True),
     "2B": _published(2048, 24, 8, 2, 6144, 16, tied=True),
     "4B": _published(2560, 32, 16, 4, 9216, 32, tied=True),
     "9B": _published(4096, 32, 16, 4, 12288, 32, tied=False),
     "27B": _published(5120, 64, 24, 4, 17408, 48, tied=False),
+}
+
+
+def _published_moe(dim: int, n_layers: int, n_heads: int, experts: int, top_k: int, width: int, value_heads: int):
+    return Qwen35MoEArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=2,
+        num_experts=experts,
+        top_k=top_k,
+        moe_hidden_dim=width,
+        linear_num_value_heads=value_heads,
+        max_seq_len=262144,
+    )
+
+
+_DEBUG_MOE = Qwen35MoEArgs(**_DEBUG, num_experts=8, top_k=2, moe_hidden_dim=128, load_balance="bias")
+qwen3_5_moe_configs = {
+    "debugmodel": _DEBUG_MOE,
+    "debugmodel_aux_loss": dataclasses.replace(_DEBUG_MOE, load_balance="aux_loss"),
+    "debugmodel_tiny": dataclasses.replace(_DEBUG_MOE, **_TINY, num_experts=4, moe_hidden_dim=64),
+    "35B-A3B": _published_moe(2048, 40, 16, 256, 8, 512, 32),
+    "122B-A10B": _published_moe(3072, 48, 32, 256, 8, 1024, 64),
+    "397B-A17B": _published_moe(4096, 60, 32, 512, 10, 1024, 64),
 }

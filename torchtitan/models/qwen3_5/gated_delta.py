@@ -15,9 +15,16 @@ its own projection, an RMSNorm of each head's output gated by SiLU(z), and the o
 
 Documents (``doc_ids``): neither the state nor the convolution crosses a document boundary: each document
 runs from a zero state and zero convolution history, as if alone.
+
+Generation (``GatedDeltaNet.state``, a ``RecurrentState``): while one is set, each call continues the sequence of
+the previous calls: the convolution reads the last ``conv_kernel - 1`` inputs kept from them and the rule starts
+from their final state, so a prompt then one token at a time gives what one forward over the whole sequence gives
+(components/generation.py sets it beside the attention's KV cache).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -123,6 +130,15 @@ def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return F.silu(out[..., : x.shape[1]]).transpose(1, 2)
 
 
+@dataclass
+class RecurrentState:
+    """One Gated DeltaNet layer's state between calls: its convolution's last inputs (bs, conv_kernel - 1, C) and
+    the rule's state (bs, H, dk, dv) in fp32; None before the first call (zeros)."""
+
+    conv: torch.Tensor | None = None
+    recurrent: torch.Tensor | None = None
+
+
 class GatedRMSNorm(nn.Module):
     """RMSNorm of each head's output (fp32), times its weight, times SiLU(z) (the gate)."""
 
@@ -176,6 +192,12 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(values, dim, bias=False)
         # the model's one document layout per batch (Qwen35Transformer shares its cache, as llama's attention does)
         self.documents = DocumentLayoutCache()
+        self.state: RecurrentState | None = None  # generation's: set, each call continues the last one
+
+    @staticmethod
+    def new_state() -> RecurrentState:
+        """An empty state for ``state`` (generation sets it; the first call starts from zeros)."""
+        return RecurrentState()
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a):
@@ -195,18 +217,40 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid()  # (bs, T, H)
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # (bs, T, H), <= 0
         weight = self.conv1d.weight.squeeze(1)  # (C, K)
-        if doc_ids is None:
+        if self.state is not None:
+            out = self._continue(mixed, weight, g, beta, self.state)
+        elif doc_ids is None:
             out = self._mix(mixed, weight, g, beta)
         else:
             out = self._mix_documents(mixed, weight, g, beta, doc_ids)
         return self.out_proj(self.norm(out, z).flatten(2))  # the norm per head
 
-    def _mix(self, mixed, weight, g, beta, state=None):
+    def _heads(self, convolved: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The convolution's output (bs, T, 2 keys + values) -> q, k (bs, T, Hk, dk), v (bs, T, H, dv)."""
+        q, k, v = convolved.split(self.split, dim=-1)
+        return (
+            q.unflatten(-1, (-1, self.key_dim)),
+            k.unflatten(-1, (-1, self.key_dim)),
+            v.unflatten(-1, (-1, self.value_dim)),
+        )
+
+    def _mix(self, mixed, weight, g, beta):
         """The convolution and the chunked rule over whole rows -> (bs, T, H, dv)."""
-        q, k, v = causal_depthwise_conv(mixed, weight).split(self.split, dim=-1)
-        q, k = q.unflatten(-1, (-1, self.key_dim)), k.unflatten(-1, (-1, self.key_dim))
-        v = v.unflatten(-1, (-1, self.value_dim))
-        return chunked_gated_delta_rule(q, k, v, g, beta, self.chunk, state)[0]
+        q, k, v = self._heads(causal_depthwise_conv(mixed, weight))
+        return chunked_gated_delta_rule(q, k, v, g, beta, self.chunk)[0]
+
+    def _continue(self, mixed, weight, g, beta, state: RecurrentState):
+        """``_mix`` continuing the calls before (generation): the convolution over the kept inputs then these, the
+        rule from the kept state (token by token for fewer tokens than a chunk); both kept for the next call."""
+        kept = weight.shape[-1] - 1
+        history = state.conv if state.conv is not None else mixed.new_zeros(mixed.shape[0], kept, mixed.shape[2])
+        inputs = torch.cat([history, mixed], dim=1)  # (bs, kept + T, C)
+        q, k, v = self._heads(causal_depthwise_conv(inputs, weight)[:, kept:])
+        rule = recurrent_gated_delta_rule if mixed.shape[1] < self.chunk else chunked_gated_delta_rule
+        chunk = {} if mixed.shape[1] < self.chunk else {"chunk": self.chunk}
+        out, state.recurrent = rule(q, k, v, g, beta, state=state.recurrent, **chunk)
+        state.conv = inputs[:, inputs.shape[1] - kept :]
+        return out
 
     def _mix_documents(self, mixed, weight, g, beta, doc_ids):
         """``_mix`` per document (no state or convolution history crosses a boundary) -> (bs, T, H, dv)."""

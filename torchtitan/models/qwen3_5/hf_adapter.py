@@ -4,8 +4,12 @@
 Our blocks keep transformers' layouts: the full attention rotates halves of its first rotary dims (no row
 permutation, unlike Llama's adapter), ``wq`` holds each head's query and gate side by side as ``q_proj`` does, and
 Gated DeltaNet's submodules are transformers' own (``linear_attn.in_proj_qkv``, ``conv1d``, ``A_log``...), so
-every weight maps by name. A published multimodal folder (``model_type = "qwen3_5"``) nests these fields under
-``text_config``, which ``model_args_from_hf`` reads.
+every weight maps by name. A published multimodal folder (``model_type = "qwen3_5"`` / ``"qwen3_5_moe"``) nests
+these fields under ``text_config``, which ``model_args_from_hf`` reads, and its language model's weights under
+``model.language_model.``, read as the text model's; its vision tower (``model.visual.``) and multi-token
+prediction layer (``mtp.``) are not part of the text model and are not read (transformers' text class skips them
+too). Qwen3.5-MoE (``Qwen3_5MoeForCausalLM``, ``"qwen3_5_moe_text"``) adds the router, the routed experts (one
+tensor per expert in HF files, as Qwen3-MoE) and the gated shared expert.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Any
 
 import torch
 
-from torchtitan.models.common.hf_adapter import HfAdapter, base_model_args, torch_dtype_name
+from torchtitan.models.common.hf_adapter import HfAdapter, StackedExperts, base_model_args, torch_dtype_name
 from torchtitan.models.qwen3_5.model import FULL_ATTENTION, LINEAR_ATTENTION, Qwen35Args
 
 _FULL = {
@@ -47,6 +51,7 @@ _COMMON = {
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
 BUILT_LAYER_TYPES = (LINEAR_ATTENTION, FULL_ATTENTION)
+_MULTIMODAL_TEXT, _NOT_TEXT = "model.language_model.", ("model.visual.", "mtp.")
 
 
 class Qwen35Adapter(HfAdapter):
@@ -72,7 +77,9 @@ class Qwen35Adapter(HfAdapter):
                 "rope_theta": args["rope_theta"],
                 "partial_rotary_factor": args["partial_rotary_factor"],
             },
-            "layer_types": Qwen35Args.from_dict(args).layer_types,
+            "layer_types": Qwen35Args(
+                n_layers=args["n_layers"], full_attention_interval=args["full_attention_interval"]
+            ).layer_types,
             "linear_conv_kernel_dim": args["linear_conv_kernel"],
             "linear_key_head_dim": args["linear_key_head_dim"],
             "linear_value_head_dim": args["linear_value_head_dim"],
@@ -83,6 +90,15 @@ class Qwen35Adapter(HfAdapter):
             "tie_word_embeddings": bool(args.get("tie_word_embeddings", False)),
             "torch_dtype": torch_dtype_name(dtype),
         }
+
+    def from_hf_state_dict(self, hf: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """A text folder's weights, or a multimodal folder's language model (its tower and MTP layer not read)."""
+        text = {
+            "model." + key.removeprefix(_MULTIMODAL_TEXT) if key.startswith(_MULTIMODAL_TEXT) else key: w
+            for key, w in hf.items()
+            if not key.startswith(_NOT_TEXT)
+        }
+        return super().from_hf_state_dict(text, args)
 
     def model_args_from_hf(self, config: dict[str, Any]) -> dict[str, Any]:
         """Our Qwen35Args fields (as a dict) from a Qwen3.5 ``config.json`` (its ``text_config`` when nested).
@@ -137,4 +153,60 @@ def _full_attention_interval(layer_types: list[str] | None, n_layers: int) -> in
     return every
 
 
+class Qwen35MoeAdapter(Qwen35Adapter):
+    hf_name = family = "Qwen3.5-MoE"
+    block = {
+        **_FULL,
+        **_LINEAR,
+        **{k: v for k, v in _COMMON.items() if not k.startswith("feed_forward.")},
+        "feed_forward.router.gate.weight": "mlp.gate.weight",
+        "feed_forward.shared_expert.w1.weight": "mlp.shared_expert.gate_proj.weight",
+        "feed_forward.shared_expert.w3.weight": "mlp.shared_expert.up_proj.weight",
+        "feed_forward.shared_expert.w2.weight": "mlp.shared_expert.down_proj.weight",
+        "feed_forward.shared_expert_gate.weight": "mlp.shared_expert_gate.weight",
+    }
+    experts = StackedExperts()
+
+    def hf_config(self, args: dict[str, Any], weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
+        """``config.json`` for ``Qwen3_5MoeForCausalLM`` (every layer MoE, no dense width)."""
+        config = super().hf_config({**args, "ffn_dim": 0}, weights, dtype)
+        config.pop("intermediate_size")
+        config.update(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text")
+        config.update(
+            num_experts=args["num_experts"],
+            num_experts_per_tok=args["top_k"],
+            moe_intermediate_size=args["moe_hidden_dim"],
+            shared_expert_intermediate_size=args["moe_hidden_dim"] * args.get("shared_expert_multiplier", 1),
+            router_aux_loss_coef=args["aux_loss_coeff"],
+            output_router_logits=False,
+        )
+        return config
+
+    def model_args_from_hf(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Our Qwen35MoEArgs fields (as a dict) from a Qwen3.5-MoE ``config.json``.
+
+        Raises:
+            NotImplementedError: a shared expert whose width is not a multiple of the routed experts' (ours is
+                ``moe_hidden_dim * shared_expert_multiplier``), and the dense model's refusals.
+        """
+        text = {**config, **config.get("text_config", {})}
+        width, shared = text["moe_intermediate_size"], text.get("shared_expert_intermediate_size", 0)
+        if not shared or shared % width:
+            raise NotImplementedError(
+                f"HF Qwen3.5-MoE config shared_expert_intermediate_size = {shared} with moe_intermediate_size = "
+                f"{width}: our Qwen3.5-MoE builds one shared expert whose width is a multiple of the routed experts'"
+            )
+        args = super().model_args_from_hf({**text, "intermediate_size": 0})
+        args.pop("ffn_dim")
+        return {
+            **args,
+            "num_experts": text["num_experts"],
+            "top_k": text["num_experts_per_tok"],
+            "moe_hidden_dim": width,
+            "shared_expert_multiplier": shared // width,
+            "aux_loss_coeff": text.get("router_aux_loss_coef", 0.001),
+        }
+
+
 QWEN3_5 = Qwen35Adapter()
+QWEN3_5_MOE = Qwen35MoeAdapter()

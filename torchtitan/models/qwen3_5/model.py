@@ -15,6 +15,7 @@ blocks keep llama's names (``attention``, ``attention_norm``, ``feed_forward``, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from torch import nn
 
 from torchtitan.models.common.init import trunc_normal_
 from torchtitan.models.llama.model import CausalAttention, FeedForward, Transformer
+from torchtitan.models.moe import MoE, MoEArgs, MoETransformer
 from torchtitan.models.qwen3.model import Qwen3Args
 from torchtitan.models.qwen3_5.gated_delta import GatedDeltaNet
 
@@ -159,7 +161,8 @@ class HybridBlock(nn.Module):
                 args.linear_chunk,
                 args.norm_eps,
             )
-        self.feed_forward = FeedForward(args, hidden=args.ffn_dim)
+        moe = isinstance(args, MoEArgs) and args.is_moe_layer(layer_id)
+        self.feed_forward: nn.Module = MoE(args) if moe else FeedForward(args, hidden=args.ffn_dim)
         self.attention_norm = ZeroCenteredRMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = ZeroCenteredRMSNorm(args.dim, args.norm_eps)
         depth = layer_id + 1 if args.depth_init else args.n_layers
@@ -180,8 +183,8 @@ class HybridBlock(nn.Module):
 class Qwen35Transformer(Transformer):
     """llama's Transformer with hybrid blocks, a zero-centred final norm and the partial RoPE table."""
 
-    def __init__(self, args: Qwen35Args):
-        super().__init__(args, build_block=HybridBlock)
+    def __init__(self, args: Qwen35Args, build_block: Callable[[int, Qwen35Args], nn.Module] = HybridBlock):
+        super().__init__(args, build_block=build_block)
         self.norm = ZeroCenteredRMSNorm(args.dim, args.norm_eps)
         for module in self.layers.modules():
             if isinstance(module, GatedDeltaNet):
@@ -192,4 +195,35 @@ class Qwen35Transformer(Transformer):
         return compute_rope_halves(args.rotary_dim, args.max_seq_len, args.rope_theta)
 
 
-__all__ = ["GatedAttention", "HybridBlock", "Qwen35Args", "Qwen35Transformer", "ZeroCenteredRMSNorm"]
+@dataclass(frozen=True)
+class Qwen35MoEArgs(Qwen35Args, MoEArgs):
+    """Qwen3.5-MoE: the hybrid's args (first in the field order, so its defaults win over llama's) and our MoE's.
+    Every layer is MoE: softmax top-k renormalised, one shared expert (``moe_hidden_dim`` wide) whose output is
+    scaled by sigmoid of its gate, balanced by the aux loss (router_aux_loss_coef)."""
+
+    first_k_dense: int = 0
+    score_func: str = "softmax"
+    route_norm: bool = True
+    num_shared_experts: int = 1
+    shared_expert_gate: bool = True
+    load_balance: str = "aux_loss"
+    aux_loss_coeff: float = 0.001
+
+
+class Qwen35MoETransformer(MoETransformer, Qwen35Transformer):
+    """The hybrid with MoE feed-forwards: the MoE family's routing, balancing and expert-parallel hooks
+    (MoETransformer) over Qwen35Transformer's hybrid blocks, norm and RoPE."""
+
+    def __init__(self, args: Qwen35MoEArgs):
+        super().__init__(args, build_block=HybridBlock)
+
+
+__all__ = [
+    "GatedAttention",
+    "HybridBlock",
+    "Qwen35Args",
+    "Qwen35MoEArgs",
+    "Qwen35MoETransformer",
+    "Qwen35Transformer",
+    "ZeroCenteredRMSNorm",
+]

@@ -1,4 +1,4 @@
-"""Qwen3.5 ("qwen3_5") wired to the trainer: its ModelSpec and checks.
+"""Qwen3.5 ("qwen3_5") and Qwen3.5-MoE ("qwen3_5_moe") wired to the trainer: their ModelSpecs and checks.
 
 FSDP2, HSDP, DDP, activation checkpointing, compile and pipeline parallel take the family as llama's (the blocks keep
 llama's names); tensor and context parallel are refused before launch (not built yet: Gated DeltaNet's fused q/k/v
@@ -11,16 +11,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from torchtitan.models.llama.spec import check_dense_config
-from torchtitan.models.qwen3_5 import Qwen35Transformer, qwen3_5_configs
-from torchtitan.models.qwen3_5.hf_adapter import QWEN3_5
+from torchtitan.models.moe.spec import MOE_WIRING, check_moe_config, expert_bias_hf_refusal
+from torchtitan.models.qwen3_5 import Qwen35MoETransformer, Qwen35Transformer, qwen3_5_configs, qwen3_5_moe_configs
+from torchtitan.models.qwen3_5.hf_adapter import QWEN3_5, QWEN3_5_MOE
 from torchtitan.spec import AdapterLayout, ModelSpec
 
 if TYPE_CHECKING:
     from torchtitan.config.schema import Experimental, Model, Training
 
 
-def check_qwen3_5(args: Any, *, model: Model, training: Training, experimental: Experimental) -> list[str]:
-    """What the family does not build yet, refused in one line each; then the dense checks."""
+def refuse_unbuilt(model: Model, training: Training, experimental: Experimental) -> None:
+    """What the hybrid does not build yet, refused in one line each (both families)."""
     for key, degree, why in (
         (
             "training.tensor_parallel_degree",
@@ -35,24 +36,54 @@ def check_qwen3_5(args: Any, *, model: Model, training: Training, experimental: 
     ):
         if degree > 1:
             raise NotImplementedError(
-                f"model.name = 'qwen3_5' with {key} = {degree}: not built ({why}); use FSDP, HSDP, DDP or pipeline "
-                "parallel (docs/models.md)"
+                f"model.name = {model.name!r} with {key} = {degree}: not built ({why}); use FSDP, HSDP, DDP or "
+                "pipeline parallel (docs/models.md)"
             )
     if training.compile and model.attn_mask_type == "block_causal":
         raise NotImplementedError(
-            "model.name = 'qwen3_5' with training.compile and attn_mask_type = 'block_causal': not built (Gated "
+            f"model.name = {model.name!r} with training.compile and attn_mask_type = 'block_causal': not built (Gated "
             "DeltaNet restarts per document from lengths read on the host, which a compiled layer cannot); use one"
         )
+
+
+def hybrid_layer_pattern(args: Any) -> tuple[int, int]:
+    """The schedule repeats every ``full_attention_interval`` layers (Gated DeltaNet, then full attention): the
+    estimator extrapolates over whole periods (every layer of the MoE is MoE, so its period is the same)."""
+    return 0, args.full_attention_interval
+
+
+def check_qwen3_5(args: Any, *, model: Model, training: Training, experimental: Experimental) -> list[str]:
+    refuse_unbuilt(model, training, experimental)
     return check_dense_config(args, model=model, training=training, experimental=experimental)
 
 
-SPEC = ModelSpec(
-    "qwen3_5",
-    Qwen35Transformer,
-    qwen3_5_configs,
-    documents=True,
-    state_dict_adapter=QWEN3_5,
-    adapters=AdapterLayout(QWEN3_5.block_names, ("feed_forward",), dense=True),
-    check_fn=check_qwen3_5,
-    hf_model_type="qwen3_5_text",
-)
+def check_qwen3_5_moe(args: Any, *, model: Model, training: Training, experimental: Experimental) -> list[str]:
+    refuse_unbuilt(model, training, experimental)
+    return check_moe_config(args, model=model, training=training, experimental=experimental)
+
+
+SPECS = {
+    "qwen3_5": ModelSpec(
+        "qwen3_5",
+        Qwen35Transformer,
+        qwen3_5_configs,
+        documents=True,
+        state_dict_adapter=QWEN3_5,
+        adapters=AdapterLayout(QWEN3_5.block_names, ("feed_forward",), dense=True),
+        check_fn=check_qwen3_5,
+        layer_pattern=hybrid_layer_pattern,
+        hf_model_type="qwen3_5_text",
+        hf_wrapper_model_type="qwen3_5",
+    ),
+    "qwen3_5_moe": ModelSpec(
+        "qwen3_5_moe",
+        Qwen35MoETransformer,
+        qwen3_5_moe_configs,
+        **{**MOE_WIRING, "check_fn": check_qwen3_5_moe, "layer_pattern": hybrid_layer_pattern},
+        state_dict_adapter=QWEN3_5_MOE,
+        adapters=AdapterLayout(QWEN3_5_MOE.block_names, ("feed_forward.shared_expert",)),
+        hf_model_type="qwen3_5_moe_text",
+        hf_wrapper_model_type="qwen3_5_moe",
+        hf_refusal=expert_bias_hf_refusal("qwen3_5_moe", "Qwen3.5-MoE", qwen3_5_moe_configs),
+    ),
+}
