@@ -2,10 +2,11 @@
 layers and one gated full attention, chunk 16) on the short-document corpus with block_causal documents (every row
 runs the per-document recurrence and convolution, and the attention's document mask), 4 steps at seq 64.
 
-A 1-rank reference, and FSDP2, FSDP2 + gradient accumulation 2, PP2 (1F1B) at 2 ranks, each at loss and grad-norm
-parity (the matrix's rule: loss rtol 1e-5, grad norm 3e-4); tensor and context parallel refused in one line.
-Qwen3.5-MoE (``qwen3_5_moe``, the tiny flavor: 4 experts, top 2, the gated shared expert, expert-bias balancing) has
-its own 1-rank reference, and FSDP2 + EP2 at 2 ranks and HSDP 2x2 + EP2 at 4 at parity with it. The logits of both
+A 1-rank reference, and FSDP2 + gradient accumulation 2, PP2 (1F1B) and TP2 (Gated DeltaNet sharded by heads) at 2
+ranks, each at loss and grad-norm parity (the matrix's rule: loss rtol 1e-5, grad norm 3e-4); context parallel,
+async TP and uneven heads refused in one line. Qwen3.5-MoE (``qwen3_5_moe``, the tiny flavor: 4 experts, top 2,
+the gated shared expert, expert-bias balancing) has its own 1-rank reference, and FSDP2 + EP2 and TP2 x EP2 at 2
+ranks and HSDP 2x2 + EP2 at 4 at parity with it. The logits of both
 equal transformers' (tests/unit/test_qwen3_5.py).
 """
 
@@ -31,10 +32,11 @@ EP2 = ["--experimental.expert_parallel_degree", "2"]
 REFERENCE = Row("qwen3_5_1proc", 1, 4)
 MOE_REFERENCE = Row("qwen3_5_moe_1proc", 1, 4, MOE)
 ROWS = [
-    Row("qwen3_5_fsdp2", 2, 2),
     Row("qwen3_5_fsdp2_accum2", 2, 1, ["--training.gradient_accumulation_steps", "2"]),
     Row("qwen3_5_pp2_1f1b", 2, 4, pp_schedule("1F1B"), pp=2),
+    Row("qwen3_5_tp2", 2, 4, tp=2),
     Row("qwen3_5_moe_fsdp2_ep2", 2, 2, [*MOE, *EP2]),
+    Row("qwen3_5_moe_tp2_ep2", 2, 4, [*MOE, *EP2], tp=2),
     Row(
         "qwen3_5_moe_hsdp_2x2_ep2",
         4,
@@ -84,20 +86,42 @@ def test_layout_at_parity(references, row, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("flags", "expected"),
+    ("flags", "world", "expected"),
     [
-        (["--training.tensor_parallel_degree", "2"], "model.name = 'qwen3_5' with training.tensor_parallel_degree"),
         (
             ["--experimental.context_parallel_degree", "2"],
+            2,
             "model.name = 'qwen3_5' with experimental.context_parallel_degree",
+        ),
+        (
+            ["--training.tensor_parallel_degree", "2", "--experimental.enable_async_tensor_parallel"],
+            2,
+            "model.name = 'qwen3_5' with experimental.enable_async_tensor_parallel",
         ),
     ],
 )
-def test_refused_in_one_line(flags, expected):
+def test_refused_in_one_line(flags, world, expected):
     from torchtitan.config.manager import JobConfig
     from torchtitan.preflight import run_preflight
 
     config = JobConfig.parse_args([*QWEN3_5, *flags])
     with pytest.raises((ValueError, NotImplementedError)) as info:
-        run_preflight(config, 2, this_machine=False)
+        run_preflight(config, world, this_machine=False)
     assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_uneven_gated_delta_heads_are_refused_in_one_line():
+    """Gated DeltaNet's heads must split over the TP ranks (the attention's are checked for every family)."""
+    import dataclasses
+
+    from torchtitan.config.manager import JobConfig
+    from torchtitan.models.qwen3_5.spec import check_qwen3_5
+    from torchtitan.spec import get_model_spec
+
+    config = JobConfig.parse_args([*QWEN3_5, "--training.tensor_parallel_degree", "2"])
+    args = dataclasses.replace(get_model_spec("qwen3_5").flavors["debugmodel_tiny"], linear_num_value_heads=3)
+    sections = dict(model=config.model, training=config.training, experimental=config.experimental)
+    with pytest.raises(ValueError) as info:
+        check_qwen3_5(args, **sections)
+    message = str(info.value)
+    assert "does not divide model.name = 'qwen3_5'" in message and "linear_num_value_heads = 3" in message

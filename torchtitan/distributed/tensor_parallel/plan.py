@@ -37,7 +37,13 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan.distributed.tensor_parallel.async_tp import AsyncColwiseParallel, AsyncRowwiseParallel
+from torchtitan.distributed.tensor_parallel.linear_attention import (
+    gated_delta_plan,
+    is_gated_delta,
+    shard_gated_delta_heads,
+)
 from torchtitan.distributed.tensor_parallel.module_styles import with_module_styles
+from torchtitan.distributed.tensor_parallel.replicated import TokenShardedReplicate
 from torchtitan.models.moe import MoE
 
 
@@ -97,10 +103,15 @@ def apply_tp_inference(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     for block in model.layers.values():
         if isinstance(block.feed_forward, MoE):
             raise NotImplementedError("tensor-parallel generation of an MoE model: run it on one process")
-        plan = {name: ColwiseParallel() for name in ("attention.wq", "attention.wk", "attention.wv")}
-        plan |= {"feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel()}
-        plan |= {"attention.wo": RowwiseParallel(), "feed_forward.w2": RowwiseParallel()}
-        if block.attention.q_norm is not None:
+        plan = {"feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel()}
+        plan |= {"feed_forward.w2": RowwiseParallel()}
+        if is_gated_delta(block.attention):
+            parallelize_module(block, tp_mesh, plan | gated_delta_plan(sequence_parallel=False))
+            shard_gated_delta_heads(block.attention, tp_mesh)
+            continue
+        plan |= {name: ColwiseParallel() for name in ("attention.wq", "attention.wk", "attention.wv")}
+        plan |= {"attention.wo": RowwiseParallel()}
+        if getattr(block.attention, "q_norm", None) is not None:
             plan |= {"attention.q_norm": TokenShardedReplicate(2), "attention.k_norm": TokenShardedReplicate(2)}
         parallelize_module(block, tp_mesh, plan)
 
@@ -189,31 +200,6 @@ def shard_sinks(attention: nn.Module, tp_mesh: DeviceMesh) -> None:
         attention.sinks = nn.Parameter(distribute_tensor(sinks.data, tp_mesh, [Shard(0)]))
 
 
-class TokenShardedReplicate(ParallelStyle):
-    """Replicated weights applied to this rank's own tokens: (T_local, ...) plain in, plain out.
-
-    The input is read as Shard(``shard_dim``) (default 0: tokens) of all TP ranks' inputs, so the
-    weight grad is Partial(sum). Qwen3's q/k norms use dim 2: each rank's own heads.
-    """
-
-    def __init__(self, shard_dim: int = 0):
-        super().__init__()
-        self.shard_dim = shard_dim
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def replicate(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            for param_name, param in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
-
-        def to_dtensor(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-            return tuple(DTensor.from_local(x, mesh, [Shard(self.shard_dim)], run_check=False) for x in inputs)
-
-        def to_local(mod: nn.Module, out: DTensor, mesh: DeviceMesh):
-            return out.to_local()
-
-        return distribute_module(module, device_mesh, replicate, input_fn=to_dtensor, output_fn=to_local)
-
-
 def moe_block_plan(has_shared_expert: bool, has_shared_gate: bool = False) -> dict[str, ParallelStyle]:
     """TP + SP for an MoE block: llama's attention plan; the MoE works on the local sequence shard."""
     plan = {k: v for k, v in block_plan().items() if not k.startswith("feed_forward")}
@@ -285,14 +271,23 @@ def apply_tp(
         else:
             linears = [k for k in block_plan() if k.count(".") == 1]
             plan = block_plan(float8=float8 and _all_float8(block, linears))
-        if mla:
-            plan = {k: v for k, v in plan.items() if not k.startswith("attention.")}
-            plan |= mla_attention_plan(block.attention)
-        elif block.attention.q_norm is not None:  # QK-norm: (bs, seqlen, local heads, head_dim) per rank
-            plan = {**plan, "attention.q_norm": TokenShardedReplicate(2), "attention.k_norm": TokenShardedReplicate(2)}
+        plan = _attention_plan(block.attention, plan, mla)
         parallelize_module(block, tp_mesh, with_module_styles(plan, block))  # e.g. adapted linears: adapters alike
         shard_sinks(block.attention, tp_mesh)
+        if is_gated_delta(block.attention):
+            shard_gated_delta_heads(block.attention, tp_mesh)
     refreeze(model, frozen)
+
+
+def _attention_plan(attention: nn.Module, plan: dict[str, ParallelStyle], mla: bool) -> dict[str, ParallelStyle]:
+    """The block plan's attention entries for this block's token mixer: multi-head latent attention's, Gated
+    DeltaNet's (linear_attention.py), or llama's with the QK-norm's where the attention has one."""
+    if mla or is_gated_delta(attention):
+        plan = {k: v for k, v in plan.items() if not k.startswith("attention.")}
+        return plan | (mla_attention_plan(attention) if mla else gated_delta_plan())
+    if getattr(attention, "q_norm", None) is not None:  # QK-norm: (bs, seqlen, local heads, head_dim) per rank
+        return {**plan, "attention.q_norm": TokenShardedReplicate(2), "attention.k_norm": TokenShardedReplicate(2)}
+    return plan
 
 
 def frozen_names(model: nn.Module) -> set[str]:

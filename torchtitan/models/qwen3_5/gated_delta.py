@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from torchtitan.models.common.attention import DocumentLayoutCache, document_lengths
 from torchtitan.models.common.init import trunc_normal_
+from torchtitan.models.moe.moe import _local
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -160,6 +161,12 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     """Qwen3.5's linear-attention layer; its submodule names are transformers' (``in_proj_qkv``, ``conv1d``...).
 
+    ``in_proj_qkv``'s rows (and ``conv1d``'s channels) are grouped by key head: per key head its query, its key
+    and the values of the value heads it serves (transformers stores all queries, then all keys, then all values;
+    the HF adapter reorders). So a tensor-parallel rank's contiguous rows are whole groups, and the layer reads its
+    local head counts from shapes; per-head parameters (``A_log``, ``dt_bias``, the convolution) go through
+    ``_local`` (a tensor-parallel plan shards them over heads as DTensors).
+
     Args:
         dim: the model width; key_heads / value_heads, key_dim / value_dim: the linear attention's heads and
             their sizes (value heads a multiple of key heads); conv_kernel: the convolution's width;
@@ -180,7 +187,7 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.key_dim, self.value_dim, self.chunk = key_dim, value_dim, chunk
         keys, values = key_heads * key_dim, value_heads * value_dim
-        self.split = (keys, keys, values)
+        self.split = (key_dim, key_dim, values // key_heads)  # one key head's group: query, key, its values
         self.in_proj_qkv = nn.Linear(dim, 2 * keys + values, bias=False)
         self.in_proj_z = nn.Linear(dim, values, bias=False)
         self.in_proj_b = nn.Linear(dim, value_heads, bias=False)
@@ -215,8 +222,9 @@ class GatedDeltaNet(nn.Module):
         mixed = self.in_proj_qkv(x)  # (bs, T, 2 keys + values)
         z = self.in_proj_z(x).unflatten(-1, (-1, self.value_dim))  # (bs, T, H, dv)
         beta = self.in_proj_b(x).sigmoid()  # (bs, T, H)
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # (bs, T, H), <= 0
-        weight = self.conv1d.weight.squeeze(1)  # (C, K)
+        decay, bias = _local(self.A_log).float().exp(), _local(self.dt_bias)  # (H,) this rank's heads
+        g = -decay * F.softplus(self.in_proj_a(x).float() + bias)  # (bs, T, H), <= 0
+        weight = _local(self.conv1d.weight).squeeze(1)  # (C, K)
         if self.state is not None:
             out = self._continue(mixed, weight, g, beta, self.state)
         elif doc_ids is None:
@@ -226,13 +234,9 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(self.norm(out, z).flatten(2))  # the norm per head
 
     def _heads(self, convolved: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The convolution's output (bs, T, 2 keys + values) -> q, k (bs, T, Hk, dk), v (bs, T, H, dv)."""
-        q, k, v = convolved.split(self.split, dim=-1)
-        return (
-            q.unflatten(-1, (-1, self.key_dim)),
-            k.unflatten(-1, (-1, self.key_dim)),
-            v.unflatten(-1, (-1, self.value_dim)),
-        )
+        """The convolution's output (bs, T, key-head groups) -> q, k (bs, T, Hk, dk), v (bs, T, H, dv)."""
+        q, k, v = convolved.unflatten(-1, (-1, sum(self.split))).split(self.split, dim=-1)  # (bs, T, Hk, .)
+        return q, k, v.flatten(2).unflatten(-1, (-1, self.value_dim))
 
     def _mix(self, mixed, weight, g, beta):
         """The convolution and the chunked rule over whole rows -> (bs, T, H, dv)."""

@@ -1,10 +1,12 @@
 """The qwen3_5 family's Hugging Face adapter: our weights <-> ``Qwen3_5ForCausalLM`` (``model_type =
 "qwen3_5_text"``) and its ``config.json``.
 
-Our blocks keep transformers' layouts: the full attention rotates halves of its first rotary dims (no row
+Our blocks keep transformers' layouts but one: the full attention rotates halves of its first rotary dims (no row
 permutation, unlike Llama's adapter), ``wq`` holds each head's query and gate side by side as ``q_proj`` does, and
 Gated DeltaNet's submodules are transformers' own (``linear_attn.in_proj_qkv``, ``conv1d``, ``A_log``...), so
-every weight maps by name. A published multimodal folder (``model_type = "qwen3_5"`` / ``"qwen3_5_moe"``) nests
+every weight maps by name. The one: our ``in_proj_qkv`` rows and ``conv1d`` channels are grouped by key head
+(query, key, its values: tensor parallel shards whole groups), transformers' are all queries, all keys, all
+values; the adapter reorders them both ways (a LoRA B of ``in_proj_qkv`` too, as it maps through here). A published multimodal folder (``model_type = "qwen3_5"`` / ``"qwen3_5_moe"``) nests
 these fields under ``text_config``, which ``model_args_from_hf`` reads, and its language model's weights under
 ``model.language_model.``, read as the text model's; its vision tower (``model.visual.``) and multi-token
 prediction layer (``mtp.``) are not part of the text model and are not read (transformers' text class skips them
@@ -51,6 +53,24 @@ _COMMON = {
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
 BUILT_LAYER_TYPES = (LINEAR_ATTENTION, FULL_ATTENTION)
+_GROUPED = ("attention.in_proj_qkv.weight", "attention.conv1d.weight")  # rows grouped by key head in ours
+
+
+def grouped_to_hf(w: torch.Tensor, args: dict[str, Any], *, to_hf: bool) -> torch.Tensor:
+    """Rows (or channels) of Gated DeltaNet's fused q/k/v: ours grouped by key head [q_h k_h v_h]... <-> HF's
+    [q... k... v...] (``to_hf``); trailing dims kept."""
+    heads, dk = args["linear_num_key_heads"], args["linear_key_head_dim"]
+    values = args["linear_num_value_heads"] * args["linear_value_head_dim"] // heads  # one group's value rows
+    rows = w.reshape(w.shape[0], -1)
+    if to_hf:
+        q, k, v = rows.view(heads, 2 * dk + values, -1).split((dk, dk, values), dim=1)
+        out = torch.cat([q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)])
+    else:
+        q, k, v = rows.split((heads * dk, heads * dk, heads * values))
+        out = torch.cat([q.view(heads, dk, -1), k.view(heads, dk, -1), v.view(heads, values, -1)], dim=1)
+    return out.reshape(w.shape)
+
+
 _MULTIMODAL_TEXT, _NOT_TEXT = "model.language_model.", ("model.visual.", "mtp.")
 
 
@@ -90,6 +110,9 @@ class Qwen35Adapter(HfAdapter):
             "tie_word_embeddings": bool(args.get("tie_word_embeddings", False)),
             "torch_dtype": torch_dtype_name(dtype),
         }
+
+    def _permute(self, w: torch.Tensor, ours: str, args: dict[str, Any], *, to_hf: bool) -> torch.Tensor:
+        return grouped_to_hf(w, args, to_hf=to_hf) if ours in _GROUPED else w
 
     def from_hf_state_dict(self, hf: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, torch.Tensor]:
         """A text folder's weights, or a multimodal folder's language model (its tower and MTP layer not read)."""

@@ -1,8 +1,9 @@
 """Qwen3.5 ("qwen3_5") and Qwen3.5-MoE ("qwen3_5_moe") wired to the trainer: their ModelSpecs and checks.
 
 FSDP2, HSDP, DDP, activation checkpointing, compile and pipeline parallel take the family as llama's (the blocks keep
-llama's names); tensor and context parallel are refused before launch (not built yet: Gated DeltaNet's fused q/k/v
-projection and convolution are not sharded by heads, and its state is not passed along a context-parallel ring).
+llama's names); the MoE takes the MoE family's wiring (expert parallel, load balancing, active parameters). Tensor
+parallel shards Gated DeltaNet by heads (distributed/tensor_parallel/linear_attention.py); context parallel is
+refused before launch (not built: the state is not passed along the context-parallel ranks).
 Not part of the pure model: this module may import ``torchtitan.spec``.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.models.llama.spec import check_dense_config
 from torchtitan.models.moe.spec import MOE_WIRING, check_moe_config, expert_bias_hf_refusal
 from torchtitan.models.qwen3_5 import Qwen35MoETransformer, Qwen35Transformer, qwen3_5_configs, qwen3_5_moe_configs
@@ -20,29 +22,34 @@ if TYPE_CHECKING:
     from torchtitan.config.schema import Experimental, Model, Training
 
 
-def refuse_unbuilt(model: Model, training: Training, experimental: Experimental) -> None:
-    """What the hybrid does not build yet, refused in one line each (both families)."""
-    for key, degree, why in (
-        (
-            "training.tensor_parallel_degree",
-            training.tensor_parallel_degree,
-            "Gated DeltaNet's fused q/k/v projection and convolution are not sharded by heads yet",
-        ),
-        (
-            "experimental.context_parallel_degree",
-            experimental.context_parallel_degree,
-            "Gated DeltaNet's state and convolution history are not passed along the context-parallel ranks",
-        ),
-    ):
-        if degree > 1:
-            raise NotImplementedError(
-                f"model.name = {model.name!r} with {key} = {degree}: not built ({why}); use FSDP, HSDP, DDP or "
-                "pipeline parallel (docs/models.md)"
-            )
+def refuse_unbuilt(args: Any, model: Model, training: Training, experimental: Experimental) -> None:
+    """What the hybrid does not build (yet), refused in one line each (both families); Gated DeltaNet's heads must
+    split evenly over the tensor-parallel ranks."""
+    named = f"model.name = {model.name!r}"
+    cp, tp = experimental.context_parallel_degree, training.tensor_parallel_degree
+    if cp > 1:
+        raise NotImplementedError(
+            f"{named} with experimental.context_parallel_degree = {cp}: not built (Gated DeltaNet's state and "
+            "convolution history are not passed along the context-parallel ranks); use FSDP, HSDP, DDP, tensor or "
+            "pipeline parallel (docs/models.md)"
+        )
+    if tp > 1 and experimental.enable_async_tensor_parallel:
+        raise NotImplementedError(
+            f"{named} with experimental.enable_async_tensor_parallel: the async plan has no Gated DeltaNet; turn "
+            "async TP off (synchronous TP runs)"
+        )
+    heads = {"linear_num_key_heads": args.linear_num_key_heads, "linear_num_value_heads": args.linear_num_value_heads}
+    uneven = {k: v for k, v in heads.items() if v % tp}
+    if uneven:
+        listed = ", ".join(f"{k} = {v}" for k, v in uneven.items())
+        raise ConfigError(
+            f"training.tensor_parallel_degree = {tp} does not divide {named} (flavor {model.flavor!r}) Gated "
+            f"DeltaNet's {listed}: each rank holds whole heads; use a degree that divides them"
+        )
     if training.compile and model.attn_mask_type == "block_causal":
         raise NotImplementedError(
-            f"model.name = {model.name!r} with training.compile and attn_mask_type = 'block_causal': not built (Gated "
-            "DeltaNet restarts per document from lengths read on the host, which a compiled layer cannot); use one"
+            f"{named} with training.compile and attn_mask_type = 'block_causal': not built (Gated DeltaNet restarts "
+            "per document from lengths read on the host, which a compiled layer cannot); use one"
         )
 
 
@@ -53,12 +60,12 @@ def hybrid_layer_pattern(args: Any) -> tuple[int, int]:
 
 
 def check_qwen3_5(args: Any, *, model: Model, training: Training, experimental: Experimental) -> list[str]:
-    refuse_unbuilt(model, training, experimental)
+    refuse_unbuilt(args, model, training, experimental)
     return check_dense_config(args, model=model, training=training, experimental=experimental)
 
 
 def check_qwen3_5_moe(args: Any, *, model: Model, training: Training, experimental: Experimental) -> list[str]:
-    refuse_unbuilt(model, training, experimental)
+    refuse_unbuilt(args, model, training, experimental)
     return check_moe_config(args, model=model, training=training, experimental=experimental)
 
 
