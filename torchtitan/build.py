@@ -37,6 +37,7 @@ from torchtitan.features.float8.float8 import (
     cpu_float8_onednn_problem,
     turn_off_onednn,
 )
+from torchtitan.features.linear_attention import install_linear_attention_kernel
 from torchtitan.lora.apply import apply_lora, init_lora_adapters
 from torchtitan.lora.linear import is_base_key
 from torchtitan.models.common.attention import resolve_attention_backend
@@ -143,6 +144,7 @@ def finish_model_part(
         if device.type == "cpu" and (problem := cpu_float8_onednn_problem()) is not None:
             turn_off_onednn(problem)  # the probes measure; the build decides for the process
         apply_float8(part, config.float8)
+    install_linear_attention_kernel(part, config.model.linear_attention_kernel, device)  # Gated DeltaNet's, if any
     if config.lora.enable:  # adapters on the frozen base, before TP so each adapter is sharded like its linear
         apply_lora(part, config.lora, spec)
     if config.training.dtype != "float32":  # before FSDP/TP wrap them: every layout holds the same bf16 tensors

@@ -21,6 +21,9 @@ left, else it is recorded as skipped for the time budget):
    tokens (documents of 256-2048 tokens): tokens/s and the step-by-step loss differences.
 6. float8: tensorwise and rowwise vs bf16, compiled; skipped with a note where torchao is not installed.
 7. families: gpt_oss and deepseek_v3 debug flavors, 10 steps each, finite losses.
+7b. linear_attention: Qwen3.5 (0.8B shape, seq 4096) with Gated DeltaNet's torch chunked rule, then with
+   flash-linear-attention's kernel where installed (``pip install -e '.[fla]'``; else skipped with a note):
+   tokens/s and the step-by-step loss difference.
 8. features: Muon with the no-decay preset, step replay every 2nd step (deterministic), LoRA rank 16 with full
    AC: finite losses, and a replay that finds the same numbers twice (a mismatch stops the run: an error).
 9. if time allows (added to throughput): 1B compile at seq 8192, then the 3B shape (full AC).
@@ -186,6 +189,7 @@ def run_check(ctx, golden: goldens.Golden, hard_limit_s: float) -> Report:
         ("attention", sections.attention),
         ("float8", sections.float8),
         ("families", features.families),
+        ("linear_attention", features.linear_attention),
         ("features", features.features),
         ("throughput", lambda c: sections.more_throughput(c, report.sections["throughput"])),
     ]

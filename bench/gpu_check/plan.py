@@ -21,6 +21,7 @@ class Plan:
     attention: list[RunSpec]  # causal sdpa, block_causal auto (flex on CUDA), block_causal sdpa: same data
     float8: list[RunSpec]  # the bf16 reference first, then each recipe
     families: list[RunSpec]
+    linear_attention: list[RunSpec]  # Qwen3.5: the torch chunked rule, then flash-linear-attention's (same tokens)
     features: list[RunSpec]  # newer training features, each one run that must train (finite losses)
     if_time_allows: list[RunSpec]  # more throughput rows, last (a longer compile, the 3B shape)
 
@@ -49,6 +50,9 @@ def gpu_plan() -> Plan:  # declarative table
             RunSpec("gpt_oss debugmodel", "debugmodel", 256, 4, model="gpt_oss", warmup=0, steps=10, cost_s=25),
             RunSpec("deepseek_v3 debugmodel", "debugmodel", 256, 4, model="deepseek_v3", warmup=0, steps=10, cost_s=25),
         ],
+        linear_attention=linear_attention(
+            RunSpec("qwen3_5 0.8B", "0.8B", 4096, 2, model="qwen3_5", tokenizer=FLAVOR_VOCAB, cost_s=60)
+        ),
         features=features(RunSpec("debugmodel", "debugmodel", 256, 4, warmup=0, steps=6, cost_s=20)),
         if_time_allows=[
             replace(long, name="1B compile seq 8192", compile=True, cost_s=120),
@@ -79,9 +83,19 @@ def dry_run_plan() -> Plan:  # declarative table
             replace(tiny, name="tiny float8 rowwise", float8_recipe="rowwise"),
         ],
         families=[moe, replace(moe, name="deepseek_v3 debugmodel", model="deepseek_v3")],
+        linear_attention=linear_attention(replace(tiny, name="qwen3_5 tiny", model="qwen3_5", cost_s=4)),
         features=features(replace(tiny, dtype="float32", warmup=0, steps=4)),
         if_time_allows=[replace(tiny, name="tiny eager seq 128 full AC", seq_len=128, batch_size=1, ac="full")],
     )
+
+
+def linear_attention(base: RunSpec) -> list[RunSpec]:
+    """Gated DeltaNet's chunked rule in torch, then on flash-linear-attention's kernel (run where installed)."""
+    kernel = "--model.linear_attention_kernel"
+    return [
+        replace(base, name=f"{base.name} torch rule seq {base.seq_len}", extra=(kernel, "torch")),
+        replace(base, name=f"{base.name} fla rule seq {base.seq_len}", extra=(kernel, "fla")),
+    ]
 
 
 def features(base: RunSpec) -> list[RunSpec]:  # declarative table

@@ -20,6 +20,7 @@ SECTIONS = (
     "attention",
     "estimator",
     "families",
+    "linear_attention",
     "features",
     "golden",
 )
@@ -121,6 +122,8 @@ def _rows(name: str, record: dict[str, Any]) -> list[tuple]:
                 rows.append(_comparison_row(record[key]))
     if name == "float8":
         rows += [_comparison_row(c) for c in record.get("vs_bf16", []) if c]
+    if name == "linear_attention" and record.get("fla_vs_torch"):
+        rows.append(_comparison_row(record["fla_vs_torch"]))
     return rows
 
 

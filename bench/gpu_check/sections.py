@@ -245,12 +245,12 @@ def attention(ctx: Context) -> dict[str, Any]:
     causal, block, block_sdpa = runs
     return runs_section(
         runs,
-        block_causal_vs_causal=_compare(block, causal),
-        block_causal_auto_vs_sdpa=_compare(block, block_sdpa),
+        block_causal_vs_causal=compare_runs(block, causal),
+        block_causal_auto_vs_sdpa=compare_runs(block, block_sdpa),
     )
 
 
-def _compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None:
+def compare_runs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None:
     """Tokens/s and peak-memory ratios a / b, and the largest step-by-step loss difference."""
     if a["status"] != "ok" or b["status"] != "ok":
         return None
@@ -278,4 +278,4 @@ def float8(ctx: Context) -> dict[str, Any]:
     except NotImplementedError as e:
         return {"status": "skipped", "reason": str(e)}
     runs = [ctx.run(spec) for spec in ctx.plan.float8]
-    return runs_section(runs, vs_bf16=[_compare(r, runs[0]) for r in runs[1:]])
+    return runs_section(runs, vs_bf16=[compare_runs(r, runs[0]) for r in runs[1:]])

@@ -102,6 +102,52 @@ def test_chunked_rule_equals_the_recurrent_rule(length, chunk):
     assert (got_state - want_state).abs().max() <= 1e-6 * max(1.0, want_state.abs().max().item())
 
 
+@pytest.mark.parametrize(("lengths", "chunk"), [((20, 9, 11), 8), ((16, 16, 5), 16), ((1, 30, 2, 7), 16), ((40,), 16)])
+def test_chunked_rule_with_documents_equals_each_document_alone(lengths, chunk):
+    """Documents packed in a row (several per chunk, one across chunks, boundaries on a chunk's edge, one-token
+    documents) give each document's token-by-token outputs from a zero state, within 1e-6; so does the convolution."""
+    from torchtitan.models.qwen3_5.gated_delta import causal_depthwise_conv
+
+    gen = torch.Generator().manual_seed(len(lengths))
+    total = sum(lengths)
+    q, k = (torch.randn(2, total, 2, 8, generator=gen) for _ in range(2))
+    v = torch.randn(2, total, 4, 6, generator=gen)
+    g, beta = -torch.rand(2, total, 4, generator=gen) * 2, torch.rand(2, total, 4, generator=gen)
+    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).expand(2, -1)
+    got = chunked_gated_delta_rule(q, k, v, g, beta, chunk, doc_ids=doc_ids)[0].split(lengths, dim=1)
+    parts = zip(*(t.split(lengths, dim=1) for t in (q, k, v, g, beta)))
+    for i, (got_i, part) in enumerate(zip(got, parts)):
+        want = recurrent_gated_delta_rule(*part)[0]
+        assert (got_i - want).abs().max() <= 1e-6 * max(1.0, want.abs().max().item()), f"document {i}"
+    x, weight = torch.randn(2, total, 6, generator=gen), torch.randn(6, 4, generator=gen)
+    convolved = causal_depthwise_conv(x, weight, doc_ids).split(lengths, dim=1)
+    for got_i, x_i in zip(convolved, x.split(lengths, dim=1)):
+        torch.testing.assert_close(got_i, causal_depthwise_conv(x_i, weight), rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_blocks_with_documents_equal_eager():
+    """block_causal under training.compile: every block compiled whole (fullgraph, as the trainer does: any host
+    read of the document ids would break the graph and fail here) gives eager's logits and gradients. The eager
+    backend runs dynamo's graph without code generation (inductor on the two block kinds: ~45 s of CPU, run by
+    hand: the same numbers)."""
+    model, _ = _built()
+    lengths = (20, 9, 11)
+    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(2))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].expand(2, -1)
+    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].expand(2, -1)
+    eager = model(tokens, positions, doc_ids=doc_ids)
+    eager.square().mean().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    for name, block in list(model.layers.items()):
+        model.layers[name] = torch.compile(block, fullgraph=True, backend="eager")
+    compiled = model(tokens, positions, doc_ids=doc_ids)
+    compiled.square().mean().backward()
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name.replace("._orig_mod", "")], rtol=1e-4, atol=1e-7)
+
+
 def test_packed_documents_equal_documents_alone():
     """block_causal: three documents packed in a row (per-document positions) give each document's logits alone:
     no Gated DeltaNet state or convolution history crosses a boundary; without the documents the later ones
@@ -195,3 +241,65 @@ def test_mfu_counts_attention_in_full_attention_layers_and_the_recurrence():
     assert model_flops_per_token(1000, llama, 64) == compute_num_flops_per_token(
         1000, llama.n_layers, llama.n_heads, llama.head_dim, 64
     )
+
+
+def test_fla_kernel_gets_the_torch_rules_contract(monkeypatch):
+    """model.linear_attention_kernel: 'auto' is torch on the CPU and fla on CUDA where installed; 'fla' without CUDA
+    or the package is refused in one line. With 'fla' every Gated DeltaNet layer calls flash-linear-attention's
+    chunk_gated_delta_rule (here a stand-in module computing the token-by-token rule, as the package is GPU-only)
+    with [B, T, H, K] inputs, q/k repeated to the value heads, its own L2 norm and the final state asked for; the
+    logits equal the torch form's."""
+    import importlib.machinery
+    import sys
+    import types
+
+    import torchtitan.features.linear_attention as kernels
+    from torchtitan.features.linear_attention import install_linear_attention_kernel, resolve_linear_attention_kernel
+
+    with pytest.raises(ValueError, match="needs CUDA"):
+        resolve_linear_attention_kernel("fla", "cpu")
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "fla_installed", lambda: False)
+        with pytest.raises(ValueError, match="flash-linear-attention is not installed; pip install"):
+            resolve_linear_attention_kernel("fla", "cuda")
+        assert resolve_linear_attention_kernel("auto", "cuda") == "torch"
+
+    calls = []
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False, **flags):
+        """fla's contract: [B, T, H, K] inputs, documents as one row cut at ``cu_seqlens``."""
+        calls.append((q.shape, v.shape, output_final_state))
+        bounds = flags.pop("cu_seqlens", None)
+        assert q.shape[:3] == v.shape[:3] and flags == {"use_qk_l2norm_in_kernel": True} and g.dtype == torch.float32
+        if bounds is None:
+            return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state)
+        assert q.shape[0] == 1 and bounds.dtype == torch.long and bounds[-1] == q.shape[1]
+        parts = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+        outs = [recurrent_gated_delta_rule(*(t[:, a:b] for t in (q, k, v, g, beta)))[0] for a, b in parts]
+        return torch.cat(outs, dim=1), None
+
+    for name in ("fla", "fla.ops", "fla.ops.gated_delta_rule"):
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        module.chunk_gated_delta_rule = chunk_gated_delta_rule
+        monkeypatch.setitem(sys.modules, name, module)
+    assert resolve_linear_attention_kernel("auto", "cuda") == "fla"
+    assert resolve_linear_attention_kernel("auto", "cpu") == "torch"
+    model, _ = _built()
+    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(tokens)
+        install_linear_attention_kernel(model, "fla", torch.device("cuda"))  # the device's type is all it reads
+        got = model(tokens)
+    assert len(calls) == 3 and all(c[0] == (2, 40, 4, 16) and c[2] for c in calls), calls  # 3 layers, 4 value heads
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    lengths = (20, 9, 11)  # documents: one row of 80 tokens cut into 6 (each row starts one too)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].expand(2, -1)
+    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].expand(2, -1)
+    with torch.no_grad():
+        got = model(tokens, positions, doc_ids=doc_ids)
+        model.layers.apply(
+            lambda m: setattr(m, "chunk_rule", chunked_gated_delta_rule) if hasattr(m, "chunk_rule") else 0
+        )
+        want = model(tokens, positions, doc_ids=doc_ids)
+    assert calls[-1][0] == (1, 80, 4, 16) and (got - want).abs().max() <= 1e-5 * want.abs().max()

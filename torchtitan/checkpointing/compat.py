@@ -28,6 +28,9 @@ NOT_MODEL_DEFINING = frozenset(
         "balanced_routing",
     }
 )
+# Args added after markers began recording them, with the value that builds the model a marker without them
+# recorded (a new option whose default is the old behaviour).
+ADDED_ARGS: dict[str, Any] = {"shared_expert_gate": False}
 # Spellings of one module (see models/llama/model.py build_norm).
 _SAME = {"fused_rmsnorm": "rmsnorm"}
 
@@ -47,7 +50,7 @@ def check_model_matches(saved: dict[str, Any] | None, current: dict[str, Any], p
     for key in sorted(set(old) | set(new)):
         if key in NOT_MODEL_DEFINING:
             continue
-        if _canonical(old.get(key)) != _canonical(new.get(key)):
+        if _canonical(old.get(key, ADDED_ARGS.get(key))) != _canonical(new.get(key, ADDED_ARGS.get(key))):
             diffs.append(f"{key}: checkpoint {old.get(key)!r}, config {new.get(key)!r}")
     if diffs:
         raise ValueError(

@@ -95,6 +95,12 @@ class Model:
         "torch 2.13 has no FlexAttention backward on CPU), 'auto' (flex on CUDA, sdpa elsewhere). Causal "
         "attention always runs SDPA; context parallel runs its ring attention",
     )
+    linear_attention_kernel: Literal["auto", "torch", "fla"] = _f(
+        "auto",
+        "Gated DeltaNet's chunked rule (qwen3_5, qwen3_5_moe): 'torch' (ours, any device), 'fla' "
+        "(flash-linear-attention's Triton kernel: CUDA, the package installed), 'auto' (fla on CUDA where installed, "
+        "torch elsewhere); one log line names the one that runs",
+    )
     hf_config: str = _f(
         "",
         "model.name = 'hf' with model.flavor = 'config': the transformers causal LM to build, as a local HF model "

@@ -59,6 +59,8 @@ def _published_moe(dim: int, n_layers: int, n_heads: int, moe_hidden_dim: int) -
         moe_hidden_dim=moe_hidden_dim,
         vocab_size=151936,
         max_seq_len=40960,
+        norm_eps=1e-6,  # Qwen3's (the class defaults are llama's, see Qwen3MoEArgs)
+        rope_theta=1_000_000.0,
     )
 
 

@@ -50,9 +50,8 @@ class Qwen3MoEArgs(MoEArgs, Qwen3Args):
     """Qwen3-MoE: Qwen3's attention and our MoE fields. Every layer is MoE (``first_k_dense = 0``),
     softmax routing with the top-k probabilities renormalised, no shared expert."""
 
-    # Qwen3's again: MoEArgs's own (llama's 1e-5 and 1e4) come later in the field order and would win
-    norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
+    # norm_eps and rope_theta default to llama's (1e-5, 1e4: MoEArgs's fields come later in the field order), as the
+    # debug flavors' checkpoints recorded them; the published flavors set Qwen3's (qwen3/__init__.py)
     first_k_dense: int = 0
     score_func: str = "softmax"
     route_norm: bool = True

@@ -14,7 +14,9 @@ causal convolution of width ``conv_kernel`` over it (SiLU), the decay from ``A_l
 its own projection, an RMSNorm of each head's output gated by SiLU(z), and the output projection.
 
 Documents (``doc_ids``): neither the state nor the convolution crosses a document boundary: each document
-runs from a zero state and zero convolution history, as if alone.
+runs from a zero state and zero convolution history, as if alone. Masks built from the ids do it inside the
+batched computation (no host read, no per-document loop), so a compiled block (fullgraph) and the memory
+estimator's fake tensors run the same code as eager training.
 
 Generation (``GatedDeltaNet.state``, a ``RecurrentState``): while one is set, each call continues the sequence of
 the previous calls: the convolution reads the last ``conv_kernel - 1`` inputs kept from them and the rule starts
@@ -29,9 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
-from torchtitan.models.common.attention import DocumentLayoutCache, document_lengths
 from torchtitan.models.common.init import trunc_normal_
 from torchtitan.models.moe.moe import _local
 
@@ -45,9 +45,9 @@ def _heads_first(q, k, v, g, beta):
     """(bs, T, H, d) / (bs, T, H) -> fp32 (bs, H, T, d) / (bs, H, T); k/q heads repeated to the value heads;
     q and k L2-normalised, q scaled by d^-0.5."""
     rep = v.shape[2] // k.shape[2]
+    q, k, v = (x.transpose(1, 2).float().contiguous() for x in (q, k, v))  # (bs, H, T, d)
     if rep > 1:  # each q/k head serves ``rep`` consecutive value heads
-        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-    q, k, v = (x.transpose(1, 2).float().contiguous() for x in (q, k, v))
+        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
     g, beta = (x.transpose(1, 2).float().contiguous() for x in (g, beta))
     q, k = l2_normalize(q), l2_normalize(k)
     return q * q.shape[-1] ** -0.5, k, v, g, beta
@@ -84,13 +84,17 @@ def chunked_gated_delta_rule(
     beta: torch.Tensor,
     chunk: int = 64,
     state: torch.Tensor | None = None,
+    doc_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``chunk`` tokens at a time; the arguments and results of ``recurrent_gated_delta_rule``.
+    """``chunk`` tokens at a time; the arguments and results of ``recurrent_gated_delta_rule``, and ``doc_ids``
+    (bs, T): each document from a zero state, as if alone (masks, no host read: it traces under compile).
 
     Within a chunk, with G the cumulative log decay and D[i, j] = exp(G_i - G_j) for j <= i (else 0):
     the corrections u solve (I + strictly_lower((beta k) k^T * D)) u = beta v - (beta k exp(G)) S, split as
     u = U - W S with U, W solved once for every chunk; then o = (q exp(G)) S + ((q k^T) * D) u and
-    S <- exp(G_last) S + (k exp(G_last - G))^T u.
+    S <- exp(G_last) S + (k exp(G_last - G))^T u. With documents D is zero across them, only the tokens of the
+    document the state belongs to read it, only the chunk's last document writes it, and a chunk with a new
+    document does not pass the state on.
     """
     dtype, length = v.dtype, v.shape[1]
     q, k, v, g, beta = _heads_first(q, k, v, g, beta)
@@ -104,15 +108,19 @@ def chunked_gated_delta_rule(
     cum = g.cumsum(-1)
     later = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)  # j > i: no decay, no attention
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(later, float("-inf")).exp()  # (bs, H, N, C, C)
+    reads, writes, passes = 1.0, 1.0, 1.0
+    if doc_ids is not None:
+        same, reads, writes, passes = _document_masks(doc_ids, chunk, pad)
+        decay = decay * same
     kb = k * beta[..., None]
     system = (kb @ k.transpose(-1, -2)) * decay
     solve = dict(upper=False, unitriangular=True)  # the diagonal is taken as 1: (I + strictly lower)
     u0 = torch.linalg.solve_triangular(system, v * beta[..., None], **solve)
-    w = torch.linalg.solve_triangular(system, kb * cum.exp()[..., None], **solve)
+    w = torch.linalg.solve_triangular(system, kb * (cum.exp() * reads)[..., None], **solve)
     inner = (q @ k.transpose(-1, -2)) * decay
-    q_decayed = q * cum.exp()[..., None]
-    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()[..., None, None]  # (bs, H, N, 1, 1)
+    q_decayed = q * (cum.exp() * reads)[..., None]
+    k_to_end = k * ((cum[..., -1:] - cum).exp() * writes)[..., None]
+    chunk_decay = (cum[..., -1].exp() * passes)[..., None, None]  # (bs, H, N, 1, 1)
     s = q.new_zeros(bs, heads, dk, v.shape[-1]) if state is None else state.float()
     out = []
     for n in range(q.shape[2]):
@@ -123,12 +131,33 @@ def chunked_gated_delta_rule(
     return o.transpose(1, 2).to(dtype), s
 
 
-def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _document_masks(doc_ids: torch.Tensor, chunk: int, pad: int) -> tuple[torch.Tensor, ...]:
+    """doc_ids (bs, T) -> fp32 masks for the chunked rule, broadcasting over heads: ``same`` (bs, 1, N, C, C) token
+    pairs of one document; ``reads`` (bs, 1, N, C) tokens of the document the incoming state holds (that of the
+    token before the chunk); ``writes`` tokens of the chunk's last document; ``passes`` (bs, 1, N) chunks whose
+    incoming state's document runs to their end. Documents are contiguous: equal ids, no boundary between."""
+    ids = F.pad(doc_ids, (0, pad), mode="replicate") if pad else doc_ids  # the padding joins the last document
+    ids = ids.unflatten(1, (-1, chunk))[:, None]  # (bs, 1, N, C)
+    before = torch.cat([ids[..., :1, :1], ids[..., :-1, -1:]], dim=2)  # (bs, 1, N, 1): the token before each chunk
+    same = (ids[..., :, None] == ids[..., None, :]).float()
+    reads = (ids == before).float()
+    writes = (ids == ids[..., -1:]).float()
+    return same, reads, writes, (ids[..., -1] == before[..., 0]).float()
+
+
+def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """x (bs, T, C), weight (C, K) -> SiLU of each channel's causal convolution (bs, T, C): output t sees
-    inputs t-K+1..t, zeros before the start."""
-    width = weight.shape[-1]
-    out = F.conv1d(x.transpose(1, 2), weight.unsqueeze(1), padding=width - 1, groups=weight.shape[0])
-    return F.silu(out[..., : x.shape[1]]).transpose(1, 2)
+    inputs t-K+1..t, zeros before the start; with ``doc_ids`` (bs, T), only those of its own document."""
+    width, length = weight.shape[-1], x.shape[1]
+    if doc_ids is None:
+        out = F.conv1d(x.transpose(1, 2), weight.unsqueeze(1), padding=width - 1, groups=weight.shape[0])
+        return F.silu(out[..., :length]).transpose(1, 2)
+    out = x * weight[:, -1]  # tap 0: the token itself
+    for back in range(1, width):  # input t - back, where it is in t's document
+        earlier = F.pad(x, (0, 0, back, 0))[:, :length]
+        same = F.pad(doc_ids, (back, 0), value=-1)[:, :length] == doc_ids  # (bs, T)
+        out = out + earlier * weight[:, width - 1 - back] * same[..., None].to(x.dtype)
+    return F.silu(out)
 
 
 @dataclass
@@ -197,9 +226,9 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(value_heads))
         self.norm = GatedRMSNorm(value_dim, eps)
         self.out_proj = nn.Linear(values, dim, bias=False)
-        # the model's one document layout per batch (Qwen35Transformer shares its cache, as llama's attention does)
-        self.documents = DocumentLayoutCache()
         self.state: RecurrentState | None = None  # generation's: set, each call continues the last one
+        # the chunked rule's kernel: this torch form, or one with its contract (features/linear_attention: fla's)
+        self.chunk_rule = chunked_gated_delta_rule
 
     @staticmethod
     def new_state() -> RecurrentState:
@@ -227,21 +256,20 @@ class GatedDeltaNet(nn.Module):
         weight = _local(self.conv1d.weight).squeeze(1)  # (C, K)
         if self.state is not None:
             out = self._continue(mixed, weight, g, beta, self.state)
-        elif doc_ids is None:
-            out = self._mix(mixed, weight, g, beta)
         else:
-            out = self._mix_documents(mixed, weight, g, beta, doc_ids)
+            out = self._mix(mixed, weight, g, beta, doc_ids)
         return self.out_proj(self.norm(out, z).flatten(2))  # the norm per head
 
     def _heads(self, convolved: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The convolution's output (bs, T, key-head groups) -> q, k (bs, T, Hk, dk), v (bs, T, H, dv)."""
         q, k, v = convolved.unflatten(-1, (-1, sum(self.split))).split(self.split, dim=-1)  # (bs, T, Hk, .)
-        return q, k, v.flatten(2).unflatten(-1, (-1, self.value_dim))
+        return q, k, v.reshape(*v.shape[:2], -1, self.value_dim)
 
-    def _mix(self, mixed, weight, g, beta):
-        """The convolution and the chunked rule over whole rows -> (bs, T, H, dv)."""
-        q, k, v = self._heads(causal_depthwise_conv(mixed, weight))
-        return chunked_gated_delta_rule(q, k, v, g, beta, self.chunk)[0]
+    def _mix(self, mixed, weight, g, beta, doc_ids=None):
+        """The convolution and the chunked rule over whole rows (each document alone) -> (bs, T, H, dv)."""
+        q, k, v = self._heads(causal_depthwise_conv(mixed, weight, doc_ids))
+        documents = {} if doc_ids is None else {"doc_ids": doc_ids}
+        return self.chunk_rule(q, k, v, g, beta, self.chunk, **documents)[0]
 
     def _continue(self, mixed, weight, g, beta, state: RecurrentState):
         """``_mix`` continuing the calls before (generation): the convolution over the kept inputs then these, the
@@ -250,21 +278,8 @@ class GatedDeltaNet(nn.Module):
         history = state.conv if state.conv is not None else mixed.new_zeros(mixed.shape[0], kept, mixed.shape[2])
         inputs = torch.cat([history, mixed], dim=1)  # (bs, kept + T, C)
         q, k, v = self._heads(causal_depthwise_conv(inputs, weight)[:, kept:])
-        rule = recurrent_gated_delta_rule if mixed.shape[1] < self.chunk else chunked_gated_delta_rule
+        rule = recurrent_gated_delta_rule if mixed.shape[1] < self.chunk else self.chunk_rule
         chunk = {} if mixed.shape[1] < self.chunk else {"chunk": self.chunk}
         out, state.recurrent = rule(q, k, v, g, beta, state=state.recurrent, **chunk)
         state.conv = inputs[:, inputs.shape[1] - kept :]
         return out
-
-    def _mix_documents(self, mixed, weight, g, beta, doc_ids):
-        """``_mix`` per document (no state or convolution history crosses a boundary) -> (bs, T, H, dv)."""
-        bs, length = doc_ids.shape
-        # every row's documents, row after row; under fake tensors (the memory estimator) the ids cannot be read and
-        # one document per row stands in (the memory does not depend on the count), as for the attention
-        lengths = [length] * bs if is_fake(doc_ids) else self.documents.get(doc_ids, "lengths", document_lengths)
-
-        def documents(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return t.flatten(0, 1).split(lengths)
-
-        parts = [self._mix(m[None], weight, a[None], b[None]) for m, a, b in zip(*map(documents, (mixed, g, beta)))]
-        return torch.cat(parts, dim=1).view(bs, length, *parts[0].shape[2:])

@@ -186,9 +186,6 @@ class Qwen35Transformer(Transformer):
     def __init__(self, args: Qwen35Args, build_block: Callable[[int, Qwen35Args], nn.Module] = HybridBlock):
         super().__init__(args, build_block=build_block)
         self.norm = ZeroCenteredRMSNorm(args.dim, args.norm_eps)
-        for module in self.layers.modules():
-            if isinstance(module, GatedDeltaNet):
-                module.documents = self.document_cache  # one document layout per batch, the attention's too
 
     def _rope_cache(self) -> torch.Tensor:
         args = self.args

@@ -46,11 +46,6 @@ def refuse_unbuilt(args: Any, model: Model, training: Training, experimental: Ex
             f"training.tensor_parallel_degree = {tp} does not divide {named} (flavor {model.flavor!r}) Gated "
             f"DeltaNet's {listed}: each rank holds whole heads; use a degree that divides them"
         )
-    if training.compile and model.attn_mask_type == "block_causal":
-        raise NotImplementedError(
-            f"{named} with training.compile and attn_mask_type = 'block_causal': not built (Gated DeltaNet restarts "
-            "per document from lengths read on the host, which a compiled layer cannot); use one"
-        )
 
 
 def hybrid_layer_pattern(args: Any) -> tuple[int, int]:
