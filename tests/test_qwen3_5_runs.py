@@ -2,8 +2,8 @@
 layers and one gated full attention, chunk 16) on the short-document corpus with block_causal documents (every row
 runs the per-document recurrence and convolution, and the attention's document mask), 4 steps at seq 64.
 
-A 1-rank reference, and FSDP2 + gradient accumulation 2, PP2 (1F1B) and TP2 (Gated DeltaNet sharded by heads) at 2
-ranks, each at loss and grad-norm parity (the matrix's rule: loss rtol 1e-5, grad norm 3e-4); context parallel,
+A 1-rank reference, and FSDP2 + gradient accumulation 2, PP2 (1F1B, full AC) and TP2 (Gated DeltaNet sharded by
+heads, selective op AC) at 2 ranks, each at loss and grad-norm parity (the matrix's rule: loss rtol 1e-5, grad norm 3e-4); context parallel,
 async TP and uneven heads refused in one line. Qwen3.5-MoE (``qwen3_5_moe``, the tiny flavor: 4 experts, top 2,
 the gated shared expert, expert-bias balancing) has its own 1-rank reference, and FSDP2 + EP2 and TP2 x EP2 at 2
 ranks and HSDP 2x2 + EP2 at 4 at parity with it. The logits of both
@@ -33,8 +33,15 @@ REFERENCE = Row("qwen3_5_1proc", 1, 4)
 MOE_REFERENCE = Row("qwen3_5_moe_1proc", 1, 4, MOE)
 ROWS = [
     Row("qwen3_5_fsdp2_accum2", 2, 1, ["--training.gradient_accumulation_steps", "2"]),
-    Row("qwen3_5_pp2_1f1b", 2, 4, pp_schedule("1F1B"), pp=2),
-    Row("qwen3_5_tp2", 2, 4, tp=2),
+    # activation checkpointing rides on these rows (it changes no number): full AC under PP, selective op under TP
+    Row("qwen3_5_pp2_1f1b", 2, 4, [*pp_schedule("1F1B"), "--activation_checkpoint.mode", "full"], pp=2),
+    Row(
+        "qwen3_5_tp2",
+        2,
+        4,
+        ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+        tp=2,
+    ),
     Row("qwen3_5_moe_fsdp2_ep2", 2, 2, [*MOE, *EP2]),
     Row("qwen3_5_moe_tp2_ep2", 2, 4, [*MOE, *EP2], tp=2),
     Row(

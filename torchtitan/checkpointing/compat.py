@@ -30,7 +30,7 @@ NOT_MODEL_DEFINING = frozenset(
 )
 # Args added after markers began recording them, with the value that builds the model a marker without them
 # recorded (a new option whose default is the old behaviour).
-ADDED_ARGS: dict[str, Any] = {"shared_expert_gate": False}
+ADDED_ARGS: dict[str, Any] = {"shared_expert_gate": False, "mrope_section": [11, 11, 10]}
 # Spellings of one module (see models/llama/model.py build_norm).
 _SAME = {"fused_rmsnorm": "rmsnorm"}
 
@@ -61,6 +61,9 @@ def check_model_matches(saved: dict[str, Any] | None, current: dict[str, Any], p
 
 
 def _canonical(value: Any) -> Any:
+    """One spelling per value: a module's other name, and a tuple as the marker's JSON holds it (a list)."""
+    if isinstance(value, tuple):
+        return list(value)
     return _SAME.get(value, value) if isinstance(value, str) else value
 
 

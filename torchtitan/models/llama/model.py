@@ -310,6 +310,10 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight  # (vocab, dim) both
 
+    def rope_at(self, positions: torch.Tensor | None) -> torch.Tensor:
+        """The RoPE table's rows for ``positions`` (None: the whole table, positions 0..)."""
+        return self.rope_cache if positions is None else self.rope_cache[positions]
+
     def _rope_cache(self) -> torch.Tensor:
         args = self.args
         return compute_rope_cache(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling)
@@ -368,7 +372,8 @@ class Transformer(nn.Module):
         doc_ids: torch.Tensor | None = None,
         return_hidden: bool = False,
     ) -> torch.Tensor:
-        """tokens (bs, seqlen) -> logits (bs, seqlen, vocab); on a middle pipeline stage, hidden -> hidden.
+        """tokens (bs, seqlen) -> logits (bs, seqlen, vocab); on a middle pipeline stage, hidden -> hidden. Floating
+        ``tokens`` are taken as already embedded (bs, seqlen, dim): a multimodal wrapper's, image features placed.
 
         positions (seqlen,) are the tokens' positions in their sequence (default 0..seqlen-1), or
         (bs, seqlen) positions inside each token's document (model.positions_per_document).
@@ -377,8 +382,9 @@ class Transformer(nn.Module):
         return_hidden: return the normed hidden state (bs, seqlen, dim) and skip ``output``, for a
         loss that applies the output projection itself (torchtitan.components.loss).
         """
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seqlen, dim)
-        rope = self.rope_cache if positions is None else self.rope_cache[positions]  # (seqlen, head_dim)
+        embedded = self.tok_embeddings is None or tokens.is_floating_point()  # a later stage's, or a wrapper's
+        h = tokens if embedded else self.tok_embeddings(tokens)  # (bs, seqlen, dim)
+        rope = self.rope_at(positions)  # ([bs,] seqlen, head_dim)
         for layer in self.layers.values():
             h = layer(h, rope) if doc_ids is None else layer(h, rope, doc_ids=doc_ids)
         h = self.norm(h) if self.norm is not None else h

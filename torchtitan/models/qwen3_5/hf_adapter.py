@@ -96,6 +96,8 @@ class Qwen35Adapter(HfAdapter):
                 "rope_type": "default",
                 "rope_theta": args["rope_theta"],
                 "partial_rotary_factor": args["partial_rotary_factor"],
+                "mrope_section": list(args.get("mrope_section", (11, 11, 10))),
+                "mrope_interleaved": True,
             },
             "layer_types": Qwen35Args(
                 n_layers=args["n_layers"], full_attention_interval=args["full_attention_interval"]
@@ -145,6 +147,7 @@ class Qwen35Adapter(HfAdapter):
             "head_dim": config.get("head_dim", 256),
             "ffn_dim": config["intermediate_size"],
             "partial_rotary_factor": rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25)),
+            "mrope_section": tuple(rope.get("mrope_section", (11, 11, 10))),
             "full_attention_interval": every,
             "linear_conv_kernel": config.get("linear_conv_kernel_dim", 4),
             "linear_key_head_dim": config.get("linear_key_head_dim", 128),

@@ -45,6 +45,9 @@ class Qwen35Args(Qwen3Args):
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
     linear_chunk: int = 64  # the chunked rule's chunk length (transformers' and flash-linear-attention's)
+    # multimodal RoPE: of the rotary frequencies, every third from the 2nd (this many) turns with the height
+    # position, every third from the 3rd with the width, the rest with the time (text: all three equal)
+    mrope_section: tuple[int, int, int] = (11, 11, 10)
 
     @property
     def layer_types(self) -> list[str]:
@@ -190,6 +193,19 @@ class Qwen35Transformer(Transformer):
     def _rope_cache(self) -> torch.Tensor:
         args = self.args
         return compute_rope_halves(args.rotary_dim, args.max_seq_len, args.rope_theta)
+
+    def rope_at(self, positions: torch.Tensor | None) -> torch.Tensor:
+        """llama's, and multimodal positions (3, bs, seqlen) of time, height and width: each rotary frequency
+        takes its axis's angle (``mrope_section``, transformers' interleaved layout) -> (bs, seqlen, rotary_dim)."""
+        if positions is None or positions.dim() < 3:
+            return super().rope_at(positions)
+        rows = self.rope_cache[positions]  # (3, bs, seqlen, rotary_dim): [cos | sin] per axis
+        half = rows.shape[-1] // 2
+        axis = torch.zeros(half, dtype=torch.long, device=rows.device)
+        axis[1 : 3 * self.args.mrope_section[1] : 3] = 1
+        axis[2 : 3 * self.args.mrope_section[2] : 3] = 2
+        pick = torch.cat([axis, axis]).expand(1, *rows.shape[1:])
+        return rows.gather(0, pick)[0]
 
 
 @dataclass(frozen=True)
