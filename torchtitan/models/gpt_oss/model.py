@@ -8,7 +8,7 @@ Blocks are llama's shape (``attention_norm``, ``attention`` with ``wq``/``wk``/`
 * the feed-forward is an MoE on every layer (moe.py): a biased router, clamped-SwiGLU experts with biases;
 * YaRN RoPE, whose attention scaling is folded into the cos/sin table.
 
-Heads are read from tensor shapes (``view(bs, seqlen, -1, head_dim)``) and the sinks through ``_local``
+Heads are read from tensor shapes (``view(bs, seqlen, -1, head_dim)``) and the sinks through ``local_part``
 (a tensor-parallel plan shards them over heads, Shard(0), like wq's output), so the model imports nothing
 distributed. The attention kernel is one module (``attention.sdpa``), swappable like llama's.
 """
@@ -22,12 +22,12 @@ from torch import nn
 
 from torchtitan.models.common.attention import apply_sinks, masked_attention_with_lse
 from torchtitan.models.common.init import trunc_normal_
+from torchtitan.models.common.local import local_part
 from torchtitan.models.common.rope.yarn import compute_yarn_rope_cache
 from torchtitan.models.gpt_oss.args import GptOssArgs
 from torchtitan.models.gpt_oss.moe import GptOssMoE
 from torchtitan.models.llama.model import Attention, TransformerBlock, compute_rope_cache
 from torchtitan.models.moe.model import MoETransformer
-from torchtitan.models.moe.moe import _local
 
 
 def attention_mask(seqlen: int, window: int | None, doc_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -84,7 +84,7 @@ class GptOssAttention(Attention):
         trunc_normal_(self.sinks, mean=0.0, std=0.02)  # transformers: normal(0, initializer_range)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
-        sinks = _local(self.sinks)  # (local n_heads,): this rank's heads under TP
+        sinks = local_part(self.sinks)  # (local n_heads,): this rank's heads under TP
         return self.sdpa(q, k, v, sinks) if doc_ids is None else self.sdpa(q, k, v, sinks, doc_ids=doc_ids)
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchtitan.models.common.local import local_part
 from torchtitan.models.gpt_oss.args import GptOssArgs
-from torchtitan.models.moe.moe import GroupedExperts, MoE, TokenChoiceRouter, _local
+from torchtitan.models.moe.moe import GroupedExperts, MoE, TokenChoiceRouter
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -45,8 +46,8 @@ class GptOssExperts(GroupedExperts):
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x (T, dim) sorted by expert; num_tokens_per_expert (E_local,) summing to T -> (T, dim)."""
-        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)  # (E_local, ., .)
-        b1, b2, b3 = _local(self.b1), _local(self.b2), _local(self.b3)  # (E_local, .)
+        w1, w2, w3 = local_part(self.w1), local_part(self.w2), local_part(self.w3)  # (E_local, ., .)
+        b1, b2, b3 = local_part(self.b1), local_part(self.b2), local_part(self.b3)  # (E_local, .)
         # each row's expert, so row t gets its expert's biases; output_size: no host sync on the counts
         expert = torch.repeat_interleave(
             torch.arange(w1.shape[0], device=x.device), num_tokens_per_expert, output_size=x.shape[0]

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.common.init import trunc_normal_
+from torchtitan.models.common.local import local_part
 from torchtitan.models.llama.model import FeedForward
 from torchtitan.models.moe.args import MoEArgs
 
@@ -100,14 +101,6 @@ class TokenChoiceRouter(nn.Module):
         return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, num_experts)
 
 
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    # Under expert parallel the weights are DTensors sharded over experts (Shard(0)) and this rank
-    # computes with its own experts only. Duck-typed so models/ imports nothing distributed, and
-    # to_local() (not distributed.backend.dtensor.local_shard) because it is differentiable: the gradient
-    # reaches the sharded parameter.
-    return weight.to_local() if hasattr(weight, "to_local") else weight
-
-
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU FFNs with stacked weights, run over tokens grouped by expert."""
 
@@ -134,7 +127,7 @@ class GroupedExperts(nn.Module):
         E_local is the number of experts whose weights this module holds locally (all of them
         without expert parallel).
         """
-        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)  # (E_local, ., .)
+        w1, w2, w3 = local_part(self.w1), local_part(self.w2), local_part(self.w3)  # (E_local, ., .)
         if self.use_grouped_mm:
             return _grouped_swiglu(x, num_tokens_per_expert, w1, w2, w3)
         return _looped_swiglu(x, num_tokens_per_expert, w1, w2, w3)

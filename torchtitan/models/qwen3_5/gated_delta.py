@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.common.init import trunc_normal_
-from torchtitan.models.moe.moe import _local
+from torchtitan.models.common.local import local_part
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -194,7 +194,7 @@ class GatedDeltaNet(nn.Module):
     and the values of the value heads it serves (transformers stores all queries, then all keys, then all values;
     the HF adapter reorders). So a tensor-parallel rank's contiguous rows are whole groups, and the layer reads its
     local head counts from shapes; per-head parameters (``A_log``, ``dt_bias``, the convolution) go through
-    ``_local`` (a tensor-parallel plan shards them over heads as DTensors).
+    ``local_part`` (a tensor-parallel plan shards them over heads as DTensors).
 
     Args:
         dim: the model width; key_heads / value_heads, key_dim / value_dim: the linear attention's heads and
@@ -251,9 +251,9 @@ class GatedDeltaNet(nn.Module):
         mixed = self.in_proj_qkv(x)  # (bs, T, 2 keys + values)
         z = self.in_proj_z(x).unflatten(-1, (-1, self.value_dim))  # (bs, T, H, dv)
         beta = self.in_proj_b(x).sigmoid()  # (bs, T, H)
-        decay, bias = _local(self.A_log).float().exp(), _local(self.dt_bias)  # (H,) this rank's heads
+        decay, bias = local_part(self.A_log).float().exp(), local_part(self.dt_bias)  # (H,) this rank's heads
         g = -decay * F.softplus(self.in_proj_a(x).float() + bias)  # (bs, T, H), <= 0
-        weight = _local(self.conv1d.weight).squeeze(1)  # (C, K)
+        weight = local_part(self.conv1d.weight).squeeze(1)  # (C, K)
         if self.state is not None:
             out = self._continue(mixed, weight, g, beta, self.state)
         else:
