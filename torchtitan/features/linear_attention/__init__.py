@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan.models.qwen3_5.gated_delta import repeat_to_value_heads
+
 logger = logging.getLogger(__name__)
 
 KERNELS = ("torch", "fla")
@@ -66,9 +68,7 @@ def fla_chunk_rule(
     the final state returned is then the last document's."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    rep = v.shape[2] // k.shape[2]
-    if rep > 1:  # each q/k head serves ``rep`` consecutive value heads
-        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    q, k = repeat_to_value_heads(q, k, v.shape[2], dim=2)
     shape, varlen = v.shape, {}
     if doc_ids is not None:  # (1, bs * T, ...) and the start of every document
         q, k, v, g, beta = (x.flatten(0, 1)[None] for x in (q, k, v, g, beta))

@@ -41,13 +41,20 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def repeat_to_value_heads(q: torch.Tensor, k: torch.Tensor, value_heads: int, dim: int) -> tuple[torch.Tensor, ...]:
+    """q and k with each of their heads (along ``dim``) repeated for the ``value_heads / heads`` consecutive value
+    heads it serves."""
+    rep = value_heads // k.shape[dim]
+    if rep == 1:
+        return q, k
+    return q.repeat_interleave(rep, dim=dim), k.repeat_interleave(rep, dim=dim)
+
+
 def _heads_first(q, k, v, g, beta):
     """(bs, T, H, d) / (bs, T, H) -> fp32 (bs, H, T, d) / (bs, H, T); k/q heads repeated to the value heads;
     q and k L2-normalised, q scaled by d^-0.5."""
-    rep = v.shape[2] // k.shape[2]
     q, k, v = (x.transpose(1, 2).float().contiguous() for x in (q, k, v))  # (bs, H, T, d)
-    if rep > 1:  # each q/k head serves ``rep`` consecutive value heads
-        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+    q, k = repeat_to_value_heads(q, k, v.shape[1], dim=1)
     g, beta = (x.transpose(1, 2).float().contiguous() for x in (g, beta))
     q, k = l2_normalize(q), l2_normalize(k)
     return q * q.shape[-1] ** -0.5, k, v, g, beta

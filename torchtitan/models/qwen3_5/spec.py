@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     from torchtitan.config.schema import Experimental, Model, Training
 
 
-def refuse_unbuilt(args: Any, model: Model, training: Training, experimental: Experimental) -> None:
-    """What the hybrid does not build (yet), refused in one line each (both families); Gated DeltaNet's heads must
-    split evenly over the tensor-parallel ranks."""
+def check_hybrid(args: Any, model: Model, training: Training, experimental: Experimental) -> None:
+    """Both families' own checks, one line each: context parallel (not built), async TP (no plan for Gated
+    DeltaNet), and Gated DeltaNet's heads split evenly over the tensor-parallel ranks."""
     named = f"model.name = {model.name!r}"
     cp, tp = experimental.context_parallel_degree, training.tensor_parallel_degree
     if cp > 1:
@@ -55,12 +55,12 @@ def hybrid_layer_pattern(args: Any) -> tuple[int, int]:
 
 
 def check_qwen3_5(args: Any, *, model: Model, training: Training, experimental: Experimental) -> list[str]:
-    refuse_unbuilt(args, model, training, experimental)
+    check_hybrid(args, model, training, experimental)
     return check_dense_config(args, model=model, training=training, experimental=experimental)
 
 
 def check_qwen3_5_moe(args: Any, *, model: Model, training: Training, experimental: Experimental) -> list[str]:
-    refuse_unbuilt(args, model, training, experimental)
+    check_hybrid(args, model, training, experimental)
     return check_moe_config(args, model=model, training=training, experimental=experimental)
 
 
