@@ -1,9 +1,10 @@
-"""Convert Hugging Face weights (Llama, Qwen3, Qwen3-MoE) to a seed checkpoint a training run starts from.
+"""Convert Hugging Face weights (any family with an adapter: docs/models.md) to a seed checkpoint a run starts from.
 
     python scripts/convert_from_hf.py HF_DIR outputs/my_run/checkpoint/step-0 [--model qwen3]
 
 HF_DIR holds ``model.safetensors`` and ``config.json``; the model family is the one for the config's
-``model_type`` unless ``--model`` names it. The output is a complete step-0 (weights
+``model_type`` unless ``--model`` names it (a Qwen3.5 multimodal folder, ``qwen3_5``, is ``qwen3_5_vl``: tower and
+language model; ``--model qwen3_5`` reads its language model alone). The output is a complete step-0 (weights
 only) checkpoint: a run with ``checkpoint.enable_checkpoint = true`` and that checkpoint folder loads
 it as its initial weights (every key and shape is checked against the configured model).
 """

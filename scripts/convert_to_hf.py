@@ -60,8 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     if config.get("peft_type"):
         print(f"wrote {args.output}: a PEFT LoRA adapter (r {config['r']}, targets {config['target_modules']})")
         return 0
+    text = config.get("text_config", config)  # a multimodal folder nests the language model's
+    tower = f", a vision tower of {config['vision_config']['depth']} blocks" if "vision_config" in config else ""
     print(
-        f"wrote {args.output}: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
+        f"wrote {args.output}: {text['num_hidden_layers']} layers, hidden {text['hidden_size']}{tower}, "
         f"{config['torch_dtype']}"
     )
     return 0

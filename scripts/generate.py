@@ -7,6 +7,7 @@
     python scripts/generate.py --hf HF_DIR --adapter PEFT_DIR --prompt "..."   # + a PEFT LoRA adapter, merged
     python scripts/generate.py outputs/sft_debug/checkpoint/step-60 --chat \\
         --prompt "What is 12 plus 7?" [--system "Answer with the number only."]   # a chat model
+    python scripts/generate.py CKPT --chat --image shape.png --prompt "What colour is the shape?"   # an image model
     NGPU=2 torchrun --nproc_per_node 2 scripts/generate.py CKPT ...  # tensor parallel over the ranks
 
 A LoRA run's checkpoint (adapters only) is merged into the base its marker names. The model (family, shapes)
@@ -21,7 +22,9 @@ rendered (after ``--system``, if given) with the tokenizer's chat template, or t
 one when it has none, and the assistant's header, as transformers' ``apply_chat_template(...,
 add_generation_prompt=True)`` renders it. Generation stops at the end of the assistant's turn (eos,
 or ``<|im_end|>`` / ``<|eot_id|>``), and only the answer is printed, without special tokens. ``--chat``
-needs a Hugging Face tokenizer (``tokenizer.json`` + ``tokenizer_config.json``).
+needs a Hugging Face tokenizer (``tokenizer.json`` + ``tokenizer_config.json``). ``--image PATH`` (with
+``--chat``, repeatable; image models: ``qwen3_5_vl``) shows the images in the user's message before its text,
+processed as in training (the tokenizer folder's ``preprocessor_config.json``; docs/vision.md).
 """
 
 from __future__ import annotations
@@ -56,6 +59,11 @@ def load_model(
         ValueError: not a checkpoint of this trainer, or a vocabulary other than the tokenizer's.
     """
     weights, spec, model_args = _weights_and_model(checkpoint, hf, max_len)
+    return build_loaded(weights, spec, model_args, n_words, device, adapter)
+
+
+def build_loaded(weights, spec, model_args, n_words: int, device: torch.device, adapter: str | None = None):
+    """``load_model`` from weights and args already read (``_weights_and_model``)."""
     if adapter:
         from torchtitan.lora.peft_io import check_adapters_fit_base, merge_adapters, read_peft_folder, scaling_of
 
@@ -139,6 +147,12 @@ def _parser() -> argparse.ArgumentParser:
         help="the prompt is a user message, rendered with the tokenizer's chat template; print only the answer",
     )
     parser.add_argument("--system", help="with --chat: a system message before the user's")
+    parser.add_argument(
+        "--image",
+        action="append",
+        metavar="PATH",
+        help="with --chat: an image the user's message shows before its text (repeat for several; image models)",
+    )
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
@@ -189,6 +203,24 @@ def build_prompt(args: argparse.Namespace) -> Prompt:
     return Prompt(ids, tokenizer.base.n_words, stop_ids, lambda out: decode_answer(tokenizer, out, stop_ids))
 
 
+def image_prompt_and_model(args: argparse.Namespace, device: torch.device) -> tuple[Prompt, torch.nn.Module]:
+    """A ``--chat --image`` run's prompt (the images laid out as in training) and the model bound to its images
+    (``ImagePrompt``: generation continues from the prompt's last multimodal position)."""
+    from torchtitan.datasets.sft.chat_template import ChatTokenizer
+    from torchtitan.datasets.sft.prompting import chat_stop_ids, decode_answer
+    from torchtitan.datasets.vision.prompting import image_prompt
+    from torchtitan.models.qwen3_5.multimodal import ImagePrompt
+
+    tokenizer = ChatTokenizer(args.tokenizer)
+    weights, spec, model_args = _weights_and_model(args.checkpoint, args.hf, 1)
+    ids, pixels, grids = image_prompt(tokenizer, model_args, args.image, args.prompt, system=args.system)
+    model_args = dataclasses.replace(model_args, max_seq_len=len(ids) + args.max_new_tokens)
+    model = build_loaded(weights, spec, model_args, tokenizer.base.n_words, device, args.adapter)
+    stop_ids = chat_stop_ids(tokenizer)
+    prompt = Prompt(ids, tokenizer.base.n_words, stop_ids, lambda out: decode_answer(tokenizer, out, stop_ids))
+    return prompt, ImagePrompt(model, pixels.to(device), grids)
+
+
 def default_tokenizer(hf: str | None, checkpoint: str | None) -> str:
     """Without ``--tokenizer``: the one a checkpoint's run trained with (its marker records it), an HF folder's own
     (as transformers reads it), else the shipped one.
@@ -214,8 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if bool(args.checkpoint) == bool(args.hf):
         parser.error("give a checkpoint folder or --hf HF_DIR (one of them)")
-    if args.system is not None and not args.chat:
-        parser.error("--system is a chat message; add --chat")
+    if (args.system is not None or args.image) and not args.chat:
+        parser.error("--system and --image belong to a chat message; add --chat")
     from torchtitan.distributed.backend.device import get_device_info, init_distributed
 
     info = get_device_info()
@@ -223,10 +255,13 @@ def main(argv: list[str] | None = None) -> int:
         init_distributed(info, 300, 0)
     try:
         args.tokenizer = args.tokenizer or default_tokenizer(args.hf, args.checkpoint)
-        prompt = build_prompt(args)
-        max_len = len(prompt.ids) + args.max_new_tokens
-        model = load_model(args.checkpoint, args.hf, max_len, prompt.n_words, info.device, args.adapter)
-    except (ValueError, NotImplementedError, FileNotFoundError, jinja2.TemplateError) as e:
+        if args.image:
+            prompt, model = image_prompt_and_model(args, info.device)
+        else:
+            prompt = build_prompt(args)
+            max_len = len(prompt.ids) + args.max_new_tokens
+            model = load_model(args.checkpoint, args.hf, max_len, prompt.n_words, info.device, args.adapter)
+    except (ValueError, NotImplementedError, FileNotFoundError, ImportError, jinja2.TemplateError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     generated = complete(model, prompt, args, info.device)

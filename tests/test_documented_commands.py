@@ -31,6 +31,8 @@ DEFAULT_CONFIG = "./train_configs/debug_model.toml"
 # What a user sets up before the cluster configs run (each doc says so); the test stands in for it:
 # a downloaded hub tokenizer (scripts/download_tokenizer.py) -> the shipped one at the same key;
 SHIPPED_TOKENIZER = "./torchtitan/datasets/assets/tokenizer/pydocs_bpe2048.tiktoken"
+# a chat run's tokenizer the user builds first (docs/vision.md: scripts/build_vlm_assets.py) -> the shipped chat one
+SHIPPED_CHAT_TOKENIZER = "./tests/assets/sft/tokenizer"
 # a running torchft lighthouse (docs/fault_tolerance.md) -> its address in the environment (nothing connects to it).
 LIGHTHOUSE = "http://localhost:29510"
 SOURCES = ["README.md", "docs/*.md", "train_configs/*.toml", "scripts/*.sh", "scripts/*.slurm"]
@@ -158,10 +160,14 @@ def test_the_docs_show_the_commands_users_type():
         assert any(text.startswith(start) for text in in_sequences), start
 
 
-def _downloads_its_tokenizer(argv: list[str]) -> bool:
+def _stand_in_tokenizer(argv: list[str]) -> str | None:
+    """The shipped tokenizer that stands in for one the user fetches or builds first (a chat run's: a chat one);
+    None when the command's tokenizer is here."""
     world_size, _, args = _launch_flags(argv)  # --world_size N, --target KIND
     config = JobConfig.parse_args(args, world_size=world_size)
-    return not os.path.exists(os.path.join(ROOT, config.model.tokenizer_path))
+    if os.path.exists(os.path.join(ROOT, config.model.tokenizer_path)):
+        return None
+    return SHIPPED_CHAT_TOKENIZER if config.training.dataset_format == "chat" else SHIPPED_TOKENIZER
 
 
 @pytest.mark.parametrize("where,command", COMMANDS, ids=[where for where, _ in COMMANDS])
@@ -169,8 +175,8 @@ def test_documented_command_passes_the_prelaunch_check(where, command, capsys, m
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", LIGHTHOUSE)
     argv = _preflight_argv(command)
-    if _downloads_its_tokenizer(argv):
-        argv += ["--model.tokenizer_path", SHIPPED_TOKENIZER]
+    if (stand_in := _stand_in_tokenizer(argv)) is not None:
+        argv += ["--model.tokenizer_path", stand_in]
     code = preflight_main(argv)
     err = capsys.readouterr().err
     assert code == 0, f"{where}: `{command}` -> preflight {argv}: {err}"

@@ -98,8 +98,9 @@ def build_meta_model(spec: ModelSpec, model_args: Any) -> nn.Module:
         return spec.model_cls(model_args)
 
 
-def build_data_loader(training: Training, tokenizer: Any, shard: DataShard) -> Iterable:
-    """This data-parallel rank's slice of every global batch (see docs/data.md)."""
+def build_data_loader(training: Training, tokenizer: Any, shard: DataShard, model_args: Any = None) -> Iterable:
+    """This data-parallel rank's slice of every global batch (see docs/data.md); ``model_args``: the model's (image
+    data reads its vision tower)."""
     # The data stack (datasets, torchdata) loads only for a run that reads data: tools that build the
     # trainer with synthetic batches (the estimator, bench/gpu_check.py) run without it installed.
     from torchtitan.datasets.hf_datasets import compute_stream_groups
@@ -109,9 +110,9 @@ def build_data_loader(training: Training, tokenizer: Any, shard: DataShard) -> I
     groups = compute_stream_groups(shard.rank, shard.degree, t.batch_size, t.gradient_accumulation_steps)
     num_streams = shard.degree * t.batch_size * t.gradient_accumulation_steps
     if t.dataset_format != "text":  # fine-tuning rows, packed (datasets/sft/loader.py)
-        from torchtitan.datasets.sft.loader import build_sft_data_loader
+        from torchtitan.datasets.finetune import build_sft_data_loader
 
-        return build_sft_data_loader(t.dataset, t.dataset_path, tokenizer, t, groups, num_streams)
+        return build_sft_data_loader(t.dataset, t.dataset_path, tokenizer, t, groups, num_streams, model_args)
     return build_text_data_loader(
         t.dataset,
         t.dataset_path,
@@ -151,6 +152,8 @@ def finish_model_part(
         cast_parameters_(part, to_dtype(config.training.dtype))
     if frozen:
         part.requires_grad_(False)
+    elif config.model.freeze_vision:  # the family's check allows it only on a model with a tower
+        part.freeze_vision()
     spec.parallelize_fn(
         part,
         world_mesh=world.mesh,

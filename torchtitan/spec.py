@@ -280,6 +280,8 @@ _FAMILIES: dict[str, str] = {
     "gpt_oss": "torchtitan.models.gpt_oss.spec",
     "qwen3_5": "torchtitan.models.qwen3_5.spec",
     "qwen3_5_moe": "torchtitan.models.qwen3_5.spec",
+    "qwen3_5_vl": "torchtitan.models.qwen3_5.spec",
+    "qwen3_5_moe_vl": "torchtitan.models.qwen3_5.spec",
     "hf": "torchtitan.models.hf.spec",
 }
 _SPECS: dict[str, ModelSpec] = {}  # loaded from _FAMILIES, or registered with register_model_spec
@@ -344,9 +346,12 @@ def flavor_args(model: Model) -> Any:
 
 
 def spec_for_hf_model_type(model_type: str) -> ModelSpec:
-    """The family that imports a Hugging Face ``config.json`` of this ``model_type`` (imports every family)."""
+    """The family that imports a Hugging Face ``config.json`` of this ``model_type`` (imports every family): the one
+    whose own model_type it is, else one that imports such a folder's language model."""
     specs = [get_model_spec(name) for name in model_names()]
-    for spec in specs:
+    # the family that reads the folder whole (its own model_type) before one that reads its language model
+    # (hf_wrapper_model_type: Qwen3.5's multimodal folder -> qwen3_5_vl, not the text qwen3_5)
+    for spec in sorted(specs, key=lambda s: s.hf_model_type != model_type):
         if spec.hf_model_type != ANY_HF_MODEL_TYPE and spec.reads_hf_model_type(model_type):
             return spec
     known = sorted(s.hf_model_type for s in specs if s.hf_model_type and s.hf_model_type != ANY_HF_MODEL_TYPE)
@@ -364,6 +369,11 @@ def check_model(config: JobConfig, dims: ParallelDims) -> list[str]:
     warnings = []
     if spec.check_fn is not None:
         warnings += spec.check_fn(args, model=config.model, training=config.training, experimental=config.experimental)
+    if config.model.freeze_vision and not hasattr(spec.model_cls, "freeze_vision"):
+        raise ConfigError(
+            f"model.freeze_vision = true with model.name = {config.model.name!r}: the family has no vision tower; "
+            "use an image family (qwen3_5_vl, qwen3_5_moe_vl) or drop the key"
+        )
     if config.training.seq_len > args.max_seq_len:
         raise ConfigError(
             f"training.seq_len = {config.training.seq_len} does not fit model {config.model.flavor}, whose "

@@ -74,7 +74,7 @@ class RLTrainer(Trainer):
             self._publish(self.start_step)
 
     # -- the build: prompts as the data, the reference in the checkpoints ------------------------------------
-    def _prompt_source(self, training, tokenizer, shard) -> PromptSource:
+    def _prompt_source(self, training, tokenizer, shard, model_args=None) -> PromptSource:
         return PromptSource.of_run(self.rl, training, ChatTokenizer(self.tokenizer_path, base=tokenizer))
 
     def training_builders(self, core, builders: Builders) -> Builders:

@@ -45,7 +45,7 @@ class _NoPrompts:
 class EstimatedRLTrainer(RLTrainer):
     """``RLTrainer`` whose step generates one group at full length and updates on full-length sequences."""
 
-    def _prompt_source(self, training, tokenizer, shard) -> _NoPrompts:
+    def _prompt_source(self, training, tokenizer, shard, model_args=None) -> _NoPrompts:
         return _NoPrompts()
 
     def _open_outside(self) -> None:

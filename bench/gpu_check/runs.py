@@ -157,7 +157,7 @@ def build_trainer(config: JobConfig, spec: RunSpec, vocab: int) -> Trainer:
     tokenizer = FlavorVocabTokenizer(vocab)
     builders = Builders(
         tokenizer=lambda model: tokenizer,
-        data_loader=lambda training, tok, shard: SyntheticTokens(
+        data_loader=lambda training, tok, shard, *_: SyntheticTokens(
             training.batch_size, training.seq_len, tok.eos_id, spec.doc_len
         ),
         metrics=lambda core, outer, *, start_step: LossLog(),

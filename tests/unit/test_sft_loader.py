@@ -90,7 +90,7 @@ def _epoch_examples(ds: SFTDataset, epoch: int) -> list[list[int]]:
     """Each window of ``epoch``, as the token lists of the examples it holds."""
     out = []
     for w in range(epoch * ds.windows_per_epoch, (epoch + 1) * ds.windows_per_epoch):
-        tokens, labels, doc_ids, positions, real = ds.window(w)
+        tokens, labels, doc_ids, positions, real, _ = ds.window(w)
         assert all(t == IGNORE_INDEX for t in labels[real:]) and len(tokens) == 128
         out.append([[t for t, d in zip(tokens[:real], doc_ids[:real]) if d == doc] for doc in range(doc_ids[-1] + 1)])
     return out

@@ -101,6 +101,11 @@ class Model:
         "(flash-linear-attention's Triton kernel: CUDA, the package installed), 'auto' (fla on CUDA where installed, "
         "torch elsewhere); one log line names the one that runs",
     )
+    freeze_vision: bool = _f(
+        False,
+        "image models (qwen3_5_vl, qwen3_5_moe_vl): train the language model and the tower's merger only, the "
+        "vision tower's patch embedding, positions and blocks frozen (the common recipe; docs/vision.md)",
+    )
     hf_config: str = _f(
         "",
         "model.name = 'hf' with model.flavor = 'config': the transformers causal LM to build, as a local HF model "

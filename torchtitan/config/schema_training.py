@@ -12,7 +12,18 @@ from torchtitan.config.fields import config_field as _f
 
 # The names of torchtitan/datasets/registry.py's DATASETS (tests/unit/test_data_errors.py keeps them equal),
 # spelled out here so that the config check knows them without importing the data stack.
-DatasetName = Literal["pydocs", "pydocs_val", "c4", "c4_test", "c4_validation", "fineweb", "sft_arith", "sft_arith_val"]
+DatasetName = Literal[
+    "pydocs",
+    "pydocs_val",
+    "c4",
+    "c4_test",
+    "c4_validation",
+    "fineweb",
+    "sft_arith",
+    "sft_arith_val",
+    "vlm_shapes",
+    "vlm_shapes_val",
+]
 
 
 @dataclass

@@ -51,6 +51,10 @@ DATASETS: dict[str, DatasetSpec] = {
     # fine-tuning (training.dataset_format = "chat"): the shipped synthetic chat task, by scripts/build_sft_assets.py
     "sft_arith": DatasetSpec(default_path=_REPO_ROOT / "tests/assets/sft/arith_train.jsonl"),
     "sft_arith_val": DatasetSpec(default_path=_REPO_ROOT / "tests/assets/sft/arith_val.jsonl"),
+    # image-text fine-tuning: the synthetic shapes task, written by `python scripts/build_vlm_assets.py --output
+    # outputs/vlm_shapes` (docs/vision.md)
+    "vlm_shapes": DatasetSpec(default_path=_REPO_ROOT / "outputs/vlm_shapes/shapes_train.jsonl"),
+    "vlm_shapes_val": DatasetSpec(default_path=_REPO_ROOT / "outputs/vlm_shapes/shapes_val.jsonl"),
 }
 DEFAULT_DATASET = "pydocs"
 

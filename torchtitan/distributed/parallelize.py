@@ -124,7 +124,7 @@ def parallelize(
     if training.compile:
         apply_compile(model, tp_enabled=parallel_dims.tp_enabled)
     if parallel_dims.fsdp_enabled:
-        _apply_fsdp(model, world_mesh, parallel_dims, training=training)
+        _apply_fsdp(model, world_mesh, parallel_dims, training=training, blocks=_units(model))
     elif parallel_dims.dp_replicate_enabled:
         apply_ddp(model, world_mesh["dp_replicate"])
 
@@ -189,6 +189,15 @@ def _apply_cp(
         exp.context_parallel_rotate_method,
         exp.context_parallel_load_balance,
     )
+
+
+def _units(model: nn.Module) -> list[nn.Module] | None:
+    """FSDP's units in forward order: an image model's tower blocks, then the tower itself (patch embedding, positions,
+    merger), then the blocks; None (the blocks) for a text model."""
+    tower = getattr(model, "visual", None)
+    if tower is None:
+        return None
+    return [*tower.blocks, tower, *model.layers.values()]
 
 
 def _apply_fsdp(

@@ -135,7 +135,7 @@ class Builders:
     tokenizer(model) -> Tokenizer (``model``: the ``[model]`` section)
     model_args(config, spec, vocab_size, *, device_type) -> the family's args
     meta_model(spec, model_args) -> nn.Module on the meta device (called once per pipeline stage too)
-    data_loader(training, tokenizer, shard) -> iterable of (inputs, labels), stateful for checkpoints
+    data_loader(training, tokenizer, shard, model_args) -> iterable of (inputs, labels), stateful for checkpoints
     checkpointer(core, outer) -> Checkpointer
     load(core, checkpointer) -> the step the run continues after
     metrics(core, outer, *, start_step) -> Metrics
@@ -146,7 +146,7 @@ class Builders:
     tokenizer: Callable[[Model], Tokenizer] = _build_tokenizer
     model_args: Callable[..., Any] = build_model_args
     meta_model: Callable[[Any, Any], nn.Module] = build_meta_model
-    data_loader: Callable[[Training, Tokenizer, DataShard], Iterable] = build_data_loader
+    data_loader: Callable[[Training, Tokenizer, DataShard, Any], Iterable] = build_data_loader
     checkpointer: Callable[[Parts, OuterSync], Checkpointer] = build_checkpointer
     load: Callable[[Parts, Checkpointer], int] = load_start_weights
     metrics: Callable[..., Metrics] = build_metrics

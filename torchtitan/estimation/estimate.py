@@ -110,6 +110,15 @@ def check_estimable(config, world_size: int) -> None:
         value = getattr(getattr(config, section), name)
         if value != fine:
             raise NotImplementedError(f"estimation.py: {key} = {value!r} is not modeled: {why}; set {key} = {fine!r}")
+    if config.training.dataset_format != "text" and hasattr(
+        get_model_spec(config.model.name).model_cls, "freeze_vision"
+    ):
+        raise NotImplementedError(
+            f"estimation.py: model.name = {config.model.name!r} with training.dataset_format = "
+            f"{config.training.dataset_format!r} is not modeled: its batches carry images, whose tower activations the "
+            "fake step does not draw yet (docs/vision.md); estimate its text-only run (training.dataset_format = "
+            "'text') for the language model's share"
+        )
     check_estimable_features(config)  # features outside the step (validation, evaluation): the registry says which
 
 

@@ -152,7 +152,7 @@ def estimation_builders(vocab: int, *, n_layers: int | None = None) -> Builders:
         # Plain meta tensors, as in a real run (to_empty then materialises them, here as fake tensors);
         # a meta model built under fake mode would hold fake-meta tensors that cannot be materialised.
         meta_model=_outside_fake_mode(defaults.meta_model),
-        data_loader=lambda training, tokenizer, shard: _RandomTokens(
+        data_loader=lambda training, tokenizer, shard, *_: _RandomTokens(
             training.batch_size, training.seq_len, tokenizer.n_words
         ),
         metrics=lambda core, outer, *, start_step: _NoMetrics(),

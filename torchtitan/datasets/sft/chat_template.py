@@ -208,6 +208,10 @@ class ChatTokenizer:
             )
         return DEFAULT_CHAT_TEMPLATE
 
+    def token_id(self, token: str) -> int | None:
+        """The id of ``token`` (an added token's too), or None when the vocabulary lacks it."""
+        return self._chat_model.token_to_id(token)
+
     def encode_chat(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """A rendered chat -> its token ids and each token's [start, end) character offsets."""
         encoding = self._chat_model.encode(text, add_special_tokens=False)

@@ -15,6 +15,7 @@ class ColumnMap:
     completion: str = "completion"
     role: str = "role"
     content: str = "content"
+    images: str = "images"  # image-text rows: the list of image files (docs/vision.md)
 
 
 def parse_columns(pairs: list[str] | None, key: str = "training.dataset_columns") -> ColumnMap:

@@ -30,16 +30,15 @@ from datasets import Dataset, load_dataset
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
-from torchtitan.datasets.hf_datasets import ParallelAwareDataloader, first_group, validate_groups
+from torchtitan.datasets.hf_datasets import first_group, validate_groups
 from torchtitan.datasets.local_files import source_files
 from torchtitan.datasets.registry import get_spec, load_local, looks_like_hub_id
 from torchtitan.datasets.sft.chat_template import ChatTokenizer
-from torchtitan.datasets.sft.columns import ColumnMap, parse_columns
+from torchtitan.datasets.sft.columns import ColumnMap
 from torchtitan.datasets.sft.examples import build_example
 from torchtitan.datasets.sft.packing import PackedDocs, PackingPlan, build_window, plan_packing
 
 if TYPE_CHECKING:
-    from torchtitan.config.schema import Training
     from torchtitan.datasets.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -161,8 +160,8 @@ class SFTDataset(IterableDataset, Stateful):
         self._num_streams = num_streams
         self._groups = [list(g) for g in stream_groups]
         self._windows = {s: 0 for group in self._groups for s in group}  # windows read, per stream
-        self._plans: dict[int, tuple[PackingPlan, list[int]]] = {}
-        plan, _ = self._epoch(0)
+        self._plans: dict[int, tuple[PackingPlan, list[int], list[int]]] = {}
+        plan, _, _ = self._epoch(0)
         self.stats = plan.stats
         self.windows_per_epoch = plan.stats.windows
         if self.windows_per_epoch == 0:
@@ -173,8 +172,8 @@ class SFTDataset(IterableDataset, Stateful):
         self._fingerprint = [len(examples), plan.stats.tokens, plan.stats.trained_tokens]
         self._epoch_logged = -1
 
-    def _epoch(self, epoch: int) -> tuple[PackingPlan, list[int]]:
-        """Epoch ``epoch``'s packing plan (over its shuffled examples) and its window order."""
+    def _epoch(self, epoch: int) -> tuple[PackingPlan, list[int], list[int]]:
+        """Epoch ``epoch``'s packing plan (over its shuffled examples), its window order and its example order."""
         if epoch not in self._plans:
             rng = random.Random(f"sft-epoch:{self._seed}:{epoch}")  # str seeds: the same in every process
             order = list(range(len(self._examples)))
@@ -184,20 +183,21 @@ class SFTDataset(IterableDataset, Stateful):
             rng.shuffle(window_order)
             if len(self._plans) >= 2:  # the epoch being read and the next are enough
                 del self._plans[min(self._plans)]
-            self._plans[epoch] = (plan, window_order)
+            self._plans[epoch] = (plan, window_order, order)
         return self._plans[epoch]
 
-    def window(self, index: int) -> tuple[list[int], list[int], list[int], list[int], int]:
-        """Global window ``index``: (tokens, labels, doc_ids, positions, real token count)."""
+    def window(self, index: int) -> tuple[list[int], list[int], list[int], list[int], int, list[int]]:
+        """Global window ``index``: (tokens, labels, doc_ids, positions, real token count, its examples' indices in
+        window order)."""
         epoch, i = divmod(index, self.windows_per_epoch)
-        plan, window_order = self._epoch(epoch)
+        plan, window_order, order = self._epoch(epoch)
         assert len(plan.windows) == self.windows_per_epoch  # first-fit decreasing sees the same lengths
         if epoch > self._epoch_logged:
             self._epoch_logged = epoch
             logger.info("fine-tuning data %s: epoch %d (%d windows)", self.name, epoch, self.windows_per_epoch)
         built = build_window(plan, window_order[i], seq_len=self._seq_len, pad_id=self._pad_id)
         real = sum(len(plan.kept[m][0]) for m in built.examples)
-        return built.tokens, built.labels, built.doc_ids, built.positions, real
+        return built.tokens, built.labels, built.doc_ids, built.positions, real, [order[m] for m in built.examples]
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, PackedDocs]]:
         first = self._first_group()
@@ -206,10 +206,14 @@ class SFTDataset(IterableDataset, Stateful):
                 rows = [self.window(self._windows[s] * self._num_streams + s) for s in group]
                 for s in group:
                     self._windows[s] += 1
-                tokens, labels, doc_ids, positions = (torch.tensor([r[k] for r in rows]) for k in range(4))
-                real = torch.tensor([r[4] for r in rows])
-                yield tokens, labels, PackedDocs(doc_ids, positions, real)  # (len(group), seq_len) each
+                yield self.batch(rows)
             first = 0
+
+    def batch(self, rows: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, PackedDocs]:
+        """One micro-batch from its windows (``window``'s tuples): (len(group), seq_len) tensors each."""
+        tokens, labels, doc_ids, positions = (torch.tensor([r[k] for r in rows]) for k in range(4))
+        real = torch.tensor([r[4] for r in rows])
+        return tokens, labels, PackedDocs(doc_ids, positions, real)
 
     def _first_group(self) -> int:
         return first_group([[self._windows[s] for s in group] for group in self._groups])
@@ -266,51 +270,3 @@ def chat_tokenizer(tokenizer: Tokenizer) -> ChatTokenizer:
             "model.tokenizer_path to the model's tokenizer folder"
         )
     return ChatTokenizer(path, base=tokenizer)
-
-
-def build_sft_data_loader(
-    dataset_name: str,
-    dataset_path: str | None,
-    tokenizer: Tokenizer,
-    training: Training,
-    stream_groups: list[list[int]],
-    num_streams: int,
-) -> ParallelAwareDataloader:
-    """One data-parallel rank's fine-tuning loader; ``training`` gives the format, loss_on, overlong policy,
-    columns, seq_len and seed (docs/sft.md)."""
-    fmt = training.dataset_format
-    loss_on = training.loss_on or ("assistant" if fmt == "chat" else "completion")
-    chat = chat_tokenizer(tokenizer)
-    sources = load_rows(dataset_name, dataset_path)
-    name = sources[0].name if len(sources) == 1 else f"{Path(sources[0].name).parent} ({len(sources)} files)"
-    columns = parse_columns(training.dataset_columns)
-    examples = tokenize_cached(sources, chat, fmt=fmt, loss_on=loss_on, columns=columns)
-    pad_id = tokenizer.pad_id if tokenizer.pad_id >= 0 else tokenizer.eos_id
-    dataset = SFTDataset(
-        name,
-        examples,
-        seq_len=training.seq_len,
-        pad_id=pad_id,
-        overlong=training.overlong_examples or "truncate",
-        seed=training.seed or 0,
-        stream_groups=stream_groups,
-        num_streams=num_streams,
-    )
-    s = dataset.stats
-    logger.info(
-        "fine-tuning data %s: %d %s rows (loss on %s) -> %d windows of %d tokens per epoch (%.1f steps of %d): "
-        "%.1f%% real tokens (packing efficiency), %.1f%% of them trained; overlong: %d truncated, %d dropped",
-        name,
-        s.examples,
-        fmt,
-        loss_on,
-        s.windows,
-        training.seq_len,
-        s.windows / num_streams,
-        num_streams,
-        100 * s.non_pad_fraction,
-        100 * s.trained_tokens / max(s.tokens, 1),
-        s.truncated,
-        s.dropped,
-    )
-    return ParallelAwareDataloader(dataset)

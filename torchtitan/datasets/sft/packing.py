@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -201,15 +201,16 @@ def pack_examples(
 
 class PackedDocs(NamedTuple):
     """What a fine-tuning loader yields beside (inputs, labels) for one micro-batch of packed windows:
-    the ids and positions the block-causal mask and RoPE take (``features.documents.feed``), and each
-    window's real (non-padding) token count."""
+    the ids and positions the block-causal mask and RoPE take (``features.documents.feed``), each
+    window's real (non-padding) token count, and image-text data's images (else None)."""
 
     doc_ids: torch.Tensor  # (bs, seq_len) int64
     positions: torch.Tensor  # (bs, seq_len) int64
     real_tokens: torch.Tensor  # (bs,) int64
+    images: Any = None  # models.qwen3_5.multimodal.ImageBatch: the windows' images (datasets/vision/loader.py)
 
     def to(self, device: torch.device) -> PackedDocs:
-        return PackedDocs(*(t.to(device) for t in self))
+        return PackedDocs(*(t.to(device) if t is not None else None for t in self))
 
 
 def windows_to_tensors(windows: Sequence[PackedWindow]) -> dict[str, torch.Tensor]:

@@ -44,6 +44,7 @@ from torchtitan.distributed.tensor_parallel.linear_attention import (
 )
 from torchtitan.distributed.tensor_parallel.module_styles import with_module_styles
 from torchtitan.distributed.tensor_parallel.replicated import TokenShardedReplicate
+from torchtitan.distributed.tensor_parallel.vision import embedding_plan, replicate_tower
 from torchtitan.models.moe import MoE
 
 
@@ -245,7 +246,9 @@ def apply_tp(
     float8: use torchao's float8 styles in blocks whose linears were all converted (tensorwise
     recipe); the embedding and the output head stay in high precision and keep the plain styles.
     """
-    plan = {k: v for k, v in top_level_plan(loss_parallel).items() if getattr(model, k, None) is not None}
+    tower = getattr(model, "visual", None)  # an image model: the tower replicated (vision.py)
+    top = top_level_plan(loss_parallel) | (embedding_plan() if tower is not None else {})
+    plan = {k: v for k, v in top.items() if getattr(model, k, None) is not None}
     embedding, output = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
     tied = embedding is not None and output is not None and output.weight is embedding.weight
     frozen = frozen_names(model)
@@ -254,6 +257,8 @@ def apply_tp(
         # Each style distributed its own copy of the one table; both are Shard(0) over the vocab,
         # so the head takes the embedding's DTensor and the two stay one parameter.
         output.weight = embedding.weight
+    if tower is not None:
+        replicate_tower(tower, tp_mesh)
     for block in model.layers.values():
         mla = is_mla(block.attention)
         if (isinstance(block.feed_forward, MoE) or mla) and ring_async:

@@ -19,7 +19,7 @@ import contextlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -66,11 +66,15 @@ class Documents:
     doc_ids: torch.Tensor
     positions: torch.Tensor | None = None
     stats: torch.Tensor | None = None
+    images: Any = None
+    """Image-text data's images (``models.qwen3_5.multimodal.ImageBatch``: pixels, grids, multimodal positions),
+    passed to the forward as ``images``; None for text."""
 
     def split(self, n: int) -> list[Documents]:
         ids = torch.tensor_split(self.doc_ids, n, dim=0)
         pos = torch.tensor_split(self.positions, n, dim=0) if self.positions is not None else [None] * n
-        return [Documents(i, p) for i, p in zip(ids, pos)]
+        images = self.images.split(n) if self.images is not None else [None] * n
+        return [Documents(i, p, images=m) for i, p, m in zip(ids, pos, images)]
 
 
 @dataclass(frozen=True)
@@ -142,7 +146,7 @@ class DocumentFeed:
         if self.shard is not None:
             ids = self.shard(ids)
             positions = self.shard(positions) if positions is not None else None
-        return labels, Documents(ids, positions, stats)
+        return labels, Documents(ids, positions, stats, packed.images if packed is not None else None)
 
     def record(self, batches: list[Batch]) -> None:
         """Add a training step's batches to the statistics ``take_stats`` returns (validation's are not)."""
@@ -208,6 +212,8 @@ class DocumentFeed:
             extra = {"doc_ids": docs.doc_ids}
             if docs.positions is not None:
                 extra["positions"] = docs.positions
+            if docs.images is not None:
+                extra["images"] = docs.images
             return args, {**kwargs, **extra}
 
         return add_documents

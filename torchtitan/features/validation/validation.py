@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +40,7 @@ class Validator:
         step_fn: StepFunction,
         shard_batch: Callable[..., Batch] = Batch,
         microbatches: int = 1,
+        model_args: Any = None,
     ):
         """``shard``: the data-parallel rank and degree this validation reads by; ``microbatches``: pieces
         of ``validation.batch_size`` samples each rank reads per batch (the global batch has ``shard.degree
@@ -55,10 +56,10 @@ class Validator:
         groups = compute_stream_groups(shard.rank, shard.degree, batch_size, microbatches)
         num_streams = shard.degree * batch_size * microbatches
         if training.dataset_format != "text":  # fine-tuning: the held-out rows packed alike, so the loss is masked
-            from torchtitan.datasets.sft.loader import build_sft_data_loader
+            from torchtitan.datasets.finetune import build_sft_data_loader
 
             self.loader = build_sft_data_loader(
-                validation.dataset, validation.dataset_path, tokenizer, training, groups, num_streams
+                validation.dataset, validation.dataset_path, tokenizer, training, groups, num_streams, model_args
             )
         else:
             self.loader = build_text_data_loader(
@@ -120,6 +121,7 @@ def build_validation(core: Parts, metrics: Metrics) -> PeriodicValidation:
         step_fn=core.step_fn,
         shard_batch=core.shard_batch,
         microbatches=microbatches,
+        model_args=core.model_args,
     )
     return PeriodicValidation(
         validator, freq=cfg.validation.freq, last_step=cfg.training.steps, log=metrics.log_validation

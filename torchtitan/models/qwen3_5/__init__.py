@@ -22,6 +22,8 @@ debugmodel_tiny: the parity tests' size. The published 35B-A3B, 122B-A10B and 39
 import dataclasses
 
 from torchtitan.models.qwen3_5.model import Qwen35Args, Qwen35MoEArgs, Qwen35MoETransformer, Qwen35Transformer
+from torchtitan.models.qwen3_5.multimodal import Qwen35MoEVLArgs, Qwen35VLArgs
+from torchtitan.models.qwen3_5.vision import VisionArgs
 
 __all__ = [
     "Qwen35Args",
@@ -30,6 +32,8 @@ __all__ = [
     "Qwen35Transformer",
     "qwen3_5_configs",
     "qwen3_5_moe_configs",
+    "qwen3_5_moe_vl_configs",
+    "qwen3_5_vl_configs",
 ]
 
 _DEBUG = dict(
@@ -107,4 +111,34 @@ qwen3_5_moe_configs = {
     "35B-A3B": _published_moe(2048, 40, 16, 256, 8, 512, 32),
     "122B-A10B": _published_moe(3072, 48, 32, 256, 8, 1024, 64),
     "397B-A17B": _published_moe(4096, 60, 32, 512, 10, 1024, 64),
+}
+
+
+# Images (qwen3_5_vl, qwen3_5_moe_vl): the text flavors with the tower. Debug: a 2-block tower of width 64 on 8x8
+# patches (a 48x48 image is 36 patches, 9 image tokens), the vision tokens at the shipped shapes tokenizer's ids
+# (tests/assets/vlm: <|vision_start|> 3, <|image_pad|> 4, <|vision_end|> 5). Published: the 9B's and 27B's tower
+# (their config.json's vision_config: 27 blocks of width 1152 on 16x16 patches) and Qwen3.5's token ids.
+_DEBUG_TOWER = dict(depth=2, dim=64, ffn_dim=128, n_heads=4, patch_size=8, num_position_embeddings=64)
+_DEBUG_TOKENS = dict(vision_start_token_id=3, image_token_id=4, vision_end_token_id=5)
+
+
+def _with_tower(args, cls, **tower):
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+    return cls(**fields, vision=VisionArgs(out_dim=args.dim, **tower))
+
+
+def _debug_vl(args, cls):
+    return dataclasses.replace(_with_tower(args, cls, **_DEBUG_TOWER), **_DEBUG_TOKENS)
+
+
+qwen3_5_vl_configs = {
+    "debugmodel": _debug_vl(qwen3_5_configs["debugmodel"], Qwen35VLArgs),
+    "debugmodel_tiny": _debug_vl(qwen3_5_configs["debugmodel_tiny"], Qwen35VLArgs),
+    "9B": _with_tower(qwen3_5_configs["9B"], Qwen35VLArgs),
+    "27B": _with_tower(qwen3_5_configs["27B"], Qwen35VLArgs),
+}
+qwen3_5_moe_vl_configs = {
+    "debugmodel": _debug_vl(qwen3_5_moe_configs["debugmodel"], Qwen35MoEVLArgs),
+    "debugmodel_aux_loss": _debug_vl(qwen3_5_moe_configs["debugmodel_aux_loss"], Qwen35MoEVLArgs),
+    "debugmodel_tiny": _debug_vl(qwen3_5_moe_configs["debugmodel_tiny"], Qwen35MoEVLArgs),
 }

@@ -2,8 +2,8 @@
 ``Qwen3_5MoeForConditionalGeneration``, ``"qwen3_5_moe"``): the published multimodal folders, whole.
 
 The language model's weights go through the text adapter (hf_adapter.py) under ``model.language_model.`` (the head
-stays ``lm_head``); the tower's names are transformers' own under ``model.visual.``. Args are a dict of
-``Qwen35VLArgs``'s fields: ``text`` (the text model's), ``vision`` and the special token ids.
+stays ``lm_head``); the tower's names are transformers' own under ``model.visual.`` (ours under ``visual.``). Args
+are a dict of ``Qwen35VLArgs``'s fields: the text model's, ``vision`` (a dict) and the special token ids.
 """
 
 from __future__ import annotations
@@ -38,11 +38,15 @@ class Qwen35VLAdapter:
     def __init__(self, text: HfAdapter, model_type: str, architecture: str):
         self.text, self.model_type, self.architecture = text, model_type, architecture
 
+    @property
+    def block_names(self):
+        return self.text.block_names
+
     def to_hf_state_dict(self, sd: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, torch.Tensor]:
-        text = {k.removeprefix("language_model."): w for k, w in sd.items() if k.startswith("language_model.")}
+        text = {k: w for k, w in sd.items() if not k.startswith("visual.")}
         out = {
             (_TEXT + k.removeprefix("model.") if k.startswith("model.") else k): w
-            for k, w in self.text.to_hf_state_dict(text, args["text"]).items()
+            for k, w in self.text.to_hf_state_dict(text, args).items()
         }
         visual = {k.removeprefix("visual."): w for k, w in sd.items() if k.startswith("visual.")}
         return out | {_VISUAL + k: w.contiguous() for k, w in visual.items() if k != "inv_freq"}
@@ -50,11 +54,11 @@ class Qwen35VLAdapter:
     def from_hf_state_dict(self, hf: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Raises ValueError for a weight of neither part (the MTP layer, ``mtp.*``, is not built and not read)."""
         text = {k: w for k, w in hf.items() if not k.startswith((_VISUAL, "mtp."))}
-        out = {f"language_model.{k}": w for k, w in self.text.from_hf_state_dict(text, args["text"]).items()}
+        out = self.text.from_hf_state_dict(text, args)
         return out | {"visual." + k.removeprefix(_VISUAL): w for k, w in hf.items() if k.startswith(_VISUAL)}
 
     def hf_config(self, args: dict[str, Any], weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
-        text = self.text.hf_config(args["text"], {}, dtype)
+        text = self.text.hf_config(args, {}, dtype)
         vision = {hf: args["vision"][ours] for ours, hf in _VISION.items()}
         vision |= {"model_type": f"{self.model_type}_vision", "hidden_act": "gelu_pytorch_tanh"}
         vision["rope_parameters"] = {"rope_type": "axial", "rope_theta": args["vision"]["rope_theta"]}
@@ -76,7 +80,7 @@ class Qwen35VLAdapter:
         if theta is not None:
             vision["rope_theta"] = theta
         tokens = {name: config[name] for name in _TOKENS if name in config}
-        return {"text": self.text.model_args_from_hf(config), "vision": vision, **tokens}
+        return {**self.text.model_args_from_hf(config), "vision": vision, **tokens}
 
 
 QWEN3_5_VL = Qwen35VLAdapter(QWEN3_5, "qwen3_5", "Qwen3_5ForConditionalGeneration")

@@ -17,19 +17,55 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from torchtitan.models.qwen3_5.model import Qwen35Args, Qwen35Transformer
+from torchtitan.models.qwen3_5.model import Qwen35Args, Qwen35MoEArgs, Qwen35MoETransformer, Qwen35Transformer
 from torchtitan.models.qwen3_5.vision import VisionArgs, VisionTower
 
 
 @dataclass(frozen=True)
-class Qwen35VLArgs:
-    """The language model's args, the tower's, and the special tokens the template uses."""
+class VisionFields:
+    """What a text model's args gain with images: the tower's shape and the special tokens the template uses."""
 
-    text: Qwen35Args = field(default_factory=Qwen35Args)
     vision: VisionArgs = field(default_factory=VisionArgs)
     image_token_id: int = 248056
     vision_start_token_id: int = 248053
     vision_end_token_id: int = 248054
+
+
+@dataclass(frozen=True)
+class Qwen35VLArgs(Qwen35Args, VisionFields):
+    """The dense hybrid with the tower (``qwen3_5_vl``)."""
+
+
+@dataclass(frozen=True)
+class Qwen35MoEVLArgs(Qwen35MoEArgs, VisionFields):
+    """The MoE hybrid with the tower (``qwen3_5_moe_vl``)."""
+
+
+@dataclass(frozen=True)
+class ImageBatch:
+    """A batch's images as the trainer feeds them (beside the tokens, through a forward pre-hook): every image's
+    patches row after row (``pixel_values``, the processor's), their grids (read on the host), and the
+    (3, bs, seqlen) multimodal positions of the batch, restarting at each packed sample (the loader's)."""
+
+    pixel_values: torch.Tensor
+    grid_thw: tuple[tuple[int, int, int], ...]
+    positions: torch.Tensor
+    row_images: tuple[int, ...]
+    """How many of the images each row holds (rows in order): a pipeline's micro-batches take their rows' images."""
+
+    def to(self, device: torch.device) -> ImageBatch:
+        return ImageBatch(self.pixel_values.to(device), self.grid_thw, self.positions.to(device), self.row_images)
+
+    def split(self, n: int) -> list[ImageBatch]:
+        """The batch's rows in ``n`` pieces as ``tensor_split`` cuts them (a pipeline schedule's micro-batches)."""
+        pieces, row, image, patch = [], 0, 0, 0
+        for positions in torch.tensor_split(self.positions, n, dim=1):
+            counts = self.row_images[row : row + positions.shape[1]]
+            grids = self.grid_thw[image : image + sum(counts)]
+            patches = sum(t * h * w for t, h, w in grids)
+            pieces.append(ImageBatch(self.pixel_values[patch : patch + patches], grids, positions, counts))
+            row, image, patch = row + positions.shape[1], image + sum(counts), patch + patches
+        return pieces
 
 
 def mrope_positions(
@@ -80,47 +116,118 @@ def _image_positions(
     return positions, position + max(h, w)
 
 
-class Qwen35VL(nn.Module):
-    """The vision tower and the language model (``text_cls``: the dense or the MoE hybrid)."""
+class ImagePlacement(nn.Module):
+    """The image features in place of the pads' embeddings (no parameters): its own module so tensor parallel can
+    split the sequence after it (the embedding then leaves it whole)."""
 
-    def __init__(self, args: Qwen35VLArgs, text_cls: type[Qwen35Transformer] = Qwen35Transformer):
-        super().__init__()
-        self.args = args
+    def forward(self, h: torch.Tensor, pads: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        """h (bs, seqlen, dim); pads (bs, seqlen) bool; features (pads, dim) or None (text only)."""
+        return h if features is None else h.masked_scatter(pads[..., None], features.to(h.dtype))
+
+
+class VisionModel:
+    """The tower beside a text model (a mixin before ``Qwen35Transformer`` or ``Qwen35MoETransformer``): one module
+    tree, the text model's names (``tok_embeddings``, ``layers``, ``norm``, ``output``) plus ``visual``, so the
+    trainer's layouts, LoRA and checkpoints take it as the text family."""
+
+    def __init__(self, args: Qwen35VLArgs):
+        super().__init__(args)
         self.visual = VisionTower(args.vision)
-        self.language_model = text_cls(args.text)
+        self.place_images = ImagePlacement()
 
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        self.visual.init_weights()
-        self.language_model.init_weights(buffer_device)
+    def freeze_vision(self) -> None:
+        """``model.freeze_vision``: the tower's patch embedding, positions and blocks stop training (its merger and
+        the language model train)."""
+        if getattr(self, "visual", None) is not None:
+            self.visual.requires_grad_(False)
+            self.visual.merger.requires_grad_(True)
+
+    def init_units(self):
+        yield from super().init_units()
+        if getattr(self, "visual", None) is not None:
+            yield "visual", self.visual.init_weights
 
     def forward(
         self,
         tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        *,
         pixel_values: torch.Tensor | None = None,
         grid_thw: list[tuple[int, int, int]] | None = None,
-        positions: torch.Tensor | None = None,
+        images: ImageBatch | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        """tokens (bs, seqlen) with the image pads; pixel_values (patches, patch_values) of every image, row after
-        row, and their grid_thw; positions (3, bs, seqlen) (default: ``mrope_positions``) -> logits.
+        """tokens (bs, seqlen) with the image pads; either ``pixel_values`` (patches, patch_values) of every image,
+        row after row, with their ``grid_thw`` (positions default to ``mrope_positions``), or the trainer's
+        ``images`` (positions and counts prepared by the loader) -> logits (the text model's ``kwargs``: doc_ids,
+        return_hidden).
 
         Raises:
-            ValueError: image pads and image tokens that do not match in count.
+            ValueError: image pads and image tokens that do not match in count (``pixel_values`` only).
         """
         a = self.args
-        h = self.language_model.tok_embeddings(tokens)  # (bs, seqlen, dim)
-        if pixel_values is not None:
+        if images is not None:
+            pixel_values, grid_thw, positions = images.pixel_values, list(images.grid_thw), images.positions
+        if tokens.is_floating_point() or self.tok_embeddings is None:  # a later pipeline stage's hidden state
+            return super().forward(tokens, positions, **kwargs)
+        h = self.tok_embeddings(tokens)  # (bs, seqlen, dim)
+        pads, features = tokens == a.image_token_id, None
+        if self.visual is not None and pixel_values is not None and pixel_values.shape[0]:
             features = self.visual(pixel_values, grid_thw)  # (image tokens, dim)
-            pads = tokens == a.image_token_id
-            if int(pads.sum()) != features.shape[0]:
+            if images is None and int(pads.sum()) != features.shape[0]:  # the loader checked its own
                 raise ValueError(
                     f"the text has {int(pads.sum())} image tokens and its images give {features.shape[0]}; build the "
                     "text with the processor's token count for each image"
                 )
-            h = h.masked_scatter(pads[..., None], features.to(h.dtype))
-        if positions is None:
+        h = self.place_images(h, pads, features)
+        if positions is None and pixel_values is not None:
             positions = mrope_positions(tokens, grid_thw or [], a.image_token_id, a.vision.spatial_merge_size)
-        return self.language_model(h, positions, **kwargs)
+        return super().forward(h, positions, **kwargs)
 
 
-__all__ = ["Qwen35VL", "Qwen35VLArgs", "mrope_positions"]
+class ImagePrompt(nn.Module):
+    """An image model bound to one prompt's images, for generation (``components.generation.generate`` calls it as a
+    text model): a forward from position 0 is the prompt (its images placed, multimodal positions); a later one (the
+    KV cache's new tokens at ``positions``) continues from the prompt's last position, as transformers' rope deltas
+    do. Without the cache every forward is the whole sequence from 0.
+
+    Args:
+        model: a ``VisionModel`` (one row: the prompt's images are its own).
+        pixel_values, grid_thw: the prompt's images, as the processor gives them.
+    """
+
+    def __init__(self, model: nn.Module, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]):
+        super().__init__()
+        self.model, self.pixel_values, self.grid_thw = model, pixel_values, list(grid_thw)
+        self.shift = 0  # the prompt's last multimodal position + 1, minus its length
+
+    @property
+    def layers(self) -> nn.ModuleDict:  # the KV cache's seam (KVCache.install)
+        return self.model.layers
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is not None and int(positions[0]) > 0:  # cached decoding: text after the prompt
+            return self.model(tokens, positions + self.shift)
+        a = self.model.args
+        full = mrope_positions(tokens, self.grid_thw, a.image_token_id, a.vision.spatial_merge_size)
+        self.shift = int(full.max()) + 1 - tokens.shape[1]
+        return self.model(tokens, full, pixel_values=self.pixel_values, grid_thw=self.grid_thw)
+
+
+class Qwen35VL(VisionModel, Qwen35Transformer):
+    """Qwen3.5 with images (transformers' ``Qwen3_5ForConditionalGeneration``)."""
+
+
+class Qwen35MoEVL(VisionModel, Qwen35MoETransformer):
+    """Qwen3.5-MoE with images (``Qwen3_5MoeForConditionalGeneration``)."""
+
+
+__all__ = [
+    "ImageBatch",
+    "Qwen35MoEVL",
+    "Qwen35MoEVLArgs",
+    "Qwen35VL",
+    "Qwen35VLArgs",
+    "VisionFields",
+    "mrope_positions",
+]

@@ -14,9 +14,18 @@ from typing import TYPE_CHECKING, Any
 from torchtitan.config.errors import ConfigError
 from torchtitan.models.llama.spec import check_dense_config
 from torchtitan.models.moe.spec import MOE_WIRING, check_moe_config, expert_bias_hf_refusal
-from torchtitan.models.qwen3_5 import Qwen35MoETransformer, Qwen35Transformer, qwen3_5_configs, qwen3_5_moe_configs
+from torchtitan.models.qwen3_5 import (
+    Qwen35MoETransformer,
+    Qwen35Transformer,
+    qwen3_5_configs,
+    qwen3_5_moe_configs,
+    qwen3_5_moe_vl_configs,
+    qwen3_5_vl_configs,
+)
 from torchtitan.models.qwen3_5.hf_adapter import QWEN3_5, QWEN3_5_MOE
-from torchtitan.spec import AdapterLayout, ModelSpec
+from torchtitan.models.qwen3_5.hf_vl_adapter import QWEN3_5_MOE_VL, QWEN3_5_VL
+from torchtitan.models.qwen3_5.multimodal import Qwen35MoEVL, Qwen35VL
+from torchtitan.spec import AdapterLayout, ModelSpec, count_non_embedding_params
 
 if TYPE_CHECKING:
     from torchtitan.config.schema import Experimental, Model, Training
@@ -64,6 +73,40 @@ def check_qwen3_5_moe(args: Any, *, model: Model, training: Training, experiment
     return check_moe_config(args, model=model, training=training, experimental=experimental)
 
 
+def check_vision(model: Model, training: Training) -> None:
+    """The image models' own check, one line: fine-tuning data needs block_causal documents with per-sample positions
+    (a packed sample's images and multimodal positions ride on its documents)."""
+    named = f"model.name = {model.name!r}"
+    if training.dataset_format != "text" and (
+        model.attn_mask_type != "block_causal" or not model.positions_per_document
+    ):
+        raise ConfigError(
+            f"{named} with training.dataset_format = {training.dataset_format!r} needs model.attn_mask_type = "
+            "'block_causal' and model.positions_per_document = true: packed image-text samples reach the model with "
+            "their documents, each sample's images and its multimodal positions from 0; set both"
+        )
+
+
+def check_qwen3_5_vl(args: Any, *, model: Model, training: Training, experimental: Experimental) -> list[str]:
+    check_vision(model, training)
+    return check_qwen3_5(args, model=model, training=training, experimental=experimental)
+
+
+def check_qwen3_5_moe_vl(args: Any, *, model: Model, training: Training, experimental: Experimental) -> list[str]:
+    check_vision(model, training)
+    return check_qwen3_5_moe(args, model=model, training=training, experimental=experimental)
+
+
+def vl_flop_params(args: Any, model: Any) -> int:
+    """MFU's N per text token: the language model's (the tower runs per image patch, not per token: not counted)."""
+    tower = sum(p.numel() for p in model.visual.parameters())
+    return count_non_embedding_params(args, model) - tower
+
+
+def moe_vl_flop_params(args: Any, model: Any) -> int:
+    return MOE_WIRING["count_flop_params"](args, model) - sum(p.numel() for p in model.visual.parameters())
+
+
 SPECS = {
     "qwen3_5": ModelSpec(
         "qwen3_5",
@@ -89,3 +132,30 @@ SPECS = {
         hf_refusal=expert_bias_hf_refusal("qwen3_5_moe", "Qwen3.5-MoE", qwen3_5_moe_configs),
     ),
 }
+SPECS["qwen3_5_vl"] = ModelSpec(
+    "qwen3_5_vl",
+    Qwen35VL,
+    qwen3_5_vl_configs,
+    documents=True,
+    count_flop_params=vl_flop_params,
+    state_dict_adapter=QWEN3_5_VL,
+    adapters=AdapterLayout(QWEN3_5.block_names, ("feed_forward",), dense=True),
+    check_fn=check_qwen3_5_vl,
+    layer_pattern=hybrid_layer_pattern,
+    hf_model_type="qwen3_5",
+)
+SPECS["qwen3_5_moe_vl"] = ModelSpec(
+    "qwen3_5_moe_vl",
+    Qwen35MoEVL,
+    qwen3_5_moe_vl_configs,
+    **{
+        **MOE_WIRING,
+        "check_fn": check_qwen3_5_moe_vl,
+        "layer_pattern": hybrid_layer_pattern,
+        "count_flop_params": moe_vl_flop_params,
+    },
+    state_dict_adapter=QWEN3_5_MOE_VL,
+    adapters=AdapterLayout(QWEN3_5_MOE.block_names, ("feed_forward.shared_expert",)),
+    hf_model_type="qwen3_5_moe",
+    hf_refusal=expert_bias_hf_refusal("qwen3_5_moe_vl", "Qwen3.5-MoE", qwen3_5_moe_vl_configs),
+)

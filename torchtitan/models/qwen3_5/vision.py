@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.common.init import trunc_normal_
+from torchtitan.models.common.local import local_part
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,8 @@ class VisionTower(nn.Module):
     def _positions(self, grid_thw, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(learned positions (patches, dim), rope angles (patches, head_dim) [cos | sin]) in the patches' order."""
         side, merge = math.isqrt(self.args.num_position_embeddings), self.args.spatial_merge_size
-        table = self.pos_embed.weight.t().reshape(1, -1, side, side)  # (1, dim, side, side)
+        # local_part: under tensor parallel the table is a Replicate DTensor (distributed/tensor_parallel/vision.py)
+        table = local_part(self.pos_embed.weight).t().reshape(1, -1, side, side)  # (1, dim, side, side)
         learned, angles = [], []
         for t, h, w in grid_thw:
             rows, cols = merge_block_order(h, w, merge, device)
