@@ -101,6 +101,10 @@ HF_ROWS = [
 # documents on the short-document corpus (the recurrence's and convolution's document masks; the fake step takes the
 # real step's path: nothing is read from the ids)
 QWEN3_5_ROWS = [Row("qwen3_5_fsdp2", 2, 2)]
+# Qwen3.5 with images on fine-tuning data: the tower's activations (its blocks per image, the merger), the features
+# placed in the embedding, multimodal positions; the batches the estimator assumes (estimation/images.py), drawn alike
+# by the real run
+VL_ROWS = [Row("qwen3_5_vl_fsdp2", 2, 2)]
 # block_causal on the short-document corpus; with context parallel not modeled (its block skipping
 # depends on the data), the pipeline rows not tried
 ESTIMATED_DOC_ROWS = [r for r in DOC_ROWS if r.name in ("docs_fsdp2", "docs_tp2")]
@@ -119,6 +123,7 @@ ALL_ROWS = [
     + RL_ROWS
     + HF_ROWS
     + QWEN3_5_ROWS
+    + VL_ROWS
     if r.name not in NOT_PRACTICAL and r.ngpu > 1
 ]
 # CI measures one row per feature (~4 minutes); every practical row takes ~15 minutes:
@@ -158,6 +163,7 @@ CI_ROWS = {
     # run does not (+1.8% before models/hf/spec.py's fake_tensor_context)
     "hf_mistral_fsdp2",
     "qwen3_5_fsdp2",  # the chunked gated delta rule's activations (equal at the debug flavor too: 240.9 MiB)
+    "qwen3_5_vl_fsdp2",  # the vision tower's activations on the assumed image batches
 }
 TRACKER_ROWS = (
     ALL_ROWS if os.environ.get("TORCHTITAN_ESTIMATION_ALL_ROWS") else [r for r in ALL_ROWS if r.name in CI_ROWS]
@@ -206,6 +212,11 @@ def _argv(row: Row) -> list[str]:
         flavor = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "64", "--training.steps", "4"]
         argv = ["--job.config_file", "./train_configs/qwen3_5_debug.toml", *flavor, "--validation.enabled", "false"]
         argv += [*DOCS_TRAIN, "--model.positions_per_document"]
+        return [*argv, "--training.batch_size", str(row.local_batch), *row.args()]
+    if row in VL_ROWS:
+        flavor = ["--model.name", "qwen3_5_vl", "--model.flavor", "debugmodel_tiny", "--training.seq_len", "128"]
+        argv = ["--job.config_file", "./train_configs/qwen3_5_vl_shapes.toml", *flavor, "--validation.enabled", "false"]
+        argv += ["--model.tokenizer_path", "./tests/assets/sft/tokenizer", "--training.steps", "4"]
         return [*argv, "--training.batch_size", str(row.local_batch), *row.args()]
     if row in HF_ROWS:
         return [*HF, "--training.batch_size", str(row.local_batch), *row.args(), "--validation.enabled", "false"]

@@ -80,8 +80,12 @@ def _close(a: float, b: float, what: str, rtol: float) -> None:
 
 @pytest.fixture(scope="module")
 def reference(task, tmp_path_factory) -> dict[str, list[float]]:
-    series = _run(REFERENCE, task, str(tmp_path_factory.mktemp("vl") / REFERENCE.name))
+    folder = str(tmp_path_factory.mktemp("vl") / REFERENCE.name)
+    series = _run(REFERENCE, task, folder)
     assert series["loss"][-1] < series["loss"][0], series
+    # the tower's patches are counted (MFU adds their FLOPs): 36 per 48x48 image, 4 windows of about 4 rows a step
+    patches = [r["image_patches_per_step"] for r in read_metrics(folder) if "loss" in r]
+    assert all(p % 36 == 0 and 12 * 36 <= p <= 24 * 36 for p in patches), patches
     return series
 
 

@@ -297,3 +297,19 @@ def test_image_settings_are_checked_before_launch(flags, expected):
     with pytest.raises((ValueError, NotImplementedError)) as info:
         run_preflight(config, 1, this_machine=False)
     assert expected in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_mfu_counts_the_towers_flops_from_its_weights():
+    """MFU's image term equals 6 per weight (the patch embedding's and blocks' per patch, the merger's per merged
+    token) and 12 per attention pair and width, counted from the tower's own weight matrices."""
+    from torchtitan.spec import get_model_spec
+
+    args = get_model_spec("qwen3_5_vl").flavors["debugmodel"]
+    tower = Qwen35VL(args).visual
+    per_patch = tower.patch_embed.proj.weight.numel() + sum(
+        m.weight.numel() for m in tower.blocks.modules() if isinstance(m, torch.nn.Linear)
+    )
+    merger = sum(m.weight.numel() for m in tower.merger.modules() if isinstance(m, torch.nn.Linear))
+    patches, pairs = 4 * 36, 4 * 36**2  # four 6x6-patch images
+    want = 6 * per_patch * patches + 6 * merger * patches / 4 + 12 * args.vision.depth * args.vision.dim * pairs
+    assert args.image_flops(patches, pairs) == want

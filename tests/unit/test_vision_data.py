@@ -144,15 +144,23 @@ def test_bad_input_is_one_line(task):
     _refusal(task, [_row("<image>What?", ["images/t0.png"])], "the model's image_token_id is 7", args=other_ids)
 
 
-def test_the_estimator_refuses_image_batches_in_one_line():
-    """The fake step draws no images yet: an image family on fine-tuning data is refused, not under-estimated."""
-    from torchtitan.estimation.estimate import check_estimable
+def test_the_estimator_assumes_the_most_image_tokens_a_window_holds(task):
+    """The estimator's image batches (estimation/images.py): square images of the largest size the processor allows,
+    shrunk to fit the window, as many as fit (its accuracy row, tests/test_estimation.py, equals the tracker)."""
+    from torchtitan.estimation.images import RandomImageBatches, largest_images
 
-    config = JobConfig.parse_args(["--model.name", "qwen3_5_vl", "--training.dataset_format", "chat"])
-    with pytest.raises(NotImplementedError) as info:
-        check_estimable(config, 1)
-    assert "tower activations the fake step does not draw yet" in str(info.value) and "\n" not in str(info.value)
-    check_estimable(JobConfig.parse_args(["--model.name", "qwen3_5_vl"]), 1)  # text data: the language model alone
+    vision = qwen3_5_vl_configs["debugmodel"].vision  # 8x8 patches, merged 2x2: 16 pixels a side per image token
+    assert largest_images(vision, SEQ, str(task / "tokenizer")) == ((1, 6, 6), 11)  # 48x48 pixels: 9 tokens + 2
+    assert largest_images(vision, SEQ, None) == ((1, 22, 22), 1)  # Qwen3.5's 4096x4096, shrunk to 121 tokens + 2
+    with pytest.raises(ValueError, match="training.seq_len = 2 holds none"):
+        largest_images(vision, 2, None)
+    _, args = _args(task)
+    tokens, labels, packed = next(iter(RandomImageBatches(2, SEQ, 320, args, str(task / "tokenizer"))))
+    assert packed.images.pixel_values.shape[0] == 2 * 11 * 36 and int((tokens == 4).sum()) == 2 * 11 * 9
+    model = Qwen35VL(args)
+    model.init_weights()
+    with torch.no_grad():  # the batch runs through the model as the loader's do (the counts and positions agree)
+        model(tokens, images=packed.images, doc_ids=packed.doc_ids)
 
 
 def test_generate_script_answers_about_an_image(task, tmp_path, capsys):

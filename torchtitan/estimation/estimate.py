@@ -30,6 +30,7 @@ from torchtitan.estimation.fake_trainer import (
     pipeline_patches,
     resolve_vocab,
 )
+from torchtitan.estimation.images import describe, image_folder
 from torchtitan.estimation.tracker import DDP_BUCKETS, StepMemory, track_steps, use_per_parameter_step
 from torchtitan.preflight import run_preflight
 from torchtitan.preflight.registry import check_estimable_features
@@ -110,15 +111,6 @@ def check_estimable(config, world_size: int) -> None:
         value = getattr(getattr(config, section), name)
         if value != fine:
             raise NotImplementedError(f"estimation.py: {key} = {value!r} is not modeled: {why}; set {key} = {fine!r}")
-    if config.training.dataset_format != "text" and hasattr(
-        get_model_spec(config.model.name).model_cls, "freeze_vision"
-    ):
-        raise NotImplementedError(
-            f"estimation.py: model.name = {config.model.name!r} with training.dataset_format = "
-            f"{config.training.dataset_format!r} is not modeled: its batches carry images, whose tower activations the "
-            "fake step does not draw yet (docs/vision.md); estimate its text-only run (training.dataset_format = "
-            "'text') for the language model's share"
-        )
     check_estimable_features(config)  # features outside the step (validation, evaluation): the registry says which
 
 
@@ -155,7 +147,7 @@ def estimate_rank(
 
         dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
-        builders = estimation_builders(vocab, n_layers=n_layers)
+        builders = estimation_builders(vocab, n_layers=n_layers, tokenizer_path=config.model.tokenizer_path)
         if not fake:  # the accuracy tests' real run: same builders (and routing assumption), real tensors
             with gloo_frees_in_order() if get_device_info().backend == "gloo" else contextlib.nullcontext():
                 trainer = driver(config, estimate=True)(config, world_size=world_size, rank=rank, builders=builders)
@@ -320,6 +312,9 @@ def estimate_memory(config, world_size: int, *, full_depth: bool = False, pp_ran
     start = time.perf_counter()
     warnings = run_preflight(config, world_size, this_machine=False) + torch_release_warnings()
     check_estimable(config, world_size)
+    vision = getattr(get_model_spec(config.model.name).flavor_args(config.model), "vision", None)
+    if vision is not None and config.training.dataset_format != "text":  # the image batches' assumption
+        warnings.append(describe(vision, config.training.seq_len, image_folder(config.model.tokenizer_path)))
     if dist.is_initialized():
         raise RuntimeError("estimate_memory creates its own fake process group; call it without one")
     dims = ParallelDims.from_sections(training=config.training, experimental=config.experimental, world_size=world_size)

@@ -107,6 +107,17 @@ class _RandomTokens:
             yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
+def _random_batches(training, tokenizer, args, tokenizer_path: str | None):
+    """Random token batches; an image family on fine-tuning data: image batches (estimation/images.py)."""
+    if training.dataset_format != "text" and getattr(args, "vision", None) is not None:
+        from torchtitan.estimation.images import RandomImageBatches, image_folder
+
+        return RandomImageBatches(
+            training.batch_size, training.seq_len, tokenizer.n_words, args, image_folder(tokenizer_path)
+        )
+    return _RandomTokens(training.batch_size, training.seq_len, tokenizer.n_words)
+
+
 class _NoCheckpoint:
     """Checkpoint saving is outside the training step; the estimate starts from step 0."""
 
@@ -127,14 +138,15 @@ class _NoMetrics:
         pass
 
 
-def estimation_builders(vocab: int, *, n_layers: int | None = None) -> Builders:
+def estimation_builders(vocab: int, *, n_layers: int | None = None, tokenizer_path: str | None = None) -> Builders:
     """The run's builders for an estimate: no tokenizer file, data, metrics, checkpoint or output; the
     features' seams from the registry's estimator builders (a feature it does not model is refused).
 
     ``n_layers``: build the flavor with this many layers (the depth extrapolation's runs).
     The family builds its args for fake tensors (``ModelSpec.fake_tensor_args``: MoE routing assumed
     balanced, since real routing is data-dependent); the accuracy tests' real runs use the same
-    builders, so both sides route alike.
+    builders, so both sides route alike. An image family on fine-tuning data draws image batches
+    (estimation/images.py: the most images a window holds, sized by the processor settings beside ``tokenizer_path``).
     """
     defaults = Builders()
 
@@ -152,8 +164,8 @@ def estimation_builders(vocab: int, *, n_layers: int | None = None) -> Builders:
         # Plain meta tensors, as in a real run (to_empty then materialises them, here as fake tensors);
         # a meta model built under fake mode would hold fake-meta tensors that cannot be materialised.
         meta_model=_outside_fake_mode(defaults.meta_model),
-        data_loader=lambda training, tokenizer, shard, *_: _RandomTokens(
-            training.batch_size, training.seq_len, tokenizer.n_words
+        data_loader=lambda training, tokenizer, shard, args=None: _random_batches(
+            training, tokenizer, args, tokenizer_path
         ),
         metrics=lambda core, outer, *, start_step: _NoMetrics(),
         checkpointer=lambda core, outer: _NoCheckpoint(),

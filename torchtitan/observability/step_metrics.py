@@ -153,6 +153,8 @@ class StepMetrics:
                 trained_tokens_per_step=docs.trained / per_step,
                 mfu_attention="visible_pairs",
             )
+            if docs.patches:  # image-text data: the tower's patches (MFU counts its FLOPs too)
+                record["image_patches_per_step"] = docs.patches / per_step
         tb_extra = {}
         for fields, scalars in (part for part in (extra, self.data_mix and self.data_mix()) if part is not None):
             record.update(fields)
@@ -172,9 +174,13 @@ class StepMetrics:
     def _flops_per_token(self, docs: DocumentStats | None) -> float:
         if docs is None:
             return self.flops_per_token
-        return model_flops_per_token(
+        flops = model_flops_per_token(
             *self.flop_model, self.seq_len, attention_pairs=docs.pairs / (docs.windows * self.seq_len)
         )
+        image_flops = getattr(self.flop_model[1], "image_flops", None)  # an image model: its tower's, per token
+        if image_flops is not None and docs.patches:
+            flops += image_flops(docs.patches, docs.patch_pairs) / (docs.windows * self.seq_len)
+        return flops
 
     def _mfu(self, tps: float, flops_per_token: float) -> float | None:
         """MFU in %, or None (no MFU shown or written) from the first step whose MFU exceeds 100%.

@@ -45,6 +45,18 @@ class ImageInfo:
     grid: tuple[int, int, int]
 
 
+def pixel_budget(folder: str | None) -> tuple[int, int]:
+    """(min_pixels, max_pixels) of the tokenizer folder's ``preprocessor_config.json``, else Qwen3.5's published ones
+    (read without transformers: the memory estimator sizes its images with it)."""
+    read: dict[str, Any] = {}
+    config = Path(folder) / PREPROCESSOR_FILE if folder else None
+    if config is not None and config.is_file():
+        read = json.loads(config.read_text(encoding="utf-8"))
+    size = read.get("size") or {}
+    low = int(read.get("min_pixels", size.get("shortest_edge", DEFAULTS["min_pixels"])))
+    return low, int(read.get("max_pixels", size.get("longest_edge", DEFAULTS["max_pixels"])))
+
+
 class ImageProcessor:
     """The family's image processor over local files.
 
@@ -58,9 +70,7 @@ class ImageProcessor:
         config = Path(folder) / PREPROCESSOR_FILE if folder is not None else None
         if config is not None and config.is_file():
             read = json.loads(config.read_text(encoding="utf-8"))
-        size = read.get("size") or {}
-        self.min_pixels = int(read.get("min_pixels", size.get("shortest_edge", DEFAULTS["min_pixels"])))
-        self.max_pixels = int(read.get("max_pixels", size.get("longest_edge", DEFAULTS["max_pixels"])))
+        self.min_pixels, self.max_pixels = pixel_budget(folder)
         mean, std = read.get("image_mean", DEFAULTS["image_mean"]), read.get("image_std", DEFAULTS["image_std"])
         self.patch, self.merge, self.frames = vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size
         settings = dict(image_mean=mean, image_std=std, min_pixels=self.min_pixels, max_pixels=self.max_pixels)

@@ -59,8 +59,8 @@ def batch_stats(doc_ids: torch.Tensor, labels: torch.Tensor, real_tokens: torch.
 class Documents:
     """One (local) batch's document ids (bs, seqlen) and, with positions_per_document, positions.
 
-    ``stats``: (5,) int64 over the batch's whole windows (before context parallel cuts them):
-    ``DocumentStats``' fields (``batch_stats``).
+    ``stats``: (7,) int64 over the batch's whole windows (before context parallel cuts them):
+    ``DocumentStats``' fields (``batch_stats``, then the images' patches and patch pairs).
     """
 
     doc_ids: torch.Tensor
@@ -143,6 +143,10 @@ class DocumentFeed:
             ids = packed.doc_ids
             positions = packed.positions if self.positions_per_document else None
         stats = batch_stats(ids, labels, packed.real_tokens if packed is not None else None)
+        grids = packed.images.grid_thw if packed is not None and packed.images is not None else ()
+        # the tower's work (host ints, no sync): its patches and each frame's attention pairs (MFU's image term)
+        tower = [sum(t * h * w for t, h, w in grids), sum(t * (h * w) ** 2 for t, h, w in grids)]
+        stats = torch.cat([stats, torch.tensor(tower, dtype=stats.dtype, device=stats.device)])
         if self.shard is not None:
             ids = self.shard(ids)
             positions = self.shard(positions) if positions is not None else None

@@ -77,10 +77,14 @@ def document_stats(doc_ids: torch.Tensor) -> torch.Tensor:
 class DocumentStats(NamedTuple):
     """A training window of steps' documents, summed over the data-parallel (and CP) group: windows,
     documents, the (query, key) pairs block-causal attention computes, real (non-padding) tokens, and
-    trained tokens (labels not ignored). CP ranks count their dp rank's windows each (see take_stats)."""
+    trained tokens (labels not ignored); image-text batches: the vision tower's patches and the (query, key) pairs
+    its attention computes (each frame attends to itself). CP ranks count their dp rank's windows each (see
+    take_stats)."""
 
     windows: int
     documents: int
     pairs: int
     tokens: int
     trained: int
+    patches: int = 0
+    patch_pairs: int = 0

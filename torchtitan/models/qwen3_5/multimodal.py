@@ -30,6 +30,16 @@ class VisionFields:
     vision_start_token_id: int = 248053
     vision_end_token_id: int = 248054
 
+    def image_flops(self, patches: int, patch_pairs: int) -> float:
+        """The tower's training FLOPs (forward and backward, MFU's 6 per weight and 12 per attention pair and width,
+        as the text model's) for ``patches`` patches whose frames attend over ``patch_pairs`` (query, key) pairs:
+        the patch embedding and blocks per patch, the merger per merged token."""
+        v = self.vision
+        merged = v.dim * v.spatial_merge_size**2
+        per_patch = v.patch_values * v.dim + v.depth * (4 * v.dim**2 + 2 * v.dim * v.ffn_dim)
+        merger = (merged * merged + merged * v.out_dim) / v.spatial_merge_size**2
+        return 6 * (per_patch + merger) * patches + 12 * v.depth * v.dim * patch_pairs
+
 
 @dataclass(frozen=True)
 class Qwen35VLArgs(Qwen35Args, VisionFields):
