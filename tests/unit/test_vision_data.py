@@ -206,3 +206,24 @@ def test_generate_script_answers_about_an_image(task, tmp_path, capsys):
     assert script.main([*argv, "--tokenizer", str(task / "tokenizer")]) == 2
     err = capsys.readouterr().err.strip()
     assert "--image needs an image model" in err and "\n" not in err, err
+
+
+def test_a_micro_batch_without_images_still_runs_the_tower(task):
+    """Image data whose windows on this rank hold no image: the tower runs on a blank image (its FSDP units' and DDP's
+    collectives must happen on every rank) and adds exactly nothing: the logits equal the text path's, every tower
+    weight gets a zero gradient (not None)."""
+    from torchtitan.models.qwen3_5.multimodal import ImageBatch
+
+    _, args = _args(task)
+    torch.manual_seed(0)
+    model = Qwen35VL(args)
+    model.init_weights()
+    tokens = torch.randint(6, 300, (2, 32))
+    positions = torch.arange(32).expand(3, 2, -1)
+    empty = ImageBatch(torch.zeros(0, args.vision.patch_values), (), positions, (0, 0))
+    logits = model(tokens, images=empty)
+    logits.sum().backward()
+    with torch.no_grad():
+        assert torch.equal(logits, model(tokens))
+    grads = [p.grad for p in model.visual.parameters()]
+    assert all(g is not None and not g.any() for g in grads)

@@ -152,6 +152,18 @@ class VisionModel:
             self.visual.requires_grad_(False)
             self.visual.merger.requires_grad_(True)
 
+    def _blank_image(self, h: torch.Tensor) -> torch.Tensor:
+        """The tower run on one blank image of a single merge block (a scalar of its output, times 0 by the caller).
+
+        With image data every rank runs the tower in every micro-batch, even one whose windows hold no image: under
+        FSDP the tower's units gather their parameters and reduce their gradients in collectives every rank must
+        join (a rank skipping them would hang the others), and under DDP its parameters must take part. The blank
+        image adds zero to the logits and zero to the gradients.
+        """
+        v, merge = self.args.vision, self.args.vision.spatial_merge_size
+        blank = torch.zeros(merge * merge, v.patch_values, device=h.device, dtype=h.dtype)
+        return self.visual(blank, [(1, merge, merge)]).sum()
+
     def init_units(self):
         yield from super().init_units()
         if getattr(self, "visual", None) is not None:
@@ -189,6 +201,8 @@ class VisionModel:
                     f"the text has {int(pads.sum())} image tokens and its images give {features.shape[0]}; build the "
                     "text with the processor's token count for each image"
                 )
+        elif self.visual is not None and images is not None:
+            h = h + 0 * self._blank_image(h)  # image data, no image on this rank: see _blank_image
         h = self.place_images(h, pads, features)
         if positions is None and pixel_values is not None:
             positions = mrope_positions(tokens, grid_thw or [], a.image_token_id, a.vision.spatial_merge_size)
@@ -234,6 +248,7 @@ class Qwen35MoEVL(VisionModel, Qwen35MoETransformer):
 
 __all__ = [
     "ImageBatch",
+    "ImagePrompt",
     "Qwen35MoEVL",
     "Qwen35MoEVLArgs",
     "Qwen35VL",
