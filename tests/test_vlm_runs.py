@@ -29,8 +29,16 @@ STEPS = 4
 REFERENCE = Row("vl_1proc", 1, 4)
 ROWS = [
     Row("vl_fsdp2_accum2", 2, 1, ["--training.gradient_accumulation_steps", "2"]),
-    Row("vl_tp2", 2, 4, tp=2),
-    Row("vl_pp2_1f1b", 2, 4, pp_schedule("1F1B", microbatches=2), pp=2),
+    # activation checkpointing (the tower's blocks too) rides on these rows (it changes no number): selective op
+    # under TP, full under PP
+    Row(
+        "vl_tp2",
+        2,
+        4,
+        ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+        tp=2,
+    ),
+    Row("vl_pp2_1f1b", 2, 4, [*pp_schedule("1F1B", microbatches=2), "--activation_checkpoint.mode", "full"], pp=2),
 ]
 CHECKPOINT_AT_END = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", str(STEPS)]
 FREEZE = Row("vl_fsdp2_freeze_vision", 2, 2, ["--model.freeze_vision", *CHECKPOINT_AT_END])

@@ -227,3 +227,24 @@ def test_a_micro_batch_without_images_still_runs_the_tower(task):
         assert torch.equal(logits, model(tokens))
     grads = [p.grad for p in model.visual.parameters()]
     assert all(g is not None and not g.any() for g in grads)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_wraps_the_tower_blocks_too(mode):
+    """activation_checkpoint.mode wraps the tower's blocks as the language model's (the parity rows that ride on it,
+    tests/test_vlm_runs.py, show it changes no number; this shows it is applied)."""
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.distributed.parallelize import parallelize
+
+    argv = ["--model.name", "qwen3_5_vl", "--model.flavor", "debugmodel_tiny", "--activation_checkpoint.mode", mode]
+    argv += ["--activation_checkpoint.selective_ac_option", "op"]
+    config = JobConfig.parse_args(argv)
+    with torch.device("meta"):
+        model = Qwen35VL(qwen3_5_vl_configs["debugmodel_tiny"])
+    dims = ParallelDims.from_sections(training=config.training, experimental=config.experimental, world_size=1)
+    sections = dict(training=config.training, experimental=config.experimental, float8=config.float8)
+    parallelize(
+        model, world_mesh=None, parallel_dims=dims, activation_checkpoint=config.activation_checkpoint, **sections
+    )
+    wrapped = {type(b).__name__ for b in [*model.visual.blocks, *model.layers.values()]}
+    assert len(wrapped) == 1 and "VisionBlock" not in wrapped and "HybridBlock" not in wrapped, wrapped

@@ -121,6 +121,8 @@ def parallelize(
     if parallel_dims.cp_enabled:
         _apply_cp(model, world_mesh["cp"], parallel_dims, experimental=experimental, seq_len=training.seq_len)
     apply_ac(model, activation_checkpoint)
+    if getattr(model, "visual", None) is not None:  # an image model's tower blocks, by the same mode
+        apply_ac(model, activation_checkpoint, blocks=model.visual.blocks)
     if training.compile:
         apply_compile(model, tp_enabled=parallel_dims.tp_enabled)
     if parallel_dims.fsdp_enabled:
