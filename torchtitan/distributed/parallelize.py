@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -26,6 +26,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel.checks import resolve_async_tp
 from torchtitan.distributed.tensor_parallel.module_styles import with_module_styles
 from torchtitan.distributed.tensor_parallel.plan import apply_tp, frozen_names, refreeze
+from torchtitan.distributed.tensor_parallel.replicated import inputs_replicated, outputs_local, replicate_own
 from torchtitan.dtypes import to_dtype
 
 if TYPE_CHECKING:
@@ -274,31 +275,7 @@ def apply_hf_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     refreeze(model, frozen)
     for module in list(model.modules()):
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
-            distribute_module(module, tp_mesh, _replicate_own, _inputs_replicated, _outputs_local)
-
-
-def _replicate_own(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-    for key, p in list(module.named_parameters(recurse=False)):
-        if not isinstance(p, DTensor):
-            module.register_parameter(key, nn.Parameter(distribute_tensor(p, mesh, [Replicate()]), p.requires_grad))
-    for key, b in list(module.named_buffers(recurse=False)):
-        if not isinstance(b, DTensor):
-            module.register_buffer(
-                key, distribute_tensor(b, mesh, [Replicate()]), key not in module._non_persistent_buffers_set
-            )
-
-
-def _inputs_replicated(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-    return tuple(
-        DTensor.from_local(t, mesh, [Replicate()], run_check=False)
-        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
-        else t
-        for t in inputs
-    )
-
-
-def _outputs_local(module: nn.Module, outputs, mesh: DeviceMesh):
-    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+            distribute_module(module, tp_mesh, replicate_own, inputs_replicated, outputs_local)
 
 
 def parallelize_hf(

@@ -12,11 +12,12 @@ so the tower's gradients are the same on every rank).
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleOutput, RowwiseParallel
+
+from torchtitan.distributed.tensor_parallel.replicated import inputs_replicated, outputs_local, replicate_own
 
 
 def embedding_plan() -> dict[str, ParallelStyle]:
@@ -28,30 +29,12 @@ def embedding_plan() -> dict[str, ParallelStyle]:
     }
 
 
-def _replicate(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-    for key, p in list(module.named_parameters(recurse=False)):
-        module.register_parameter(key, nn.Parameter(distribute_tensor(p, mesh, [Replicate()]), p.requires_grad))
-
-
-def _inputs(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-    return tuple(
-        DTensor.from_local(t, mesh, [Replicate()], run_check=False)
-        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
-        else t
-        for t in inputs
-    )
-
-
-def _outputs(module: nn.Module, outputs, mesh: DeviceMesh):
-    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
-
-
 def replicate_tower(tower: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Every module of ``tower`` with parameters of its own: Replicate DTensors, plain tensors in and out. The
     learned position table is read as a tensor, not called: the tower reads it through ``local_part``."""
     for module in list(tower.modules()):
         if any(True for _ in module.parameters(recurse=False)):
             if module is tower.pos_embed:
-                _replicate("pos_embed", module, tp_mesh)
+                replicate_own("pos_embed", module, tp_mesh)
                 continue
-            distribute_module(module, tp_mesh, _replicate, _inputs, _outputs)
+            distribute_module(module, tp_mesh, replicate_own, inputs_replicated, outputs_local)

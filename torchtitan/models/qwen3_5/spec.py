@@ -9,6 +9,7 @@ Not part of the pure model: this module may import ``torchtitan.spec``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torchtitan.config.errors import ConfigError
@@ -87,24 +88,24 @@ def check_vision(model: Model, training: Training) -> None:
         )
 
 
-def check_qwen3_5_vl(args: Any, *, model: Model, training: Training, experimental: Experimental) -> list[str]:
-    check_vision(model, training)
-    return check_qwen3_5(args, model=model, training=training, experimental=experimental)
+def _with_vision(text_check: Callable[..., list[str]]) -> Callable[..., list[str]]:
+    """An image family's check: ``check_vision``, then its text family's."""
+
+    def check(args: Any, *, model: Model, training: Training, experimental: Experimental) -> list[str]:
+        check_vision(model, training)
+        return text_check(args, model=model, training=training, experimental=experimental)
+
+    return check
 
 
-def check_qwen3_5_moe_vl(args: Any, *, model: Model, training: Training, experimental: Experimental) -> list[str]:
-    check_vision(model, training)
-    return check_qwen3_5_moe(args, model=model, training=training, experimental=experimental)
+def _without_tower(text_count: Callable[[Any, Any], int]) -> Callable[[Any, Any], int]:
+    """MFU's N per text token of an image family: its text family's count less the tower (which runs per image
+    patch, not per token; MFU adds its FLOPs from each step's patches, VisionFields.image_flops)."""
 
+    def count(args: Any, model: Any) -> int:
+        return text_count(args, model) - sum(p.numel() for p in model.visual.parameters())
 
-def vl_flop_params(args: Any, model: Any) -> int:
-    """MFU's N per text token: the language model's (the tower runs per image patch, not per token: not counted)."""
-    tower = sum(p.numel() for p in model.visual.parameters())
-    return count_non_embedding_params(args, model) - tower
-
-
-def moe_vl_flop_params(args: Any, model: Any) -> int:
-    return MOE_WIRING["count_flop_params"](args, model) - sum(p.numel() for p in model.visual.parameters())
+    return count
 
 
 SPECS = {
@@ -137,10 +138,10 @@ SPECS["qwen3_5_vl"] = ModelSpec(
     Qwen35VL,
     qwen3_5_vl_configs,
     documents=True,
-    count_flop_params=vl_flop_params,
+    count_flop_params=_without_tower(count_non_embedding_params),
     state_dict_adapter=QWEN3_5_VL,
     adapters=AdapterLayout(QWEN3_5.block_names, ("feed_forward",), dense=True),
-    check_fn=check_qwen3_5_vl,
+    check_fn=_with_vision(check_qwen3_5),
     layer_pattern=hybrid_layer_pattern,
     hf_model_type="qwen3_5",
 )
@@ -150,9 +151,9 @@ SPECS["qwen3_5_moe_vl"] = ModelSpec(
     qwen3_5_moe_vl_configs,
     **{
         **MOE_WIRING,
-        "check_fn": check_qwen3_5_moe_vl,
+        "check_fn": _with_vision(check_qwen3_5_moe),
         "layer_pattern": hybrid_layer_pattern,
-        "count_flop_params": moe_vl_flop_params,
+        "count_flop_params": _without_tower(MOE_WIRING["count_flop_params"]),
     },
     state_dict_adapter=QWEN3_5_MOE_VL,
     adapters=AdapterLayout(QWEN3_5_MOE.block_names, ("feed_forward.shared_expert",)),
