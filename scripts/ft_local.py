@@ -6,9 +6,9 @@ step KILL_STEP, then restarted with the same command: it heals from a live group
 finish at the last step on the same weights.
 
 Nothing here races wall time: the script pauses the other groups (SIGSTOP to their rank 0, which stalls their
-steps and heartbeats) while a group starts, while the group is killed and while it restarts, so on a loaded
-machine the survivors can neither finish before the restarted group is back nor skip the steps they train
-alone. Each job starts in an empty dump folder (an earlier job's files move to ``earlier_runs/<when>/``), and
+steps and heartbeats) while a group starts, while the group is killed and while it restarts, and a held group
+that reaches RESERVE steps before the last one stays stopped until the newcomer is up, so on a loaded machine
+the survivors can neither finish before the restarted group is back nor skip the steps they train alone. Each job starts in an empty dump folder (an earlier job's files move to ``earlier_runs/<when>/``), and
 the script checks its own claims at the end, exiting 1 with one line naming the claim that failed:
 
 * every group exited 0;
@@ -44,6 +44,12 @@ RECORD = "ft_local.json"
 WAIT_S = 600  # every wait ends by then: a stuck group fails the script instead of hanging it
 POLL_S = 0.01
 HELD_S, LET_S = 0.4, 0.1  # a held group's heartbeats stay well within the lighthouse's 2 s timeout
+# Steps a held group keeps in hand: once it has logged step `steps - RESERVE` it stays stopped until the newcomer's
+# Manager is up (its heartbeats may lapse meanwhile: harmless, it rejoins at its next quorum); then the lighthouse
+# holds each of its quorums up to its 3 s join timeout for the newcomer, so the steps left after a LET_S slice's
+# overshoot (a few on a tiny model) leave the newcomer seconds to ask for its first one. Without the cap a slow start lost the race (a CI run, 2026-11-28: group 0
+# trained its last 22 steps at the held pace before the restarted group was up, leaving none to heal from).
+RESERVE = 8
 
 
 def usage_error(message: str) -> NoReturn:
@@ -64,6 +70,33 @@ class Settings:
     kill_step: int
     port: int
     dump: Path
+    steps: int = 0  # the run's training.steps and metrics.log_freq (the config the groups train)
+    log_freq: int = 1
+
+    @property
+    def held_cap(self) -> int:
+        """A held group that has logged this step (it may be log_freq - 1 further) keeps RESERVE steps in hand."""
+        return self.steps - RESERVE - (self.log_freq - 1)
+
+    def read_config(self, overrides: list[str]) -> None:
+        """``steps`` and ``log_freq`` from the config the groups will train (run_llama_train.sh's file choice);
+        a KILL_STEP too late to leave the restarted group steps to heal into is refused."""
+        from torchtitan.config.manager import JobConfig
+
+        argv = list(overrides)
+        if not any(a.split("=")[0] in ("--job.config_file", "--job.config-file") for a in argv):
+            argv = ["--job.config_file", os.environ.get("CONFIG_FILE", "./train_configs/debug_model.toml"), *argv]
+        try:
+            config = JobConfig.parse_args(argv, world_size=self.ranks)
+        except (ValueError, OSError) as e:  # ConfigError is a ValueError; a missing file an OSError
+            usage_error(str(e))
+        self.steps, self.log_freq = config.training.steps, max(1, config.metrics.log_freq)
+        if self.kill_group >= 0 and self.kill_step >= self.held_cap:
+            usage_error(
+                f"KILL_STEP = {self.kill_step} with training.steps {self.steps} and metrics.log_freq {self.log_freq}: "
+                f"the restarted group needs {RESERVE} steps after the survivors' held point; set KILL_STEP < "
+                f"{self.held_cap} or train more steps"
+            )
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -198,15 +231,27 @@ def check(dump: Path) -> str:
 @contextlib.contextmanager
 def stopped(pids: list[int]) -> Iterator[None]:
     """SIGSTOP ``pids``, SIGCONT on exit (a process that died meanwhile is skipped)."""
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):  # it exited since its pid was read
-            os.kill(pid, signal.SIGSTOP)
+    signal_all(pids, signal.SIGSTOP)
     try:
         yield
     finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
+        signal_all(pids, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def resumed(pids: list[int]) -> Iterator[None]:
+    """SIGCONT ``pids`` (stopped ones), SIGSTOP them again on exit."""
+    signal_all(pids, signal.SIGCONT)
+    try:
+        yield
+    finally:
+        signal_all(pids, signal.SIGSTOP)
+
+
+def signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):  # it exited since its pid was read
+            os.kill(pid, sig)
 
 
 class Job:
@@ -256,9 +301,10 @@ class Job:
 
     def join(self, newcomers: list[int], running: list[int]) -> None:
         """Start the newcomers while the running groups are held back: stopped (SIGSTOP to rank 0) for HELD_S of
-        every HELD_S + LET_S, so they train at a fraction of their speed but keep heartbeating to the lighthouse.
-        Once a newcomer's Manager is up, the lighthouse holds the running groups' next quorum until it joins: it
-        heals from them at its first step, and none of them can finish before it is back, however slow its start."""
+        every HELD_S + LET_S, so they train at a fraction of their speed but keep heartbeating to the lighthouse,
+        and stopped for good once near their last step (``held_cap``). Once a newcomer's Manager is up, the
+        lighthouse holds the running groups' next quorum until it joins: it heals from them at its first step, and
+        none of them can finish before it is back, however slow its start."""
         nths = {g: len(starts(console(self.s.dump, g), g)) + 1 for g in newcomers}
         for g in newcomers:
             self.start(g)
@@ -266,18 +312,25 @@ class Job:
         def up() -> bool:
             return all(self.rank0(g, nth) is not None for g, nth in nths.items())
 
-        self.wait_held_back(f"replica groups {newcomers}' start", up, held=running, watch=tuple(newcomers))
+        self.wait_held_back(
+            f"replica groups {newcomers}' start", up, held=running, watch=tuple(newcomers), cap=self.s.held_cap
+        )
 
-    def wait_held_back(self, what: str, done: Callable[[], bool], held: list[int], watch: tuple[int, ...]) -> None:
-        """``wait`` for ``what`` with the ``held`` groups stopped for HELD_S of every HELD_S + LET_S (see ``join``)."""
-        pids = [pid for g in held if (pid := self.rank0(g))]
+    def wait_held_back(
+        self, what: str, done: Callable[[], bool], held: list[int], watch: tuple[int, ...], cap: int | None = None
+    ) -> None:
+        """``wait`` for ``what`` with the ``held`` groups stopped for HELD_S of every HELD_S + LET_S (see ``join``);
+        a held group that has logged step ``cap`` or a later one stays stopped until ``what`` is done."""
+        pids = {g: pid for g in held if (pid := self.rank0(g))}
         deadline = time.monotonic() + WAIT_S
-        while not done():
-            with stopped(pids):
+        with stopped(list(pids.values())):
+            while not done():
                 self.wait_a_while(what, HELD_S, done, watch=watch)
-            self.wait_a_while(what, LET_S, done, watch=watch)
-            if time.monotonic() > deadline:
-                raise ClaimFailed(f"no {what} within {WAIT_S} s")
+                let = [pid for g, pid in pids.items() if cap is None or last_step(self.s.dump, g) < cap]
+                with resumed(let):
+                    self.wait_a_while(what, LET_S, done, watch=watch)
+                if time.monotonic() > deadline:
+                    raise ClaimFailed(f"no {what} within {WAIT_S} s")
 
     def wait_a_while(self, what: str, seconds: float, done: Callable[[], bool], watch: tuple[int, ...]) -> None:
         """``wait`` for ``what``, but at most ``seconds``."""
@@ -353,6 +406,7 @@ def main(argv: list[str]) -> int:
 
     settings = Settings.from_env()
     overrides = argv or ["--training.steps", "60"]
+    settings.read_config(overrides)
     # Groups sharing one machine's cores must not each spin a thread per core (30x slower per step measured).
     threads = max(1, (os.cpu_count() or 1) // (settings.groups * settings.ranks))
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))

@@ -213,6 +213,12 @@ def test_ft_local_kills_a_group_which_heals_from_the_live_one_and_checks_its_cla
         assert failed.stderr.count("\n") == 1 and says in failed.stderr, failed.stderr
     missing = _ft_local("--check", str(dump / "nothing_here"))
     assert missing.returncode == 1 and missing.stderr.count("\n") == 1 and "does not exist" in missing.stderr
+    # a KILL_STEP that leaves the restarted group no steps to heal into: refused before anything starts
+    late = _ft_local(*COMMON, "--training.steps", "10", env={**env, "DUMP": str(tmp_path / "late")})
+    assert (
+        late.returncode == 2 and late.stderr.count("\n") == 1 and "KILL_STEP = 3 with training.steps 10" in late.stderr
+    )
+    assert not (tmp_path / "late").exists(), late.stdout
 
 
 def _free_port() -> int:
