@@ -10,7 +10,7 @@ arithmetic chat data (20 steps of llama3 ``debugmodel_tiny``, its checkpoint and
 - In the loop: eval every 3 steps of a 9-step run logs metrics at 3, 6, 9 and the losses equal a run without
   eval bit for bit.
 - Bad input, one line each: an unknown task (listing the tasks found), a task file that does not parse, a
-  checkpoint of another flavor, lm-eval missing.
+  multimodal task (or a group holding one), a checkpoint of another flavor, lm-eval missing.
 Offline: HF_DATASETS_OFFLINE / HF_HUB_OFFLINE are set; every task reads local JSON files.
 """
 
@@ -285,6 +285,20 @@ def test_task_file_that_does_not_parse(trained, tmp_path, capsys):
     (bad / "broken.yaml").write_text("task: broken\ndoc_to_text: [unclosed\n")
     err = _one_line_error(capsys, ["--model", "torchtitan", "--tasks", "arith_mc", "--include_path", str(bad)])
     assert "broken.yaml does not parse" in err, err
+
+
+def test_multimodal_task_is_refused_before_the_model_is_built(tmp_path, capsys):
+    """A task reading images (doc_to_image), named itself or through a group: one line naming it and the way out."""
+    folder = tmp_path / "mm"
+    folder.mkdir()
+    (folder / "pic_qa.yaml").write_text(
+        "task: pic_qa\ndataset_path: json\noutput_type: generate_until\ntest_split: test\n"
+        "doc_to_text: q\ndoc_to_target: a\ndoc_to_image: [image]\nmetric_list:\n  - metric: exact_match\n"
+    )
+    (folder / "pics.yaml").write_text("group: pics\ntask:\n  - pic_qa\n")
+    for tasks in ("pic_qa", "arith_mc,pics"):
+        err = _one_line_error(capsys, ["--model", "torchtitan", "--tasks", tasks, "--include_path", str(folder)])
+        assert "task 'pic_qa' reads images or audio" in err and "hf-multimodal" in err, err
 
 
 def test_checkpoint_of_another_flavor(trained):

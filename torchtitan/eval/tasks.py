@@ -66,6 +66,7 @@ def build_task_manager(tasks: list[str], include_path: str | None) -> Any:
     local = TaskManager(include_path=folders, include_defaults=False)
     missing = [t for t in tasks if t not in local.all_tasks]
     if not missing:
+        refuse_multimodal(local, tasks)
         return local
     everything = TaskManager(include_path=folders, include_defaults=True)
     unknown = [t for t in tasks if t not in everything.all_tasks]
@@ -75,4 +76,42 @@ def build_task_manager(tasks: list[str], include_path: str | None) -> Any:
             f"unknown task {', '.join(repr(t) for t in unknown)}: not an lm-eval task, nor in {where} "
             f"(found there: {', '.join(local.all_tasks) or 'none'}); check the name or include_path"
         )
+    refuse_multimodal(everything, tasks)
     return everything
+
+
+def refuse_multimodal(manager: Any, tasks: list[str]) -> None:
+    """One line, before any model is built, when a task (or a member of a group or tag) reads images or audio
+    (``doc_to_image`` / ``doc_to_audio``): this backend scores text only. lm-eval itself would refuse it only
+    after the model is built and the task's data is loaded."""
+    found: list[str] = []
+    seen: set[str] = set()
+
+    def visit(name: str) -> None:
+        entry = manager.task_index.get(name)
+        if name in seen or entry is None:
+            return
+        seen.add(name)
+        cfg, kind = entry.cfg or {}, entry.kind.name
+        if kind == "TAG":
+            members = list(entry.tags)
+        elif kind == "GROUP":
+            members = [m if isinstance(m, str) else m.get("task") or m.get("group") for m in cfg.get("task", [])]
+        else:
+            members = []
+            if cfg.get("doc_to_image") is not None or cfg.get("doc_to_audio") is not None:
+                found.append(name)
+        for member in members:
+            if isinstance(member, str):
+                visit(member)
+
+    for task in tasks:
+        visit(task)
+    if found:
+        shown = ", ".join(repr(t) for t in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        many = len(found) > 1
+        raise ValueError(
+            f"task{'s' if many else ''} {shown} read{'' if many else 's'} images or audio (doc_to_image / doc_to_audio): the torchtitan lm-eval backend "
+            "scores text only; export the checkpoint with scripts/convert_to_hf.py and run lm-eval's hf-multimodal "
+            "model on it"
+        )
