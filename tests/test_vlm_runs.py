@@ -7,7 +7,9 @@ A 1-rank reference (the tiny flavor: 4 hybrid layers and a 2-block tower), and F
 tower its own FSDP unit), TP2 (the language model sharded, the tower replicated) and PP2 1F1B (the tower on the first
 stage, each micro-batch with its rows' images) at 2 ranks, each at loss, validation-loss and grad-norm parity (the
 matrix's rule: loss rtol 1e-5, grad norm 3e-4). ``model.freeze_vision`` on FSDP2: the same first loss, a smaller first
-grad norm (the tower's gradient left out) and other losses after it.
+grad norm (the tower's gradient left out) and other losses after it. LoRA on FSDP2 with images: the same first loss
+(B = 0), other losses after it, and a checkpoint of the language model's adapters only (the tower frozen with the
+base).
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ ROWS = [
 ]
 CHECKPOINT_AT_END = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", str(STEPS)]
 FREEZE = Row("vl_fsdp2_freeze_vision", 2, 2, ["--model.freeze_vision", *CHECKPOINT_AT_END])
+LORA = Row("vl_fsdp2_lora", 2, 2, ["--lora.enable", "--lora.rank", "4", "--lora.alpha", "32", *CHECKPOINT_AT_END])
 REFERENCES = [REFERENCE]
-FREEZE_ROWS = [FREEZE]  # counted by the rank-row budget
+FREEZE_ROWS = [FREEZE, LORA]  # counted by the rank-row budget
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +138,17 @@ def test_freeze_vision_trains_without_the_tower(reference, task, tmp_path):
     moved = sorted(k for k, v in initial.items() if not torch.equal(saved[f"model.{k}"], v))
     assert moved and all(k.startswith("visual.merger.") for k in moved), moved
     assert len(moved) == sum(1 for k in initial if k.startswith("visual.merger.")), moved
+
+
+def test_lora_trains_adapters_on_the_language_model_with_images(reference, task, tmp_path):
+    """LoRA over image batches under FSDP2 (the tower's units all frozen): step 1 is the base's loss (B = 0), the
+    adapters then move the losses, and the checkpoint holds adapters of the language model only."""
+    from torchtitan.checkpointing.common import read_metadata
+
+    folder = str(tmp_path / LORA.name)
+    got = _run(LORA, task, folder)
+    _close(reference["loss"][0], got["loss"][0], "step 1 loss (B = 0: the base's)", RTOL)
+    assert all(abs(a - b) > RTOL * abs(a) for a, b in zip(reference["loss"][1:], got["loss"][1:])), (got, reference)
+    keys = {k for k in read_metadata(f"{folder}/checkpoint/step-{STEPS}").state_dict_metadata if k.startswith("model.")}
+    assert keys and all(".lora_a." in k or ".lora_b." in k for k in keys), sorted(keys)[:4]
+    assert not any(k.startswith("model.visual.") for k in keys) and any(k.startswith("model.layers.") for k in keys)
