@@ -94,8 +94,8 @@ class Settings:
         if self.kill_group >= 0 and self.kill_step >= self.held_cap:
             usage_error(
                 f"KILL_STEP = {self.kill_step} with training.steps {self.steps} and metrics.log_freq {self.log_freq}: "
-                f"the restarted group needs {RESERVE} steps after the survivors' held point; set KILL_STEP < "
-                f"{self.held_cap} or train more steps"
+                f"the survivors keep their last {self.steps - self.held_cap} steps for the restarted group to heal into; set "
+                f"KILL_STEP < {self.held_cap} or train more steps"
             )
 
     @classmethod
