@@ -8,8 +8,9 @@ finish at the last step on the same weights.
 Nothing here races wall time: the script pauses the other groups (SIGSTOP to their rank 0, which stalls their
 steps and heartbeats) while a group starts, while the group is killed and while it restarts, and a held group
 that reaches RESERVE steps before the last one stays stopped until the newcomer is up, so on a loaded machine
-the survivors can neither finish before the restarted group is back nor skip the steps they train alone. Each job starts in an empty dump folder (an earlier job's files move to ``earlier_runs/<when>/``), and
-the script checks its own claims at the end, exiting 1 with one line naming the claim that failed:
+the survivors can neither finish before the restarted group is back nor skip the steps they train alone. Each
+job starts in an empty dump folder (an earlier job's files move to ``earlier_runs/<when>/``), and the script
+checks its own claims at the end, exiting 1 with one line naming the claim that failed:
 
 * every group exited 0;
 * each survivor started once and logged each of its steps once, in order, to the last one;
@@ -47,8 +48,9 @@ HELD_S, LET_S = 0.4, 0.1  # a held group's heartbeats stay well within the light
 # Steps a held group keeps in hand: once it has logged step `steps - RESERVE` it stays stopped until the newcomer's
 # Manager is up (its heartbeats may lapse meanwhile: harmless, it rejoins at its next quorum); then the lighthouse
 # holds each of its quorums up to its 3 s join timeout for the newcomer, so the steps left after a LET_S slice's
-# overshoot (a few on a tiny model) leave the newcomer seconds to ask for its first one. Without the cap a slow start lost the race (a CI run, 2026-11-28: group 0
-# trained its last 22 steps at the held pace before the restarted group was up, leaving none to heal from).
+# overshoot (a few on a tiny model) leave the newcomer seconds to ask for its first one. Without the cap a slow
+# start lost the race (a CI run, 2026-11-28: group 0 trained its last 22 steps at the held pace before the
+# restarted group was up, leaving none to heal from).
 RESERVE = 8
 
 
@@ -70,36 +72,16 @@ class Settings:
     kill_step: int
     port: int
     dump: Path
-    steps: int = 0  # the run's training.steps and metrics.log_freq (the config the groups train)
-    log_freq: int = 1
+    steps: int  # the run's training.steps and metrics.log_freq (the config the groups train)
+    log_freq: int
 
     @property
     def held_cap(self) -> int:
         """A held group that has logged this step (it may be log_freq - 1 further) keeps RESERVE steps in hand."""
         return self.steps - RESERVE - (self.log_freq - 1)
 
-    def read_config(self, overrides: list[str]) -> None:
-        """``steps`` and ``log_freq`` from the config the groups will train (run_llama_train.sh's file choice);
-        a KILL_STEP too late to leave the restarted group steps to heal into is refused."""
-        from torchtitan.config.manager import JobConfig
-
-        argv = list(overrides)
-        if not any(a.split("=")[0] in ("--job.config_file", "--job.config-file") for a in argv):
-            argv = ["--job.config_file", os.environ.get("CONFIG_FILE", "./train_configs/debug_model.toml"), *argv]
-        try:
-            config = JobConfig.parse_args(argv, world_size=self.ranks)
-        except (ValueError, OSError) as e:  # ConfigError is a ValueError; a missing file an OSError
-            usage_error(str(e))
-        self.steps, self.log_freq = config.training.steps, max(1, config.metrics.log_freq)
-        if self.kill_group >= 0 and self.kill_step >= self.held_cap:
-            usage_error(
-                f"KILL_STEP = {self.kill_step} with training.steps {self.steps} and metrics.log_freq {self.log_freq}: "
-                f"the survivors keep their last {self.steps - self.held_cap} steps for the restarted group to heal into; set "
-                f"KILL_STEP < {self.held_cap} or train more steps"
-            )
-
     @classmethod
-    def from_env(cls) -> Settings:
+    def from_env(cls, overrides: list[str]) -> Settings:
         def positive(name: str, default: int, allow: tuple[int, ...] = ()) -> int:
             raw = os.environ.get(name, str(default))
             if not re.fullmatch(r"-?[0-9]+", raw) or (int(raw) < 1 and int(raw) not in allow):
@@ -111,14 +93,40 @@ class Settings:
         kill_group = positive("KILL_GROUP", 1, allow=(0, -1))
         if kill_group >= groups:
             usage_error(f"KILL_GROUP = '{kill_group}': must be -1 (none) or a group 0..{groups - 1}")
-        return cls(
+        ranks = positive("NGPU", 1)
+        steps, log_freq = trained_steps(overrides, ranks)
+        s = cls(
             groups=groups,
-            ranks=positive("NGPU", 1),
+            ranks=ranks,
             kill_group=kill_group,
             kill_step=positive("KILL_STEP", 10),
             port=positive("PORT", 29510),
             dump=Path(os.environ.get("DUMP", "./outputs/ft_local")),
+            steps=steps,
+            log_freq=log_freq,
         )
+        if s.kill_group >= 0 and s.kill_step >= s.held_cap:
+            usage_error(
+                f"KILL_STEP = {s.kill_step} with training.steps {s.steps} and metrics.log_freq {s.log_freq}: the "
+                f"survivors keep their last {s.steps - s.held_cap} steps for the restarted group to heal into; set "
+                f"KILL_STEP < {s.held_cap} or train more steps"
+            )
+        return s
+
+
+def trained_steps(overrides: list[str], ranks: int) -> tuple[int, int]:
+    """``training.steps`` and ``metrics.log_freq`` of the config the groups will train (run_llama_train.sh's file
+    choice: a --job.config_file argument, else CONFIG_FILE, else the debug model's)."""
+    from torchtitan.config.manager import JobConfig
+
+    argv = list(overrides)
+    if not any(a.split("=")[0] in ("--job.config_file", "--job.config-file") for a in argv):
+        argv = ["--job.config_file", os.environ.get("CONFIG_FILE", "./train_configs/debug_model.toml"), *argv]
+    try:
+        config = JobConfig.parse_args(argv, world_size=ranks)
+    except (ValueError, OSError) as e:  # ConfigError is a ValueError; a missing file an OSError
+        usage_error(str(e))
+    return config.training.steps, max(1, config.metrics.log_freq)
 
 
 @dataclass
@@ -229,26 +237,26 @@ def check(dump: Path) -> str:
 
 
 @contextlib.contextmanager
-def stopped(pids: list[int]) -> Iterator[None]:
-    """SIGSTOP ``pids``, SIGCONT on exit (a process that died meanwhile is skipped)."""
-    signal_all(pids, signal.SIGSTOP)
+def signalled(pids: list[int], first: signal.Signals, last: signal.Signals) -> Iterator[None]:
+    """Send ``first`` to ``pids``, ``last`` on exit (a process that died meanwhile is skipped)."""
+    send(pids, first)
     try:
         yield
     finally:
-        signal_all(pids, signal.SIGCONT)
+        send(pids, last)
 
 
-@contextlib.contextmanager
-def resumed(pids: list[int]) -> Iterator[None]:
-    """SIGCONT ``pids`` (stopped ones), SIGSTOP them again on exit."""
-    signal_all(pids, signal.SIGCONT)
-    try:
-        yield
-    finally:
-        signal_all(pids, signal.SIGSTOP)
+def stopped(pids: list[int]) -> contextlib.AbstractContextManager[None]:
+    """SIGSTOP ``pids``, SIGCONT on exit."""
+    return signalled(pids, signal.SIGSTOP, signal.SIGCONT)
 
 
-def signal_all(pids: list[int], sig: signal.Signals) -> None:
+def resumed(pids: list[int]) -> contextlib.AbstractContextManager[None]:
+    """SIGCONT stopped ``pids``, SIGSTOP them again on exit."""
+    return signalled(pids, signal.SIGCONT, signal.SIGSTOP)
+
+
+def send(pids: list[int], sig: signal.Signals) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):  # it exited since its pid was read
             os.kill(pid, sig)
@@ -404,9 +412,8 @@ def main(argv: list[str]) -> int:
         return 0
     from torchtitan.fault_tolerance.lighthouse import start_lighthouse
 
-    settings = Settings.from_env()
     overrides = argv or ["--training.steps", "60"]
-    settings.read_config(overrides)
+    settings = Settings.from_env(overrides)
     # Groups sharing one machine's cores must not each spin a thread per core (30x slower per step measured).
     threads = max(1, (os.cpu_count() or 1) // (settings.groups * settings.ranks))
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))

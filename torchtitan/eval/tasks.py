@@ -56,7 +56,8 @@ def build_task_manager(tasks: list[str], include_path: str | None) -> Any:
     them all (fast: lm-eval's own index is thousands of files), else with lm-eval's tasks too.
 
     Raises:
-        ValueError: a task file under the local folders does not parse; a name no folder holds.
+        ValueError: a task file under the local folders does not parse; a name no folder holds; a task that reads
+            images or audio (``refuse_multimodal``).
     """
     require_lm_eval()
     from lm_eval.tasks import TaskManager
@@ -64,20 +65,18 @@ def build_task_manager(tasks: list[str], include_path: str | None) -> Any:
     folders = task_folders(include_path)
     check_task_files(folders)
     local = TaskManager(include_path=folders, include_defaults=False)
-    missing = [t for t in tasks if t not in local.all_tasks]
-    if not missing:
-        refuse_multimodal(local, tasks)
-        return local
-    everything = TaskManager(include_path=folders, include_defaults=True)
-    unknown = [t for t in tasks if t not in everything.all_tasks]
+    manager = local
+    if any(t not in local.all_tasks for t in tasks):
+        manager = TaskManager(include_path=folders, include_defaults=True)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         where = f"include_path {include_path!r} and the shipped tasks" if include_path else "the shipped tasks"
         raise ValueError(
             f"unknown task {', '.join(repr(t) for t in unknown)}: not an lm-eval task, nor in {where} "
             f"(found there: {', '.join(local.all_tasks) or 'none'}); check the name or include_path"
         )
-    refuse_multimodal(everything, tasks)
-    return everything
+    refuse_multimodal(manager, tasks)
+    return manager
 
 
 def refuse_multimodal(manager: Any, tasks: list[str]) -> None:
@@ -111,7 +110,7 @@ def refuse_multimodal(manager: Any, tasks: list[str]) -> None:
         shown = ", ".join(repr(t) for t in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         many = len(found) > 1
         raise ValueError(
-            f"task{'s' if many else ''} {shown} read{'' if many else 's'} images or audio (doc_to_image / doc_to_audio): the torchtitan lm-eval backend "
-            "scores text only; export the checkpoint with scripts/convert_to_hf.py and run lm-eval's hf-multimodal "
-            "model on it"
+            f"task{'s' if many else ''} {shown} read{'' if many else 's'} images or audio (doc_to_image / "
+            "doc_to_audio): the torchtitan lm-eval backend scores text only; export the checkpoint with "
+            "scripts/convert_to_hf.py and run lm-eval's hf-multimodal model on it"
         )
