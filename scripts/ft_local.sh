@@ -9,7 +9,7 @@
 #   NGPU        ranks per group (default 1; FSDP inside a group with more)
 #   KILL_GROUP  the group to kill and restart (default 1; -1 kills none)
 #   KILL_STEP   kill it once it has logged this step or a later one (metrics.log_freq decides which it logs;
-#               default 10)
+#               default 10; refused when it leaves the survivors under 8 + log_freq - 1 steps to hold back)
 #   PORT        the lighthouse's port on 127.0.0.1 (default 29510)
 #   DUMP        the job's dump folder (default ./outputs/ft_local): an earlier job's files there move to
 #               $DUMP/earlier_runs/<when>/; each group's console goes to $DUMP/replica_<i>.log (a restart
