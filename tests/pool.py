@@ -10,9 +10,11 @@ sequence, each ``fn(rank, world_size, *args)`` with ``fn`` importable by name:
   own dump folder and per-rank log (the matrix rows, the single-process references as 1-rank jobs,
   resume pairs: train, stage, resume).
 
-Isolation between jobs: determinism off, default dtype fp32, the once-per-process warnings and
-DTensor's sharding caches cleared, dynamo reset, garbage collected; the process groups a job made
-(meshes) are destroyed, the default group stays. A job that fails on any rank is reported and the
+Isolation between jobs: determinism off, default dtype fp32, the once-per-process warnings cleared,
+dynamo reset, garbage collected; the default group stays, and so does the mesh of each layout a worker has
+built, with DTensor's sharding caches that name it (tests/pool_meshes.py: the same mesh object for the next
+job of that layout, as for the steps of one run); any other group a job made is destroyed and the caches
+cleared. A job that fails on any rank is reported and the
 pool goes on once a ping (an all-reduce of the job's number) shows the ranks are still in step; a
 rank that dies, a job past its deadline, or a failed ping kills the pool, and the next job starts a
 fresh one. ``restart_after`` restarts it after the job: compile jobs (inductor keeps state) and in-loop
@@ -41,6 +43,8 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+from tests import pool_meshes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB_DEADLINE_S = 600.0
@@ -112,7 +116,6 @@ def _free_port() -> int:
 
 def _reset_between_jobs() -> None:
     """What one job may leave behind that would change the next one."""
-    import torch.distributed as dist
 
     from torchtitan.observability.logging import warn_once
 
@@ -120,18 +123,8 @@ def _reset_between_jobs() -> None:
     torch.backends.mkldnn.enabled = True  # a float8 job on a CPU whose oneDNN float8 GEMM is slow turns it off
     torch.set_default_dtype(torch.float32)
     warn_once.cache_clear()
-    with contextlib.suppress(Exception):  # private API: only a cache, so a rename costs speed, not results
-        from torch.distributed.tensor import DTensor
-
-        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache.clear()
     if "torch._dynamo" in sys.modules:
         torch._dynamo.reset()
-    # groups a job made (its meshes) hold sockets to every peer; the default group stays
-    world = dist.group.WORLD
-    for pg in list(dist.distributed_c10d._world.pg_map):
-        if pg is not world:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(pg)
     gc.collect()
 
 
@@ -157,6 +150,7 @@ def _serve(rank: int, world_size: int, port: int, out_path: str, jobs, results) 
 
     init_logger()
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=PG_TIMEOUT_S))
+    pool_meshes.install(dist.group.WORLD)
     results.put((0, rank, "ok", "ready"))
     try:
         while (job := jobs.get()) is not None:
@@ -166,11 +160,16 @@ def _serve(rank: int, world_size: int, port: int, out_path: str, jobs, results) 
                 dist.all_reduce(t)
                 results.put((seq, rank, "ok", int(t.item())))
                 continue
+            failed = True
             try:
                 _reset_between_jobs()
-                results.put((seq, rank, "ok", fn(rank, world_size, *args)))
+                value = fn(rank, world_size, *args)
+                failed = isinstance(value, JobFailed)
+                results.put((seq, rank, "ok", value))
             except BaseException:  # noqa: BLE001 - reported to the parent, the worker goes on
                 results.put((seq, rank, "error", traceback.format_exc()))
+            finally:  # groups the job made (they hold sockets to every peer) and the caches naming them
+                pool_meshes.end_job(failed)
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()

@@ -74,3 +74,32 @@ def test_what_a_job_leaves_behind_is_reset_before_the_next():
     groups = run_in_pool(_state, 2)[0][2]
     assert run_in_pool(_leave_state_behind, 2) == [groups + 1] * 2
     assert run_in_pool(_state, 2) == [(False, torch.float32, groups)] * 2
+
+
+def _mesh_of_a_job(rank: int, world: int, also: str = "") -> tuple[bool, int]:
+    """(whether an earlier job had this job's mesh object, a sharded sum over it); ``also``: leave a group, or fail."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    mesh = ParallelDims(1, world, 1, 1, 1, world_size=world, enable_loss_parallel=True).build_mesh("cpu")
+    seen, mesh.seen_by_test_pool = getattr(mesh, "seen_by_test_pool", False), True
+    total = int(distribute_tensor(torch.arange(4.0), mesh, [Shard(0)]).sum().full_tensor().item())
+    if also == "group":
+        dist.new_group(list(range(world)))
+    if also == "fail":
+        raise ValueError("planted failure")
+    return seen, total
+
+
+def test_a_layout_keeps_its_mesh_until_a_job_fails():
+    """tests/pool_meshes.py: the same mesh object for the next job of a layout, also after a job that made a group
+    of its own (that group is destroyed, the caches cleared); a failed job drops it."""
+    groups = run_in_pool(_state, 2)[0][2]
+    run_in_pool(_mesh_of_a_job, 2)
+    assert run_in_pool(_mesh_of_a_job, 2, "group") == [(True, 6)] * 2
+    assert run_in_pool(_state, 2)[0][2] == groups  # the job's own group did not reach the next
+    assert run_in_pool(_mesh_of_a_job, 2) == [(True, 6)] * 2  # the caches were cleared, the kept mesh still works
+    with pytest.raises(RuntimeError, match="planted failure"):
+        run_in_pool(_mesh_of_a_job, 2, "fail")
+    assert run_in_pool(_mesh_of_a_job, 2) == [(False, 6)] * 2  # built again after the failure
