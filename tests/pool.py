@@ -116,7 +116,6 @@ def _free_port() -> int:
 
 def _reset_between_jobs() -> None:
     """What one job may leave behind that would change the next one."""
-
     from torchtitan.observability.logging import warn_once
 
     torch.use_deterministic_algorithms(False)  # a job turns it on if it asks for it
