@@ -54,7 +54,7 @@ def _implementation(name: str) -> bool:
     if name == "for-loop":
         raise NotImplementedError(
             "optimizer.implementation = 'for-loop' is not built: the optimizer runs 'foreach' (multi-tensor) or "
-            "'fused' (CUDA); set one of them"
+            "'fused' (CUDA or CPU); set one of them"
         )
     return name == "fused"
 

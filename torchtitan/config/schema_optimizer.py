@@ -21,7 +21,11 @@ class Optimizer:
     beta1: float = _f(0.9, "Adam beta1")
     beta2: float = _f(0.95, "Adam beta2")
     weight_decay: float = _f(0.1, "decoupled weight decay (AdamW) or L2 penalty (Adam)")
-    fused: bool = _f(False, "use the fused kernel (CUDA); default is the foreach implementation")
+    fused: bool = _f(
+        False,
+        "torch's fused Adam/AdamW kernel (CUDA and CPU; not bit-equal to foreach: ~1 ulp); default is the foreach "
+        "implementation",
+    )
     state_dtype: Literal["float32", "bfloat16"] | None = _f(
         None,
         "dtype of Adam's exp_avg / exp_avg_sq; bfloat16 halves the optimizer state (the update still runs in fp32); "

@@ -99,7 +99,7 @@ def _optimizer_over_groups(groups: list[dict[str, Any]], config: OptimizerConfig
         cls = torch.optim.Adam
     else:  # AdamW alone, as before; Adam and AdamW groups together: Adam with each group's decoupled_weight_decay
         cls = torch.optim.AdamW if kinds == {"AdamW"} else torch.optim.Adam
-    # foreach (multi-tensor) is the default; fused only where asked (a CUDA kernel).
+    # foreach (multi-tensor) is the default; fused (torch's kernel, CUDA or CPU) only where asked.
     impl = {"fused": True} if config.fused else {"foreach": True}
     return cls(groups, **common, weight_decay=config.weight_decay, **impl)
 
