@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from bench.gpu_check import golden as goldens
+from bench.gpu_check import runs as gpu_runs
 from bench.gpu_check.plan import Plan, dry_run_plan, gpu_plan
 from bench.gpu_check.report import SECTIONS, format_markdown
 from bench.gpu_check.runs import SPEC_KEYS, RunSpec
@@ -106,6 +107,16 @@ def test_dry_run_measures(dry_run):
     attention = report["attention"]["block_causal_vs_causal"]
     assert attention["tps_ratio"] > 0 and attention["loss_max_abs_diff"] > 0  # the masks differ: so do the losses
     assert all(run["finite"] and len(run["losses"]) == run["steps"] for run in report["families"]["runs"])
+    # the levers: each row trained, each compared with the base row; bf16 weights (alone and with the chunked
+    # loss) move the losses off the base row's, so the key reached the trainer (fused AdamW and the chunked loss
+    # round differently by an ulp or none over 5 bf16 steps: no bound on theirs)
+    levers = report["levers"]
+    assert [run["name"] for run in levers["runs"]] == [spec.name for spec in dry_run_plan().levers]
+    assert all(run["status"] == "ok" and run["tokens_per_s"] > 0 for run in levers["runs"]), levers
+    diffs = {c["runs"][0]: c["loss_max_abs_diff"] for c in levers["vs_base"]}
+    assert len(diffs) == len(levers["runs"]) - 1 and all(c["tps_ratio"] > 0 for c in levers["vs_base"])
+    assert all(diffs[name] > 0 for name in diffs if "pure bf16" in name), diffs
+    assert all(diffs[name] < 0.05 for name in diffs), diffs  # the same training: the losses agree to a few %
     markdown = (out / "gpu_check.md").read_text()
     assert markdown == format_markdown(report)
     for name in SECTIONS[:-1]:
@@ -151,6 +162,7 @@ def _run_rows(plan: Plan) -> list[RunSpec]:
         *plan.families,
         *plan.linear_attention,
         *plan.features,
+        *plan.levers,
     ]
 
 
@@ -172,6 +184,7 @@ def test_golden_rows_are_the_plans_rows(kind, plan):
     skipped_on_cpu = {"tiny block_causal sdpa seq 128", "qwen3_5 tiny fla rule seq 64"}
     # rows added since the last GPU session recorded its golden file (issue 59): recorded at the next one
     not_yet_on_gpu = {"qwen3_5 0.8B torch rule seq 4096", "qwen3_5 0.8B fla rule seq 4096"}
+    not_yet_on_gpu |= {spec.name for spec in gpu_plan().levers[1:]}  # issue 57's levers: the base row is recorded
     fix = f"re-record it: {goldens.record_command(goldens.load_golden(kind))} (docs/performance.md)"
     assert set(rows) == set(specs) - (skipped_on_cpu if kind == "cpu_dry_run" else not_yet_on_gpu), fix
     for name, row in rows.items():
@@ -198,6 +211,46 @@ def test_failed_run_is_recorded_and_the_section_goes_on(tmp_path):
     record = runs_section([bad, {"name": "next", "status": "ok"}])
     assert record["status"] == "error" and "bad flavor" in record["error"]
     assert [r["status"] for r in record["runs"]] == ["error", "ok"]
+
+
+def test_a_run_leaves_the_process_flags_as_it_found_them(tmp_path):
+    """A run's process-wide flags do not reach the runs after it: the features section's step replay trains with
+    ``training.deterministic`` (on the H100 the rows after it read 7-20% slower), a float8 run on a CPU whose
+    oneDNN float8 GEMM is slow turns oneDNN off (the dry run's later rows ran ~4x slower); docs/performance.md."""
+    replay = next(spec for spec in dry_run_plan().features if "--training.deterministic" in spec.extra)
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.mkldnn.enabled)
+    torch.use_deterministic_algorithms(False)
+    torch.backends.mkldnn.enabled = True
+    during = []
+
+    def as_float8_would(trainer) -> None:  # what float8.turn_off_onednn does, on every CPU kind
+        during.append(torch.are_deterministic_algorithms_enabled())
+        torch.backends.mkldnn.enabled = False
+
+    try:
+        result = gpu_runs.run(replay, torch.device("cpu"), tmp_path, before_training=as_float8_would)
+        assert result["status"] == "ok" and during == [True], (result.get("error"), during)
+        assert not torch.are_deterministic_algorithms_enabled() and torch.backends.mkldnn.enabled
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.mkldnn.enabled = before[1]
+
+
+def test_levers_alone_runs_the_environment_and_the_levers(tmp_path, capsys, monkeypatch):
+    """``--levers``: the environment, then the levers section (its runs skipped here by a zero budget); every other
+    section says it was not run and why."""
+    from bench.gpu_check.__main__ import run_check
+
+    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", True)  # run_check sets it; restored
+    report = run_check(_context(tmp_path, budget_s=0.0), goldens.load_golden("cpu_dry_run"), 120.0, levers_only=True)
+    assert report.sections["environment"]["status"] == "ok", report.sections["environment"]
+    levers = report.sections["levers"]
+    assert [run["name"] for run in levers["runs"]] == [spec.name for spec in dry_run_plan().levers]
+    assert levers["status"] == "skipped" and all(run["status"] == "skipped" for run in levers["runs"]), levers
+    for name in set(SECTIONS) - {"environment", "levers", "golden"}:
+        record = report.sections[name]
+        assert record["status"] == "skipped" and record["reason"].startswith("not run: --levers"), (name, record)
+    assert json.loads(capsys.readouterr().out) == json.loads(report.to_json())
 
 
 def test_imports_without_the_packages_gpu_machines_lack():

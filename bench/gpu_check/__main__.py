@@ -2,6 +2,7 @@
 estimator and the model families, within a time budget, and reports what it saw.
 
     cd <repo> && python -m bench.gpu_check --out OUT [--budget_s 420]
+    python -m bench.gpu_check --levers --out OUT [--budget_s 540]   # the MFU levers, on and off (section 9)
     python -m bench.gpu_check --cpu-dry-run --out OUT     # tiny shapes on the CPU (CI)
 
 (From the repository root: ``-m`` puts it on the path, so neither torchtitan nor this package needs installing.)
@@ -26,7 +27,11 @@ left, else it is recorded as skipped for the time budget):
    tokens/s and the step-by-step loss difference.
 8. features: Muon with the no-decay preset, step replay every 2nd step (deterministic), LoRA rank 16 with full
    AC: finite losses, and a replay that finds the same numbers twice (a mismatch stops the run: an error).
-9. if time allows (added to throughput): 1B compile at seq 8192, then the 3B shape (full AC).
+9. levers (``--levers``: run with the environment alone, its own budget; the dry run always runs it): the 1B
+   compiled seq-2048 row, then pure bf16 (``training.dtype = "bfloat16"``) with the chunked loss (512 positions
+   a chunk), fused AdamW with the chunked loss (pure bf16 refuses fused), then each alone: tokens/s, MFU, peak
+   memory and the loss difference of each against the base row (issue 57's levers, on and off in one invocation).
+10. if time allows (added to throughput): 1B compile at seq 8192, then the 3B shape (full AC).
 
 Every run is the trainer itself (``torchtitan.train.Trainer`` through its ``Builders`` seam (engine/builders.py), as the
 memory estimator builds it) on seeded random tokens, one process, world size 1: see bench/gpu_check/runs.py.
@@ -67,6 +72,7 @@ from bench.gpu_check.report import Report
 GPU_BUDGET_S = 420.0
 DRY_RUN_BUDGET_S = 300.0  # a bound, not a target: the dry run takes well under a minute on 2 cores
 GRACE_S = 90.0  # past the budget, the watchdog writes what there is and exits
+LEVERS_APART = "run on its own: python -m bench.gpu_check --levers --out OUT (six compiled 1B runs fill a budget)"
 EXIT_REGRESSED = 4  # with --fail-on-regression: every section ran, a row regressed against the golden file
 
 
@@ -76,6 +82,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget_s", type=float, default=None, help=f"time budget (default {GPU_BUDGET_S:.0f} s)")
     p.add_argument("--grace_s", type=float, default=GRACE_S, help="hard stop this long after the budget")
     p.add_argument("--cpu-dry-run", dest="cpu_dry_run", action="store_true", help="tiny shapes on the CPU")
+    p.add_argument(
+        "--levers",
+        action="store_true",
+        help="run the environment and levers sections alone: 1B compiled at seq 2048 with fused AdamW, the chunked "
+        "loss and pure bf16, in the sets that compose and each alone (the dry run always runs them, at tiny shapes)",
+    )
     p.add_argument(
         "--golden-dir", dest="golden_dir", default=None, help="where the golden files are (default bench/golden)"
     )
@@ -128,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = sections.Context(device, plan, out, sections.Budget(budget_s), log, args.cpu_dry_run)
     golden = _load_golden(device, args)
     log(f"golden file {golden.path}: {'found' if golden.data else golden.error or 'none'}")
-    report = run_check(ctx, golden, budget_s + args.grace_s)
+    report = run_check(ctx, golden, budget_s + args.grace_s, levers_only=args.levers)
     if args.record_golden:
         _record_golden(report, golden, sys.argv[1:] if argv is None else argv, log)
     return _exit_code(report, fail_on_regression=args.fail_on_regression)
@@ -171,9 +183,10 @@ def _record_golden(report: Report, golden: goldens.Golden, argv: list[str], log:
     log(f"recorded {len(data['rows'])} rows to {golden.path}")
 
 
-def run_check(ctx, golden: goldens.Golden, hard_limit_s: float) -> Report:
+def run_check(ctx, golden: goldens.Golden, hard_limit_s: float, *, levers_only: bool = False) -> Report:
     """Every stage in order, each recorded as it ends (its run rows compared with ``golden``); the final JSON on
-    stdout. Returns the report."""
+    stdout. Returns the report. ``levers_only``: the environment and the levers (the others: skipped, saying so);
+    without it a GPU run skips the levers (they need a budget of their own) and the dry run runs them."""
     import torch
 
     from bench.gpu_check import environment, features, sections
@@ -191,8 +204,11 @@ def run_check(ctx, golden: goldens.Golden, hard_limit_s: float) -> Report:
         ("families", features.families),
         ("linear_attention", features.linear_attention),
         ("features", features.features),
+        ("levers", sections.levers if ctx.dry_run else lambda c: sections.skipped("levers", LEVERS_APART)),
         ("throughput", lambda c: sections.more_throughput(c, report.sections["throughput"])),
     ]
+    if levers_only:
+        stages = [stages[0], ("levers", sections.levers)]
     for name, stage in stages:
         ctx.log(f"section {name}: start ({ctx.budget.left():.0f} s of the budget left)")
         earlier = report.sections[name]
@@ -206,7 +222,7 @@ def run_check(ctx, golden: goldens.Golden, hard_limit_s: float) -> Report:
         )
         ctx.log(f"section {name}: {record['status']} {record.get('error') or record.get('reason') or ''}")
     watchdog.cancel()
-    report.finish("time budget")
+    report.finish("not run: --levers runs the environment and levers sections alone" if levers_only else "time budget")
     print(report.to_json())
     ctx.log(report.sections["golden"]["summary"])
     ctx.log(f"done; results in {ctx.out}")

@@ -23,6 +23,7 @@ class Plan:
     families: list[RunSpec]
     linear_attention: list[RunSpec]  # Qwen3.5: the torch chunked rule, then flash-linear-attention's (same tokens)
     features: list[RunSpec]  # newer training features, each one run that must train (finite losses)
+    levers: list[RunSpec]  # the base row, then the MFU levers (the sets that compose, then each alone): --levers
     if_time_allows: list[RunSpec]  # more throughput rows, last (a longer compile, the 3B shape)
 
 
@@ -54,6 +55,7 @@ def gpu_plan() -> Plan:  # declarative table
             RunSpec("qwen3_5 0.8B", "0.8B", 4096, 2, model="qwen3_5", tokenizer=FLAVOR_VOCAB, cost_s=60)
         ),
         features=features(RunSpec("debugmodel", "debugmodel", 256, 4, warmup=0, steps=6, cost_s=20)),
+        levers=levers(one_b_compiled, chunk=512),
         if_time_allows=[
             replace(long, name="1B compile seq 8192", compile=True, cost_s=120),
             three_b,
@@ -85,6 +87,7 @@ def dry_run_plan() -> Plan:  # declarative table
         families=[moe, replace(moe, name="deepseek_v3 debugmodel", model="deepseek_v3")],
         linear_attention=linear_attention(replace(tiny, name="qwen3_5 tiny", model="qwen3_5", cost_s=4)),
         features=features(replace(tiny, dtype="float32", warmup=0, steps=4)),
+        levers=levers(tiny, chunk=32),
         if_time_allows=[replace(tiny, name="tiny eager seq 128 full AC", seq_len=128, batch_size=1, ac="full")],
     )
 
@@ -113,4 +116,22 @@ def features(base: RunSpec) -> list[RunSpec]:  # declarative table
             extra=("--training.deterministic", "--training.replay_every_n_steps", "2"),
         ),
         replace(base, name=f"{base.flavor} LoRA r16 full AC", ac="full", extra=("--lora.enable", "--lora.rank", "16")),
+    ]
+
+
+def levers(base: RunSpec, chunk: int) -> list[RunSpec]:  # declarative table
+    """What a user turns on for MFU at one GPU (issue 57), on ``base``: the two sets that compose first (the
+    figures that count when the budget is short; pure bf16 refuses fused AdamW, whose arithmetic would be bf16),
+    then each lever alone, so each one's effect is measured against ``base`` in the same invocation."""
+    fused = ("--optimizer.fused", "true")  # torch's fused AdamW kernel: one launch per parameter group
+    chunked = ("--training.loss_chunk_size", str(chunk))  # the 128K-vocabulary logits never all held
+    pure = ("--training.dtype", "bfloat16")  # bf16 weights at world size 1: no autocast cast of each weight
+    named = f"chunked loss {chunk}"
+    return [
+        base,
+        replace(base, name=f"{base.name} + pure bf16 + {named}", extra=(*pure, *chunked)),
+        replace(base, name=f"{base.name} + fused AdamW + {named}", extra=(*fused, *chunked)),
+        replace(base, name=f"{base.name} + fused AdamW", extra=fused),
+        replace(base, name=f"{base.name} + {named}", extra=chunked),
+        replace(base, name=f"{base.name} + pure bf16", extra=pure),
     ]

@@ -22,6 +22,7 @@ SECTIONS = (
     "families",
     "linear_attention",
     "features",
+    "levers",
     "golden",
 )
 JSON_FILE, MARKDOWN_FILE = "gpu_check.json", "gpu_check.md"
@@ -122,6 +123,8 @@ def _rows(name: str, record: dict[str, Any]) -> list[tuple]:
                 rows.append(_comparison_row(record[key]))
     if name == "float8":
         rows += [_comparison_row(c) for c in record.get("vs_bf16", []) if c]
+    if name == "levers":
+        rows += [_comparison_row(c) for c in record.get("vs_base", []) if c]
     if name == "linear_attention" and record.get("fla_vs_torch"):
         rows.append(_comparison_row(record["fla_vs_torch"]))
     return rows
