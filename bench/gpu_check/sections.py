@@ -282,8 +282,8 @@ def float8(ctx: Context) -> dict[str, Any]:
 
 
 def levers(ctx: Context) -> dict[str, Any]:
-    """The MFU levers (plan.levers: fused AdamW, the chunked loss, pure bf16; all together, then each alone) on
-    the base row, each compared with it in the same invocation (issue 57: kept only where it helps and stays at
-    loss parity, so the loss differences are reported beside the ratios)."""
+    """The MFU levers (plan.levers: fused AdamW, the chunked loss, pure bf16; the sets that compose, then each
+    alone) on the base row, each compared with it in the same invocation (issue 57: kept only where it helps and
+    stays at loss parity, so the loss differences are reported beside the ratios)."""
     base, *rest = (ctx.run(spec) for spec in ctx.plan.levers)
     return runs_section([base, *rest], vs_base=[compare_runs(r, base) for r in rest])
