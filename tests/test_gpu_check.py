@@ -236,13 +236,16 @@ def test_a_run_leaves_the_process_flags_as_it_found_them(tmp_path):
         torch.backends.mkldnn.enabled = before[1]
 
 
-def test_levers_alone_runs_the_environment_and_the_levers(tmp_path, capsys, monkeypatch):
+def test_levers_alone_runs_the_environment_and_the_levers(tmp_path, capsys):
     """``--levers``: the environment, then the levers section (its runs skipped here by a zero budget); every other
     section says it was not run and why."""
     from bench.gpu_check.__main__ import run_check
 
-    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", True)  # run_check sets it; restored
-    report = run_check(_context(tmp_path, budget_s=0.0), goldens.load_golden("cpu_dry_run"), 120.0, levers_only=True)
+    # run_check sets automatic_dynamic_shapes; dynamo's own patch puts it back (pytest's monkeypatch deletes a
+    # config on undo: the next compile then finds no such config)
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=torch._dynamo.config.automatic_dynamic_shapes):
+        golden = goldens.load_golden("cpu_dry_run")
+        report = run_check(_context(tmp_path, budget_s=0.0), golden, 120.0, levers_only=True)
     assert report.sections["environment"]["status"] == "ok", report.sections["environment"]
     levers = report.sections["levers"]
     assert [run["name"] for run in levers["runs"]] == [spec.name for spec in dry_run_plan().levers]
