@@ -39,12 +39,15 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.multiprocessing as mp
 
 from tests import pool_meshes
+
+if TYPE_CHECKING:
+    from torchtitan.distributed.backend.device import ProcessFlags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB_DEADLINE_S = 600.0
@@ -114,12 +117,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _reset_between_jobs() -> None:
+def _reset_between_jobs(flags: ProcessFlags) -> None:
     """What one job may leave behind that would change the next one."""
     from torchtitan.observability.logging import warn_once
 
-    torch.use_deterministic_algorithms(False)  # a job turns it on if it asks for it
-    torch.backends.mkldnn.enabled = True  # a float8 job on a CPU whose oneDNN float8 GEMM is slow turns it off
+    # Deterministic kernels, oneDNN: a Trainer puts back what it found when closed, a job that builds none may not
+    flags.restore()
     torch.set_default_dtype(torch.float32)
     warn_once.cache_clear()
     if "torch._dynamo" in sys.modules:
@@ -151,6 +154,9 @@ def _serve(rank: int, world_size: int, port: int, out_path: str, jobs, results) 
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=PG_TIMEOUT_S))
     pool_meshes.install(dist.group.WORLD)
     results.put((0, rank, "ok", "ready"))
+    from torchtitan.distributed.backend.device import ProcessFlags
+
+    flags = ProcessFlags.read()  # as the worker started
     try:
         while (job := jobs.get()) is not None:
             seq, fn, args = job
@@ -161,7 +167,7 @@ def _serve(rank: int, world_size: int, port: int, out_path: str, jobs, results) 
                 continue
             failed = True
             try:
-                _reset_between_jobs()
+                _reset_between_jobs(flags)
                 value = fn(rank, world_size, *args)
                 failed = isinstance(value, JobFailed)
                 results.put((seq, rank, "ok", value))

@@ -236,6 +236,25 @@ def test_a_run_leaves_the_process_flags_as_it_found_them(tmp_path):
         torch.backends.mkldnn.enabled = before[1]
 
 
+def test_a_trainer_whose_build_fails_puts_the_flags_back(tmp_path):
+    """``Trainer`` restores the process flags when its build raises after ``set_determinism`` (here: the
+    tokenizer, built right after it), not only on ``close``."""
+    from torchtitan.config.manager import JobConfig
+    from torchtitan.engine.builders import Builders
+    from torchtitan.train import Trainer
+
+    def tokenizer_that_fails(model) -> None:
+        assert torch.are_deterministic_algorithms_enabled()  # set_determinism ran first
+        raise FileNotFoundError("no tokenizer here")
+
+    argv = ["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path)]
+    config = JobConfig.parse_args([*argv, "--training.deterministic"], world_size=1)
+    assert not torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(FileNotFoundError, match="no tokenizer here"):
+        Trainer(config, world_size=1, rank=0, builders=Builders(tokenizer=tokenizer_that_fails))
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
 def test_levers_alone_runs_the_environment_and_the_levers(tmp_path, capsys):
     """``--levers``: the environment, then the levers section (its runs skipped here by a zero budget); every other
     section says it was not run and why."""

@@ -22,7 +22,7 @@ from torchtitan.build import create_seed_checkpoint
 from torchtitan.checkpointing.manager import resumes_from
 from torchtitan.components.run_control import AgreedStop, RunStopped
 from torchtitan.config.manager import JobConfig, format_help, print_help, wants_help
-from torchtitan.distributed.backend.device import get_device_info, init_distributed, set_pg_timeout
+from torchtitan.distributed.backend.device import ProcessFlags, get_device_info, init_distributed, set_pg_timeout
 from torchtitan.engine.builders import Builders
 from torchtitan.engine.parts import CoreParts, build_core_parts, build_training_parts
 from torchtitan.engine.summary import start_summary
@@ -66,8 +66,13 @@ class Trainer:
         device = get_device_info().device
         if world_size > 1 and not dist.is_initialized():  # the memory estimator brings its own (fake) group
             init_distributed(get_device_info(), config.comm.init_timeout_seconds, config.comm.trace_buf_size)
-        core = build_core_parts(config, world_size=world_size, rank=rank, device=device, builders=builders)
-        self.parts = parts = build_training_parts(core, builders=self.training_builders(core, builders))
+        self.flags_found = ProcessFlags.read()  # the build may change them (determinism, float8 on CPU); close restores
+        try:
+            core = build_core_parts(config, world_size=world_size, rank=rank, device=device, builders=builders)
+            self.parts = parts = build_training_parts(core, builders=self.training_builders(core, builders))
+        except BaseException:
+            self.flags_found.restore()
+            raise
         self.core, self.config, self.rank, self.device = core, config, rank, device
         # A resumed run continues at checkpoint step + 1 (metrics.jsonl keeps the records up to it).
         self.step = self.start_step = parts.start_step
@@ -243,9 +248,12 @@ class Trainer:
         raise RunStopped(f"stopped by a signal after step {self.step}: {where}")
 
     def close(self) -> None:
-        self.checkpointer.close()  # waits for an async save in flight
-        self.metrics.close()
-        self.outer.close()
+        try:
+            self.checkpointer.close()  # waits for an async save in flight
+            self.metrics.close()
+            self.outer.close()
+        finally:
+            self.flags_found.restore()
 
 
 def driver(config: JobConfig, *, estimate: bool = False) -> Callable[..., Trainer]:

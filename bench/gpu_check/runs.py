@@ -189,18 +189,9 @@ def run(
 ) -> dict[str, Any]:
     """Build ``spec``'s trainer, train ``warmup`` + ``steps`` steps, and measure; the trainer is freed after.
 
-    ``before_training``: called with the built trainer (e.g. to save or load its initial weights).
+    ``before_training``: called with the built trainer (e.g. to save or load its initial weights). The process
+    flags a run changes (deterministic kernels, oneDNN) are back as they were after it (``Trainer.close``).
     """
-    flags = _process_flags()
-    try:
-        return _run(spec, device, dump_folder, before_training)
-    finally:
-        _restore_process_flags(flags)
-
-
-def _run(
-    spec: RunSpec, device: torch.device, dump_folder: Path, before_training: Callable[[Trainer], None] | None
-) -> dict[str, Any]:
     free_device_memory(device)
     start = time.perf_counter()
     at_start = device_memory_allocated(device, peak=False)
@@ -225,30 +216,6 @@ def _run(
         allocated_at_start_gib=None if at_start is None else round(at_start / GIB, 3),
     )
     return result
-
-
-def _process_flags() -> tuple[bool, ...]:
-    """The process-wide flags a run may set: ``training.deterministic``'s (device.py ``set_determinism``) and the
-    oneDNN switch a float8 run on a CPU turns off (float8.py ``turn_off_onednn``)."""
-    cudnn = torch.backends.cudnn
-    return (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-        cudnn.deterministic,
-        cudnn.benchmark,
-        torch.backends.mkldnn.enabled,
-    )
-
-
-def _restore_process_flags(flags: tuple[bool, ...]) -> None:
-    """Put back what the run found, so a run's row does not depend on the rows before it. It did: on the H100
-    every row after the features section (its step replay is deterministic) read 7-20% under the first GPU run,
-    which had no such section, while the rows before it agreed within 3% (docs/performance.md); in the CPU
-    dry run every row after the float8 section ran ~4x slower (bf16 GEMMs without oneDNN)."""
-    enabled, warn_only, cudnn_deterministic, cudnn_benchmark, onednn = flags
-    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_deterministic, cudnn_benchmark
-    torch.backends.mkldnn.enabled = onednn
 
 
 @dataclass(frozen=True)

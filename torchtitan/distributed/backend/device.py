@@ -63,8 +63,41 @@ def synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
+@dataclass(frozen=True)
+class ProcessFlags:
+    """The process-wide switches a run may change: ``set_determinism``'s and the oneDNN switch a float8 run on a
+    CPU turns off (float8.py ``turn_off_onednn``). ``Trainer`` reads them when it is built and puts them back
+    when it is closed, so a second run in the same process (a notebook, the GPU check's rows, the tests' worker
+    pool) does not inherit them: on an H100, rows run after a deterministic one read 7-20% slower, and on CPU
+    every bf16 GEMM after a float8 build ran ~4x slower (docs/performance.md)."""
+
+    deterministic: bool
+    warn_only: bool
+    cudnn_deterministic: bool
+    cudnn_benchmark: bool
+    onednn: bool
+
+    @classmethod
+    def read(cls) -> ProcessFlags:
+        cudnn = torch.backends.cudnn
+        return cls(
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+            warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
+            cudnn_deterministic=cudnn.deterministic,
+            cudnn_benchmark=cudnn.benchmark,
+            onednn=torch.backends.mkldnn.enabled,
+        )
+
+    def restore(self) -> None:
+        torch.use_deterministic_algorithms(self.deterministic, warn_only=self.warn_only)
+        torch.backends.cudnn.deterministic = self.cudnn_deterministic
+        torch.backends.cudnn.benchmark = self.cudnn_benchmark
+        torch.backends.mkldnn.enabled = self.onednn
+
+
 def set_determinism(seed: int | None, deterministic: bool) -> None:
-    """Seed torch (None = 0); with ``deterministic``, deterministic kernels on every device."""
+    """Seed torch (None = 0); with ``deterministic``, deterministic kernels on every device (until the run's
+    ``Trainer.close``, which restores the ``ProcessFlags`` it found)."""
     torch.manual_seed(0 if seed is None else seed)
     if deterministic:
         # Deterministic cuBLAS needs a fixed workspace; read when the first CUDA matmul runs.
