@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -65,8 +66,8 @@ def synchronize(device: torch.device) -> None:
 
 @dataclass(frozen=True)
 class ProcessFlags:
-    """The process-wide switches a run may change: ``set_determinism``'s and the oneDNN switch a float8 run on a
-    CPU turns off (float8.py ``turn_off_onednn``). ``Trainer`` reads them when it is built and puts them back
+    """The process-wide switches a run may change: ``set_determinism``'s, the oneDNN switch a float8 run on a
+    CPU turns off (float8.py ``turn_off_onednn``) and inductor's async-TP pass (parallelize.py). ``Trainer`` reads them when it is built and puts them back
     when it is closed, so a second run in the same process (a notebook, the GPU check's rows, the tests' worker
     pool) does not inherit them: on an H100, rows run after a deterministic one read 7-20% slower, and on CPU
     every bf16 GEMM after a float8 build ran ~4x slower (docs/performance.md)."""
@@ -76,6 +77,7 @@ class ProcessFlags:
     cudnn_deterministic: bool
     cudnn_benchmark: bool
     onednn: bool
+    micro_pipeline_tp: bool
 
     @classmethod
     def read(cls) -> ProcessFlags:
@@ -86,6 +88,7 @@ class ProcessFlags:
             cudnn_deterministic=cudnn.deterministic,
             cudnn_benchmark=cudnn.benchmark,
             onednn=torch.backends.mkldnn.enabled,
+            micro_pipeline_tp=bool(getattr(sys.modules.get("torch._inductor.config"), "_micro_pipeline_tp", False)),
         )
 
     def restore(self) -> None:
@@ -93,6 +96,8 @@ class ProcessFlags:
         torch.backends.cudnn.deterministic = self.cudnn_deterministic
         torch.backends.cudnn.benchmark = self.cudnn_benchmark
         torch.backends.mkldnn.enabled = self.onednn
+        if (inductor := sys.modules.get("torch._inductor.config")) is not None:  # imported by a compile, if any
+            inductor._micro_pipeline_tp = self.micro_pipeline_tp
 
 
 def set_determinism(seed: int | None, deterministic: bool) -> None:
