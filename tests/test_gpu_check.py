@@ -81,9 +81,10 @@ def test_dry_run_every_section_ok(dry_run, record_property):
             assert record["status"] == "skipped" and record["reason"].startswith("torchao not installed"), record
             continue
         assert record["status"] == "ok", (name, record)
+        allowed = ALLOWED_RUN_SKIPS if TORCHAO or name != "width_8b" else ("torchao not installed",)
         for run in _runs(record):
             if run["status"] == "skipped":
-                assert run["reason"].startswith(ALLOWED_RUN_SKIPS), (name, run)
+                assert run["reason"].startswith(allowed), (name, run)
             else:
                 assert run["status"] == "ok", (name, run)
     # every progress stage logged with its elapsed seconds, so a partial log tells where it stopped
@@ -117,6 +118,25 @@ def test_dry_run_measures(dry_run):
     assert len(diffs) == len(levers["runs"]) - 1 and all(c["tps_ratio"] > 0 for c in levers["vs_base"])
     assert all(diffs[name] > 0 for name in diffs if "pure bf16" in name), diffs
     assert all(diffs[name] < 0.05 for name in diffs), diffs  # the same training: the losses agree to a few %
+    # the profiled rows' steps broken down (breakdown.py): on the CPU the aten ops' self times and the gaps make up
+    # the wall time of the profiled steps
+    plan = dry_run_plan()
+    profiled = [run for run in report["throughput"]["runs"] if run["name"] == plan.profiled.name] + levers["runs"]
+    for run in profiled:
+        shares = run["breakdown"]["share_pct"]
+        assert shares["gemm"] > 0 and shares["attention"] > 0 and abs(sum(shares.values()) - 100) < 1, (
+            run["name"],
+            shares,
+        )
+    # the 8B-width section at one block of the tiny flavor: n_layers reached the model (fewer FLOPs per token than
+    # the same config at the flavor's depth), and each float8 recipe is compared with its bf16 row
+    wide = report["width_8b"]
+    assert [run["name"] for run in wide["runs"]] == [spec.name for spec in plan.width_8b]
+    full_depth = next(run for run in report["throughput"]["runs"] if run["name"] == plan.throughput[0].name)
+    assert wide["runs"][0]["n_layers"] == 1 and full_depth["n_layers"] is None
+    assert 0 < wide["runs"][0]["flops_per_token"] < full_depth["flops_per_token"], (wide["runs"][0], full_depth)
+    if TORCHAO:
+        assert [c["runs"] for c in wide["vs_bf16"]] == [[s.name, plan.width_8b[0].name] for s in plan.width_8b[1:]]
     markdown = (out / "gpu_check.md").read_text()
     assert markdown == format_markdown(report)
     for name in SECTIONS[:-1]:
@@ -147,7 +167,8 @@ def test_dry_run_compares_every_row_with_its_golden_file(dry_run):
             assert f"| {verdict}: tokens/s x" in row.replace("**", ""), row
     assert golden["compared"] == len(compared) and compared, golden
     # every golden row ran, but float8's without torchao (its section is skipped whole)
-    float8_names = {spec.name for spec in dry_run_plan().float8}
+    float8_names = {spec.name for spec in [*dry_run_plan().float8, *dry_run_plan().width_8b] if spec.float8_recipe}
+    float8_names.add(dry_run_plan().float8[0].name)
     allowed_missing = set() if TORCHAO else float8_names
     assert {m["name"] for m in golden["missing"]} <= allowed_missing, (golden["missing"], fix)
 
@@ -163,6 +184,7 @@ def _run_rows(plan: Plan) -> list[RunSpec]:
         *plan.linear_attention,
         *plan.features,
         *plan.levers,
+        *plan.width_8b,
     ]
 
 
@@ -185,6 +207,7 @@ def test_golden_rows_are_the_plans_rows(kind, plan):
     # rows added since the last GPU session recorded its golden file (issue 59): recorded at the next one
     not_yet_on_gpu = {"qwen3_5 0.8B torch rule seq 4096", "qwen3_5 0.8B fla rule seq 4096"}
     not_yet_on_gpu |= {spec.name for spec in gpu_plan().levers[1:]}  # issue 57's levers: the base row is recorded
+    not_yet_on_gpu |= {spec.name for spec in gpu_plan().width_8b}  # issue 57's 8B width
     fix = f"re-record it: {goldens.record_command(goldens.load_golden(kind))} (docs/performance.md)"
     assert set(rows) == set(specs) - (skipped_on_cpu if kind == "cpu_dry_run" else not_yet_on_gpu), fix
     for name, row in rows.items():
@@ -236,42 +259,25 @@ def test_a_run_leaves_the_process_flags_as_it_found_them(tmp_path):
         torch.backends.mkldnn.enabled = before[1]
 
 
-def test_a_trainer_whose_build_fails_puts_the_flags_back(tmp_path):
-    """``Trainer`` restores the process flags when its build raises after ``set_determinism`` (here: the
-    tokenizer, built right after it), not only on ``close``."""
-    from torchtitan.config.manager import JobConfig
-    from torchtitan.engine.builders import Builders
-    from torchtitan.train import Trainer
-
-    def tokenizer_that_fails(model) -> None:
-        assert torch.are_deterministic_algorithms_enabled()  # set_determinism ran first
-        raise FileNotFoundError("no tokenizer here")
-
-    argv = ["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path)]
-    config = JobConfig.parse_args([*argv, "--training.deterministic"], world_size=1)
-    assert not torch.are_deterministic_algorithms_enabled()
-    with pytest.raises(FileNotFoundError, match="no tokenizer here"):
-        Trainer(config, world_size=1, rank=0, builders=Builders(tokenizer=tokenizer_that_fails))
-    assert not torch.are_deterministic_algorithms_enabled()
-
-
-def test_levers_alone_runs_the_environment_and_the_levers(tmp_path, capsys):
-    """``--levers``: the environment, then the levers section (its runs skipped here by a zero budget); every other
+@pytest.mark.parametrize("section", ["levers", "width_8b"])
+def test_a_section_apart_runs_alone_with_the_environment(section, tmp_path, capsys):
+    """``--section NAME``: the environment, then that section (its runs skipped here by a zero budget); every other
     section says it was not run and why."""
-    from bench.gpu_check.__main__ import run_check
+    from bench.gpu_check.__main__ import APART, run_check
 
+    assert section in APART
     # run_check sets automatic_dynamic_shapes; dynamo's own patch puts it back (pytest's monkeypatch deletes a
     # config on undo: the next compile then finds no such config)
     with torch._dynamo.config.patch(automatic_dynamic_shapes=torch._dynamo.config.automatic_dynamic_shapes):
         golden = goldens.load_golden("cpu_dry_run")
-        report = run_check(_context(tmp_path, budget_s=0.0), golden, 120.0, levers_only=True)
+        report = run_check(_context(tmp_path, budget_s=0.0), golden, 120.0, only=section)
     assert report.sections["environment"]["status"] == "ok", report.sections["environment"]
-    levers = report.sections["levers"]
-    assert [run["name"] for run in levers["runs"]] == [spec.name for spec in dry_run_plan().levers]
-    assert levers["status"] == "skipped" and all(run["status"] == "skipped" for run in levers["runs"]), levers
-    for name in set(SECTIONS) - {"environment", "levers", "golden"}:
-        record = report.sections[name]
-        assert record["status"] == "skipped" and record["reason"].startswith("not run: --levers"), (name, record)
+    record = report.sections[section]
+    assert [run["name"] for run in record["runs"]] == [spec.name for spec in getattr(dry_run_plan(), section)]
+    assert record["status"] == "skipped" and all(run["status"] == "skipped" for run in record["runs"]), record
+    for name in set(SECTIONS) - {"environment", section, "golden"}:
+        other = report.sections[name]
+        assert other["status"] == "skipped" and other["reason"].startswith(f"not run: --section {section}"), other
     assert json.loads(capsys.readouterr().out) == json.loads(report.to_json())
 
 

@@ -2,7 +2,8 @@
 estimator and the model families, within a time budget, and reports what it saw.
 
     cd <repo> && python -m bench.gpu_check --out OUT [--budget_s 420]
-    python -m bench.gpu_check --levers --out OUT [--budget_s 540]   # the MFU levers, on and off (section 9)
+    python -m bench.gpu_check --section levers --out OUT [--budget_s 540]     # the MFU levers, on and off (9)
+    python -m bench.gpu_check --section width_8b --out OUT [--budget_s 540]   # 8B width, bf16 and float8 (9b)
     python -m bench.gpu_check --cpu-dry-run --out OUT     # tiny shapes on the CPU (CI)
 
 (From the repository root: ``-m`` puts it on the path, so neither torchtitan nor this package needs installing.)
@@ -15,7 +16,8 @@ left, else it is recorded as skipped for the time budget):
 1. environment: GPU, driver, torch, CUDA, packages, the bf16 peak MFU divides by.
 2. sanity: the fp32 debug model's first 5 losses here vs in a CPU-only child process, same weights (1e-4).
 3. throughput: Llama 3.2 1B shape, bf16, seq 2048 eager then compile, seq 8192 eager: tokens/s, MFU
-   (the trainer's own FLOPs and peak), peak memory (``torch.accelerator.max_memory_allocated``).
+   (the trainer's own FLOPs and peak), peak memory (``torch.accelerator.max_memory_allocated``); the compiled
+   row's step broken down from the profiler (GEMMs, attention, norms, loss, optimizer, casts, gaps: breakdown.py).
 4. estimator: ``estimate_memory`` (fake tensors) vs the real steps' peak, 1B seq 2048 without and with full
    AC (target: within 5%).
 5. attention: block_causal with 'auto' (FlexAttention on CUDA) vs causal SDPA vs block_causal 'sdpa', same
@@ -27,10 +29,14 @@ left, else it is recorded as skipped for the time budget):
    tokens/s and the step-by-step loss difference.
 8. features: Muon with the no-decay preset, step replay every 2nd step (deterministic), LoRA rank 16 with full
    AC: finite losses, and a replay that finds the same numbers twice (a mismatch stops the run: an error).
-9. levers (``--levers``: run with the environment alone, its own budget; the dry run always runs it): the 1B
+9. levers (``--section levers``: run with the environment alone, its own budget; the dry run always runs it): the 1B
    compiled seq-2048 row, then pure bf16 (``training.dtype = "bfloat16"``) with the chunked loss (512 positions
    a chunk), fused AdamW with the chunked loss (pure bf16 refuses fused), then each alone: tokens/s, MFU, peak
-   memory and the loss difference of each against the base row (issue 57's levers, on and off in one invocation).
+   memory, the step's breakdown, and the loss difference of each against the base row (issue 57's levers, on and
+   off in one invocation).
+9b. width_8b (``--section width_8b``, likewise apart; the dry run runs it with one tiny block): Llama 3 8B's width
+   (dim 4096, FFN 14,336, 32 heads, 8 KV heads, 128K vocabulary) at 8 blocks (``RunSpec.n_layers``), compiled,
+   seq 8192, batch 1: MFU in bf16, then float8 tensorwise and rowwise against it (skipped without torchao).
 10. if time allows (added to throughput): 1B compile at seq 8192, then the 3B shape (full AC).
 
 Every run is the trainer itself (``torchtitan.train.Trainer`` through its ``Builders`` seam (engine/builders.py), as the
@@ -72,7 +78,11 @@ from bench.gpu_check.report import Report
 GPU_BUDGET_S = 420.0
 DRY_RUN_BUDGET_S = 300.0  # a bound, not a target: the dry run takes well under a minute on 2 cores
 GRACE_S = 90.0  # past the budget, the watchdog writes what there is and exits
-LEVERS_APART = "run on its own: python -m bench.gpu_check --levers --out OUT (six compiled 1B runs fill a budget)"
+# Sections a GPU run leaves out (each fills a budget of its own; the dry run runs them): what to run instead.
+APART = {
+    "levers": "six compiled 1B runs",
+    "width_8b": "three compiled runs at 8B width",
+}
 EXIT_REGRESSED = 4  # with --fail-on-regression: every section ran, a row regressed against the golden file
 
 
@@ -83,10 +93,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--grace_s", type=float, default=GRACE_S, help="hard stop this long after the budget")
     p.add_argument("--cpu-dry-run", dest="cpu_dry_run", action="store_true", help="tiny shapes on the CPU")
     p.add_argument(
-        "--levers",
-        action="store_true",
-        help="run the environment and levers sections alone: 1B compiled at seq 2048 with fused AdamW, the chunked "
-        "loss and pure bf16, in the sets that compose and each alone (the dry run always runs them, at tiny shapes)",
+        "--section",
+        choices=sorted(APART),
+        default=None,
+        help="run the environment and this section alone (a default GPU run leaves both out: each fills a budget; "
+        "the dry run runs both at tiny shapes). levers: 1B compiled at seq 2048 with fused AdamW, the chunked loss "
+        "and pure bf16, in the sets that compose and each alone. width_8b: Llama 3 8B's width at 8 blocks, "
+        "compiled at seq 8192, in bf16 and with each float8 recipe",
     )
     p.add_argument(
         "--golden-dir", dest="golden_dir", default=None, help="where the golden files are (default bench/golden)"
@@ -140,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = sections.Context(device, plan, out, sections.Budget(budget_s), log, args.cpu_dry_run)
     golden = _load_golden(device, args)
     log(f"golden file {golden.path}: {'found' if golden.data else golden.error or 'none'}")
-    report = run_check(ctx, golden, budget_s + args.grace_s, levers_only=args.levers)
+    report = run_check(ctx, golden, budget_s + args.grace_s, only=args.section)
     if args.record_golden:
         _record_golden(report, golden, sys.argv[1:] if argv is None else argv, log)
     return _exit_code(report, fail_on_regression=args.fail_on_regression)
@@ -183,10 +196,10 @@ def _record_golden(report: Report, golden: goldens.Golden, argv: list[str], log:
     log(f"recorded {len(data['rows'])} rows to {golden.path}")
 
 
-def run_check(ctx, golden: goldens.Golden, hard_limit_s: float, *, levers_only: bool = False) -> Report:
+def run_check(ctx, golden: goldens.Golden, hard_limit_s: float, *, only: str | None = None) -> Report:
     """Every stage in order, each recorded as it ends (its run rows compared with ``golden``); the final JSON on
-    stdout. Returns the report. ``levers_only``: the environment and the levers (the others: skipped, saying so);
-    without it a GPU run skips the levers (they need a budget of their own) and the dry run runs them."""
+    stdout. Returns the report. ``only`` (a section of ``APART``): the environment and that section (the others:
+    skipped, saying so); without it a GPU run skips the ``APART`` sections and the dry run runs them."""
     import torch
 
     from bench.gpu_check import environment, features, sections
@@ -204,11 +217,11 @@ def run_check(ctx, golden: goldens.Golden, hard_limit_s: float, *, levers_only: 
         ("families", features.families),
         ("linear_attention", features.linear_attention),
         ("features", features.features),
-        ("levers", sections.levers if ctx.dry_run else lambda c: sections.skipped("levers", LEVERS_APART)),
+        *((name, getattr(sections, name) if ctx.dry_run else _apart(name)) for name in APART),
         ("throughput", lambda c: sections.more_throughput(c, report.sections["throughput"])),
     ]
-    if levers_only:
-        stages = [stages[0], ("levers", sections.levers)]
+    if only is not None:
+        stages = [stages[0], (only, getattr(sections, only))]
     for name, stage in stages:
         ctx.log(f"section {name}: start ({ctx.budget.left():.0f} s of the budget left)")
         earlier = report.sections[name]
@@ -222,11 +235,19 @@ def run_check(ctx, golden: goldens.Golden, hard_limit_s: float, *, levers_only: 
         )
         ctx.log(f"section {name}: {record['status']} {record.get('error') or record.get('reason') or ''}")
     watchdog.cancel()
-    report.finish("not run: --levers runs the environment and levers sections alone" if levers_only else "time budget")
+    report.finish(f"not run: --section {only} runs the environment and {only} alone" if only else "time budget")
     print(report.to_json())
     ctx.log(report.sections["golden"]["summary"])
     ctx.log(f"done; results in {ctx.out}")
     return report
+
+
+def _apart(name: str) -> Callable:
+    """The stage of an ``APART`` section in a default GPU run: skipped, naming the command that runs it."""
+    from bench.gpu_check import sections
+
+    reason = f"run on its own: python -m bench.gpu_check --section {name} --out OUT ({APART[name]} fill a budget)"
+    return lambda ctx: sections.skipped(name, reason)
 
 
 def _start_watchdog(report, ctx, limit_s: float) -> threading.Timer:

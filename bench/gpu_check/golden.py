@@ -19,7 +19,7 @@ from typing import Any
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden"
 # The sections whose runs are training rows with tokens/s and peak memory (sanity and the estimator are not).
-RUN_SECTIONS = ("throughput", "float8", "attention", "families", "linear_attention", "features", "levers")
+RUN_SECTIONS = ("throughput", "float8", "attention", "families", "linear_attention", "features", "levers", "width_8b")
 DRY_RUN_KIND = "cpu_dry_run"
 
 OK, REGRESSED, IMPROVED = "ok", "REGRESSED", "improved"

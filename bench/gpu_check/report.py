@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from bench.gpu_check.breakdown import describe
 from bench.gpu_check.golden import Golden, annotate, summarize, verdict_detail
 
 # The JSON's top-level sections (issue 44), in this order; the check runs them in order of value. The last,
@@ -23,6 +24,7 @@ SECTIONS = (
     "linear_attention",
     "features",
     "levers",
+    "width_8b",
     "golden",
 )
 JSON_FILE, MARKDOWN_FILE = "gpu_check.json", "gpu_check.md"
@@ -121,7 +123,7 @@ def _rows(name: str, record: dict[str, Any]) -> list[tuple]:
         for key in ("block_causal_vs_causal", "block_causal_auto_vs_sdpa"):
             if record.get(key):
                 rows.append(_comparison_row(record[key]))
-    if name == "float8":
+    if name in ("float8", "width_8b"):
         rows += [_comparison_row(c) for c in record.get("vs_bf16", []) if c]
     if name == "levers":
         rows += [_comparison_row(c) for c in record.get("vs_base", []) if c]
@@ -155,6 +157,8 @@ def _run_row(r: dict[str, Any]) -> tuple:
         detail += f", first step {r['first_steps_s'][0]} s"
     if r.get("losses"):
         detail += f", loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}"
+    if r.get("breakdown"):
+        detail += f"; step: {describe(r['breakdown'])}"
     if r.get("reused"):
         detail += " (same run as above)"
     return (r["name"], "ok", r["tokens_per_s"], r["mfu_pct"], r["peak_memory_gib"], detail, _golden_cell(r))

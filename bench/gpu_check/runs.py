@@ -14,12 +14,13 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.gpu_check.breakdown import profile_steps
 from torchtitan.config.manager import JobConfig
 from torchtitan.distributed.backend.device import synchronize
 from torchtitan.engine.builders import Builders
@@ -57,6 +58,7 @@ class RunSpec:
     steps: int = 5
     cost_s: float = 30.0  # expected seconds on the target device, for the time budget
     extra: tuple[str, ...] = ()  # more trainer flags (the features section: Muon, step replay, ...)
+    n_layers: int | None = None  # build the flavor with this many blocks (the 8B-width rows); None: the flavor's
 
     def flags(self, dump_folder: Path) -> list[str]:
         """The run's config as trainer flags (everything else: the schema's defaults)."""
@@ -155,7 +157,14 @@ class NoCheckpoint:
 
 def build_trainer(config: JobConfig, spec: RunSpec, vocab: int) -> Trainer:
     tokenizer = FlavorVocabTokenizer(vocab)
+    defaults = Builders()
+
+    def model_args(config, model_spec, vocab_size, *, device_type=None):  # the flavor, at spec.n_layers blocks
+        args = defaults.model_args(config, model_spec, vocab_size, device_type=device_type)
+        return args if spec.n_layers is None else replace(args, n_layers=spec.n_layers)
+
     builders = Builders(
+        model_args=model_args,
         tokenizer=lambda model: tokenizer,
         data_loader=lambda training, tok, shard, *_: SyntheticTokens(
             training.batch_size, training.seq_len, tok.eos_id, spec.doc_len
@@ -185,12 +194,18 @@ def free_device_memory(device: torch.device) -> None:
 
 
 def run(
-    spec: RunSpec, device: torch.device, dump_folder: Path, *, before_training: Callable[[Trainer], None] | None = None
+    spec: RunSpec,
+    device: torch.device,
+    dump_folder: Path,
+    *,
+    before_training: Callable[[Trainer], None] | None = None,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """Build ``spec``'s trainer, train ``warmup`` + ``steps`` steps, and measure; the trainer is freed after.
 
-    ``before_training``: called with the built trainer (e.g. to save or load its initial weights). The process
-    flags a run changes (deterministic kernels, oneDNN) are back as they were after it (``Trainer.close``).
+    ``before_training``: called with the built trainer (e.g. to save or load its initial weights). ``profile``: then
+    a few more steps under the profiler, and where their time went (``breakdown``). The process flags a run
+    changes (deterministic kernels, oneDNN) are back as they were after it (``Trainer.close``).
     """
     free_device_memory(device)
     start = time.perf_counter()
@@ -204,6 +219,8 @@ def run(
         build_s = time.perf_counter() - start
         timing = _train(trainer, spec)
         result = _measure(trainer, config, spec, timing)
+        if profile:
+            result["breakdown"] = profile_steps(trainer)
     finally:
         trainer.close()
         trainer = None  # an exception's traceback must not keep the model alive

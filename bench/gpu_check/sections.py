@@ -174,7 +174,7 @@ def write_cpu_reference(plan: Plan, folder: Path) -> None:
 
 
 def throughput(ctx: Context) -> dict[str, Any]:
-    return runs_section([ctx.run(spec) for spec in ctx.plan.throughput])
+    return runs_section([ctx.run(spec, profile=spec == ctx.plan.profiled) for spec in ctx.plan.throughput])
 
 
 def more_throughput(ctx: Context, earlier: dict[str, Any]) -> dict[str, Any]:
@@ -266,18 +266,32 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
+def _float8_unavailable(device: torch.device) -> str | None:
+    """Why float8 cannot run here (no torchao, or a device it does not support), or None."""
+    if importlib.util.find_spec("torchao") is None:
+        return "torchao not installed (optional: bench/gpu_check/__main__.py's docstring says how to carry it)"
+    try:
+        check_float8_runs(device)
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
 def float8(ctx: Context) -> dict[str, Any]:
     """Each float8 recipe vs the bf16 run of the same config (the first of the plan's float8 rows)."""
-    if importlib.util.find_spec("torchao") is None:
-        return {
-            "status": "skipped",
-            "reason": "torchao not installed (optional: bench/gpu_check/__main__.py's docstring says how to carry it)",
-        }
-    try:
-        check_float8_runs(ctx.device)
-    except NotImplementedError as e:
-        return {"status": "skipped", "reason": str(e)}
+    if (reason := _float8_unavailable(ctx.device)) is not None:
+        return {"status": "skipped", "reason": reason}
     runs = [ctx.run(spec) for spec in ctx.plan.float8]
+    return runs_section(runs, vs_bf16=[compare_runs(r, runs[0]) for r in runs[1:]])
+
+
+def width_8b(ctx: Context) -> dict[str, Any]:
+    """Llama 3 8B's width (dim 4096, 32 heads, 8 KV heads, FFN 14,336, 128K vocabulary) at a few blocks, compiled:
+    MFU in bf16, then each float8 recipe's gain over it (issue 57: to set beside torchtitan's published 8B
+    per-GPU figures). The bf16 row runs without torchao; the float8 rows are skipped, saying why."""
+    base, *recipes = ctx.plan.width_8b
+    reason = _float8_unavailable(ctx.device)
+    runs = [ctx.run(base), *(ctx.run(spec) if reason is None else skipped(spec.name, reason) for spec in recipes)]
     return runs_section(runs, vs_bf16=[compare_runs(r, runs[0]) for r in runs[1:]])
 
 
@@ -285,5 +299,5 @@ def levers(ctx: Context) -> dict[str, Any]:
     """The MFU levers (plan.levers: fused AdamW, the chunked loss, pure bf16; the sets that compose, then each
     alone) on the base row, each compared with it in the same invocation (issue 57: kept only where it helps and
     stays at loss parity, so the loss differences are reported beside the ratios)."""
-    base, *rest = (ctx.run(spec) for spec in ctx.plan.levers)
+    base, *rest = (ctx.run(spec, profile=True) for spec in ctx.plan.levers)
     return runs_section([base, *rest], vs_base=[compare_runs(r, base) for r in rest])

@@ -15,7 +15,7 @@ from torch.torch_version import TorchVersion
 
 from torchtitan.build import build_model_args
 from torchtitan.components.optim.param_groups import optimizer_state_by_group
-from torchtitan.distributed.backend.device import get_device_info
+from torchtitan.distributed.backend.device import ProcessFlags, get_device_info
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline.layout import resolve_stage_layout, stage_ids_for_rank
 from torchtitan.dtypes import to_dtype
@@ -146,6 +146,8 @@ def estimate_rank(
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    # the build sets them (training.deterministic, float8 on CPU) and an estimate's trainer is never closed
+    flags = ProcessFlags.read()
     try:
         builders = estimation_builders(vocab, n_layers=n_layers, tokenizer_path=config.model.tokenizer_path)
         if not fake:  # the accuracy tests' real run: same builders (and routing assumption), real tensors
@@ -179,6 +181,7 @@ def estimate_rank(
                 )
             return memory
     finally:
+        flags.restore()
         if own_group:
             dist.destroy_process_group()
 
