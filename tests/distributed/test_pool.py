@@ -33,7 +33,11 @@ def _rank_0_waits_alone(rank: int, world: int) -> None:
 def _leave_state_behind(rank: int, world: int) -> int:
     torch.use_deterministic_algorithms(True)
     torch.set_default_dtype(torch.float64)
-    dist.new_group(list(range(world)))
+    group = dist.new_group(list(range(world)))
+    # used once, so every rank has finished connecting before any rank's end of job destroys it (gloo: a rank whose
+    # side of the handshake was done returned, destroyed the group, and its peer's connect read "Connection closed
+    # by peer", once in CI at load 20)
+    dist.barrier(group=group)
     return len(dist.distributed_c10d._world.pg_map)
 
 
@@ -86,7 +90,7 @@ def _mesh_of_a_job(rank: int, world: int, also: str = "") -> tuple[bool, int]:
     seen, mesh.seen_by_test_pool = getattr(mesh, "seen_by_test_pool", False), True
     total = int(distribute_tensor(torch.arange(4.0), mesh, [Shard(0)]).sum().full_tensor().item())
     if also == "group":
-        dist.new_group(list(range(world)))
+        dist.barrier(group=dist.new_group(list(range(world))))  # connected on every rank before it is destroyed
     if also == "fail":
         raise ValueError("planted failure")
     return seen, total
