@@ -39,15 +39,13 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
 from tests import pool_meshes
-
-if TYPE_CHECKING:
-    from torchtitan.distributed.backend.device import ProcessFlags
+from torchtitan.distributed.backend.device import ProcessFlags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB_DEADLINE_S = 600.0
@@ -154,8 +152,6 @@ def _serve(rank: int, world_size: int, port: int, out_path: str, jobs, results) 
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=PG_TIMEOUT_S))
     pool_meshes.install(dist.group.WORLD)
     results.put((0, rank, "ok", "ready"))
-    from torchtitan.distributed.backend.device import ProcessFlags
-
     flags = ProcessFlags.read()  # as the worker started
     try:
         while (job := jobs.get()) is not None:

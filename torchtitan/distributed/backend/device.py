@@ -66,11 +66,13 @@ def synchronize(device: torch.device) -> None:
 
 @dataclass(frozen=True)
 class ProcessFlags:
-    """The process-wide switches a run may change: ``set_determinism``'s, the oneDNN switch a float8 run on a
-    CPU turns off (float8.py ``turn_off_onednn``) and inductor's async-TP pass (parallelize.py). ``Trainer`` reads them when it is built and puts them back
-    when it is closed, so a second run in the same process (a notebook, the GPU check's rows, the tests' worker
-    pool) does not inherit them: on an H100, rows run after a deterministic one read 7-20% slower, and on CPU
-    every bf16 GEMM after a float8 build ran ~4x slower (docs/performance.md)."""
+    """The process-wide switches a run may change: ``set_determinism``'s, the oneDNN switch a float8 run on a CPU
+    turns off (float8.py ``turn_off_onednn``) and inductor's async-TP pass (parallelize.py).
+
+    ``Trainer`` reads them when it is built and puts them back when it is closed, so a second run in the same
+    process (a notebook, the GPU check's rows, the tests' worker pool) does not inherit them: on an H100, rows run
+    after a deterministic one read 7-20% slower, and on CPU every bf16 GEMM after a float8 build ran ~4x slower
+    (docs/performance.md)."""
 
     deterministic: bool
     warn_only: bool
