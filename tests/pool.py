@@ -27,10 +27,12 @@ the parent watch, the golden run that pins the shell command, one case per exit 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gc
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -134,6 +136,7 @@ def _serve(rank: int, world_size: int, port: int, out_path: str, jobs, results) 
     out = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(out, 1)
     os.dup2(out, 2)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks before killing a stuck job
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -232,6 +235,7 @@ class WorkerPool:
         replies: dict[int, tuple[str, object]] = {}
         while len(replies) < self.world_size:
             if time.monotonic() > deadline:
+                self._dump_stacks()
                 self.kill()
                 raise PoolBroken(
                     self._why(f"job exceeded {timeout_s:.0f}s (a rank is probably stuck in a collective)", replies)
@@ -270,9 +274,17 @@ class WorkerPool:
         tails = []
         for r, path in enumerate(self.out_paths):
             with contextlib.suppress(OSError), open(path, errors="replace") as f:
-                tails.append(f"--- rank {r} output (last lines)\n" + "".join(f.readlines()[-30:]))
+                tails.append(f"--- rank {r} output (last lines)\n" + "".join(f.readlines()[-80:]))
         errors = [f"rank {r}:\n{value}" for r, (status, value) in sorted(replies.items()) if status == "error"]
         return "\n".join([f"pool of {self.world_size}: {what}", *errors, *tails])
+
+    def _dump_stacks(self) -> None:
+        """Every live rank writes its Python stacks (all threads) to its output: where it is stuck."""
+        for p in self._procs:
+            if p.is_alive():
+                with contextlib.suppress(OSError):
+                    os.kill(p.pid, signal.SIGUSR1)
+        time.sleep(2)
 
     def kill(self) -> None:
         for p in self._procs:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -67,8 +68,10 @@ def test_a_failed_job_names_its_rank_and_the_pool_goes_on():
 
 def test_a_hung_job_kills_the_pool_and_the_next_job_gets_fresh_ranks():
     before = [p for p, _ in run_in_pool(_rank_pid_sum, 2, 0)]
-    with pytest.raises(PoolBroken, match="exceeded 3s"):
+    with pytest.raises(PoolBroken, match="exceeded 3s") as broken:
         run_in_pool(_rank_0_waits_alone, 2, timeout_s=3)
+    # before the kill, each rank wrote its stacks: rank 0's names the collective it is stuck in
+    assert re.search(r"(?s)--- rank 0 output.*line \d+ in _rank_0_waits_alone", str(broken.value))
     again = run_in_pool(_rank_pid_sum, 2, 5)
     assert [s for _, s in again] == [11, 11]
     assert not set(before) & {p for p, _ in again}  # new processes
