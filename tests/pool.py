@@ -16,9 +16,10 @@ built, with DTensor's sharding caches that name it (tests/pool_meshes.py: the sa
 job of that layout, as for the steps of one run); any other group a job made is destroyed and the caches
 cleared. A job that fails on any rank is reported and the
 pool goes on once a ping (an all-reduce of the job's number) shows the ranks are still in step; a
-rank that dies, a job past its deadline, or a failed ping kills the pool, and the next job starts a
-fresh one. ``restart_after`` restarts it after the job: compile jobs (inductor keeps state) and in-loop
-lm-eval jobs (its libraries keep native threads; a later job's rank segfaulted once after one).
+rank that dies, a job past its deadline (each live rank first writes its Python stacks to the output the
+failure shows), or a failed ping kills the pool, and the next job starts a fresh one. ``restart_after``
+restarts it after the job: compile jobs (inductor keeps state) and in-loop lm-eval jobs (its libraries keep
+native threads; a later job's rank segfaulted once after one).
 
 What keeps a process of its own, and why, is said where it is launched (signals, SIGKILL mid-save,
 the parent watch, the golden run that pins the shell command, one case per exit path of the launcher).
