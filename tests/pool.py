@@ -239,7 +239,9 @@ class WorkerPool:
                 self._dump_stacks()
                 self.kill()
                 raise PoolBroken(
-                    self._why(f"job exceeded {timeout_s:.0f}s (a rank is probably stuck in a collective)", replies)
+                    self._why(
+                        f"job exceeded {timeout_s:.0f}s (a rank is probably stuck in a collective)", replies, lines=80
+                    )
                 )
             if self._results.empty():
                 if not self.alive():
@@ -271,11 +273,13 @@ class WorkerPool:
         if any(value != self._seq * self.world_size for _, value in replies.values()):
             self.kill()
 
-    def _why(self, what: str, replies: dict) -> str:
+    def _why(self, what: str, replies: dict, lines: int = 30) -> str:
+        """The failure message: what happened, each failed rank's traceback, the last ``lines`` of each rank's
+        output (80 after a deadline: the stacks each rank wrote are in them)."""
         tails = []
         for r, path in enumerate(self.out_paths):
             with contextlib.suppress(OSError), open(path, errors="replace") as f:
-                tails.append(f"--- rank {r} output (last lines)\n" + "".join(f.readlines()[-80:]))
+                tails.append(f"--- rank {r} output (last lines)\n" + "".join(f.readlines()[-lines:]))
         errors = [f"rank {r}:\n{value}" for r, (status, value) in sorted(replies.items()) if status == "error"]
         return "\n".join([f"pool of {self.world_size}: {what}", *errors, *tails])
 
