@@ -54,6 +54,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB_DEADLINE_S = 600.0
 PG_TIMEOUT_S = 300  # a collective waits this long for a peer (16 ranks on 2 cores compile slowly)
 GRACE_S = 60.0  # once one rank has failed, how long the others may take to report
+STACK_LINES = 80  # of each rank's output after a deadline: the stacks the ranks wrote (30 for other failures)
 STATUS_FILE = "job_status.json"
 
 
@@ -238,11 +239,8 @@ class WorkerPool:
             if time.monotonic() > deadline:
                 self._dump_stacks()
                 self.kill()
-                raise PoolBroken(
-                    self._why(
-                        f"job exceeded {timeout_s:.0f}s (a rank is probably stuck in a collective)", replies, lines=80
-                    )
-                )
+                what = f"job exceeded {timeout_s:.0f}s (a rank is probably stuck in a collective)"
+                raise PoolBroken(self._why(what, replies, lines=STACK_LINES))
             if self._results.empty():
                 if not self.alive():
                     time.sleep(0.5)  # a dying rank may still have queued its traceback
@@ -275,7 +273,7 @@ class WorkerPool:
 
     def _why(self, what: str, replies: dict, lines: int = 30) -> str:
         """The failure message: what happened, each failed rank's traceback, the last ``lines`` of each rank's
-        output (80 after a deadline: the stacks each rank wrote are in them)."""
+        output."""
         tails = []
         for r, path in enumerate(self.out_paths):
             with contextlib.suppress(OSError), open(path, errors="replace") as f:
@@ -285,11 +283,14 @@ class WorkerPool:
 
     def _dump_stacks(self) -> None:
         """Every live rank writes its Python stacks (all threads) to its output: where it is stuck."""
+        signalled = False
         for p in self._procs:
             if p.is_alive():
                 with contextlib.suppress(OSError):
                     os.kill(p.pid, signal.SIGUSR1)
-        time.sleep(2)
+                    signalled = True
+        if signalled:
+            time.sleep(2)  # faulthandler writes from the signal handler; a loaded rank may take a moment to run it
 
     def kill(self) -> None:
         for p in self._procs:
