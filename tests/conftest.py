@@ -3,6 +3,7 @@ worker pools' lifetime (tests/pool.py), and the time report CI prints (docs/test
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -170,6 +171,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    # Every module the tests import is loaded now and lives as long as the session: kept out of the collector's
+    # full scans from here on (the pool's workers do the same, tests/pool.py)
+    gc.freeze()
     selected = [item for item in session.items if item.path.name == ESTIMATION_FILE]
     if selected and not session.config.option.collectonly:
         selected[0].module.start_background(selected)

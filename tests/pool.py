@@ -158,6 +158,9 @@ def _serve(rank: int, world_size: int, port: int, out_path: str, jobs, results) 
     pool_meshes.install(dist.group.WORLD)
     results.put((0, rank, "ok", "ready"))
     flags = ProcessFlags.read()  # as the worker started
+    # What the worker holds now (torch, the trainer, the group) lives as long as it does: out of the collector's
+    # sight, the full collection after every job scans only what jobs made (~0.24 -> 0.01 CPU-s a rank a job)
+    gc.freeze()
     try:
         while (job := jobs.get()) is not None:
             seq, fn, args = job

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import math
 import multiprocessing
@@ -303,7 +304,13 @@ def _in_worker(fn_name: str, *args):
 
     torch.set_num_threads(1)
     os.chdir(ROOT)
+    if not _FROZE:  # torch and the estimator, loaded once per worker, out of every later collection's scan
+        gc.freeze()
+        _FROZE.append(True)
     return globals()[fn_name](*args)
+
+
+_FROZE: list[bool] = []
 
 
 def _cpu_seconds(fn, *args, **kwargs):

@@ -324,4 +324,7 @@ def main(argv: list[str] | None = None, *, builders: Builders | None = None) -> 
 
 
 if __name__ == "__main__":
+    # torch and the trainer's modules live until exit: out of the collector's scans (a rank's build-time full
+    # collections, one process of the debug model: 0.72 -> 0.44 CPU-s)
+    gc.freeze()
     exit_without_finalization(main)

@@ -54,6 +54,7 @@ def measure_case(argv: list[str], world_size: int, rank: int) -> dict:
 def main(out_path: str, cases_path: str) -> None:
     world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     dist.init_process_group("gloo")
+    gc.freeze()  # what is loaded now lives until exit: each case's full collections scan only what cases made
     try:
         with open(cases_path) as f:
             cases = json.load(f)
