@@ -11,10 +11,10 @@ sequence, each ``fn(rank, world_size, *args)`` with ``fn`` importable by name:
   resume pairs: train, stage, resume).
 
 Isolation between jobs: determinism off, default dtype fp32, the once-per-process warnings cleared,
-dynamo reset, garbage collected; the default group stays, and so does the mesh of each layout a worker has
-built, with DTensor's sharding caches that name it (tests/pool_meshes.py: the same mesh object for the next
-job of that layout, as for the steps of one run); any other group a job made is destroyed and the caches
-cleared. A job that fails on any rank is reported and the
+dynamo reset, garbage collected (over what jobs made: what the worker loaded first is frozen); the default
+group stays, and so does the mesh of each layout a worker has built, with DTensor's sharding caches that name
+it (tests/pool_meshes.py: the same mesh object for the next job of that layout, as for the steps of one run);
+any other group a job made is destroyed and the caches cleared. A job that fails on any rank is reported and the
 pool goes on once a ping (an all-reduce of the job's number) shows the ranks are still in step; a
 rank that dies, a job past its deadline (each live rank first writes its Python stacks to the output the
 failure shows), or a failed ping kills the pool, and the next job starts a fresh one. ``restart_after``
