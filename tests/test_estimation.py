@@ -317,13 +317,14 @@ def _in_worker(fn_name: str, *args):
 
     torch.set_num_threads(1)
     os.chdir(ROOT)
-    if not _FROZE:  # torch and the estimator, loaded once per worker, out of every later collection's scan
-        gc.freeze()
-        _FROZE.append(True)
     return globals()[fn_name](*args)
 
 
-_FROZE: list[bool] = []
+def _start_worker() -> None:
+    """A background worker's start: lowest priority; this module (and with it torch and the estimator, loaded to
+    unpickle this function) out of every later collection's scan."""
+    lower_priority()
+    gc.freeze()
 
 
 def _cpu_seconds(fn, *args, **kwargs):
@@ -397,7 +398,7 @@ def start_background(items: list[pytest.Item]) -> None:
         return
     threads = ThreadPoolExecutor(max_workers=1)
     workers = ProcessPoolExecutor(
-        max_workers=2, mp_context=multiprocessing.get_context("spawn"), initializer=lower_priority
+        max_workers=2, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker
     )
     _EXECUTORS.extend([workers, threads])
     if "measured" in needed:
