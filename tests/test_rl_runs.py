@@ -202,8 +202,12 @@ def test_outside_engine_drives_the_trainer(reference, tmp_path):
         "--rl.publish_every",
         "1",
     ]
+    # one thread, as the pool's ranks (tests/pool.py): the engine's log-probs enter the loss, and on AVX-512 kernels
+    # a matmul's sums at 2 threads differ in the last bits from 1 thread's (an AMD EPYC with avx512_bf16 read loss
+    # -0.10092524 for -0.10092522 at step 2), so "exactly" holds only with the reference's thread count
     engine = subprocess.Popen(
         [sys.executable, "scripts/rl_engine.py", "--steps", str(STEPS), "--", *flags],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
