@@ -70,8 +70,15 @@ LAYOUTS = {
 }
 
 
+# llama at the parity flavor (dim 64, 4 layers): what is checked (a sharded HF start read under each layout, the step-1
+# loss against transformers', the export) does not depend on the width, and its 20 FSDP2 steps were most of this file's
+# time at the debug flavor (dim 256, 8 layers). Qwen3-MoE keeps its config's flavor, whose aux-loss balancing has an HF
+# counterpart (the tiny MoE flavor balances by expert bias, which has none)
+FLAVORS = {"llama": ["--model.flavor", "debugmodel_tiny"], "qwen3_moe": []}
+
+
 def _base(family: str) -> list[str]:
-    return ["--job.config_file", FAMILIES[family], *COMMON]
+    return ["--job.config_file", FAMILIES[family], *FLAVORS[family], *COMMON]
 
 
 def _argv(hf_dir: str, folder: str, family: str, steps: int, batch: int, overrides: list[str]) -> list[str]:
@@ -121,7 +128,7 @@ def _losses(folder: str) -> list[float]:
 
 
 def _hf_start(family: str, folder: str) -> None:
-    """A random-init HF model of the debug flavor's shapes, saved by transformers in shards."""
+    """A random-init HF model of the run's flavor (``_base``), saved by transformers in shards."""
     save_random_hf_model(_base(family), folder)
 
 
