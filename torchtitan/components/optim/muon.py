@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from torchtitan.components.optim import local_shards
 from torchtitan.components.optim.muon_round_robin import RoundRobin
 from torchtitan.components.optim.optim_lowp import LowPrecisionAdamW
 from torchtitan.distributed.backend.dtensor import local_shard
@@ -126,8 +127,9 @@ def _apply(p: torch.Tensor, group: dict[str, Any], ortho: torch.Tensor) -> None:
     param.add_(ortho, alpha=-compute_adjusted_lr(lr, group["adjust_lr_fn"], tuple(p.shape)))
 
 
-class MuonAdam(_MuonGroups, torch.optim.Adam):
-    """Muon groups beside Adam/AdamW groups (each group's ``decoupled_weight_decay``: AdamW or Adam)."""
+class MuonAdam(_MuonGroups, local_shards.Adam):
+    """Muon groups beside Adam/AdamW groups (each group's ``decoupled_weight_decay``: AdamW or Adam), those stepped
+    on local shards (components/optim/local_shards.py)."""
 
 
 class MuonLowPrecisionAdam(_MuonGroups, LowPrecisionAdamW):

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from torchtitan.components.optim import local_shards
 from torchtitan.components.optim.lr_schedule import lr_factor_fn
 from torchtitan.components.optim.muon import MuonAdam, MuonLowPrecisionAdam
 from torchtitan.components.optim.optim_lowp import LowPrecisionAdamW
@@ -96,9 +97,10 @@ def _optimizer_over_groups(groups: list[dict[str, Any]], config: OptimizerConfig
     if "Muon" in kinds:
         cls = MuonAdam
     elif kinds == {"Adam"}:
-        cls = torch.optim.Adam
+        cls = local_shards.Adam
     else:  # AdamW alone, as before; Adam and AdamW groups together: Adam with each group's decoupled_weight_decay
-        cls = torch.optim.AdamW if kinds == {"AdamW"} else torch.optim.Adam
+        # torch's classes, stepped on the DTensors' local shards (components/optim/local_shards.py)
+        cls = local_shards.AdamW if kinds == {"AdamW"} else local_shards.Adam
     # foreach (multi-tensor) is the default; fused (torch's kernel, CUDA or CPU) only where asked.
     impl = {"fused": True} if config.fused else {"foreach": True}
     return cls(groups, **common, weight_decay=config.weight_decay, **impl)
