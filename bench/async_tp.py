@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
+from bench.spawn import spawn_ranks
 from torchtitan.distributed.tensor_parallel.plan import async_block_plan, block_plan
 
 
@@ -148,10 +147,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(args, port), nprocs=args.world_size)
+    spawn_ranks(worker, (args,), args.world_size)
 
 
 if __name__ == "__main__":

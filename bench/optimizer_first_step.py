@@ -18,8 +18,8 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from bench.spawn import spawn_ranks
 from torchtitan.observability.peak_cache import cpu_model_name
 
 
@@ -115,12 +115,7 @@ def main() -> None:
         p.error(
             f"--dp_replicate x --dp_shard x --tp = {args.dp_replicate * args.dp_shard * args.tp}, not --world {args.world}"
         )
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(args, port), nprocs=args.world)
+    spawn_ranks(_rank, (args,), args.world)
 
 
 if __name__ == "__main__":
