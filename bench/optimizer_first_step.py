@@ -24,9 +24,12 @@ from torchtitan.observability.peak_cache import cpu_model_name
 
 
 def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.world))
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+    os.environ.update(env, WORLD_SIZE=str(args.world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=args.world)
+    from torchtitan.distributed.backend.device import get_device_info, init_distributed
+
+    init_distributed(get_device_info(rank), timeout_s=600)  # CUDA + NCCL where a GPU exists, else CPU + gloo
     from torchtitan.components.optim import local_shards
     from torchtitan.distributed.parallel_dims import clear_dtensor_caches
     from torchtitan.train import Trainer
