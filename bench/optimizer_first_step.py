@@ -31,27 +31,22 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
 
     init_distributed(get_device_info(rank), timeout_s=600)  # CUDA + NCCL where a GPU exists, else CPU + gloo
     from torchtitan.components.optim import local_shards
+    from torchtitan.config.manager import JobConfig
+    from torchtitan.distributed.backend.dtensor import local_shard
     from torchtitan.distributed.parallel_dims import clear_dtensor_caches
     from torchtitan.train import Trainer
 
-    argv = ["--model.flavor", args.flavor, "--training.seq_len", "64", "--training.batch_size", "2"]
-    argv += ["--training.data_parallel_replicate_degree", str(args.dp_replicate)]
-    argv += [
-        "--training.data_parallel_shard_degree",
-        str(args.dp_shard),
-        "--training.tensor_parallel_degree",
-        str(args.tp),
+    argv = [
+        *("--model.flavor", args.flavor, "--training.seq_len", "64", "--training.batch_size", "2"),
+        *("--training.data_parallel_replicate_degree", str(args.dp_replicate)),
+        *(
+            "--training.data_parallel_shard_degree",
+            str(args.dp_shard),
+            "--training.tensor_parallel_degree",
+            str(args.tp),
+        ),
+        *("--training.mixed_precision_param", "float32", "--metrics.log_freq", "1000", "--validation.enabled", "false"),
     ]
-    argv += [
-        "--training.mixed_precision_param",
-        "float32",
-        "--metrics.log_freq",
-        "1000",
-        "--validation.enabled",
-        "false",
-    ]
-    from torchtitan.config.manager import JobConfig
-
     trainer = Trainer(JobConfig.parse_args(argv, world_size=args.world), world_size=args.world, rank=rank)
     model = trainer.core.model_parts[0]
     batch = trainer.next_batches(iter(trainer.data_loader))[0]
@@ -80,10 +75,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
             warm[name].append((time.process_time() - t) / max(args.warm, 1))
             after[name] = [p.detach().clone() for p in params]
     a, b = after.values()
-    equal = all(
-        torch.equal(x.to_local() if hasattr(x, "to_local") else x, y.to_local() if hasattr(y, "to_local") else y)
-        for x, y in zip(a, b, strict=True)
-    )
+    equal = all(torch.equal(local_shard(x), local_shard(y)) for x, y in zip(a, b, strict=True))
     if rank == 0:
         names = list(kinds)
         out = {

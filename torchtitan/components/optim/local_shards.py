@@ -18,9 +18,8 @@ momentum already step local shards the same way.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from torchtitan.distributed.backend.dtensor import local_shard
+from torchtitan.distributed.backend.dtensor import in_layout_of, local_shard
 
 
 class LocalShards:
@@ -29,9 +28,7 @@ class LocalShards:
 
     def _init_group(self, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps):
         has_complex = super()._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)
-        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
-            if isinstance(p, DTensor) and g.placements != p.placements:
-                grads[i] = g.redistribute(p.device_mesh, p.placements)
+        grads[:] = [in_layout_of(p, g) for p, g in zip(params, grads, strict=True)]
         for tensors in (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs):
             tensors[:] = [local_shard(t) for t in tensors]
         return has_complex

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.components.optim import local_shards
 from torchtitan.components.optim.muon_round_robin import RoundRobin
 from torchtitan.components.optim.optim_lowp import LowPrecisionAdamW
-from torchtitan.distributed.backend.dtensor import local_shard
+from torchtitan.distributed.backend.dtensor import in_layout_of, local_shard
 
 
 def compute_orthogonalized(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float):
@@ -98,9 +98,7 @@ class _MuonGroups:
 
     def _momentum(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         """The momentum step on this rank's shard; returns the (Nesterov) update's shard."""
-        grad = p.grad
-        if isinstance(p, DTensor) and grad.placements != p.placements:
-            grad = grad.redistribute(p.device_mesh, p.placements)  # e.g. a Partial gradient under plain TP
+        grad = in_layout_of(p, p.grad)  # e.g. a Partial gradient under plain TP
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)

@@ -31,9 +31,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from torchtitan.distributed.backend.dtensor import local_shard
+from torchtitan.distributed.backend.dtensor import in_layout_of, local_shard
 from torchtitan.dtypes import to_dtype
 
 _STATE_DTYPES = ("float32", "bfloat16")
@@ -98,11 +97,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         return loss
 
     def _update(self, p: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any], index: int) -> None:
-        grad = p.grad
-        if isinstance(p, DTensor) and grad.placements != p.placements:
-            # e.g. a Partial gradient nobody reduced yet: the local elementwise update needs p's layout.
-            grad = grad.redistribute(p.device_mesh, p.placements)
-        param, grad = local_shard(p), local_shard(grad)
+        param, grad = local_shard(p), local_shard(in_layout_of(p, p.grad))  # the local update needs p's layout
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
         state["step"] += 1

@@ -15,3 +15,11 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     experts do, duck-typed, in models/moe/moe.py).
     """
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def in_layout_of(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` with ``p``'s placements (e.g. a Partial gradient nobody reduced yet, redistributed as DTensor's dispatch
+    would), so an elementwise update can run on the two local shards; ``grad`` itself when they already match."""
+    if isinstance(p, DTensor) and grad.placements != p.placements:
+        return grad.redistribute(p.device_mesh, p.placements)
+    return grad
