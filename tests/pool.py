@@ -21,12 +21,19 @@ failure shows), or a failed ping kills the pool, and the next job starts a fresh
 restarts it after the job: compile jobs (inductor keeps state) and in-loop lm-eval jobs (its libraries keep
 native threads; a later job's rank segfaulted once after one).
 
+Between its jobs a pool is stopped (SIGSTOP; SIGCONT before the next job, its close, a stack dump or the session's
+exit). A worker keeps a gloo group per mesh axis of every layout it has run (up to ~20 on 4 and 8 ranks), and each
+group's transport thread wakes ~100 times a second, busy or not: an idle 8-rank pool after three layouts burned 17%
+of a core. The 4- and 8-rank pools live for nearly the whole session (their last users run near its end) and run
+jobs for a tenth of it; stopped, they cost nothing while the other pools and the launcher tests run.
+
 What keeps a process of its own, and why, is said where it is launched (signals, SIGKILL mid-save,
 the parent watch, the golden run that pins the shell command, one case per exit path of the launcher).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import gc
@@ -207,12 +214,31 @@ class WorkerPool:
         for p in self._procs:
             p.start()
         self._seq = 0
+        self._stopped = False
         self._collect(0, JOB_DEADLINE_S)  # every rank has joined the group
+        self._stop()
         STATS.starts[world_size] = STATS.starts.get(world_size, 0) + 1
         STATS.start_seconds[world_size] = STATS.start_seconds.get(world_size, 0.0) + time.perf_counter() - start
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self._procs)
+
+    def _signal(self, sig: int) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                with contextlib.suppress(OSError):
+                    os.kill(p.pid, sig)
+
+    def _stop(self) -> None:
+        """Idle: every worker stopped (the module's docstring: why). Only between jobs, when every rank has replied,
+        so no collective is in flight; a rank still tidying up after its reply finishes when continued."""
+        self._signal(signal.SIGSTOP)
+        self._stopped = True
+
+    def _continue(self) -> None:
+        if self._stopped:
+            self._signal(signal.SIGCONT)
+            self._stopped = False
 
     def run(self, fn: Callable, *args, timeout_s: float = JOB_DEADLINE_S, name: str | None = None) -> list:
         """fn(rank, world_size, *args) on every rank; returns the results by rank.
@@ -221,6 +247,7 @@ class WorkerPool:
         the pool had to be killed (it is unusable afterwards).
         """
         start = time.perf_counter()
+        self._continue()
         self._seq += 1
         for q in self._jobs:
             q.put((self._seq, fn, args))
@@ -231,6 +258,7 @@ class WorkerPool:
         STATS.jobs.append(JobRecord(self.world_size, name or fn.__qualname__, seconds, not failed))
         if failed:  # a rank stopped early: are the others still in step with it?
             self._check_in_step()
+        self._stop()
         if errors:
             raise RuntimeError("distributed run failed\n" + "\n".join(errors))
         return [replies[r][1] for r in range(self.world_size)]
@@ -286,6 +314,7 @@ class WorkerPool:
 
     def _dump_stacks(self) -> None:
         """Every live rank writes its Python stacks (all threads) to its output: where it is stuck."""
+        self._continue()
         signalled = False
         for p in self._procs:
             if p.is_alive():
@@ -301,9 +330,11 @@ class WorkerPool:
                 p.kill()
         for p in self._procs:
             p.join(timeout=10)
+        self._stopped = False
 
     def close(self, wait: bool = True) -> None:
         """Tell the workers to leave; ``wait=False`` lets them exit while the next test runs."""
+        self._continue()
         for q in self._jobs:
             with contextlib.suppress(Exception):
                 q.put(None)
@@ -317,6 +348,12 @@ class WorkerPool:
 
 _POOLS: dict[int, WorkerPool] = {}
 _CLOSING: list[WorkerPool] = []  # told to leave, reaped at the end of the run
+
+
+@atexit.register  # before multiprocessing's own exit handler (registered earlier, so run later) terminates the
+def _continue_stopped() -> None:  # daemon workers and joins them: a stopped one would not die of SIGTERM
+    for p in _POOLS.values():
+        p._continue()
 
 
 def pool(world_size: int) -> WorkerPool:
