@@ -4,17 +4,24 @@ Both train the same model (same flavor, init, shapes, AdamW, clipping) on the sa
 alternate in blocks so machine noise hits both alike; each block's tokens/s is measured after a
 warmup, and the medians are compared. Prints one JSON object; ratio = trainer / minimal.
 
-    python -m bench.trainer_overhead [--steps 5] [--reps 4] [--seq_len 128] [--batch_size 8]
+``--upstream DIR`` adds a third contender: torchtitan Dec-2024's own Transformer (its model and norms files,
+read from the tree ``../shared/perf/README.md`` exports to DIR) holding our model's weights, in that loop as
+its train.py runs it. Side by side in one process, the machine's drift between runs (what ``compare.sh``'s
+separate processes see) hits all three alike; ``upstream_ratio`` = trainer / torchtitan-2024.
+
+    python -m bench.trainer_overhead [--steps 5] [--reps 4] [--seq_len 128] [--batch_size 8] [--upstream DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +34,12 @@ from torchtitan.train import Trainer
 
 
 def build_trainer(args: argparse.Namespace) -> Trainer:
+    extra = []
+    if args.upstream is not None:  # compare.sh's settings: what torchtitan-2024 runs there
+        extra = ["--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", "none"]
     config = JobConfig.parse_args(
         [
+            *extra,
             "--job.config_file",
             "train_configs/debug_model.toml",
             "--job.dump_folder",
@@ -49,14 +60,69 @@ def build_trainer(args: argparse.Namespace) -> Trainer:
     return Trainer(config, world_size=1, rank=0)
 
 
-class MinimalLoop:
-    """What a user would write by hand: model, AdamW, clip, step. No config, metrics or data pipeline."""
+def _load_source(name: str, path: Path, imports: dict[str, str]):
+    """A module from a foreign tree's file under its own name, its imports of that tree's package swapped for the
+    given lines (each must be in the file: a tree of another commit fails here, not later)."""
+    source = path.read_text()
+    for old, new in imports.items():
+        if old not in source:
+            raise SystemExit(
+                f"error: --upstream: {path} has no line {old!r}: not the tree ../shared/perf/README.md exports"
+            )
+        source = source.replace(old, new)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None, origin=str(path)))
+    sys.modules[name] = module
+    exec(compile(source, str(path), "exec"), module.__dict__)
+    return module
 
-    def __init__(self, trainer: Trainer, batches: list[tuple[torch.Tensor, torch.Tensor]]):
-        with torch.device("meta"):
-            self.model = Transformer(trainer.model_args)
-        self.model.to_empty(device="cpu")
-        init_model_weights(self.model, 0, torch.device("cpu"))
+
+def upstream_model(root: Path, trainer: Trainer, seq_len: int) -> torch.nn.Module:
+    """torchtitan-2024's Transformer at our model's shapes, holding our model's initial weights."""
+    _load_source(
+        "tt2024_norms", root / "torchtitan/models/norms.py", {"from torchtitan.utils import device_module": ""}
+    )
+    model_py = _load_source(
+        "tt2024_model",
+        root / "torchtitan/models/llama/model.py",
+        {"from torchtitan.models.norms import build_norm": "from tt2024_norms import build_norm"},
+    )
+    ours = trainer.model_args
+    args = model_py.ModelArgs(
+        dim=ours.dim,
+        n_layers=ours.n_layers,
+        n_heads=ours.n_heads,
+        n_kv_heads=ours.n_kv_heads,
+        vocab_size=ours.vocab_size,
+        multiple_of=ours.multiple_of,
+        ffn_dim_multiplier=ours.ffn_dim_multiplier,
+        norm_eps=ours.norm_eps,
+        rope_theta=ours.rope_theta,
+        max_seq_len=seq_len,
+    )
+    with torch.device("meta"):
+        model = model_py.Transformer(args)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()  # its RoPE table; the weights are ours, below
+    state = trainer.model_parts[0].state_dict()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) != {"freqs_cis"}:  # the buffer it computes itself
+        raise SystemExit(f"error: --upstream: weights do not map: missing {missing}, unexpected {unexpected}")
+    return model
+
+
+class MinimalLoop:
+    """What a user would write by hand: model, AdamW, clip, step. No config, metrics or data pipeline.
+
+    ``model``: another model to train that way (torchtitan-2024's); default ours, freshly initialised."""
+
+    def __init__(self, trainer: Trainer, batches: list[tuple[torch.Tensor, torch.Tensor]], model=None):
+        if model is None:
+            with torch.device("meta"):
+                model = Transformer(trainer.model_args)
+            model.to_empty(device="cpu")
+            init_model_weights(model, 0, torch.device("cpu"))
+        self.model = model
         opt = trainer.config.optimizer
         self.opt = torch.optim.AdamW(
             self.model.parameters(),
@@ -94,6 +160,13 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=4, help="timed blocks per contender")
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument(
+        "--upstream",
+        type=Path,
+        default=None,
+        help="torchtitan at 3f20451bc exported as ../shared/perf/README.md says (e.g. /tmp/perf/tt2024): "
+        "its Transformer joins as a third contender, at compare.sh's settings (fp32, no AC)",
+    )
     args = parser.parse_args()
     logging.disable(logging.INFO)  # the trainer's step lines would interleave with the JSON
 
@@ -103,29 +176,30 @@ def main() -> int:
     minimal = MinimalLoop(trainer, batches)
     tokens = args.seq_len * args.batch_size
     contenders = {"trainer": trainer.run_step, "minimal": minimal.step}
+    if args.upstream is not None:
+        contenders["torchtitan_2024"] = MinimalLoop(
+            trainer, batches, upstream_model(args.upstream, trainer, args.seq_len)
+        ).step
     for fn in contenders.values():  # warmup: allocator, first-touch, caches
         timed_block(fn, 2, tokens)
     results: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(args.reps):
-        for name, fn in contenders.items():
-            results[name].append(timed_block(fn, args.steps, tokens))
+    names = list(contenders)
+    for rep in range(args.reps):  # the order rotates, so none always runs right after another
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            results[name].append(timed_block(contenders[name], args.steps, tokens))
     trainer.close()
     median = {name: statistics.median(v) for name, v in results.items()}
-    print(
-        json.dumps(
-            {
-                "benchmark": "trainer_overhead",
-                "tokens_per_step": tokens,
-                "threads": torch.get_num_threads(),
-                "trainer_tps": median["trainer"],
-                "minimal_tps": median["minimal"],
-                "ratio": median["trainer"] / median["minimal"],
-                "trainer_tps_all": results["trainer"],
-                "minimal_tps_all": results["minimal"],
-            },
-            indent=2,
-        )
-    )
+    report = {
+        "benchmark": "trainer_overhead",
+        "tokens_per_step": tokens,
+        "threads": torch.get_num_threads(),
+        **{f"{name}_tps": median[name] for name in names},
+        "ratio": median["trainer"] / median["minimal"],
+        **{f"{name}_tps_all": results[name] for name in names},
+    }
+    if args.upstream is not None:
+        report["upstream_ratio"] = median["trainer"] / median["torchtitan_2024"]
+    print(json.dumps(report, indent=2))
     return 0
 
 
