@@ -87,18 +87,9 @@ def upstream_model(root: Path, trainer: Trainer, seq_len: int) -> torch.nn.Modul
         {"from torchtitan.models.norms import build_norm": "from tt2024_norms import build_norm"},
     )
     ours = trainer.model_args
-    args = model_py.ModelArgs(
-        dim=ours.dim,
-        n_layers=ours.n_layers,
-        n_heads=ours.n_heads,
-        n_kv_heads=ours.n_kv_heads,
-        vocab_size=ours.vocab_size,
-        multiple_of=ours.multiple_of,
-        ffn_dim_multiplier=ours.ffn_dim_multiplier,
-        norm_eps=ours.norm_eps,
-        rope_theta=ours.rope_theta,
-        max_seq_len=seq_len,
-    )
+    fields = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier", "norm_eps")
+    shape = {name: getattr(ours, name) for name in (*fields, "rope_theta")}  # the same names in both ModelArgs
+    args = model_py.ModelArgs(**shape, max_seq_len=seq_len)
     with torch.device("meta"):
         model = model_py.Transformer(args)
     model.to_empty(device="cpu")

@@ -145,6 +145,8 @@ def _world_sizes(item: pytest.Item) -> set[int]:
     Only a hint for shutting pools down early: a pool a test uses without saying so is started on
     demand and closed after the next test that does not need it."""
     sizes: set[int] = set()
+    if item.path.name == ESTIMATION_FILE:  # its rows are launches of its own (torchrun, the measure module): no pool
+        return sizes
     if any(name.endswith(("reference", "reference_run")) for name in getattr(item, "fixturenames", ())):
         sizes.add(1)  # the single-process references are 1-rank pool jobs
     for marker in item.iter_markers("pool"):
