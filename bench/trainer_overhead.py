@@ -159,6 +159,11 @@ def main() -> int:
         "its Transformer joins as a third contender, at compare.sh's settings (fp32, no AC)",
     )
     args = parser.parse_args()
+    if args.upstream is not None and not (args.upstream / "torchtitan/models/llama/model.py").is_file():
+        parser.error(
+            f"--upstream {args.upstream}: no torchtitan/models/llama/model.py there; export it as "
+            "../shared/perf/README.md says (e.g. to /tmp/perf/tt2024)"
+        )
     logging.disable(logging.INFO)  # the trainer's step lines would interleave with the JSON
 
     trainer = build_trainer(args)
