@@ -46,6 +46,7 @@ import sys
 import tempfile
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -215,6 +216,7 @@ class WorkerPool:
             p.start()
         self._seq = 0
         self._stopped = False
+        _EVERY_POOL.add(self)  # the shared ones and those of their own (fault tolerance's groups, a kill test's)
         self._collect(0, JOB_DEADLINE_S)  # every rank has joined the group
         self._stop()
         STATS.starts[world_size] = STATS.starts.get(world_size, 0) + 1
@@ -350,9 +352,12 @@ _POOLS: dict[int, WorkerPool] = {}
 _CLOSING: list[WorkerPool] = []  # told to leave, reaped at the end of the run
 
 
+_EVERY_POOL: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
+
+
 @atexit.register  # before multiprocessing's own exit handler (registered earlier, so run later) terminates the
 def _continue_stopped() -> None:  # daemon workers and joins them: a stopped one would not die of SIGTERM
-    for p in _POOLS.values():
+    for p in list(_EVERY_POOL):
         p._continue()
 
 
