@@ -225,11 +225,15 @@ class WorkerPool:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self._procs)
 
-    def _signal(self, sig: int) -> None:
+    def _signal(self, sig: int) -> bool:
+        """``sig`` to every live worker; whether any got it."""
+        signalled = False
         for p in self._procs:
             if p.is_alive():
                 with contextlib.suppress(OSError):
                     os.kill(p.pid, sig)
+                    signalled = True
+        return signalled
 
     def _stop(self) -> None:
         """Idle: every worker stopped (the module's docstring: why). Only between jobs, when every rank has replied,
@@ -317,13 +321,7 @@ class WorkerPool:
     def _dump_stacks(self) -> None:
         """Every live rank writes its Python stacks (all threads) to its output: where it is stuck."""
         self._continue()
-        signalled = False
-        for p in self._procs:
-            if p.is_alive():
-                with contextlib.suppress(OSError):
-                    os.kill(p.pid, signal.SIGUSR1)
-                    signalled = True
-        if signalled:
+        if self._signal(signal.SIGUSR1):
             time.sleep(2)  # faulthandler writes from the signal handler; a loaded rank may take a moment to run it
 
     def kill(self) -> None:
