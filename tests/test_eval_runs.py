@@ -234,7 +234,15 @@ def _losses_and_evals(folder: str) -> tuple[list[float], dict[int, dict]]:
     return losses, evals
 
 
-def test_in_loop_eval_every_3_steps_leaves_training_bit_identical(tmp_path):
+def test_in_loop_eval_every_3_steps_leaves_training_bit_identical(tmp_path, monkeypatch):
+    """Also: no evaluation runs torch's environment report (lm-eval's add_env_info: subprocesses, ~1.3 s each;
+    torchtitan/eval/loop.py), and lm-eval's own function is back in place afterwards."""
+    import lm_eval.evaluator
+    import torch.utils.collect_env
+
+    reports = []
+    monkeypatch.setattr(torch.utils.collect_env, "get_pretty_env_info", lambda: reports.append(1) or "report")
+    add_env_info = lm_eval.evaluator.add_env_info
     plain, with_eval = str(tmp_path / "plain"), str(tmp_path / "eval")
     det = ["--training.deterministic"]
     run_job(JobConfig.parse_args(_train_argv(plain, 9, det)), world_size=1, rank=0)
@@ -253,6 +261,7 @@ def test_in_loop_eval_every_3_steps_leaves_training_bit_identical(tmp_path):
     losses, evals = _losses_and_evals(with_eval)
     assert len(base) == 9 and losses == base  # bit for bit
     assert sorted(evals) == [3, 6, 9]
+    assert reports == [] and lm_eval.evaluator.add_env_info is add_env_info
     for record in evals.values():
         assert set(record) == {"step", "eval/arith_mc/acc", "eval/arith_mc/acc_norm"}
         assert 0.0 <= record["eval/arith_mc/acc"] <= 1.0

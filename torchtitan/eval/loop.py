@@ -59,6 +59,23 @@ def flatten_results(results: dict[str, dict[str, Any]]) -> dict[str, float]:
     return record
 
 
+@contextmanager
+def without_environment_report():
+    """lm-eval's ``simple_evaluate`` ends, on rank 0, by adding torch's environment report to its results
+    (``torch.utils.collect_env``: ``pip list``, ``lscpu``, the compiler's and driver's versions, each a subprocess;
+    1.3 s on a 2-core CPU machine, every evaluation, while the other ranks wait). The trainer keeps only the
+    metrics, and the run names its torch, Python, host and commit once (run_info.json): an in-loop evaluation skips
+    the report. ``python -m torchtitan.eval`` keeps it in its results file, as lm-eval writes it."""
+    import lm_eval.evaluator
+
+    report = lm_eval.evaluator.add_env_info  # an lm-eval without it fails here, by name (pinned: .ci/constraints.txt)
+    lm_eval.evaluator.add_env_info = lambda results: None
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.add_env_info = report
+
+
 class InLoopEval:
     """The trainer's ``[eval]``: ``maybe_run(step)`` evaluates at its steps and logs through the trainer's metrics."""
 
@@ -96,7 +113,7 @@ class InLoopEval:
         seed = self.cfg.seed
         # lm-eval's notes, `--metadata` hints and progress bars (and datasets' reading the task data) are the run's
         # DEBUG detail: at INFO an evaluation is its one "eval at step" line
-        with kept_rng_state(t.device), third_party_detail("lm_eval", "datasets"):
+        with kept_rng_state(t.device), third_party_detail("lm_eval", "datasets"), without_environment_report():
             model.eval()
             try:
                 lm = TorchtitanLM(model=em, batch_size=self.cfg.batch_size, seed=seed)
