@@ -5,8 +5,8 @@
 #   LOG_RANK     ranks whose output is shown, comma-separated (default 0)
 #   CONFIG_FILE  TOML config (default ./train_configs/debug_model.toml); a --job.config_file argument
 #                wins over it (one line says so when both are given and differ)
-#   PREFLIGHT    1 (default): check the config in one process before starting NGPU; 0 skips that
-#                (every rank checks it again anyway; the test matrix saves a torch import per run)
+#   PREFLIGHT    1 (default): check the config once, in the launcher's process, before starting NGPU; 0 skips that
+#                (every rank checks it again anyway)
 # Any further arguments are config overrides, e.g. --training.steps 20 --training.batch_size=4
 # Exit code: 0 done, 1 a crash (its traceback shown once), 2 a user error (one line); docs/reliability.md.
 set -eu -o pipefail
@@ -43,12 +43,14 @@ done
 source "$(dirname "$0")/scripts/config_args.sh"
 config_args ./train_configs/debug_model.toml "$@"
 
-# Check the config in one process first: a bad key or layout is one clear line, not N tracebacks.
-if [ "${PREFLIGHT:-1}" != "0" ]; then
-  "$PYTHON" -m torchtitan.preflight --world_size "$NGPU" "${CONFIG_ARGS[@]}" "$@"
+# The config checked first, in the launcher's process (python -m torchtitan.preflight's check): a bad key or layout is
+# one clear line, not N tracebacks.
+LAUNCHER=torchtitan.preflight_launch
+if [ "${PREFLIGHT:-1}" = "0" ]; then
+  LAUNCHER=torchtitan.launch
 fi
 
-exec "$PYTHON" -m torchtitan.launch \
+exec "$PYTHON" -m "$LAUNCHER" \
   --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   -m torchtitan.train "${CONFIG_ARGS[@]}" "$@"

@@ -127,9 +127,9 @@ def _one_error_line(result: subprocess.CompletedProcess, expected: str, code: in
     ],
 )
 def test_prelaunch_check_rejects_bad_input_in_one_line(args, config, expected, tmp_path, capsys, monkeypatch):
-    """The check run_llama_train.sh runs before torchrun (``python -m torchtitan.preflight``), called in process:
-    the same one line and exit code 2 (the script exits with it, set -e); the script's own plumbing of it
-    is the subprocess case below."""
+    """The check run_llama_train.sh's launcher runs before torchrun (``python -m torchtitan.preflight``'s, in
+    ``python -m torchtitan.preflight_launch``), called in process: the same one line and exit code 2; the script's own
+    plumbing of it is the subprocess case below."""
     from torchtitan.preflight.__main__ import main
 
     if config == "BAD_TOML":
@@ -153,6 +153,46 @@ def test_launcher_stops_on_the_prelaunch_check_in_one_line():
     line = _one_error_line(result, "did you mean 'training.tensor_parallel_degree'?")
     assert line.startswith("error: unknown config key")
     assert "torchrun" not in result.stdout + result.stderr and "rank" not in line
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        # the world size is nproc_per_node x nnodes: dp_shard 2 does not fit 2 x 2
+        (
+            [
+                "--nnodes",
+                "2",
+                "--nproc_per_node",
+                "2",
+                "-m",
+                "torchtitan.train",
+                "--training.data_parallel_shard_degree",
+                "2",
+            ],
+            "= 2 != world_size(4)",
+        ),
+        (["--nproc_per_node", "auto", "-m", "torchtitan.train"], "the pre-launch check needs the run's world size"),
+        (["--nnodes", "1:2", "--nproc_per_node", "2", "-m", "torchtitan.train"], "got '1:2'"),
+        (
+            ["--nproc_per_node", "2", "train.py"],
+            "checks the trainer's config: launch -m torchtitan.train (got train.py)",
+        ),
+    ],
+    ids=["world-size", "nproc-auto", "elastic-nnodes", "not-the-trainer"],
+)
+def test_launcher_preflight_checks_for_its_world_size_before_any_rank(argv, expected, capsys, monkeypatch):
+    """``python -m torchtitan.preflight_launch`` (what run_llama_train.sh runs): the check's one line and exit code 2,
+    before torchrun would start anything (its run is replaced by a failing stand-in)."""
+    from torchtitan import preflight_launch
+    from torchtitan.launch import launcher
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(launcher, "run", lambda args: pytest.fail("torchrun started"))
+    assert preflight_launch.main(argv) == 2
+    out = capsys.readouterr()
+    lines = _error_lines(out.err + out.out)
+    assert len(lines) == 1 and expected in lines[0], out.err
 
 
 @pytest.mark.parametrize(

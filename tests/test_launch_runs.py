@@ -149,6 +149,10 @@ def test_the_readme_sft_command_trains_the_sft_config_over_config_file(tmp_path)
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
+    # the pre-launch check in the launcher's process (torchtitan.preflight_launch): one line, before any rank's output
+    stdout = result.stdout.splitlines()
+    oks = [i for i, line in enumerate(stdout) if line.startswith("ok: train_configs/sft_debug.toml, world_size 1, ")]
+    assert len(oks) == 1 and not [line for line in stdout[: oks[0]] if "[rank0]" in line], out[-3000:]
     notes = [line for line in out.splitlines() if line.startswith("note: training with")]
     assert notes == [
         "note: training with --job.config_file train_configs/sft_debug.toml "

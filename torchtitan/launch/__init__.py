@@ -4,6 +4,8 @@ failures.py      why a rank failed: classified (a user or storage error is one l
                  traceback), recorded in torchelastic's per-rank error file, told once by the launcher
 launcher.py      ``python -m torchtitan.launch TORCHRUN_ARGS``: torchrun, whose failures are printed
                  as one line per distinct error with the ranks that raised it
+entry.py         the entry points' way to the launcher (torch imported with c10d's C++ log level quiet);
+                 ``python -m torchtitan.preflight_launch`` adds the pre-launch check before the ranks
 run_folder.py    one live run per dump folder (``run.lock``: host and pid), a folder that cannot be
                  written (found before launch), metrics.jsonl cut mid-line
 parent_watch.py  a rank stops when its launcher dies, so an orphaned run does not train on

@@ -1,7 +1,9 @@
 """``python -m torchtitan.launch TORCHRUN_ARGS``: torchrun, with its ranks' failures told once.
 
 Takes exactly torchrun's arguments (``--nproc_per_node``, ``--local-ranks-filter``, ``--tee``,
-rendezvous, ...) and runs ``torch.distributed.run.run``. Instead of torchrun's ChildFailedError
+rendezvous, ...) and runs ``torch.distributed.run.run``. ``before_ranks`` (``python -m
+torchtitan.preflight_launch``'s pre-launch check) runs on the parsed arguments first: a non-zero
+code ends the launch before any rank starts. Instead of torchrun's ChildFailedError
 traceback, a failed run prints, on the launcher's stderr (which the user sees whatever
 ``--local-ranks-filter`` hides), the root cause once with the ranks that raised it
 (``failures.summarize``), and exits with the ranks' exit code: 2 for a user error, 1 for a crash
@@ -23,6 +25,8 @@ import os
 import sys
 import tempfile
 import time
+from argparse import Namespace
+from collections.abc import Callable
 
 from torch.distributed import DistError
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -69,12 +73,14 @@ class _DropNoise(logging.Filter):
         return not any(noise in str(record.msg) for noise in _NOISE)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], before_ranks: Callable[[Namespace], int] | None = None) -> int:
     """Run torchrun with ``argv``; print the failed ranks' root cause once; return the exit code."""
     args = parse_args(argv)
     if str(args.nproc_per_node).isdigit() and int(args.nproc_per_node) < 1:  # torchrun: an AssertionError
         print(f"error: --nproc_per_node = {args.nproc_per_node}: start at least one process", file=sys.stderr)
         return EXIT_USER_ERROR
+    if before_ranks is not None and (code := before_ranks(args)) != 0:
+        return code
     if args.log_dir is None:  # torchrun would pick this temp folder itself; we read the ranks' records there
         args.log_dir = tempfile.mkdtemp(prefix="torchelastic_")
     os.environ[LAUNCHER_ENV] = "1"  # the ranks inherit it: they leave the printing to us

@@ -2,8 +2,9 @@
 
 Parses and checks the config in one process, before any process group exists, so a mistake is one
 line on stderr and exit code 2 instead of a traceback on every rank; a config that passes prints one
-``ok:`` line on stdout naming what was checked. ``run_llama_train.sh`` and
-``scripts/multinode_trainer.slurm`` run it before torchrun. ARGS are the trainer's own arguments;
+``ok:`` line on stdout naming what was checked. ``run_llama_train.sh``'s launcher
+(``python -m torchtitan.preflight_launch``, in the launcher's process) and ``scripts/multinode_trainer.slurm`` run it
+before torchrun. ARGS are the trainer's own arguments;
 ``--world_size`` (default 1) is the number of processes the run will have.
 
 ``--target KIND`` checks for the machines the run will train on (KIND: their device kind, e.g. ``cuda``)
