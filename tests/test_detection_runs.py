@@ -110,6 +110,22 @@ def _node(port: int, folder: str, out, steps: int = 100000) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _listening(port: int, node: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Wait until a socket listens on ``port`` (/proc/net/tcp*, state 0A: the rendezvous store node 0 hosts), so
+    that the second node starts as soon as the store is there, and never before it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                for line in f.readlines()[1:]:
+                    local, state = line.split()[1], line.split()[3]
+                    if state == "0A" and int(local.rpartition(":")[2], 16) == port:
+                        return
+        assert node.poll() is None, f"node 0 exited ({node.returncode}) before it hosted the store at port {port}"
+        assert time.monotonic() < deadline, f"nothing listens on port {port} after {timeout_s:.0f} s"
+        time.sleep(0.05)
+
+
 def _rank_of(launcher: int) -> int:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -129,7 +145,7 @@ def test_a_lost_node_is_one_line_naming_it_and_the_checkpoint(tmp_path, lost):
     outs = [open(tmp_path / f"node{i}.out", "w+") for i in (0, 1)]
     nodes = [_node(port, folder, outs[0])]
     try:
-        time.sleep(2)  # node 0 hosts the rendezvous store (it binds the port first)
+        _listening(port, nodes[0])  # node 0 hosts the rendezvous store (it binds the port first)
         nodes.append(_node(port, folder, outs[1]))
         deadline = time.monotonic() + 240
         while not (os.path.isdir(os.path.join(folder, "checkpoint")) and complete_steps(folder)):
@@ -168,7 +184,7 @@ def test_a_clean_two_node_run_ends_0_with_the_losses_of_one_node(tmp_path):
     outs = [open(tmp_path / f"node{i}.out", "w+") for i in (0, 1)]
     nodes = [_node(port, folder, outs[0], steps=4)]
     try:
-        time.sleep(2)
+        _listening(port, nodes[0])
         nodes.append(_node(port, folder, outs[1], steps=4))
         codes = [n.wait(timeout=240) for n in nodes]
     finally:
