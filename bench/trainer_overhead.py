@@ -87,8 +87,8 @@ def upstream_model(root: Path, trainer: Trainer, seq_len: int) -> torch.nn.Modul
         {"from torchtitan.models.norms import build_norm": "from tt2024_norms import build_norm"},
     )
     ours = trainer.model_args
-    fields = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier", "norm_eps")
-    shape = {name: getattr(ours, name) for name in (*fields, "rope_theta")}  # the same names in both ModelArgs
+    fields = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier")
+    shape = {name: getattr(ours, name) for name in (*fields, "norm_eps", "rope_theta")}  # the same names in both
     args = model_py.ModelArgs(**shape, max_seq_len=seq_len)
     with torch.device("meta"):
         model = model_py.Transformer(args)

@@ -118,7 +118,7 @@ def _listening(port: int, node: subprocess.Popen, timeout_s: float = 120) -> Non
         for table in ("/proc/net/tcp", "/proc/net/tcp6"):
             with open(table) as f:
                 for line in f.readlines()[1:]:
-                    local, state = line.split()[1], line.split()[3]
+                    _, local, _, state = line.split()[:4]
                     if state == "0A" and int(local.rpartition(":")[2], 16) == port:
                         return
         assert node.poll() is None, f"node 0 exited ({node.returncode}) before it hosted the store at port {port}"

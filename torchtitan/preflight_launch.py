@@ -14,8 +14,18 @@ import sys
 from argparse import Namespace
 
 from torchtitan.launch.entry import launcher_main
+from torchtitan.launch.failures import EXIT_USER_ERROR
 
-EXIT_USER_ERROR = 2
+
+def _fixed_nodes(nnodes: str) -> int | None:
+    """torchrun's ``--nnodes`` as one number of nodes; None for a range (elastic) or what is not a number."""
+    from torch.distributed.run import parse_min_max_nnodes  # torch: imported by launcher_main first
+
+    try:
+        low, high = parse_min_max_nnodes(nnodes)
+    except ValueError:
+        return None
+    return low if low == high else None
 
 
 def check_before_ranks(args: Namespace) -> int:
@@ -29,8 +39,8 @@ def check_before_ranks(args: Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USER_ERROR
-    nodes = str(args.nnodes).split(":")
-    if not str(args.nproc_per_node).isdigit() or len(set(nodes)) != 1 or not nodes[0].isdigit():
+    nodes = _fixed_nodes(str(args.nnodes))
+    if not str(args.nproc_per_node).isdigit() or nodes is None:
         print(
             "error: the pre-launch check needs the run's world size: a number for --nproc_per_node (got "
             f"{args.nproc_per_node!r}) and one for --nnodes (got {args.nnodes!r}); or check with "
@@ -38,7 +48,7 @@ def check_before_ranks(args: Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USER_ERROR
-    code = check(["--world_size", str(int(args.nproc_per_node) * int(nodes[0])), *args.training_script_args])
+    code = check(["--world_size", str(int(args.nproc_per_node) * nodes), *args.training_script_args])
     sys.stdout.flush()  # its line before the ranks' output
     return code
 
