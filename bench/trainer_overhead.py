@@ -9,7 +9,11 @@ read from the tree ``../shared/perf/README.md`` exports to DIR) holding our mode
 its train.py runs it. Side by side in one process, the machine's drift between runs (what ``compare.sh``'s
 separate processes see) hits all three alike; ``upstream_ratio`` = trainer / torchtitan-2024.
 
-    python -m bench.trainer_overhead [--steps 5] [--reps 4] [--seq_len 128] [--batch_size 8] [--upstream DIR]
+``--pairs N`` (with ``--upstream``) adds forward+backward alone of our model and torchtitan-2024's, same weights and
+batch, N pairs in ABBA order: ``forward_backward.torchtitan_2024_over_ours_seconds_paired_median`` > 1 means ours
+is faster.
+
+    python -m bench.trainer_overhead [--steps 5] [--reps 4] [--seq_len 128] [--batch_size 8] [--upstream DIR] [--pairs N]
 """
 
 from __future__ import annotations
@@ -145,6 +149,35 @@ def timed_block(fn, steps: int, tokens_per_step: int) -> float:
     return steps * tokens_per_step / (time.perf_counter() - start)
 
 
+def forward_backward_pairs(models: dict, batch: tuple[torch.Tensor, torch.Tensor], pairs: int) -> dict:
+    """Forward, loss and backward (no optimizer) of two models on one batch, one at a time in ABBA order; each pair's
+    seconds ratio: the step's model part alone, without the noise of a block of several steps."""
+    (name_a, a), (name_b, b) = models.items()
+    x, y = batch
+
+    def once(model) -> float:
+        start = time.perf_counter()
+        F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten(0, 1)).backward()
+        seconds = time.perf_counter() - start
+        model.zero_grad(set_to_none=True)
+        return seconds
+
+    for _ in range(2):  # warmup
+        once(a), once(b)
+    times: dict[str, list[float]] = {name_a: [], name_b: []}
+    for i in range(pairs):
+        order = ((name_a, a), (name_b, b)) if i % 2 == 0 else ((name_b, b), (name_a, a))
+        for name, model in order:
+            times[name].append(once(model))
+    ratios = [tb / ta for ta, tb in zip(times[name_a], times[name_b])]
+    return {
+        "pairs": pairs,
+        **{f"{name}_ms_median": 1e3 * statistics.median(v) for name, v in times.items()},
+        f"{name_b}_over_{name_a}_seconds_paired_median": statistics.median(ratios),
+        f"{name_b}_over_{name_a}_seconds_total": sum(times[name_b]) / sum(times[name_a]),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="steps per timed block")
@@ -157,6 +190,13 @@ def main() -> int:
         default=None,
         help="torchtitan at 3f20451bc exported as ../shared/perf/README.md says (e.g. /tmp/perf/tt2024): "
         "its Transformer joins as a third contender, at compare.sh's settings (fp32, no AC)",
+    )
+    parser.add_argument(
+        "--pairs",
+        type=int,
+        default=0,
+        help="with --upstream: also time forward+backward alone of our model and torchtitan-2024's (same weights, "
+        "same batch), this many pairs in ABBA order",
     )
     args = parser.parse_args()
     if args.upstream is not None and not (args.upstream / "torchtitan/models/llama/model.py").is_file():
@@ -172,10 +212,10 @@ def main() -> int:
     minimal = MinimalLoop(trainer, batches)
     tokens = args.seq_len * args.batch_size
     contenders = {"trainer": trainer.run_step, "minimal": minimal.step}
+    upstream = None
     if args.upstream is not None:
-        contenders["torchtitan_2024"] = MinimalLoop(
-            trainer, batches, upstream_model(args.upstream, trainer, args.seq_len)
-        ).step
+        upstream = upstream_model(args.upstream, trainer, args.seq_len)
+        contenders["torchtitan_2024"] = MinimalLoop(trainer, batches, upstream).step
     for fn in contenders.values():  # warmup: allocator, first-touch, caches
         timed_block(fn, 2, tokens)
     results: dict[str, list[float]] = {name: [] for name in contenders}
@@ -183,6 +223,10 @@ def main() -> int:
     for rep in range(args.reps):  # the order rotates, so none always runs right after another
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
             results[name].append(timed_block(contenders[name], args.steps, tokens))
+    pairs = None
+    if upstream is not None and args.pairs > 0:
+        models = {"ours": trainer.model_parts[0], "torchtitan_2024": upstream}
+        pairs = forward_backward_pairs(models, batches[0], args.pairs)
     trainer.close()
     median = {name: statistics.median(v) for name, v in results.items()}
     report = {
@@ -195,6 +239,8 @@ def main() -> int:
     }
     if args.upstream is not None:
         report["upstream_ratio"] = median["trainer"] / median["torchtitan_2024"]
+    if pairs is not None:
+        report["forward_backward"] = pairs
     print(json.dumps(report, indent=2))
     return 0
 

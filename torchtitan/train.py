@@ -27,6 +27,7 @@ from torchtitan.checkpointing.manager import resumes_from
 from torchtitan.components.run_control import AgreedStop, RunStopped
 from torchtitan.config.manager import JobConfig, format_help, print_help, wants_help
 from torchtitan.distributed.backend.device import ProcessFlags, get_device_info, init_distributed, set_pg_timeout
+from torchtitan.distributed.backend.host_malloc import tune_cpu_malloc
 from torchtitan.engine.builders import Builders
 from torchtitan.engine.parts import CoreParts, build_core_parts, build_training_parts
 from torchtitan.engine.summary import start_summary
@@ -68,6 +69,7 @@ class Trainer:
     def __init__(self, config: JobConfig, *, world_size: int, rank: int, builders: Builders | None = None):
         builders = builders or Builders()
         device = get_device_info().device
+        tune_cpu_malloc(config.training.cpu_malloc, device.type, torch.get_num_threads())  # before the build allocates
         if world_size > 1 and not dist.is_initialized():  # the memory estimator brings its own (fake) group
             init_distributed(get_device_info(), config.comm.init_timeout_seconds, config.comm.trace_buf_size)
         self.flags_found = ProcessFlags.read()  # the build may change them (determinism, float8 on CPU); close restores
