@@ -20,6 +20,7 @@ put the old values back).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import platform
@@ -29,7 +30,6 @@ logger = logging.getLogger(__name__)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 MMAP_THRESHOLD = 32 << 20  # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit); a larger value is refused
 TRIM_THRESHOLD = 1 << 30
-CHOICES = ("auto", "tuned", "system")
 
 
 def user_malloc_settings() -> list[str]:
@@ -43,6 +43,7 @@ def user_malloc_settings() -> list[str]:
     return sorted(found)
 
 
+@functools.cache  # platform.libc_ver reads the interpreter's binary: once a process, not once a Trainer
 def _mallopt():
     """glibc's ``mallopt`` or None (another C library: musl, macOS)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
@@ -51,14 +52,13 @@ def _mallopt():
 
 
 def tune_cpu_malloc(mode: str, device_type: str, threads: int) -> bool:
-    """Apply ``training.cpu_malloc`` (see the module docstring); returns whether the thresholds were set.
+    """Apply ``training.cpu_malloc`` (the config checks ``mode``; see the module docstring); returns whether the
+    thresholds were set.
 
     ``auto``: set them where the model trains on the CPU (``device_type``) with more than one compute thread in the
     process (``threads``) and glibc, unless the environment has malloc settings of its own. ``tuned``: set them
     anyway, or refuse (no glibc). ``system``: leave malloc as the process started it.
     """
-    if mode not in CHOICES:
-        raise ValueError(f"training.cpu_malloc = {mode!r}: allowed {', '.join(CHOICES)}")
     if mode == "system" or (mode == "auto" and (device_type != "cpu" or threads < 2)):
         return False
     mallopt = _mallopt()
@@ -70,10 +70,9 @@ def tune_cpu_malloc(mode: str, device_type: str, threads: int) -> bool:
                 f"or system"
             )
         return False
-    if mode == "auto" and user_malloc_settings():
-        logger.debug(
-            "training.cpu_malloc = auto: the environment sets %s; malloc left as it is", user_malloc_settings()
-        )
+    own = user_malloc_settings() if mode == "auto" else []
+    if own:
+        logger.debug("training.cpu_malloc = auto: the environment sets %s; malloc left as it is", own)
         return False
     for option, value in ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
         if mallopt(option, value) != 1:  # glibc returns 1 on success
