@@ -44,9 +44,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from torchtitan.build import build_model_args
-from torchtitan.checkpointing import integrity
-from torchtitan.checkpointing.folders import find_resume_checkpoint
-from torchtitan.checkpointing.marker import step_folder
+from torchtitan.checkpointing.files import integrity
+from torchtitan.checkpointing.files.folders import find_resume_checkpoint
+from torchtitan.checkpointing.files.marker import step_folder
 from torchtitan.checkpointing.state import ModelState, OptimizerState
 from torchtitan.config.manager import JobConfig
 from torchtitan.engine.builders import Builders

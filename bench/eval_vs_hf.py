@@ -101,7 +101,7 @@ def main() -> None:
     ckpt = os.path.join(out, "checkpoint", "step-0")
     if not os.path.isdir(ckpt):
         from torchtitan.build import create_seed_checkpoint
-        from torchtitan.checkpointing.hf import export_to_hf
+        from torchtitan.checkpointing.hf.convert import export_to_hf
         from torchtitan.config.manager import JobConfig
 
         create_seed_checkpoint(JobConfig.parse_args(argv))

@@ -21,7 +21,7 @@ import statistics
 import subprocess
 import tempfile
 
-from torchtitan.fault_tolerance.lighthouse import start_lighthouse
+from torchtitan.features.fault_tolerance.lighthouse import start_lighthouse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -60,7 +60,7 @@ def main() -> None:
     lora = ["--lora.enable", "--lora.rank", str(a.rank), "--lora.alpha", str(2 * a.rank)]
     runs = {"full": _build(base), "lora": _build([*base, *lora])}
     if a.qlora:
-        from torchtitan.lora.quantize import quantize_base
+        from torchtitan.features.lora.quantize import quantize_base
 
         runs["qlora"] = _build([*base, *lora, "--lora.quantize_base", "nf4"])
         quantize_base([runs["qlora"][0]])

@@ -62,7 +62,7 @@ def model_and_rows(argv: list[str], task: Path):
     """The run's model at its initial weights, and the held-out rows as (tokens, labels, images, kind)."""
     from torchtitan.build import build_model, build_model_args
     from torchtitan.config.manager import JobConfig
-    from torchtitan.datasets.finetune import build_sft_data_loader
+    from torchtitan.datasets.sft.finetune import build_sft_data_loader
     from torchtitan.datasets.tokenizer import build_tokenizer
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.spec import get_model_spec

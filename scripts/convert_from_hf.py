@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from torchtitan.checkpointing.hf import import_from_hf  # noqa: E402
+from torchtitan.checkpointing.hf.convert import import_from_hf  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

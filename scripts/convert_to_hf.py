@@ -22,10 +22,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from torchtitan.checkpointing.hf import export_to_hf  # noqa: E402
-from torchtitan.checkpointing.marker import read_marker  # noqa: E402
+from torchtitan.checkpointing.files.marker import read_marker  # noqa: E402
+from torchtitan.checkpointing.hf.convert import export_to_hf  # noqa: E402
 from torchtitan.dtypes import DTYPES  # noqa: E402
-from torchtitan.lora.hf_export import export_lora  # noqa: E402
+from torchtitan.features.lora.hf_export import export_lora  # noqa: E402
 
 
 def _export(checkpoint: str, output: str, dtype, *, merge_lora: bool) -> dict:

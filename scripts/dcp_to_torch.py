@@ -3,7 +3,7 @@
     python scripts/dcp_to_torch.py outputs/debug_model/checkpoint/step-30 step30.pt [--model-only]
 
 Loads what torch's ``dcp_to_torch_save`` would, after checking every file against the marker (sizes,
-CRC32s) and with the restricted unpicklers of torchtitan/checkpointing/integrity.py (a foreign
+CRC32s) and with the restricted unpicklers of torchtitan/checkpointing/files/integrity.py (a foreign
 pickle is refused, not run). Read the result with ``torch.load(path, weights_only=True)`` (with
 --model-only it holds only tensors; a full checkpoint also holds the LR scheduler's and data
 loader's plain Python values).
@@ -20,12 +20,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from torchtitan.checkpointing.common import load_model_weights  # noqa: E402
-from torchtitan.checkpointing.folders import (
+from torchtitan.checkpointing.files.folders import (
     CheckpointInfo,  # noqa: E402
     verify_files,  # noqa: E402
 )
-from torchtitan.checkpointing.integrity import load_whole_checkpoint  # noqa: E402
-from torchtitan.checkpointing.marker import MARKER, read_marker  # noqa: E402
+from torchtitan.checkpointing.files.integrity import load_whole_checkpoint  # noqa: E402
+from torchtitan.checkpointing.files.marker import MARKER, read_marker  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

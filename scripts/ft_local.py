@@ -387,7 +387,7 @@ class Job:
 
 def set_aside_earlier_job(dump: Path) -> None:
     """An earlier job's files move to ``earlier_runs/<when it started>/``: this job starts empty, none is lost."""
-    from torchtitan.checkpointing.marker import EARLIER_RUNS
+    from torchtitan.checkpointing.files.marker import EARLIER_RUNS
 
     earlier = [p for p in dump.iterdir() if p.name != EARLIER_RUNS] if dump.exists() else []
     if not earlier:
@@ -410,7 +410,7 @@ def main(argv: list[str]) -> int:
             print(f"ft_local: FAILED: {e}", file=sys.stderr)
             return 1
         return 0
-    from torchtitan.fault_tolerance.lighthouse import start_lighthouse
+    from torchtitan.features.fault_tolerance.lighthouse import start_lighthouse
 
     overrides = argv or ["--training.steps", "60"]
     settings = Settings.from_env(overrides)

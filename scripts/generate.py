@@ -65,7 +65,12 @@ def load_model(
 def build_loaded(weights, spec, model_args, n_words: int, device: torch.device, adapter: str | None = None):
     """``load_model`` from weights and args already read (``_weights_and_model``)."""
     if adapter:
-        from torchtitan.lora.peft_io import check_adapters_fit_base, merge_adapters, read_peft_folder, scaling_of
+        from torchtitan.features.lora.peft_io import (
+            check_adapters_fit_base,
+            merge_adapters,
+            read_peft_folder,
+            scaling_of,
+        )
 
         config, adapters = read_peft_folder(adapter, spec, dataclasses.asdict(model_args))
         check_adapters_fit_base(adapters, weights, adapter)
@@ -87,7 +92,7 @@ def _weights_and_model(checkpoint: str | None, hf: str | None, max_len: int):
     from torchtitan.spec import get_model_spec, spec_for_hf_model_type
 
     if hf:
-        from torchtitan.checkpointing.hf_files import load_hf_weights, read_hf_config
+        from torchtitan.checkpointing.hf.files import load_hf_weights, read_hf_config
 
         spec = spec_for_hf_model_type(read_hf_config(hf).get("model_type", "llama"))
         if spec.state_dict_adapter is None:
@@ -100,7 +105,7 @@ def _weights_and_model(checkpoint: str | None, hf: str | None, max_len: int):
             raise ValueError(f"{checkpoint}: its marker records no model args; it was not written by this trainer")
         spec, fields = get_model_spec(info.get("name") or "llama3"), info["args"]
         if info.get("lora"):  # a LoRA run's checkpoint holds its adapters: merge them into the recorded base
-            from torchtitan.lora.hf_export import merged_weights
+            from torchtitan.features.lora.hf_export import merged_weights
 
             weights = merged_weights(weights, info, checkpoint)
     model_args = type(next(iter(spec.flavors.values()))).from_dict({**fields, "max_seq_len": max_len})
@@ -228,8 +233,8 @@ def default_tokenizer(hf: str | None, checkpoint: str | None) -> str:
     Raises:
         FileNotFoundError: the recorded tokenizer is not on this machine.
     """
-    from torchtitan.checkpointing.hf_files import hf_folder_tokenizer
-    from torchtitan.checkpointing.marker import recorded_tokenizer
+    from torchtitan.checkpointing.files.marker import recorded_tokenizer
+    from torchtitan.checkpointing.hf.files import hf_folder_tokenizer
 
     fix = "pass --tokenizer, the same tokenizer's file or folder"
     recorded = recorded_tokenizer(checkpoint, fix=fix) if checkpoint else None

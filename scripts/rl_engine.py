@@ -26,9 +26,9 @@ import torch  # noqa: E402
 from torchtitan.components.generation import Sampling  # noqa: E402
 from torchtitan.config.manager import JobConfig  # noqa: E402
 from torchtitan.datasets.sft.chat_template import ChatTokenizer  # noqa: E402
-from torchtitan.rl.prompts import PromptSource  # noqa: E402
-from torchtitan.rl.rewards import load_reward  # noqa: E402
-from torchtitan.rl.rollouts import Rollout, generate_group, group_seed, score_completion  # noqa: E402
+from torchtitan.features.rl.prompts import PromptSource  # noqa: E402
+from torchtitan.features.rl.rewards import load_reward  # noqa: E402
+from torchtitan.features.rl.rollouts import Rollout, generate_group, group_seed, score_completion  # noqa: E402
 
 
 def _load_model_fn():

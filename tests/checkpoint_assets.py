@@ -159,7 +159,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     index.setdefault("machines", {})[fingerprint()] = cpu_model()
     if not args.record_losses:
-        from torchtitan.checkpointing.format import FORMAT_VERSION, release
+        from torchtitan.checkpointing.files.format import FORMAT_VERSION, release
 
         index.update(format=FORMAT_VERSION, release=release(), written_at_commit=commit.stdout.strip())
     with open(INDEX, "w", encoding="utf-8") as f:

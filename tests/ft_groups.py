@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from tests.pool import JobFailed, PoolBroken, WorkerPool, train_job
-from torchtitan.fault_tolerance.lighthouse import start_lighthouse
+from torchtitan.features.fault_tolerance.lighthouse import start_lighthouse
 
 # The lighthouse of the tests: a quorum re-checked every 50 ms, a silent group dropped after 1 s.
 LIGHTHOUSE = dict(quorum_tick_ms=50, heartbeat_timeout_ms=1000, join_timeout_ms=3000)

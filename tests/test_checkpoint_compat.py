@@ -52,7 +52,7 @@ def _copy(name: str, folder: str) -> str:
 def _rewrite_metadata(step_folder: str, edit) -> None:
     """Apply ``edit`` to the copy's DCP metadata and record the new file's size and CRC in its marker, as a save
     by code that wrote those keys would have."""
-    from torchtitan.checkpointing.integrity import read_metadata_file
+    from torchtitan.checkpointing.files.integrity import read_metadata_file
 
     metadata = edit(read_metadata_file(os.path.join(step_folder, ".metadata")))
     data = pickle.dumps(metadata)

@@ -98,7 +98,7 @@ def _write_tasks(folder: str) -> None:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """(run folder, task folder): 20 steps of the tiny model, its step-20 checkpoint and HF export."""
-    from torchtitan.checkpointing.hf import export_to_hf
+    from torchtitan.checkpointing.hf.convert import export_to_hf
 
     os.chdir(ROOT)
     base = tmp_path_factory.mktemp("eval")
@@ -112,7 +112,7 @@ def trained(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained_hf(trained, tmp_path_factory):
     """(run folder, task folder) as ``trained``, for transformers' Mistral class (``model.name = "hf"``)."""
-    from torchtitan.checkpointing.hf import export_to_hf
+    from torchtitan.checkpointing.hf.convert import export_to_hf
 
     run = str(tmp_path_factory.mktemp("eval_hf") / "run")
     argv = _train_argv(run, 20, ["--checkpoint.enable_checkpoint"], HF_MODEL)
@@ -236,7 +236,7 @@ def _losses_and_evals(folder: str) -> tuple[list[float], dict[int, dict]]:
 
 def test_in_loop_eval_every_3_steps_leaves_training_bit_identical(tmp_path, monkeypatch):
     """Also: no evaluation runs torch's environment report (lm-eval's add_env_info: subprocesses, ~1.3 s each;
-    torchtitan/eval/loop.py), and lm-eval's own function is back in place afterwards."""
+    torchtitan/features/in_loop_eval/loop.py), and lm-eval's own function is back in place afterwards."""
     import lm_eval.evaluator
     import torch.utils.collect_env
 

@@ -85,7 +85,7 @@ def _check_parity(run: list[dict], want: dict[str, list[float]], name: str) -> N
     for r, loss, norm in zip(run, want["loss"], want["grad_norm"], strict=True):
         assert abs(r["loss"] - loss) <= RTOL * abs(loss), f"{name} step {r['step']}: loss {r['loss']} vs HSDP {loss}"
         assert abs(r["grad_norm"] - norm) <= GRAD_NORM_RTOL * norm, f"{name} step {r['step']}: grad norm"
-        assert r["replica_groups"] == 2 and r["global_batch_samples"] == 8, r
+        assert r["group_seams"] == 2 and r["global_batch_samples"] == 8, r
 
 
 # --------------------------------------------------------------------------- parity with HSDP, resume
@@ -172,7 +172,7 @@ def test_ft_local_kills_a_group_which_heals_from_the_live_one_and_checks_its_cla
     argv = [*COMMON, "--training.steps", str(steps), "--training.batch_size", "4"]
     # an earlier job's files in the folder (group 1 logged its last step): moved aside, never read as this job's
     (dump / "replica_1").mkdir(parents=True)
-    (dump / "replica_1" / "metrics.jsonl").write_text(json.dumps({"step": steps, "replica_groups": 2}) + "\n")
+    (dump / "replica_1" / "metrics.jsonl").write_text(json.dumps({"step": steps, "group_seams": 2}) + "\n")
     result = _ft_local(*argv, env=env)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
@@ -189,7 +189,7 @@ def test_ft_local_kills_a_group_which_heals_from_the_live_one_and_checks_its_cla
     assert all(math.isfinite(x) for x in losses) and sum(losses[-10:]) < sum(losses[:10]) - 3.0, losses
     assert "Traceback" not in text0 and "Error" not in text0
     left = [line for line in text0.splitlines() if "[1] left" in line or "retried with replica groups [0]" in line]
-    assert len(left) == 1 and any(r["replica_groups"] == 1 for r in run) and run[-1]["replica_groups"] == 2, left
+    assert len(left) == 1 and any(r["group_seams"] == 1 for r in run) and run[-1]["group_seams"] == 2, left
     record = json.loads((dump / "ft_local.json").read_text())
     healed = re.findall(r"replica group 1 healed from group 0 at step (\d+)", text1.split("replica group 1 of 2")[-1])
     assert len(healed) == 1 and int(healed[0]) > record["killed_after"] >= 3, (healed, record)
@@ -305,9 +305,9 @@ def _pause_serving(marker: str) -> dict:
 
 
 def pausing_replicas(core, *, marker: str):
-    """A ``replicas`` seam whose group hands its state to a healing group only after a long pause, announced in
+    """A ``group_seams`` slot whose group hands its state to a healing group only after a long pause, announced in
     ``marker`` (torchft gathers every registered state before serving): the test kills it then."""
-    from torchtitan.fault_tolerance.setup import build_replicas
+    from torchtitan.features.fault_tolerance.setup import build_replicas
 
     replicas = build_replicas(core)
     replicas.manager.register_state_dict_fn("test_pause", lambda state: None, functools.partial(_pause_serving, marker))
@@ -320,7 +320,7 @@ def test_a_heal_source_dying_mid_transfer_is_one_line(tmp_path):
     folder, marker = str(tmp_path / "ft"), str(tmp_path / "serving")
     extra = ["--training.steps", "400", "--fault_tolerance.quorum_timeout_seconds", "10"]
     with FtJob(2, 1, min_replicas=1) as job:
-        builders = Builders(overrides={"outer": functools.partial(pausing_replicas, marker=marker)})
+        builders = Builders(overrides={"group_seams": functools.partial(pausing_replicas, marker=marker)})
         source = job.start(0, _argv(folder, 0, 2, *extra), builders=builders)
         _wait("group 0's first steps", lambda: _last_step(_replica(folder, 0)) >= 3)
         healing = job.start(1, _argv(folder, 1, 2, *extra))
@@ -344,9 +344,9 @@ def test_groups_on_different_configs_are_one_line(tmp_path):
 
 
 def nudging_replicas(core, *, step: int, marker: str):
-    """The ``replicas`` seam; at the first commit from ``step`` on that both groups train, one weight of this rank is
+    """The ``group_seams`` slot; at the first commit from ``step`` on that both groups train, one weight of this rank is
     changed by 1e-3 (a silent fault), and ``marker`` gets that step."""
-    from torchtitan.fault_tolerance.setup import build_replicas
+    from torchtitan.features.fault_tolerance.setup import build_replicas
 
     replicas = build_replicas(core)
     commit = replicas.commit
@@ -371,7 +371,7 @@ def test_a_group_whose_weights_drift_apart_stops_in_one_line(tmp_path):
     folder, marker = str(tmp_path / "ft"), str(tmp_path / "nudged")
     extra = ["--training.batch_size", "4", "--training.steps", "20", "--fault_tolerance.quorum_timeout_seconds", "3"]
     with FtJob(2, 1, min_replicas=2) as job:  # both in every quorum: the step's check, not a heal
-        nudging = Builders(overrides={"outer": functools.partial(nudging_replicas, step=3, marker=marker)})
+        nudging = Builders(overrides={"group_seams": functools.partial(nudging_replicas, step=3, marker=marker)})
         results = [job.start(0, _argv(folder, 0, 2, *extra)), job.start(1, _argv(folder, 1, 2, *extra), nudging)]
         results = [r.result(timeout=DEADLINE_S) for r in results]
     with open(marker) as f:

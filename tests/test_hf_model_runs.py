@@ -165,7 +165,7 @@ def _check_peft_export(folder: str, base: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from torchtitan.lora.hf_export import export_lora
+    from torchtitan.features.lora.hf_export import export_lora
 
     adapter = os.path.join(folder, "hf", f"step-{STEPS}")
     with open(os.path.join(adapter, "adapter_config.json")) as f:

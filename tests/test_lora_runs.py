@@ -167,7 +167,7 @@ def lora_run(tmp_path_factory) -> dict[str, str]:
     shutil.copytree(os.path.join(full, "checkpoint", "step-3"), os.path.join(resumed, "checkpoint", "step-3"))
     log = _train(2, resumed, run)
     hf_base = str(tmp / "hf_base")
-    from torchtitan.checkpointing.hf import export_to_hf
+    from torchtitan.checkpointing.hf.convert import export_to_hf
 
     export_to_hf(base, hf_base)
     return {
@@ -273,7 +273,7 @@ def test_peft_export_loads_in_peft_merges_and_loads_back(lora_run):
     hf = transformers.AutoModelForCausalLM.from_pretrained(lora_run["hf_base"], dtype=torch.float32).eval()
     merged_dir = os.path.join(lora_run["tmp"], "merged")
     assert convert_to_hf.main([step6, merged_dir, "--merge_lora"]) == 0
-    from torchtitan.checkpointing.hf import export_to_hf  # whole models only: the adapters' scope is refused
+    from torchtitan.checkpointing.hf.convert import export_to_hf  # whole models only: the adapters' scope is refused
 
     with pytest.raises(ValueError, match=r"holds part of a model \(its lora run's trained keys\)"):
         export_to_hf(step6, os.path.join(lora_run["tmp"], "not_written"))

@@ -59,7 +59,7 @@ def _nf4_bytes_job(rank: int, world_size: int, argv: list[str]) -> dict:
     import torch.distributed as dist
 
     from torchtitan.config.manager import JobConfig
-    from torchtitan.lora.quantize import is_nf4
+    from torchtitan.features.lora.quantize import is_nf4
     from torchtitan.train import Trainer
 
     trainer = Trainer(JobConfig.parse_args(argv, world_size=world_size), world_size=world_size, rank=rank)
@@ -107,7 +107,7 @@ def _train_job(rank: int, world_size: int, argv: list[str]) -> dict:
     import torch
 
     from torchtitan.config.manager import JobConfig
-    from torchtitan.lora.quantize import is_nf4
+    from torchtitan.features.lora.quantize import is_nf4
     from torchtitan.train import Trainer
 
     trainer = Trainer(JobConfig.parse_args(argv, world_size=world_size), world_size=world_size, rank=rank)
@@ -198,7 +198,7 @@ def _check_peft_export(step: str, base: str, want, tmp: str) -> None:
     import torch
 
     from tests.test_lora_runs import _n_words, _script
-    from torchtitan.checkpointing.hf import export_to_hf
+    from torchtitan.checkpointing.hf.convert import export_to_hf
 
     peft_dir, hf_base = os.path.join(tmp, "peft"), os.path.join(tmp, "hf_base")
     assert _script("convert_to_hf").main([step, peft_dir]) == 0

@@ -53,8 +53,8 @@ def _log(folder: str) -> str:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """Runs A, B and C (module docstring) and what the bucket held after each."""
-    from torchtitan.checkpointing import storage
-    from torchtitan.checkpointing.folders import list_checkpoints
+    from torchtitan.checkpointing.files import storage
+    from torchtitan.checkpointing.files.folders import list_checkpoints
     from torchtitan.engine.builders import Builders, build_checkpointer
 
     base = tmp_path_factory.mktemp("remote")

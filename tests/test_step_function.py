@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
+from torchtitan.components.batch import Batch
 from torchtitan.config.manager import JobConfig
-from torchtitan.features.documents.feed import Batch
 from torchtitan.train import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -8,38 +8,29 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from torchtitan.checkpointing.common import model_info, save_model_weights
-from torchtitan.checkpointing.hf_files import hf_embedding_rows
-from torchtitan.checkpointing.marker import read_marker, step_folder
+from torchtitan.checkpointing.files.marker import read_marker, step_folder
+from torchtitan.checkpointing.files.storage import under
+from torchtitan.checkpointing.hf.files import hf_embedding_rows
+from torchtitan.checkpointing.scope import WHOLE_MODEL
 from torchtitan.checkpointing.state import ModelState
-from torchtitan.checkpointing.storage import under
 from torchtitan.components.loss import build_loss_fn
 from torchtitan.components.step import PipelineLoss, StepFunction
 from torchtitan.datasets.shard import DataShard
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.distributed.backend.device import get_device_info
-from torchtitan.distributed.init import cast_parameters_, init_model_weights
+from torchtitan.distributed.init import init_model_weights
 from torchtitan.distributed.mesh import WorldMesh
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline.stages import PipelineParts, ShapeInference, build_pipeline
 from torchtitan.dtypes import to_dtype
-from torchtitan.features.documents.feed import build_document_feed
-from torchtitan.features.float8.float8 import (
-    Float8ScalePrecompute,
-    apply_float8,
-    check_float8_runs,
-    cpu_float8_onednn_problem,
-    turn_off_onednn,
-)
-from torchtitan.features.linear_attention import install_linear_attention_kernel
-from torchtitan.lora.apply import apply_lora, init_lora_adapters
-from torchtitan.lora.linear import is_base_key
+from torchtitan.features.registry import build_slot, enabled_builders, model_transforms
 from torchtitan.models.common.attention import resolve_attention_backend
 from torchtitan.spec import chain_hooks, get_model_spec
 
@@ -48,9 +39,10 @@ logger = logging.getLogger(__name__)
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from torchtitan.components.seams import BatchFeed, ModelTransform
     from torchtitan.config.manager import JobConfig
     from torchtitan.config.schema import Training
-    from torchtitan.spec import ModelSpec
+    from torchtitan.spec import ModelSpec, StepHooks
 
 
 def build_model_args(config: JobConfig, spec: ModelSpec, vocab_size: int, *, device_type: str | None = None) -> Any:
@@ -110,7 +102,7 @@ def build_data_loader(training: Training, tokenizer: Any, shard: DataShard, mode
     groups = compute_stream_groups(shard.rank, shard.degree, t.batch_size, t.gradient_accumulation_steps)
     num_streams = shard.degree * t.batch_size * t.gradient_accumulation_steps
     if t.dataset_format != "text":  # fine-tuning rows, packed (datasets/sft/loader.py)
-        from torchtitan.datasets.finetune import build_sft_data_loader
+        from torchtitan.datasets.sft.finetune import build_sft_data_loader
 
         return build_sft_data_loader(t.dataset, t.dataset_path, tokenizer, t, groups, num_streams, model_args)
     return build_text_data_loader(
@@ -126,6 +118,30 @@ def build_data_loader(training: Training, tokenizer: Any, shard: DataShard, mode
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelFeatures:
+    """What the enabled features add to the model and its step (the registry's slots, resolved once a run)."""
+
+    transforms: tuple[ModelTransform, ...] = ()
+    """``model_transform``: applied to every model part, in the registry's order."""
+    hooks: tuple[Callable[[JobConfig, list[nn.Module]], StepHooks], ...] = ()
+    """``step_hooks``' builders, run over the finished model parts; chained after the family's hooks."""
+    feed: Callable[..., BatchFeed] | None = None
+    """``batch_feed``'s builder, or None: batches carry their tokens only."""
+
+
+def model_features(
+    config: JobConfig, spec: ModelSpec, device: torch.device, *, estimate: bool = False
+) -> ModelFeatures:
+    """The enabled features' transforms, step hooks and batch feed (``estimate``: the memory estimator's builders)."""
+    feeds = enabled_builders(config, "batch_feed", estimate=estimate)
+    return ModelFeatures(
+        transforms=model_transforms(config, spec, device, estimate=estimate),
+        hooks=tuple(build for _, build in enabled_builders(config, "step_hooks", estimate=estimate)),
+        feed=feeds[0][1] if feeds else None,
+    )
+
+
 def finish_model_part(
     part: nn.Module,
     spec: ModelSpec,
@@ -133,27 +149,18 @@ def finish_model_part(
     world: WorldMesh,
     device: torch.device,
     *,
+    transforms: Sequence[ModelTransform] = (),
     frozen: bool = False,
 ) -> None:
-    """Float8-convert or add LoRA adapters (if asked), parallelize a meta model (or pipeline stage), materialise it on ``device``, init
-    from the seed. The float8 conversion comes first: TP picks float8 styles for converted linears.
+    """Transform (``transforms``' ``convert``, in order), parallelize a meta model (or pipeline stage), materialise it
+    on ``device``, init from the seed, then the transforms' ``after_init``.
 
     ``frozen``: no parameter is trained (the RL loop's reference): frozen before the parallelisms, so DDP, which
     only averages gradients, is not applied."""
-    if config.float8.enable_float8_linear:
-        check_float8_runs(device, config.float8.recipe_name)
-        if device.type == "cpu" and (problem := cpu_float8_onednn_problem()) is not None:
-            turn_off_onednn(problem)  # the probes measure; the build decides for the process
-        apply_float8(part, config.float8)
-    install_linear_attention_kernel(part, config.model.linear_attention_kernel, device)  # Gated DeltaNet's, if any
-    if config.lora.enable:  # adapters on the frozen base, before TP so each adapter is sharded like its linear
-        apply_lora(part, config.lora, spec)
-    if config.training.dtype != "float32":  # before FSDP/TP wrap them: every layout holds the same bf16 tensors
-        cast_parameters_(part, to_dtype(config.training.dtype))
+    for transform in transforms:
+        transform.convert(part)
     if frozen:
         part.requires_grad_(False)
-    elif config.model.freeze_vision:  # the family's check allows it only on a model with a tower
-        part.freeze_vision()
     spec.parallelize_fn(
         part,
         world_mesh=world.mesh,
@@ -169,8 +176,8 @@ def finish_model_part(
     part.to_empty(device=torch.device("cpu") if offload else device)
     seed = 0 if config.training.seed is None else config.training.seed
     init_model_weights(part, seed, buffer_device=device)
-    if config.lora.enable:
-        init_lora_adapters(part, seed)
+    for transform in transforms:
+        transform.after_init(part, seed)
     part.train()
 
 
@@ -183,12 +190,13 @@ def build_model_parts(
     device: torch.device,
     loss_fn: PipelineLoss,
     shape_inference: ShapeInference,
+    transforms: Sequence[ModelTransform] = (),
 ) -> tuple[list[nn.Module], PipelineParts | None]:
     """This rank's model parts: the whole model, or its pipeline stages (each from ``build_stage_model``,
-    marking their shape-inference forwards in ``shape_inference``)."""
+    marking their shape-inference forwards in ``shape_inference``), finished with ``transforms``."""
     dims = world.dims
     if not dims.pp_enabled:
-        finish_model_part(whole, spec, config, world, device)
+        finish_model_part(whole, spec, config, world, device, transforms=transforms)
         return [whole], None
     if spec.pipeline_split_fn is None:
         raise NotImplementedError(
@@ -208,7 +216,7 @@ def build_model_parts(
         split_points=exp.pipeline_parallel_split_points,
         csv_path=exp.pipeline_parallel_schedule_csv,
         loss_fn=loss_fn,
-        finish_stage=lambda part: finish_model_part(part, spec, config, world, device),
+        finish_stage=lambda part: finish_model_part(part, spec, config, world, device, transforms=transforms),
         shape_inference=shape_inference,
     )
     return pipeline.model_parts, pipeline
@@ -223,23 +231,35 @@ def build_step_function(
     world: WorldMesh,
     device: torch.device,
     *,
+    features: ModelFeatures,
     eos_id: int,
     cp_positions: torch.Tensor | None,
 ) -> StepFunction:
-    """This rank's finished model parts, the family's step hooks, and the one step function over them
-    (block_causal: with the feed of each batch's documents over the parts; ``eos_id``: the tokenizer's end
-    of document, ``cp_positions``: context parallel's positions of this rank, or None)."""
+    """This rank's finished model parts, the family's and the features' step hooks, and the one step function over
+    them (with the features' batch feed over the parts; ``eos_id``: the tokenizer's end of document,
+    ``cp_positions``: context parallel's positions of this rank, or None)."""
     loss_fn = build_loss_fn(compile=config.training.compile_loss)  # one loss for the schedule and the step
     pipeline_loss = PipelineLoss(loss_fn)
-    shape_inference = ShapeInference()  # the stages mark it; the step hooks and the document feed read it
+    shape_inference = ShapeInference()  # the stages mark it; the step hooks and the batch feed read it
     parts, pipeline = build_model_parts(
-        whole, build_stage_model, spec, config, world, device, pipeline_loss, shape_inference
+        whole, build_stage_model, spec, config, world, device, pipeline_loss, shape_inference, features.transforms
     )
     hooks = None
     if spec.build_step_hooks is not None:
         hooks = spec.build_step_hooks(model_args, whole, parts, world, device, shape_inference=shape_inference)
-    if config.float8.precompute_float8_dynamic_scale_for_fsdp:
-        hooks = chain_hooks(hooks, Float8ScalePrecompute(parts))
+    for build_hooks in features.hooks:
+        hooks = chain_hooks(hooks, build_hooks(config, parts))
+    feed = None
+    if features.feed is not None:
+        feed = features.feed(
+            parts,
+            model=config.model,
+            eos_id=eos_id,
+            n_microbatches=pipeline.n_microbatches if pipeline is not None else 1,
+            cp_positions=cp_positions,
+            group=world.group("dp_cp"),
+            shape_inference=shape_inference,
+        )
     return StepFunction(
         parts,
         world=world,
@@ -250,15 +270,7 @@ def build_step_function(
         pipeline=pipeline,
         pipeline_loss=pipeline_loss,
         hooks=hooks,
-        feed=build_document_feed(
-            parts,
-            model=config.model,
-            eos_id=eos_id,
-            n_microbatches=pipeline.n_microbatches if pipeline is not None else 1,
-            cp_positions=cp_positions,
-            group=world.group("dp_cp"),
-            shape_inference=shape_inference,
-        ),
+        feed=feed,
     )
 
 
@@ -273,10 +285,12 @@ def autocast_dtype(training: Training, dims: ParallelDims) -> torch.dtype | None
 def build_model(
     config: JobConfig, model_args: Any, parallel_dims: ParallelDims, mesh: DeviceMesh | None, device: torch.device
 ) -> nn.Module:
-    """A whole (non-pipelined) model of ``config.model.name``: meta build, parallelize, materialise, init."""
+    """A whole (non-pipelined) model of ``config.model.name``: meta build, the enabled features' transforms,
+    parallelize, materialise, init."""
     spec = get_model_spec(config.model.name)
     model = build_meta_model(spec, model_args)
-    finish_model_part(model, spec, config, WorldMesh(parallel_dims, mesh), device)
+    transforms = model_transforms(config, spec, device)
+    finish_model_part(model, spec, config, WorldMesh(parallel_dims, mesh), device, transforms=transforms)
     return model
 
 
@@ -294,9 +308,12 @@ def create_seed_checkpoint(config: JobConfig) -> str:
         None,
         get_device_info().device,
     )
-    # a seed is a base: with LoRA, its adapters are drawn again from the seed at every start
+    # a seed is a base: a run that trains part of the model (the checkpoint scope) draws that part again at every start
+    scope = build_slot(config, "checkpoint_scope", WHOLE_MODEL, config)
     save_model_weights(
-        ModelState(model, keys=is_base_key).state_dict(), path, model_info(model=config.model, model_args=args)
+        ModelState(model, keys=scope.keys(full=False)).state_dict(),
+        path,
+        model_info(model=config.model, model_args=args),
     )
     logger.info("seed checkpoint written to %s", path)
     return path

@@ -16,22 +16,23 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from torchtitan.build import create_seed_checkpoint
 from torchtitan.checkpointing.manager import resumes_from
+from torchtitan.components.batch import Batch
 from torchtitan.components.run_control import AgreedStop, RunStopped
+from torchtitan.components.seams import StepResult
+from torchtitan.components.train_step import is_log_step
 from torchtitan.config.manager import JobConfig, format_help, print_help, wants_help
 from torchtitan.distributed.backend.device import ProcessFlags, get_device_info, init_distributed, set_pg_timeout
 from torchtitan.distributed.backend.host_malloc import tune_cpu_malloc
 from torchtitan.engine.builders import Builders
-from torchtitan.engine.parts import CoreParts, build_core_parts, build_training_parts
+from torchtitan.engine.parts import build_core_parts, build_training_parts
 from torchtitan.engine.summary import start_summary
-from torchtitan.features.documents.feed import Batch
 from torchtitan.launch.failures import exit_without_finalization, report_exception, report_failure
 from torchtitan.launch.parent_watch import watch_parent
 from torchtitan.launch.run_folder import RunLock, checkpoint_root, run_folder, set_aside_earlier_run
@@ -39,7 +40,6 @@ from torchtitan.observability.logging import init_logger, set_log_level
 from torchtitan.observability.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.observability.run_records import run_record_names, write_run_records
 from torchtitan.preflight import run_preflight
-from torchtitan.preflight.registry import enabled_builders
 from torchtitan.spec import merge_metrics
 
 logger = logging.getLogger(__name__)
@@ -49,21 +49,13 @@ logger = logging.getLogger(__name__)
 USER_ERRORS = (ValueError, NotImplementedError, FileNotFoundError)
 
 
-@dataclass(frozen=True)
-class StepResult:
-    loss: torch.Tensor
-    """This rank's mean loss (with replica groups: averaged over them), unsynced."""
-    grad_norm: torch.Tensor
-    committed: bool
-    """Whether the step was applied; False only when the replica groups discarded it."""
-
-
 class Trainer:
-    """The pre-training loop: a thin driver over a run's parts (engine/parts.py), built once from the config.
+    """The training loop: a thin driver over a run's parts (engine/parts.py), built once from the config.
 
     ``builders`` swaps the parts that touch the outside world (``engine.builders.Builders``); the memory
-    estimator passes fakes there and runs this same build and step. Every optional feature takes part through
-    a seam of ``TrainingParts`` (a null object where it is off), so the loop has no per-feature branches.
+    estimator passes fakes there and runs this same build and step. What one step does is the parts' ``runner``
+    (pre-training's ``PretrainStep``, or a feature's: RL's); every optional feature takes part through a seam of
+    ``TrainingParts`` (a null object where it is off), so the loop has no per-feature branches.
     """
 
     def __init__(self, config: JobConfig, *, world_size: int, rank: int, builders: Builders | None = None):
@@ -75,7 +67,7 @@ class Trainer:
         self.flags_found = ProcessFlags.read()  # the build may change them (determinism, float8 on CPU); close restores
         try:
             core = build_core_parts(config, world_size=world_size, rank=rank, device=device, builders=builders)
-            self.parts = parts = build_training_parts(core, builders=self.training_builders(core, builders))
+            self.parts = parts = build_training_parts(core, builders=builders)
         except BaseException:
             self.flags_found.restore()
             raise
@@ -85,28 +77,10 @@ class Trainer:
         self.stop_requested = False
         self.data_iter: Iterator | None = None
         if rank == 0:
-            logger.info("\n%s", self.start_summary())
-
-    def start_summary(self) -> str:
-        """The block rank 0 logs before the first step."""
-        return start_summary(self.parts)
-
-    def training_builders(self, core: CoreParts, builders: Builders) -> Builders:
-        """The builders of the training parts, given the core parts (another loop adds what its checkpoints hold)."""
-        return builders
-
-    def step_modules(self) -> list[torch.nn.Module]:
-        """Modules the step runs besides ``model_parts`` (the RL loop's frozen reference): the memory estimator
-        tracks them too."""
-        return []
-
-    def phase_done(self, name: str) -> None:
-        """Called by a step at the end of a phase of its own (the RL step's generation); the memory estimator's
-        tracker replaces it to read the phase's peak. A no-op in training."""
+            logger.info("\n%s", start_summary(parts))
 
     # The parts tools and tests read most (the rest: ``self.core`` / ``self.parts``).
     model_parts = property(lambda self: self.core.model_parts)
-    outer = property(lambda self: self.parts.outer)
     metrics = property(lambda self: self.parts.metrics)
     checkpointer = property(lambda self: self.parts.checkpointer)
     optimizer = property(lambda self: self.core.optimizer)
@@ -120,34 +94,8 @@ class Trainer:
         return self.core.next_batches(data_iter)
 
     def train_step(self, batches: list[Batch]) -> StepResult:
-        """Forward/backward every micro-batch, clip, step (with replica groups: average over them, step only if
-        they commit). Where this rank does not hold the loss, its share is 0 (``StepFunction.reduce_loss``)."""
-        core, parts = self.core, self.parts
-        outer, step_fn, hooks = parts.outer, core.step_fn, core.hooks
-        # block_causal: every counted token (of every replica group) weighs the same
-        token_weight = step_fn.count_tokens(batches, outer_sum=outer.outer_sum)
-        loss_sum = parts.step_pass.run(self.step, step_fn.train_micro_batches, batches, token_weight=token_weight)
-        loss_sum, params = outer.reduce_gradients(step_fn.finish_gradients, loss_sum)
-        max_norm = self.config.training.max_norm
-        grad_norm = core.optimizer_step.grad_norm(lambda ps: step_fn.clip_grad_norm_(max_norm, ps), params)
-        hooks.reduce_step(keep_metrics=self._is_log_step(), outer_sum=outer.outer_sum)
-        verdict = parts.guard.check(self.step, loss_sum, grad_norm)  # every rank: same verdict
-        self.stop_requested = verdict.stop
-        committed = outer.commit(self.step)
-        if verdict.skip or not committed:  # no update; the schedule still follows the committed step count
-            hooks.discard_step()
-        else:
-            core.optimizer_step.apply(core.optimizer, outer)
-            hooks.after_optimizer_step()
-        if committed:
-            core.lr_scheduler.step()
-        core.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_sum, grad_norm, committed)
-
-    def _is_log_step(self) -> bool:
-        cfg = self.config
-        first = self.step == self.start_step + 1
-        return first or self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps
+        """The runner's training on one step's data, at the current step."""
+        return self.parts.runner.train(self.step, batches)
 
     def train(self) -> None:
         cfg = self.config
@@ -167,7 +115,7 @@ class Trainer:
                 if on_main_thread:
                     self.parts.signals.restore()
         gc.enable()
-        self.outer.report_end(self.step)
+        self.parts.agreement.report_end(self.step)
         if self.rank == 0:
             logger.info(self.metrics.end_summary(self.step, checkpoint=self.checkpointer.summary()))
 
@@ -196,57 +144,56 @@ class Trainer:
             yield profiler, snapshotter
 
     def run_step(self) -> None:
-        """One optimizer step: fetch the micro-batches, train on them, record metrics. With replica groups an
-        attempt: the quorum picks the step (a healed group jumps to it), a discarded one is retried."""
-        outer = self.outer
-        attempt = outer.start_step()
+        """One step: the agreement's attempt (with replica groups the quorum picks the step; a healed group jumps to
+        it), the runner's data and training on it, the commit's aftermath, then the records of a committed step."""
+        agreement, runner = self.parts.agreement, self.parts.runner
+        attempt = agreement.start_step()
         self.step = attempt.step
         if attempt.data_moved:
             self.data_iter = iter(self.data_loader)
         data_start = time.perf_counter()
-        batches = self.next_batches(self.data_iter)
+        data = runner.data(self.step, self.data_iter)
         self.metrics.add_data_time(time.perf_counter() - data_start)
-        result = self.train_step(batches)
-        if outer.finish_step(result.committed):  # rewound (a discarded step) or healed: a new position
+        result = runner.train(self.step, data)
+        self.stop_requested = result.stop
+        if agreement.finish_step(result.committed):  # rewound (a discarded step) or healed: a new position
             self.data_iter = iter(self.data_loader)
-        self.step = outer.step  # the committed steps (a heal during a semi-sync synchronization moves it)
+        self.step = agreement.step  # the committed steps (a heal during a semi-sync synchronization moves it)
         if result.committed:
             self._after_step(result.loss, result.grad_norm)
 
-    def step_tokens(self) -> float:
-        """This rank's share of the step's tokens: TP, CP and PP ranks split the work on the same samples, so
-        tokens/s and MFU are per-rank numbers that add up across the world."""
-        t, dims = self.config.training, self.parallel_dims
-        return t.batch_size * t.gradient_accumulation_steps * t.seq_len / (dims.tp * dims.cp * dims.pp)
-
     def _after_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        cfg = self.config
-        self.metrics.add_step(self.step_tokens())
+        cfg, parts = self.config, self.parts
+        self.metrics.add_step(parts.runner.step_tokens())
         first = self.step == self.start_step + 1
-        if self._is_log_step():
+        logged = is_log_step(cfg, self.step, self.start_step)
+        if logged:
             lr = self.core.lr_scheduler.get_last_lr()[0]
             self.metrics.log(self.step, loss, grad_norm, lr=lr, extra=self._extra())
-        for work in self.parts.after_step:  # validation, evaluation: each at its own steps
+        for work in parts.after_step:  # validation, evaluation: each at its own steps
             work.maybe_run(self.step)
-        if self.outer.writes_checkpoints:  # of several replica groups, the lowest live one
+        if parts.share.writes_checkpoints:  # of several replica groups, the lowest live one
             self.checkpointer.maybe_save(self.step, last=self.step == cfg.training.steps)
         # at the last step the run is done anyway; semi-sync replica groups stop at a synchronization
-        if self.stop_requested and self.step < cfg.training.steps and self.outer.can_stop:
+        if self.stop_requested and self.step < cfg.training.steps and parts.stops.can_stop:
             self._stop()
         if first:
             set_pg_timeout(cfg.comm.train_timeout_seconds)
         if self.step % cfg.training.gc_freq == 0:
             gc.collect(1)
+        parts.runner.after_commit(self.step, logged=logged)
 
     def _extra(self) -> tuple[dict, dict] | None:
-        """The log record's extra fields: the family's step hooks' and the replica groups' (the live groups)."""
+        """The log record's extra fields: the family's step hooks', the replica groups' (the live groups) and the
+        runner's."""
         t = self.config.training
         group_batch = self.parallel_dims.dp_degree * t.batch_size * t.gradient_accumulation_steps
-        return merge_metrics(self.core.hooks.metrics(), self.outer.metrics(group_batch))
+        parts = self.parts
+        return merge_metrics(self.core.hooks.metrics(), parts.fields.metrics(group_batch), parts.runner.metrics())
 
     def _stop(self) -> None:
         """A stop signal reached some rank during this step: save it (if not just saved) and stop."""
-        self.outer.before_stop(self.step)  # a group that does not keep the checkpoint leaves here
+        self.parts.stops.before_stop(self.step)  # a group that does not keep the checkpoint leaves here
         saved = self.checkpointer.save_now(self.step)
         where = "checkpointing is off (checkpoint.enable_checkpoint), nothing saved"
         if saved:
@@ -257,16 +204,9 @@ class Trainer:
         try:
             self.checkpointer.close()  # waits for an async save in flight
             self.metrics.close()
-            self.outer.close()
+            self.parts.agreement.close()
         finally:
             self.flags_found.restore()
-
-
-def driver(config: JobConfig, *, estimate: bool = False) -> Callable[..., Trainer]:
-    """The loop over the run's parts: a feature's (RL's) if one is on, else the pre-training ``Trainer``.
-    ``estimate``: the memory estimator's version of it (preflight/registry.py)."""
-    drivers = enabled_builders(config, "driver", estimate=estimate)
-    return drivers[0][1] if drivers else Trainer
 
 
 def run_job(config: JobConfig, *, world_size: int, rank: int, builders: Builders | None = None) -> None:
@@ -293,7 +233,7 @@ def run_job(config: JobConfig, *, world_size: int, rank: int, builders: Builders
         if config.checkpoint.create_seed_checkpoint:
             create_seed_checkpoint(config)
             return
-        trainer = driver(config)(config, world_size=world_size, rank=rank, builders=builders)
+        trainer = Trainer(config, world_size=world_size, rank=rank, builders=builders)
         try:
             trainer.train()
         finally:

@@ -18,7 +18,7 @@ def families(ctx: Context) -> dict[str, Any]:
 def linear_attention(ctx: Context) -> dict[str, Any]:
     """Qwen3.5 with Gated DeltaNet's torch chunked rule vs flash-linear-attention's kernel on the same tokens:
     tokens/s ratio and the largest step-by-step loss difference; the fla row skipped where it cannot run."""
-    from torchtitan.features.linear_attention import FLA_INSTALL, fla_installed
+    from torchtitan.models.qwen3_5.kernels import FLA_INSTALL, fla_installed
 
     torch_rule, fla_rule = ctx.plan.linear_attention
     runs = [ctx.run(torch_rule)]

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan.checkpointing.common import load_model_weights, save_model_weights
-from torchtitan.checkpointing.folders import SaveSchedule, find_resume_checkpoint, list_checkpoints, purge_stale
-from torchtitan.checkpointing.hf import export_to_hf, import_from_hf
+from torchtitan.checkpointing.files.folders import SaveSchedule, find_resume_checkpoint, list_checkpoints, purge_stale
+from torchtitan.checkpointing.files.marker import EXPORT, FULL, SEED, step_folder, write_marker
+from torchtitan.checkpointing.hf.convert import export_to_hf, import_from_hf
 from torchtitan.checkpointing.manager import CheckpointManager, trim_metrics
-from torchtitan.checkpointing.marker import EXPORT, FULL, SEED, step_folder, write_marker
 from torchtitan.checkpointing.state import ModelPartsView
 from torchtitan.config.schema import Checkpoint as CheckpointConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -445,7 +445,7 @@ def test_config_errors(args, world_size, match):
 
 def test_background_staging_refuses_weight_changes_outside_the_optimizer_step():
     from torchtitan.config.manager import JobConfig
-    from torchtitan.fault_tolerance.checks import check_fault_tolerance
+    from torchtitan.features.fault_tolerance.checks import check_fault_tolerance
 
     pinned = ["--checkpoint.enable_checkpoint", "--checkpoint.async_mode", "async_with_pinned_mem"]
     assert run_preflight(JobConfig.parse_args(pinned), 1) == []  # on CPU too: plain host buffers

@@ -1,4 +1,4 @@
-"""The checkpoint format's version (torchtitan/checkpointing/format.py): what a marker records, the upgrade steps
+"""The checkpoint format's version (torchtitan/checkpointing/files/format.py): what a marker records, the upgrade steps
 that rename an older format's keys at load time, and the refusals of formats this release does not read."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import shutil
 import pytest
 import torch
 
-import torchtitan.checkpointing.format as fmt
+import torchtitan.checkpointing.files.format as fmt
 from tests.checkpoint_assets import asset_folder
 from torchtitan.checkpointing.common import load_model_weights
-from torchtitan.checkpointing.integrity import read_metadata_file
-from torchtitan.checkpointing.marker import FULL, read_marker, write_marker
+from torchtitan.checkpointing.files.integrity import read_metadata_file
+from torchtitan.checkpointing.files.marker import FULL, read_marker, write_marker
 
 
 def test_a_marker_records_the_format_and_the_release(tmp_path):

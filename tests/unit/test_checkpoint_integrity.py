@@ -14,11 +14,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from tests.unit.test_checkpoint import _Loader
 from tests.unit.test_checkpoint_scripts import _script
-from torchtitan.checkpointing import integrity
 from torchtitan.checkpointing.common import load_model_weights, save_model_weights
-from torchtitan.checkpointing.folders import list_files
+from torchtitan.checkpointing.files import integrity
+from torchtitan.checkpointing.files.folders import list_files
+from torchtitan.checkpointing.files.marker import MARKER, read_marker, step_folder, write_marker
 from torchtitan.checkpointing.manager import CheckpointManager
-from torchtitan.checkpointing.marker import MARKER, read_marker, step_folder, write_marker
 from torchtitan.config.schema import Checkpoint as CheckpointConfig
 
 DATA = "__0_0.distcp"

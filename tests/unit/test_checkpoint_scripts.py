@@ -16,7 +16,7 @@ import torch
 
 from tests.unit.test_checkpoint import ARGS, _manager, _model, _train_step
 from torchtitan.checkpointing.common import load_model_weights
-from torchtitan.checkpointing.marker import step_folder
+from torchtitan.checkpointing.files.marker import step_folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -97,7 +97,7 @@ def test_hf_export_loads_in_transformers_with_our_logits(saved, tmp_path):
 def test_a_checkpoint_a_later_run_moved_is_found_and_the_recorded_tokenizer_used(saved, tmp_path, capsys):
     """generate.py on a step folder that a later run in the dump folder set aside names where it is now; on a
     checkpoint whose marker records the run's tokenizer it reads with that one, and says so when it is gone."""
-    from torchtitan.checkpointing.marker import read_marker, write_marker
+    from torchtitan.checkpointing.files.marker import read_marker, write_marker
     from torchtitan.launch.run_folder import set_aside_earlier_run
 
     folder, _ = saved

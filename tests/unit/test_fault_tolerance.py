@@ -15,12 +15,12 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import JobConfig, format_help
 from torchtitan.datasets.hf_datasets import build_hf_data_loader, compute_stream_groups
 from torchtitan.datasets.tokenizer import DEFAULT_TOKENIZER_PATH, build_tokenizer
-from torchtitan.fault_tolerance import replicas as replicas_mod
-from torchtitan.fault_tolerance.errors import INSTALL_HINT, ReplicaGroupsFailed, short_reason
-from torchtitan.fault_tolerance.heal import HealState
-from torchtitan.fault_tolerance.positions import DataPositions
-from torchtitan.fault_tolerance.replicas import average_in_buckets
-from torchtitan.fault_tolerance.setup import config_fingerprint
+from torchtitan.features.fault_tolerance import replicas as replicas_mod
+from torchtitan.features.fault_tolerance.errors import INSTALL_HINT, ReplicaGroupsFailed, short_reason
+from torchtitan.features.fault_tolerance.heal import HealState
+from torchtitan.features.fault_tolerance.positions import DataPositions
+from torchtitan.features.fault_tolerance.replicas import average_in_buckets
+from torchtitan.features.fault_tolerance.setup import config_fingerprint
 from torchtitan.launch.run_folder import checkpoint_root, run_folder
 from torchtitan.preflight import run_preflight
 
@@ -336,7 +336,7 @@ def test_the_planner_counts_the_cross_group_all_reduce():
 
 
 def test_the_weights_fingerprint_sees_one_changed_bit_within_its_slices():
-    from torchtitan.fault_tolerance.fingerprint import SLICES, weights_fingerprint
+    from torchtitan.features.fault_tolerance.fingerprint import SLICES, weights_fingerprint
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(37, 19), torch.nn.Linear(19, 3, bias=False)).to(torch.bfloat16)
@@ -352,7 +352,7 @@ def test_the_weights_fingerprint_sees_one_changed_bit_within_its_slices():
 
 
 def test_the_agreed_weights_are_the_majority_and_a_tie_goes_to_the_lowest_group():
-    from torchtitan.fault_tolerance.fingerprint import agreed_value
+    from torchtitan.features.fault_tolerance.fingerprint import agreed_value
 
     assert agreed_value((0, 1, 2), [7, 5, 5]) == 5
     assert agreed_value((0, 1), [7, 5]) == 7

@@ -1,12 +1,19 @@
 """How far an optional feature reaches into the rest of the package (docs/design.md, "A feature is a folder").
 
-A feature is *named* in a file when the file's code — identifiers, imports, attribute names and string literals
-such as config keys, with comments and docstrings left out — matches the feature's pattern. Each feature may be
-named in at most ``MAX_FILES_OUTSIDE`` files of torchtitan/ outside its own folder: the feature registry, the
-schema root (the config section's home in the ``config/`` leaf) and one more. ``LIMITS`` holds where each stands
-now and only goes down. Measured with this file's own rule on eae35a6 (before the engine): LoRA 15, fault
-tolerance 20, step replay 6 (its own two files aside), evaluation 7; now LoRA 3 (registry, schema, build.py: the
-model transform), fault tolerance 2 (registry, schema), step replay 3, evaluation 3.
+Two ratchets, each only going down:
+
+- *Imported by*: every folder of ``torchtitan/features/`` is imported by at most ``MAX_FILES_OUTSIDE`` modules of
+  torchtitan outside it (any import, type-only ones included, and a module path in a string: the registry's
+  ``"module:function"``). ``IMPORT_LIMITS`` holds where each stands. Before this rule (feb7389, round 5):
+  documents 7, in_backward 3, float8 2, linear_attention 1, validation, replay, stragglers, moe_balance 1 each;
+  outside features/: LoRA 3, fault tolerance 2, RL 4 (its own two drivers among them), the [eval] loop 2.
+- *Named in*: a feature is *named* in a file when the file's code (identifiers, imports, attribute names and
+  string literals such as config keys, with comments and docstrings left out) matches the feature's pattern;
+  each may be named in at most ``MAX_FILES_OUTSIDE`` files outside its own folders: the feature registry, the
+  schema root and one more (its config section, ``config/sections/<name>.py``, and the moved-module table,
+  ``torchtitan/__init__.py``, are its own). Measured with this rule on eae35a6 (before the engine): LoRA 15, fault
+  tolerance 20, step replay 6 (its own two files aside), evaluation 7; at feb7389 LoRA 3, fault tolerance 2,
+  step replay 3, evaluation 3.
 """
 
 from __future__ import annotations
@@ -22,16 +29,38 @@ import pytest
 PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "torchtitan"
 MAX_FILES_OUTSIDE = 3  # the target (the registry, the schema root, one more)
 # Where each feature stands now: a ratchet, lowered as features move into their folders, never raised.
-LIMITS = {"lora": 3, "fault_tolerance": 2, "replay": 3, "eval": 3}
-
-# feature -> (its folder under torchtitan/, the pattern that names it)
-FEATURES: dict[str, tuple[str, re.Pattern]] = {
-    "lora": ("lora", re.compile(r"(?<![qv]_)lora", re.IGNORECASE)),  # MLA's q_lora_rank / kv_lora_rank are not it
-    "fault_tolerance": ("fault_tolerance", re.compile(r"fault_tol|torchft|replica(?!te|tion)", re.IGNORECASE)),
-    "replay": ("features/replay", re.compile(r"replay", re.IGNORECASE)),
-    # the [eval] section, its loop and the lm-eval backend; a module's own ``.eval()`` mode switch is not it
-    "eval": ("eval", re.compile(r"torchtitan\.eval\b|\bschema_eval\b|evaluator|lm_eval|\beval\.(?!\()|\bEval\b")),
+LIMITS = {"lora": 2, "fault_tolerance": 2, "replay": 3, "eval": 2}
+IMPORT_LIMITS = {
+    "documents": 1,
+    "fault_tolerance": 2,
+    "float8": 1,
+    "in_backward": 1,
+    "in_loop_eval": 2,
+    "lora": 2,
+    "moe_balance": 1,
+    "replay": 1,
+    "rl": 3,
+    "stragglers": 1,
+    "validation": 1,
 }
+
+# feature -> (its folders under torchtitan/, the pattern that names it)
+FEATURES: dict[str, tuple[tuple[str, ...], re.Pattern]] = {
+    # MLA's q_lora_rank / kv_lora_rank are not it
+    "lora": (("features/lora",), re.compile(r"(?<![qv]_)lora", re.IGNORECASE)),
+    "fault_tolerance": (
+        ("features/fault_tolerance",),
+        re.compile(r"fault_tol|torchft|replica(?!te|tion)", re.IGNORECASE),
+    ),
+    "replay": (("features/replay",), re.compile(r"replay", re.IGNORECASE)),
+    # the [eval] section, its loop and the lm-eval backend; a module's own ``.eval()`` mode switch is not it
+    "eval": (
+        ("eval", "features/in_loop_eval"),
+        re.compile(r"torchtitan\.eval\b|\bschema_eval\b|evaluator|lm_eval|\beval\.(?!\()|\bEval\b"),
+    ),
+}
+# A feature's own files outside its folders: its config section, and the table of moved module paths.
+OWN_ELSEWHERE = ("config/sections/{name}.py", "__init__.py")
 
 
 def _docstring_nodes(tree: ast.Module) -> set[tuple[int, int]]:
@@ -50,7 +79,7 @@ def _docstring_nodes(tree: ast.Module) -> set[tuple[int, int]]:
 
 
 # In a string, what names a feature is a config key, a module path or an identifier ("lora.rank",
-# "torchtitan.eval.loop:build", "fault_tolerance"): a word with a dot or an underscore; plain words are prose.
+# "torchtitan.features.in_loop_eval.loop:build", "fault_tolerance"): a word with a dot or an underscore; plain words are prose.
 _KEY_LIKE = re.compile(r"[A-Za-z_][\w]*(?:[._:][\w]+)+")
 
 
@@ -71,12 +100,13 @@ def code_without_prose(text: str) -> str:
 
 
 def files_naming(feature: str, root: Path = PACKAGE_ROOT) -> list[str]:
-    """The files of ``root`` outside the feature's folder whose code names it."""
-    folder, pattern = FEATURES[feature]
-    own = root / folder
+    """The files of ``root`` outside the feature's folders (and its own files elsewhere) whose code names it."""
+    folders, pattern = FEATURES[feature]
+    own = [root / folder for folder in folders]
+    own_files = {root / f.format(name=feature) for f in OWN_ELSEWHERE}
     found = []
     for path in sorted(root.rglob("*.py")):
-        if "__pycache__" in path.parts or own in path.parents:
+        if "__pycache__" in path.parts or path in own_files or any(o in path.parents for o in own):
             continue
         if pattern.search(code_without_prose(path.read_text(encoding="utf-8"))):
             found.append(path.relative_to(root.parent).as_posix())
@@ -94,6 +124,72 @@ def test_prose_is_not_code():
 def test_feature_is_named_in_few_files_outside_its_folder(feature):
     found = files_naming(feature)
     assert len(found) <= LIMITS[feature], (
-        f"{feature} is named in {len(found)} files outside torchtitan/{FEATURES[feature][0]}/, more than its "
+        f"{feature} is named in {len(found)} files outside {FEATURES[feature][0]}, more than its "
         f"{LIMITS[feature]} (the target is {MAX_FILES_OUTSIDE}: the registry, the schema root, one more): {found}"
+    )
+
+
+# --------------------------------------------------------------------------- imported by
+
+
+def _module(path: Path, root: Path) -> str:
+    parts = [root.name, *path.relative_to(root).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+_IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+import\s+([\w, ()]+)|import\s+([\w.]+))", re.MULTILINE)
+_DOTTED = re.compile(r"torchtitan(?:\.\w+)+")
+
+
+def modules_importing(folder: Path, root: Path = PACKAGE_ROOT) -> list[str]:
+    """The modules of ``root`` outside ``folder`` that import a module inside it: an import statement (at any depth,
+    type-only ones included) or a dotted module path in a string (``Deferred("torchtitan.x.y:fn")``)."""
+    package = _module(folder / "__init__.py", root)
+    inside = re.compile(re.escape(package) + r"(?:\.|$)")
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if "__pycache__" in path.parts or folder in path.parents:
+            continue
+        text = path.read_text(encoding="utf-8")
+        named = _DOTTED.findall(text)
+        for module, names, plain in _IMPORT.findall(text):
+            base = module or plain
+            named += [base, *(f"{base}.{n.strip(' ()')}" for n in names.split(",") if n.strip(" ()"))]
+        if any(inside.match(n) for n in named):
+            found.append(_module(path, root))
+    return found
+
+
+def feature_folders(root: Path = PACKAGE_ROOT) -> list[str]:
+    return sorted(p.name for p in (root / "features").iterdir() if (p / "__init__.py").is_file())
+
+
+def test_import_counter_on_a_synthetic_package(tmp_path):
+    pkg = tmp_path / "torchtitan"
+    files = {
+        "__init__.py": "",
+        "features/__init__.py": "",
+        "features/a/__init__.py": "",
+        "features/a/x.py": "from torchtitan.features.a import y\n",  # inside: not counted
+        "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from torchtitan.features.a.x import T\n",
+        "c.py": 'F = Deferred("torchtitan.features.a.x:build")\n',
+        "d.py": "from torchtitan.features import a\n",
+        "e.py": "from torchtitan.features.ab import z\n",  # another folder whose name starts alike
+    }
+    for name, text in files.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    assert modules_importing(pkg / "features" / "a", pkg) == ["torchtitan.b", "torchtitan.c", "torchtitan.d"]
+
+
+def test_every_feature_folder_has_a_limit():
+    assert set(feature_folders()) == set(IMPORT_LIMITS), "add the new feature folder to IMPORT_LIMITS"
+
+
+@pytest.mark.parametrize("feature", sorted(IMPORT_LIMITS))
+def test_feature_folder_is_imported_by_few_modules(feature):
+    found = modules_importing(PACKAGE_ROOT / "features" / feature)
+    assert len(found) <= min(IMPORT_LIMITS[feature], MAX_FILES_OUTSIDE), (
+        f"torchtitan/features/{feature}/ is imported by {len(found)} modules outside it, more than its "
+        f"{IMPORT_LIMITS[feature]} (at most {MAX_FILES_OUTSIDE}): {found}; reach it through the registry's slots"
     )

@@ -22,7 +22,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from torchtitan.checkpointing.hf import save_hf_folder
+from torchtitan.checkpointing.hf.convert import save_hf_folder
 from torchtitan.datasets.sft.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTokenizer
 from torchtitan.datasets.sft.prompting import answer_ids, chat_messages, chat_prompt_ids, chat_stop_ids
 from torchtitan.distributed.init import init_model_weights

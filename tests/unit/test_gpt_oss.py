@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from torchtitan.checkpointing.common import load_model_weights
-from torchtitan.checkpointing.hf import export_to_hf, import_from_hf
+from torchtitan.checkpointing.hf.convert import export_to_hf, import_from_hf
 from torchtitan.config.manager import JobConfig
 from torchtitan.models.common.documents import document_positions
 from torchtitan.models.gpt_oss import GptOssArgs, GptOssTransformer, apply_sinks, gpt_oss_configs

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from torchtitan.build import build_model_args
-from torchtitan.checkpointing.hf import check_hf_matches, save_hf_folder
-from torchtitan.checkpointing.hf_files import hf_weight_files
-from torchtitan.checkpointing.hf_run import load_hf_into
+from torchtitan.checkpointing.hf.convert import check_hf_matches, save_hf_folder
+from torchtitan.checkpointing.hf.files import hf_weight_files
+from torchtitan.checkpointing.hf.run import load_hf_into
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import JobConfig
 from torchtitan.models.llama.hf_adapter import ADAPTER as hf_adapter

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from torchtitan.checkpointing.common import load_model_weights
-from torchtitan.checkpointing.hf import export_to_hf, import_from_hf
+from torchtitan.checkpointing.hf.convert import export_to_hf, import_from_hf
 from torchtitan.models.llama.hf_adapter import ADAPTER
 from torchtitan.models.llama.model import RopeScaling, Transformer
 from torchtitan.models.qwen3.hf_adapter import QWEN3 as QWEN3_ADAPTER

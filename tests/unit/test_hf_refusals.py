@@ -14,8 +14,8 @@ import torch
 from tests.unit.test_checkpoint_scripts import _script
 from torchtitan.checkpointing.checks import check_checkpoint, check_initial_load
 from torchtitan.checkpointing.common import save_model_weights
-from torchtitan.checkpointing.hf import export_to_hf
-from torchtitan.checkpointing.marker import write_marker
+from torchtitan.checkpointing.files.marker import write_marker
+from torchtitan.checkpointing.hf.convert import export_to_hf
 from torchtitan.checkpointing.state import check_data_state
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import JobConfig

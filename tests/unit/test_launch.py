@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from torchtitan.checkpointing.jsonl import read_json_lines
+from torchtitan.checkpointing.files.jsonl import read_json_lines
 from torchtitan.launch import failures, run_folder
 from torchtitan.launch.failures import (
     Failure,

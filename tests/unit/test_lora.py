@@ -12,8 +12,8 @@ from torchtitan.build import build_model, build_model_args
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.lora.linear import LoRALinear
-from torchtitan.lora.names import resolve_targets
+from torchtitan.features.lora.linear import LoRALinear
+from torchtitan.features.lora.names import resolve_targets
 from torchtitan.preflight import run_preflight
 from torchtitan.spec import get_model_spec
 
@@ -97,7 +97,7 @@ def test_planner_floor_counts_gradients_and_adamw_state_for_the_adapters_only():
     """estimation.py --plan's lower bound for Llama 3 8B on one rank: full = 16 bytes per parameter; LoRA (rank 16,
     every linear) = the base's 4 + 12 per adapter parameter, so its floor alone (~30 GiB) rules out 24 GiB."""
     from torchtitan.estimation.plan import Layout, lower_bound_bytes
-    from torchtitan.lora.estimate import adapter_param_count
+    from torchtitan.features.lora.estimate import adapter_param_count
     from torchtitan.spec import flavor_args
 
     full = JobConfig.parse_args(["--job.config_file", "./train_configs/llama3_8b.toml"])

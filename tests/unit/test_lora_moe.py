@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.lora.linear import LoRALinear, is_adapter_key
+from torchtitan.features.lora.linear import LoRALinear, is_adapter_key
 from torchtitan.preflight import run_preflight
 
 TOKENS = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -105,7 +105,7 @@ def test_qlora_on_an_moe_family_is_one_line_and_exit_2(capsys, monkeypatch):
 def test_planner_counts_the_moe_layers_adapters():
     """estimation.py --plan's adapter count: llama3_moe's dense layer 0 and its MoE layers' shared experts differ."""
     from tests.unit.test_lora import _config
-    from torchtitan.lora.estimate import adapter_param_count
+    from torchtitan.features.lora.estimate import adapter_param_count
 
     model = _model("--model.name", "llama3_moe", "--lora.enable", "--lora.rank", "4")
     real = sum(p.numel() for n, p in model.named_parameters() if is_adapter_key(n))
@@ -125,7 +125,7 @@ def test_moe_adapter_loads_in_peft_on_transformers(family: str, flavor: str, tar
     peft = pytest.importorskip("peft")
     pytest.importorskip("transformers")
     from tests.unit.test_lora_peft import TOL, _hf_base
-    from torchtitan.lora.peft_io import adapter_config, check_peft_fits, read_peft_folder, save_peft_folder
+    from torchtitan.features.lora.peft_io import adapter_config, check_peft_fits, read_peft_folder, save_peft_folder
     from torchtitan.spec import get_model_spec
 
     lora = ["--lora.enable", "--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", targets]

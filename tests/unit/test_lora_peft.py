@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from torchtitan.checkpointing.hf import save_hf_folder
-from torchtitan.lora.linear import is_adapter_key
-from torchtitan.lora.peft_io import (
+from torchtitan.checkpointing.hf.convert import save_hf_folder
+from torchtitan.features.lora.linear import is_adapter_key
+from torchtitan.features.lora.peft_io import (
     adapter_config,
     check_peft_fits,
     from_peft_state_dict,
@@ -117,7 +117,7 @@ def test_an_adapter_peft_wrote_loads_into_our_model(family: str, tmp_path):
 
 
 def test_adapters_for_another_base_rank_or_format_are_refused(tmp_path):
-    from torchtitan.lora.config import Lora
+    from torchtitan.config.sections.lora import Lora
 
     llama, args = _ours("llama3")
     spec = get_model_spec("llama3")
@@ -142,7 +142,7 @@ def test_adapters_for_another_base_rank_or_format_are_refused(tmp_path):
 
 
 def test_generate_adapter_for_another_base_is_one_line():
-    from torchtitan.lora.peft_io import check_adapters_fit_base
+    from torchtitan.features.lora.peft_io import check_adapters_fit_base
 
     adapters = {
         "layers.0.attention.wq.lora_a.weight": torch.zeros(4, 64),

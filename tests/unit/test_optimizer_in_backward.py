@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan.components.optim.optimizer import build_lr_scheduler, build_optimizer, build_optimizer_in_backward
+from torchtitan.components.optim.optimizer import build_lr_scheduler, build_optimizer
 from torchtitan.config.manager import JobConfig
 from torchtitan.config.schema import Optimizer as OptimizerConfig
+from torchtitan.features.in_backward.in_backward import build_optimizer_in_backward
 from torchtitan.models.llama.model import ModelArgs, Transformer
 from torchtitan.preflight import run_preflight
 

@@ -21,8 +21,8 @@ from torch import nn
 from torchtitan.build import build_model, build_model_args
 from torchtitan.config.manager import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.lora.linear import LoRALinear
-from torchtitan.lora.quantize import NF4_BLOCK, NF4_SCALER_BLOCK, nf4_bytes, quantize_base, to_nf4
+from torchtitan.features.lora.linear import LoRALinear
+from torchtitan.features.lora.quantize import NF4_BLOCK, NF4_SCALER_BLOCK, nf4_bytes, quantize_base, to_nf4
 from torchtitan.spec import get_model_spec
 
 pytest.importorskip("torchao")
@@ -122,7 +122,7 @@ def test_nf4_bytes_are_torchaos_storage():
 
 def test_planner_floor_counts_nf4_for_the_adapted_base():
     from torchtitan.estimation.plan import Layout, lower_bound_bytes
-    from torchtitan.lora.estimate import adapter_param_count
+    from torchtitan.features.lora.estimate import adapter_param_count
     from torchtitan.spec import flavor_args
 
     argv = ["--job.config_file", "./train_configs/llama3_8b.toml", "--lora.enable", "--lora.rank", "16"]

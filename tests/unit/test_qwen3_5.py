@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from torchtitan.build import build_meta_model
-from torchtitan.checkpointing.hf_files import save_hf_folder
+from torchtitan.checkpointing.hf.files import save_hf_folder
 from torchtitan.distributed.init import init_model_weights
 from torchtitan.models.qwen3_5.gated_delta import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from torchtitan.models.qwen3_5.hf_adapter import QWEN3_5, QWEN3_5_MOE
@@ -253,8 +253,8 @@ def test_fla_kernel_gets_the_torch_rules_contract(monkeypatch):
     import sys
     import types
 
-    import torchtitan.features.linear_attention as kernels
-    from torchtitan.features.linear_attention import install_linear_attention_kernel, resolve_linear_attention_kernel
+    import torchtitan.models.qwen3_5.kernels as kernels
+    from torchtitan.models.qwen3_5.kernels import install_linear_attention_kernel, resolve_linear_attention_kernel
 
     with pytest.raises(ValueError, match="needs CUDA"):
         resolve_linear_attention_kernel("fla", "cpu")

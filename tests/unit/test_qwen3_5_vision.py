@@ -158,7 +158,7 @@ def test_mismatched_images_are_one_line():
 def test_the_multimodal_folder_round_trips_and_loads_in_transformers(tmp_path):
     """Our weights -> a Hugging Face folder (config.json with text_config and vision_config) that transformers loads
     as Qwen3_5ForConditionalGeneration with our logits on image+text; back, bit for bit, with the same args."""
-    from torchtitan.checkpointing.hf_files import save_hf_folder
+    from torchtitan.checkpointing.hf.files import save_hf_folder
     from torchtitan.models.qwen3_5.hf_vl_adapter import QWEN3_5_VL
 
     ours, _ = _model()

@@ -18,11 +18,11 @@ import torch
 from tests.moto_s3 import BUCKET, s3_server
 from tests.unit.test_checkpoint_integrity import DATA, _model, _Pwn
 from tests.unit.test_checkpoint_integrity import _manager as _integrity_manager
-from torchtitan.checkpointing import integrity, storage
 from torchtitan.checkpointing.common import load_model_weights, save_model_weights
-from torchtitan.checkpointing.folders import SET_ASIDE, list_checkpoints
+from torchtitan.checkpointing.files import integrity, storage
+from torchtitan.checkpointing.files.folders import SET_ASIDE, list_checkpoints
+from torchtitan.checkpointing.files.marker import MARKER, read_marker, step_folder
 from torchtitan.checkpointing.manager import CheckpointManager
-from torchtitan.checkpointing.marker import MARKER, read_marker, step_folder
 from torchtitan.preflight.__main__ import main as preflight
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

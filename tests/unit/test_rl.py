@@ -12,11 +12,11 @@ from torchtitan.components.generation import Sampling, generate
 from torchtitan.config.manager import JobConfig
 from torchtitan.datasets.sft.chat_template import ChatTokenizer
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.rl.checks import check_rl, check_rl_machine
-from torchtitan.rl.losses import Clip, group_advantages, policy_loss, token_weights
-from torchtitan.rl.prompts import PromptSource
-from torchtitan.rl.rewards import exact_match, format_reward, load_reward, number_match, score
-from torchtitan.rl.rollouts import Rollout, cut_at_stop, update_batch
+from torchtitan.features.rl.checks import check_rl, check_rl_machine
+from torchtitan.features.rl.losses import Clip, group_advantages, policy_loss, token_weights
+from torchtitan.features.rl.prompts import PromptSource
+from torchtitan.features.rl.rewards import exact_match, format_reward, load_reward, number_match, score
+from torchtitan.features.rl.rollouts import Rollout, cut_at_stop, update_batch
 
 PROMPTS = "tests/assets/rl/arith_prompts.jsonl"
 TOKENIZER = "tests/assets/sft/tokenizer"
@@ -73,9 +73,9 @@ def test_shipped_rewards():
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("torchtitan.rl.rewards", "expected 'module:function'"),
+        ("torchtitan.features.rl.rewards", "expected 'module:function'"),
         ("no_such_module_xyz:f", "module 'no_such_module_xyz' cannot be imported"),
-        ("torchtitan.rl.rewards:nope", "torchtitan.rl.rewards has no function 'nope' (it has: "),
+        ("torchtitan.features.rl.rewards:nope", "torchtitan.features.rl.rewards has no function 'nope' (it has: "),
     ],
 )
 def test_bad_reward_names_refused(spec, message):
@@ -91,7 +91,12 @@ def test_reward_errors_name_function_row_and_value():
     assert "returned 'yes' (str) on prompt row 7" in str(e.value)
     with pytest.raises(ValueError, match=r"raised KeyError: 'answer' on prompt row 2"):
         score(
-            exact_match, "torchtitan.rl.rewards:exact_match", prompt="p", completion="c", row={}, where="prompt row 2"
+            exact_match,
+            "torchtitan.features.rl.rewards:exact_match",
+            prompt="p",
+            completion="c",
+            row={},
+            where="prompt row 2",
         )
     with pytest.raises(ValueError, match="returned nan"):
         score(lambda **_: float("nan"), "m:f", prompt="p", completion="c", row={}, where="row 1")
@@ -204,7 +209,7 @@ def test_refused_before_launch(flags, error, message):
 def test_unknown_algorithm_and_reward_refused():
     with pytest.raises(Exception, match="rl.algorithm"):
         _config("--rl.algorithm", "ppo")
-    config, dims = _config("--rl.reward", "torchtitan.rl.rewards:exactly")
+    config, dims = _config("--rl.reward", "torchtitan.features.rl.rewards:exactly")
     with pytest.raises(ValueError, match="has no function 'exactly'"):
         check_rl_machine(config, dims)
     assert check_rl(*_config()) == [] and check_rl_machine(*_config()) == []

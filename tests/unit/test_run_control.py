@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from torchtitan.checkpointing.compat import check_model_matches, warn_if_data_changed
-from torchtitan.checkpointing.folders import find_resume_checkpoint, later_branch, set_aside
-from torchtitan.checkpointing.marker import write_marker
+from torchtitan.checkpointing.files.folders import find_resume_checkpoint, later_branch, set_aside
+from torchtitan.checkpointing.files.marker import write_marker
 from torchtitan.components.optim.optimizer import apply_optimizer_config, build_lr_scheduler, build_optimizer
 from torchtitan.components.run_control import NonFiniteStep, StepGuard, StopSignals
 from torchtitan.config.schema import Optimizer, Training

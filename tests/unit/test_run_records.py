@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from torchtitan.checkpointing.folders import resume_point
-from torchtitan.checkpointing.marker import EXPORT, FULL, SEED, write_marker
+from torchtitan.checkpointing.files.folders import resume_point
+from torchtitan.checkpointing.files.marker import EXPORT, FULL, SEED, write_marker
 from torchtitan.config.manager import JobConfig
 from torchtitan.config.schema import Training
 from torchtitan.engine.summary import describe_start

@@ -8,8 +8,10 @@
 - files <= 400 lines, functions <= 60 lines, unless marked ``# declarative table``;
 - the trainer, metrics, validation and checkpointing code reach MoE / pipeline specifics only
   through the model spec (they never name them);
-- ``models/`` holds pure modules: torch, the stdlib and ``torchtitan.models`` only;
-- no file of ``distributed/`` or ``components/`` sits beside more than 12 siblings (folders per concern).
+- ``models/`` holds pure modules: torch, the stdlib and ``torchtitan.models`` only (a family's ``kernels.py`` may
+  also import an optional kernel package);
+- no file of a folder of the package (its top aside) sits beside more than 12 siblings (folders per concern);
+- at most one import runs back up the floor plan (a unit placed apart from its folder, imported from below).
 """
 
 from __future__ import annotations
@@ -344,32 +346,16 @@ def test_no_import_cycles():
     assert not cycles, f"{len(cycles)} import circle(s); break each at one of its listed imports:\n" + "\n".join(cycles)
 
 
-def _config_files(root: Path) -> list[Path]:
-    """The config leaf's files: config/ and each feature's ``config.py`` (its section, kept in its folder)."""
-    return _python_files(root / "config") + sorted(p for p in root.rglob("config.py") if p.parent.name != "config")
-
-
-def _is_config_module(full: str, package: str) -> bool:
-    return _inside(full, package) and "config" in full.split(".")[1:]
-
-
 def config_leaf_violations(root: Path) -> list[str]:
-    """Imports of the config leaf's modules that reach the rest of the package (type-only ones included); a
-    feature's section also must not pull its folder's ``__init__`` into the leaf (it imports nothing)."""
+    """Imports of the config leaf's modules (config/, its sections included) that reach the rest of the package
+    (type-only ones included)."""
     package = root.name
     found = []
-    for path in _config_files(root):
+    for path in _python_files(root / "config"):
         for imp in _imports(path, root):
             full = f"{imp.module}.{imp.name}" if imp.name else imp.module
-            if _inside(full, package) and not _is_config_module(full, package) and full != package:
+            if _inside(full, package) and not _inside(full, f"{package}.config") and full != package:
                 found.append(f"{_rel(path)}:{imp.line}: imports {full}")
-        init = path.parent / "__init__.py"
-        if path.parent != root / "config" and init.is_file():
-            found += [
-                f"{_rel(init)}:{imp.line}: imports {imp.module} (loaded with {path.name})"
-                for imp in _imports(init, root)
-                if _inside(imp.module, package)
-            ]
     return found
 
 
@@ -377,8 +363,9 @@ def test_config_is_a_leaf():
     assert _python_files(PACKAGE_ROOT / "config"), "no config files found"
     found = config_leaf_violations(PACKAGE_ROOT)
     assert not found, (
-        "config/ may import only itself (the schema knows fields, not features); move the check to the "
-        "feature's light module and list it in torchtitan/preflight/checks.py:\n" + "\n".join(found)
+        "config/ may import only itself (the schema knows fields, not features; a feature's section lives in "
+        "config/sections/); move the check to the feature's light module and list it in the registry:\n"
+        + "\n".join(found)
     )
 
 
@@ -389,19 +376,17 @@ def test_config_leaf_checker_on_a_synthetic_package(tmp_path):
         "config/__init__.py": "",
         "config/a.py": "from pkg.config.b import X\n",
         "config/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.feature import Y\n",
+        "config/sections/__init__.py": "",
+        "config/sections/lora.py": "from pkg.config.a import X\nfrom pkg.lora.names import N\n",
         "feature.py": "from pkg.config.a import X\n",
         "lora/__init__.py": "",
-        "lora/config.py": "from pkg.config.a import X\nfrom pkg.ft.config import Z\nfrom pkg.lora.names import N\n",
         "lora/names.py": "",
-        "ft/__init__.py": "from pkg.ft.heavy import H\n",
-        "ft/config.py": "",
     }
     for name, text in files.items():
         (pkg / name).parent.mkdir(parents=True, exist_ok=True)
         (pkg / name).write_text(text)
     assert sorted(v.split(": ", 1)[1] for v in config_leaf_violations(pkg)) == [
         "imports pkg.feature.Y",
-        "imports pkg.ft.heavy (loaded with config.py)",
         "imports pkg.lora.names.N",
     ]
 
@@ -571,15 +556,23 @@ def _allowed_in_models(module: str) -> bool:
     return top == "__future__" or top in sys.stdlib_module_names
 
 
+def _allowed_in_kernels(module: str) -> bool:
+    """A family's ``kernels.py`` may also import an optional kernel package (flash-linear-attention's Triton
+    kernels), never torch.distributed or the rest of torchtitan."""
+    top = module.split(".")[0]
+    return _allowed_in_models(module) or top not in ("torch", "torchtitan")
+
+
 def impure_model_imports(models_root: Path) -> list[str]:
     found = []
     for path in _python_files(models_root):
         if path.name in ("spec.py", "__init__.py"):
             continue
+        allowed = _allowed_in_kernels if path.name == "kernels.py" else _allowed_in_models
         for imp in _imports(path, models_root.parent):  # type-only imports count: still a dependency
             # ``from torch import distributed`` is torch.distributed; ``from torchtitan import models`` is fine.
             full = f"{imp.module}.{imp.name}" if imp.name else imp.module
-            if not _allowed_in_models(full):
+            if not allowed(full):
                 found.append(f"{_rel(path)}:{imp.line}: imports {full}")
     return found
 
@@ -603,16 +596,14 @@ FLOORS_END = "<!-- end of floors -->"
 
 def _unit(module: str) -> str | None:
     """The floor plan's unit of a module: a top-level file, a folder, models/ split into the pure
-    modules and the families' spec.py files (the one models/ file allowed to import the rest), each
-    folder of features/ (the optional features: independent of each other, each on its own floor), and a
-    feature's ``config.py`` (its config section: part of the config leaf, though it lives in the feature's folder)."""
+    modules and the families' spec.py files (the one models/ file allowed to import the rest), and each
+    folder of features/ (the optional features: independent of each other, each on its own floor; the files at
+    features/' top, the registry, are one unit)."""
     parts = module.split(".")[1:]
     if not parts:
         return None
     if len(parts) == 1:
         return f"{parts[0]}.py" if (PACKAGE_ROOT / f"{parts[0]}.py").is_file() else f"{parts[0]}/"
-    if parts[-1] == "config" and len(parts) > 1:  # a feature's config section lives in its folder, on config/'s floor
-        return "config/"
     if parts[0] == "models" and parts[-1] == "spec":
         return "models/*/spec.py"
     if parts[0] == "features" and len(parts) > 2:  # each optional feature is a unit of its own, on its own floor
@@ -650,6 +641,42 @@ def floor_plan(root: Path = PACKAGE_ROOT) -> tuple[dict[str, int], list[str]]:
     return floors, sorted(cyclic)
 
 
+def _folder_unit(module: str) -> str | None:
+    """The unit of the folder a module's file lies in (a family's spec.py lies in models/)."""
+    parts = module.split(".")[1:]
+    if len(parts) > 1 and parts[0] == "models":
+        return "models/"
+    return _unit(module)
+
+
+def imports_running_up(root: Path = PACKAGE_ROOT) -> list[str]:
+    """Imports whose target's file lies in a folder on a higher floor than the importer's unit: a unit placed apart
+    from its folder (a family's spec.py) that a lower unit imports. The plan reads top-down only where there are none
+    (at most ``MAX_IMPORTS_UP``)."""
+    floors, _ = floor_plan(root)
+    graph, paths = build_import_graph(root, type_only=True)
+    found = []
+    for src, dsts in graph.items():
+        here = _unit(src)
+        for dst, edge in dsts.items():
+            there = _folder_unit(dst)
+            if here is None or there is None or _unit(dst) == here or (edge.via_package_init and not graph[dst]):
+                continue
+            if floors.get(there, 0) > floors.get(here, 0):
+                found.append(
+                    f"{_rel(paths[src])}:{edge.line}: {src} (floor {floors.get(here)}) imports {dst} ({there})"
+                )
+    return found
+
+
+MAX_IMPORTS_UP = 1
+
+
+def test_few_imports_run_back_up():
+    found = imports_running_up()
+    assert len(found) <= MAX_IMPORTS_UP, "imports that run back up the floor plan:\n" + "\n".join(found)
+
+
 def render_floor_plan(floors: dict[str, int]) -> str:
     top = max(floors.values())
     lines = [FLOORS_BEGIN, "```"]
@@ -673,19 +700,19 @@ def test_design_doc_draws_the_floors_as_they_are():
 
 # --------------------------------------------------------------------------- 6. folders per concern
 
-MAX_SIBLINGS = 12  # a file of distributed/ or components/ (or their subfolders) sits beside at most this many entries
+MAX_SIBLINGS = 12  # a file of any folder of the package (its top aside) sits beside at most this many entries
 
 
-def crowded_folders(roots: tuple[str, ...] = ("distributed", "components")) -> list[str]:
-    """Folders under ``roots`` with more than ``MAX_SIBLINGS + 1`` entries (``__pycache__`` aside)."""
+def crowded_folders(root: Path = PACKAGE_ROOT) -> list[str]:
+    """The package's folders (its top aside: the entry points and the folders by concern) with more than
+    ``MAX_SIBLINGS + 1`` entries (``__pycache__`` aside); data folders (no ``__init__.py``) too."""
     found = []
-    for name in roots:
-        for folder in [PACKAGE_ROOT / name, *(p for p in (PACKAGE_ROOT / name).rglob("*") if p.is_dir())]:
-            if folder.name == "__pycache__":
-                continue
-            entries = [p for p in folder.iterdir() if p.name != "__pycache__"]
-            if len(entries) > MAX_SIBLINGS + 1:
-                found.append(f"{_rel(folder)}: {len(entries)} entries")
+    for folder in sorted(p for p in root.rglob("*") if p.is_dir()):
+        if "__pycache__" in folder.parts:
+            continue
+        entries = [p for p in folder.iterdir() if p.name != "__pycache__"]
+        if len(entries) > MAX_SIBLINGS + 1:
+            found.append(f"{_rel(folder)}: {len(entries)} entries")
     return found
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from torchtitan.config.manager import JobConfig
-from torchtitan.datasets.finetune import build_sft_data_loader
+from torchtitan.datasets.sft.finetune import build_sft_data_loader
 from torchtitan.datasets.tokenizer import HFTokenizer
 from torchtitan.models.common.documents import IGNORE_INDEX
 from torchtitan.models.qwen3_5 import qwen3_5_configs, qwen3_5_vl_configs

@@ -7,9 +7,9 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING
 
-from torchtitan.checkpointing.hf_files import hf_weight_files, read_hf_config
-from torchtitan.checkpointing.marker import read_marker, why_not_loadable
-from torchtitan.checkpointing.storage import access_problem, is_url, missing_package
+from torchtitan.checkpointing.files.marker import read_marker, why_not_loadable
+from torchtitan.checkpointing.files.storage import access_problem, is_url, missing_package
+from torchtitan.checkpointing.hf.files import hf_weight_files, read_hf_config
 from torchtitan.config.errors import ConfigError
 from torchtitan.spec import flavor_args, get_model_spec, hf_conversion_refusal
 

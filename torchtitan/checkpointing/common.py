@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-import torchtitan.checkpointing.integrity as integrity
-from torchtitan.checkpointing.folders import CheckpointInfo, list_files, verify_files
-from torchtitan.checkpointing.format import check_readable
-from torchtitan.checkpointing.marker import SEED, read_marker, why_not_loadable, write_marker
-from torchtitan.checkpointing.storage import isdir, rmtree
+import torchtitan.checkpointing.files.integrity as integrity
+from torchtitan.checkpointing.files.folders import CheckpointInfo, list_files, verify_files
+from torchtitan.checkpointing.files.format import check_readable
+from torchtitan.checkpointing.files.marker import SEED, read_marker, why_not_loadable, write_marker
+from torchtitan.checkpointing.files.storage import isdir, rmtree
 
 if TYPE_CHECKING:
     from torchtitan.config.schema import Model

@@ -25,10 +25,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-import torchtitan.checkpointing.integrity as integrity
+import torchtitan.checkpointing.files.integrity as integrity
 from torchtitan.checkpointing.common import agree, one_process_quiet, read_metadata, short_error
 from torchtitan.checkpointing.compat import check_model_matches, warn_if_data_changed
-from torchtitan.checkpointing.folders import (
+from torchtitan.checkpointing.files.folders import (
     CheckpointInfo,
     SaveSchedule,
     find_resume_checkpoint,
@@ -38,9 +38,10 @@ from torchtitan.checkpointing.folders import (
     resume_point,
     set_aside,
 )
-from torchtitan.checkpointing.format import check_readable, describe
-from torchtitan.checkpointing.jsonl import read_json_lines
-from torchtitan.checkpointing.marker import EXPORT, FULL, read_marker, step_folder, write_marker
+from torchtitan.checkpointing.files.format import check_readable, describe
+from torchtitan.checkpointing.files.jsonl import read_json_lines
+from torchtitan.checkpointing.files.marker import EXPORT, FULL, read_marker, step_folder, write_marker
+from torchtitan.checkpointing.files.storage import isdir, makedirs, rmtree, under
 from torchtitan.checkpointing.scope import WHOLE_MODEL, ModelScope
 from torchtitan.checkpointing.staging import NO_STAGING, BackgroundStaging, InFlightSave, log_blocked
 from torchtitan.checkpointing.state import (
@@ -52,7 +53,6 @@ from torchtitan.checkpointing.state import (
     build_model_view,
     check_model_keys,
 )
-from torchtitan.checkpointing.storage import isdir, makedirs, rmtree, under
 from torchtitan.dtypes import to_dtype
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ class CheckpointManager:
         base_first = info is not None and self.scope.partial  # its checkpoints do not hold the base
         if info is None or base_first:
             if self.config.initial_load_path:
-                from torchtitan.checkpointing.hf_run import initial_load
+                from torchtitan.checkpointing.hf.run import initial_load
 
                 self.loaded = initial_load(
                     self.config, self.view, self.model_info, self._load_targets, self.rank, self.pg, self.scope.base
@@ -278,7 +278,7 @@ class CheckpointManager:
         self.schedule.saved()
         self.last_save_step = step
         if final and self.config.last_save_in_hf:
-            from torchtitan.checkpointing.hf_run import export_last_in_hf
+            from torchtitan.checkpointing.hf.run import export_last_in_hf
 
             export_last_in_hf(self.config, path, step_folder(self.hf_root, step), self.scope.export_hf)
 

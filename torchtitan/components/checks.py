@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 def check_training_dtype(config: JobConfig, dims: ParallelDims) -> list[str]:
     """What cannot compose with bf16 parameters (training.dtype = "bfloat16"), before launch (LoRA:
-    preflight/registry.py's NOT_BUILT_TOGETHER).
+    features/registry.py's NOT_BUILT_TOGETHER).
 
     Raises:
         ConfigError: a key that contradicts it (the compute dtype, stochastic rounding without bf16 weights).

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,12 @@ class NonFiniteStep(AgreedStop):
 class Verdict:
     skip: bool  # the step's numbers are not finite and the policy skips it: no optimizer step
     stop: bool  # a stop was asked for on some rank: finish this step, save, exit
+
+
+class Guard(Protocol):
+    """The per-step agreement every rank reaches on the step's numbers and the stop signals (``StepGuard``)."""
+
+    def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> Verdict: ...
 
 
 class StepGuard:

@@ -1,22 +1,28 @@
-"""The step's seams: the declared interfaces through which optional features take part in a training step, and
-the null object the engine uses where a feature is off (so the loop has no ``if feature is None`` branches).
+"""The step's seams: the declared interfaces through which optional features take part in a run, and the null
+object the engine uses where a feature is off (so the loop has no ``if feature is None`` branches). The replica
+groups' seams (fault tolerance) are in components/group_seams.py.
 
-- ``OuterSync``: the step's agreement with other replica groups (fault tolerance); off: ``SingleGroup``.
+- ``ModelTransform``: a change to the model around its parallelisms (float8, LoRA, a kernel, the dtype cast);
+  ``NoTransform`` is the base that changes nothing.
+- ``BatchFeed``: what each batch carries to the forwards beside its tokens (block_causal's documents); off: None.
 - ``OptimizerStep``: how gradients become an update (clip then step, or stepped during backward); default
   ``ClipAndStep``.
 - ``StepPass``: how the forward/backward of a step's micro-batches runs (step replay runs it twice); default
   ``DirectPass``.
+- ``StepRunner``: what one step of the run does (pre-training's, or reinforcement learning's generate-and-update);
+  default ``engine/pretrain_step.py:PretrainStep``.
 - ``AfterStep``: work after a committed step at its own schedule (validation, evaluation); off: none.
 - ``NoStepHooks``: a family without per-step work (``spec.StepHooks``).
-- ``PlanTerms``: what a feature changes in ``estimation.py --plan``'s per-rank terms and in the start summary; the
-  base changes nothing.
+- ``PlanTerms``: what a feature changes in the memory estimate's modeled terms, ``estimation.py --plan``'s per-rank
+  terms and the start summary; the base changes nothing.
 
-And what a feature's builder reads (``Parts``: the engine's ``CoreParts`` is one) and writes to (``Metrics``),
-declared here, below the features, so a feature names no engine type.
+And what a feature's builder writes to (``Metrics``), declared here, below the features, so a feature names no
+engine type; what it reads is ``components/parts.py:CoreParts``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -27,50 +33,17 @@ from torch import nn
 from torchtitan.dtypes import to_dtype
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Iterator
+    from collections.abc import Iterator
 
-    from torch.distributed.checkpoint.stateful import Stateful
-
-    from torchtitan.checkpointing.scope import ModelScope
-    from torchtitan.components.step import StepFunction
+    from torchtitan.components.batch import Batch, Documents
+    from torchtitan.components.group_seams import GradientSync
     from torchtitan.config.manager import JobConfig
-    from torchtitan.datasets.shard import DataShard
-    from torchtitan.distributed.mesh import OuterSum, WorldMesh
-    from torchtitan.distributed.parallel_dims import ParallelDims
-    from torchtitan.features.documents.feed import Batch
+    from torchtitan.distributed.mesh import OuterSum
 
 
 class Tokenizer(Protocol):
     n_words: int
     eos_id: int
-
-
-class Parts(Protocol):
-    """The run's built parts, as a feature's builder reads them (the engine's ``CoreParts``)."""
-
-    config: JobConfig
-    rank: int
-    device: torch.device
-    parallel_dims: ParallelDims
-    world: WorldMesh
-    run_folder: str
-    shard: DataShard
-    tokenizer: Tokenizer
-    data_loader: Iterable
-    model_args: Any
-    num_params: int
-    num_flop_params: int
-    step_fn: StepFunction
-    optimizer: torch.optim.Optimizer
-    lr_scheduler: Any
-    model_scope: ModelScope
-
-    @property
-    def model_parts(self) -> list[nn.Module]: ...
-
-    def shard_batch(self, inputs: torch.Tensor, labels: torch.Tensor, packed: Any = None) -> Batch: ...
-
-    def next_batches(self, data_iter: Iterator) -> list[Batch]: ...
 
 
 class Metrics(Protocol):
@@ -86,155 +59,21 @@ class Metrics(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass(frozen=True)
-class StepAttempt:
-    step: int
-    """The step this attempt trains: the committed steps + 1 (a healed replica group jumps here)."""
-    data_moved: bool
-    """The loader's position was replaced (a heal): the trainer makes its data iterator again."""
-
-
-class OuterSync(Protocol):
-    """A step's agreement with the other replica groups, in the order the loop calls it: ``start_step``, the
-    sums inside the step (``outer_sum``), ``reduce_gradients``, ``commit``, ``step_optimizer``, ``finish_step``.
-    Every member is used by the engine, the checkpointer or the metrics."""
-
-    outer_sum: OuterSum | None
-    """Sums over the live groups inside a step (token counts, expert loads), or None where there are none."""
-    loss_max: torch.Tensor | None
-    """This rank's loss, the max over the groups, of the last step (None: the rank's own)."""
-
-    @property
-    def step(self) -> int:
-        """The committed steps."""
-
-    @property
-    def can_stop(self) -> bool:
-        """A stop signal may end the run after the current step."""
-
-    @property
-    def writes_checkpoints(self) -> bool:
-        """This group writes the checkpoint (of several groups sharing one folder, one does)."""
-
-    @property
-    def sets_aside_later(self) -> bool:
-        """A resume from an earlier checkpoint sets later ones aside (a group sharing a folder with live ones
-        must not)."""
-
-    def resume_at(self, step: int) -> None:
-        """The run resumed from a checkpoint of ``step``."""
-
-    def start_step(self) -> StepAttempt:
-        """Join the step (a restarted group heals here, before its forward pass)."""
-
-    def reduce_gradients(
-        self, finish_gradients: Callable[[], list[nn.Parameter]], loss: torch.Tensor
-    ) -> tuple[torch.Tensor, list[nn.Parameter] | None]:
-        """After backward: (the loss to log, the parameters whose gradients were averaged across the groups, or
-        None when nothing was averaged and clipping finds them itself)."""
-
-    def commit(self, step: int) -> bool:
-        """Whether step ``step`` is applied."""
-
-    def step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """The optimizer step of a committed step."""
-
-    def finish_step(self, committed: bool) -> bool:
-        """After the commit; returns whether the data position moved (the loop makes its iterator again)."""
-
-    def data_state(self, data_loader: Any) -> Stateful:
-        """What a checkpoint saves as the data position (the loader's, or every group's)."""
-
-    def checkpoint_state(self) -> dict[str, Stateful]:
-        """Parts of a full checkpoint beside the trainer's own."""
-
-    def metrics(self, group_batch: int) -> tuple[dict[str, Any], dict[str, float]] | None:
-        """The log record's fields and TensorBoard scalars (``group_batch``: samples of one group's step)."""
-
-    def before_stop(self, step: int) -> None:
-        """A stop signal ends the run after ``step``: raise ``RunStopped`` if this group must leave unsaved."""
-
-    def add_modeled_memory(self, memory: Any, model_parts: list[nn.Module], device: torch.device) -> None:
-        """The memory estimator's (estimation/tracker.py ``StepMemory``): add what the groups hold that the fake
-        step does not run (modeled rows and notes)."""
-
-    def report_end(self, step: int) -> None:
-        """The run's last step is done."""
-
-    def close(self) -> None: ...
-
-
-class SingleGroup:
-    """``OuterSync`` of a run without replica groups: every step commits, nothing crosses the world."""
-
-    outer_sum: OuterSum | None = None
-    loss_max: torch.Tensor | None = None
-    can_stop = True
-    writes_checkpoints = True
-    sets_aside_later = True
-
-    def __init__(self) -> None:
-        self._step = 0
-
-    @property
-    def step(self) -> int:
-        return self._step
-
-    def resume_at(self, step: int) -> None:
-        self._step = step
-
-    def start_step(self) -> StepAttempt:
-        return StepAttempt(step=self._step + 1, data_moved=False)
-
-    def reduce_gradients(
-        self, finish_gradients: Callable[[], list[nn.Parameter]], loss: torch.Tensor
-    ) -> tuple[torch.Tensor, list[nn.Parameter] | None]:
-        return loss, None
-
-    def commit(self, step: int) -> bool:
-        self._step = step
-        return True
-
-    def step_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.step()
-
-    def finish_step(self, committed: bool) -> bool:
-        return False
-
-    def data_state(self, data_loader: Any) -> Any:
-        return data_loader
-
-    def checkpoint_state(self) -> dict[str, Stateful]:
-        return {}
-
-    def metrics(self, group_batch: int) -> None:
-        return None
-
-    def before_stop(self, step: int) -> None:
-        pass
-
-    def add_modeled_memory(self, memory: Any, model_parts: list[nn.Module], device: torch.device) -> None:
-        pass
-
-    def report_end(self, step: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 class OptimizerStep(Protocol):
     """How a step's gradients become its update."""
 
     def grad_norm(self, clip: Callable[[list[nn.Parameter] | None], torch.Tensor], params: list | None) -> torch.Tensor:
         """The step's total gradient norm (``clip``: the step function's clip over ``params``)."""
 
-    def apply(self, optimizer: torch.optim.Optimizer, outer: OuterSync) -> None:
-        """Apply a committed, kept step's update."""
+    def apply(self, optimizer: torch.optim.Optimizer, gradients: GradientSync) -> None:
+        """Apply a committed, kept step's update (``gradients``: the replica groups', which may step it)."""
 
     @property
     def steps_in_backward(self) -> bool:
         """The parameters already stepped during backward (the memory estimator counts no list-wide step)."""
+
+    def stepping(self, optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+        """The optimizers whose ``step`` applies the update (the memory estimator hooks them)."""
 
 
 class ClipAndStep:
@@ -245,8 +84,11 @@ class ClipAndStep:
     def grad_norm(self, clip: Callable[[list[nn.Parameter] | None], torch.Tensor], params: list | None) -> torch.Tensor:
         return clip(params)
 
-    def apply(self, optimizer: torch.optim.Optimizer, outer: OuterSync) -> None:
-        outer.step_optimizer(optimizer)
+    def apply(self, optimizer: torch.optim.Optimizer, gradients: GradientSync) -> None:
+        gradients.step_optimizer(optimizer)
+
+    def stepping(self, optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+        return [optimizer]
 
 
 class StepPass(Protocol):
@@ -266,6 +108,72 @@ class AfterStep(Protocol):
     """Work after a committed step at its own schedule (it logs through the run's metrics)."""
 
     def maybe_run(self, step: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: torch.Tensor
+    """This rank's mean loss (with replica groups: averaged over them), unsynced."""
+    grad_norm: torch.Tensor
+    committed: bool
+    """Whether the step was applied; False only when the replica groups discarded it."""
+    stop: bool = False
+    """The step's guard asks every rank to stop after it (a non-finite step under ``training.on_nonfinite``)."""
+
+
+class StepRunner(Protocol):
+    """What one step of the run does, as the loop drives it: its data (timed as the step's data time), then the
+    training on it; the loop does the rest (the agreement's attempt and commit, metrics, after-step work, saves)."""
+
+    def data(self, step: int, data_iter: Iterator) -> Any:
+        """The step's input: pre-training's micro-batches, RL's rollouts."""
+
+    def train(self, step: int, data: Any, *, phase_done: Callable[[str], None] | None = None) -> StepResult:
+        """Train on ``data``; ``phase_done(name)``: called at the end of each phase of the step's own (RL's
+        generation), for the memory estimator's tracker."""
+
+    def step_tokens(self) -> float:
+        """This rank's tokens of a step (tokens/s, MFU)."""
+
+    def metrics(self) -> tuple[dict[str, Any], dict[str, float]] | None:
+        """The step record's fields of the runner's own, and their TensorBoard scalars."""
+
+    def summary_lines(self) -> dict[str, str]:
+        """Lines of the start summary that this runner replaces or adds (by key: ``batch``, ``data``, ...)."""
+
+    def after_commit(self, step: int, *, logged: bool) -> None:
+        """After a committed step's records and saves (``logged``: the step was a log step)."""
+
+
+class ModelTransform:
+    """A change to the model around its parallelisms: ``convert`` on the meta model (or a pipeline stage) before
+    them, ``after_init`` once it is materialised and initialised from the seed. Applied in the registry's order (its
+    ``model_transform`` slot); this base changes nothing, a transform overrides what it changes."""
+
+    def convert(self, part: nn.Module) -> None:
+        """Before the parallelisms, on the meta model: e.g. swap modules (float8, LoRA) or cast parameters."""
+
+    def after_init(self, part: nn.Module, seed: int) -> None:
+        """After ``to_empty`` and the seeded init of the whole part (e.g. LoRA's adapters drawn from the seed)."""
+
+
+class BatchFeed(Protocol):
+    """What each batch carries to the model's forwards beside its tokens (block_causal's documents)."""
+
+    def prepare(self, inputs: torch.Tensor, labels: torch.Tensor, packed: Any = None) -> tuple[torch.Tensor, Any]:
+        """The batch's labels (masked where the feed says) and its documents, before context parallel cuts it."""
+
+    def record(self, batches: list[Batch]) -> None:
+        """Add the step's batches to the statistics ``take_stats`` returns."""
+
+    def take_stats(self) -> Any:
+        """The statistics recorded since the last call (the step record's), or None."""
+
+    def use(self, documents: Documents) -> contextlib.AbstractContextManager[None]:
+        """Every forward inside sees ``documents``."""
+
+    def plain_causal(self) -> contextlib.AbstractContextManager[None]:
+        """Every forward inside runs plain causal attention (evaluation's requests)."""
 
 
 class NoStepHooks:
@@ -308,6 +216,12 @@ class PlanTerms:
     def state_bytes(self, config: JobConfig, args: Any, trainable: int) -> int | None:
         """The optimizer state's bytes; None: the optimizer's own rules over the whole model."""
         return None
+
+    def modeled_memory(
+        self, memory: Any, config: JobConfig, model_parts: list[nn.Module], device: torch.device
+    ) -> None:
+        """The memory estimate (estimation/tracker.py ``StepMemory``): add what the feature holds that the fake step
+        does not run (modeled rows and notes)."""
 
     def comm_seconds(self, config: JobConfig, shard_params: float, inter_node_bytes_per_s: float) -> float:
         """Seconds per step of communication the layout's axes do not cover (``shard_params``: a rank's)."""

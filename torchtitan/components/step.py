@@ -22,20 +22,18 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from torchtitan.components.batch import Batch
 from torchtitan.components.loss import LossFn, chunked_cross_entropy, cross_entropy_loss
-from torchtitan.components.optim.optimizer import build_optimizer_in_backward
 from torchtitan.distributed.grad_norm import clip_grad_norm_, reduce_partial_grads_
 from torchtitan.distributed.pipeline.stages import pipeline_eval, pipeline_step
-from torchtitan.features.documents.feed import Batch, DocumentFeed
 from torchtitan.models.common.documents import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from torchtitan.config.schema import Optimizer as OptimizerConfig
+    from torchtitan.components.seams import BatchFeed
     from torchtitan.distributed.mesh import OuterSum, WorldMesh
     from torchtitan.distributed.pipeline.stages import PipelineParts
-    from torchtitan.features.in_backward.in_backward import OptimizerInBackward
     from torchtitan.spec import StepHooks
 
 
@@ -99,7 +97,7 @@ class StepFunction:
         pipeline: PipelineParts | None = None,
         pipeline_loss: PipelineLoss | None = None,
         hooks: StepHooks | None = None,
-        feed: DocumentFeed | None = None,
+        feed: BatchFeed | None = None,
     ):
         """``amp_dtype``: autocast's dtype, or None (FSDP's mixed precision or fp32 computes without it).
         ``feed``: block_causal attention's feed of each batch's documents to the forwards (built over
@@ -225,23 +223,6 @@ class StepFunction:
             loss.backward()
         else:
             torch.autograd.backward([loss, aux])  # loss may be a DTensor (loss parallel), aux is not
-
-    def build_optimizer_in_backward(
-        self, optimizer: torch.optim.Optimizer, config: OptimizerConfig
-    ) -> OptimizerInBackward:
-        """Hooks that step each parameter of ``optimizer`` as its gradient is final, during backward.
-
-        Under pipeline parallel a stage's backward runs once per micro-batch (FSDP reduces after the
-        last one) and the schedule would scale the gradients by 1/micro-batches after it; the grad
-        norm is summed over the pp axis too, as in ``clip_grad_norm_``.
-        """
-        return build_optimizer_in_backward(
-            optimizer,
-            config,
-            pipeline_microbatches=self.pipeline.n_microbatches if self.pipeline is not None else 1,
-            fsdp=self.world.dims.fsdp_enabled,
-            pp_group=self.world.group("pp"),
-        )
 
     def finish_gradients(self) -> list[nn.Parameter]:
         """This rank's parameters with their gradients complete (partial DTensor gradients reduced)."""

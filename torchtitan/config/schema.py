@@ -13,14 +13,14 @@ from typing import Literal
 from torchtitan.config.bounds import Bound
 from torchtitan.config.fields import POSITIVE as _POSITIVE
 from torchtitan.config.fields import config_field as _f
-from torchtitan.config.schema_checkpoint import Checkpoint
-from torchtitan.config.schema_eval import Eval
-from torchtitan.config.schema_metrics import Metrics
-from torchtitan.config.schema_optimizer import Optimizer
-from torchtitan.config.schema_training import DatasetName, Training
-from torchtitan.fault_tolerance.config import FaultTolerance
-from torchtitan.lora.config import Lora
-from torchtitan.rl.config import Rl
+from torchtitan.config.sections.checkpoint import Checkpoint
+from torchtitan.config.sections.eval import Eval
+from torchtitan.config.sections.fault_tolerance import FaultTolerance
+from torchtitan.config.sections.lora import Lora
+from torchtitan.config.sections.metrics import Metrics
+from torchtitan.config.sections.optimizer import Optimizer
+from torchtitan.config.sections.rl import Rl
+from torchtitan.config.sections.training import DatasetName, Training
 
 # The names of models/llama/model.py's NORM_TYPES (tests/unit/test_config.py keeps them equal).
 NORM_TYPES = ("rmsnorm", "fused_rmsnorm", "layernorm", "np_layernorm")

@@ -95,7 +95,7 @@ def init_model_weights(model: nn.Module, seed: int, buffer_device: torch.device)
 @torch.no_grad()
 def init_named_units(units: Iterable[tuple[str, Callable[[], None]]], seed: int) -> None:
     """Run each ``(name, init)`` with the RNG reseeded from ``seed`` and the name, every DTensor drawn at full
-    size (the module docstring); e.g. LoRA's adapters (torchtitan/lora/apply.py), named by their FQNs. The
+    size (the module docstring); e.g. LoRA's adapters (torchtitan/features/lora/apply.py), named by their FQNs. The
     global RNG is left reseeded from ``seed``."""
     with _FullTensorInitMode():
         for name, init in units:

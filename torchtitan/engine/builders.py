@@ -1,10 +1,10 @@
 """``Builders``: how a run builds the parts that touch the outside world (the mesh, tokenizer file, data, metrics
 files, checkpoints) or that a tool builds differently (the memory estimator builds under fake tensors).
 
-Each field has a declared signature over typed parts (``Parts``, the replica sync, the metrics), never a
+Each field has a declared signature over typed parts (``CoreParts``, the replica groups' seams, the metrics), never a
 half-built trainer. The defaults are a real training run's; the estimator passes its own (estimation/
 fake_trainer.py). ``overrides`` swaps a feature's seam builder (tests inject faults through it) and
-``estimate`` picks the registry's estimator builders (preflight/registry.py).
+``estimate`` picks the registry's estimator builders (features/registry.py).
 """
 
 from __future__ import annotations
@@ -14,13 +14,12 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
 from torch import nn
 
 from torchtitan.build import build_data_loader, build_meta_model, build_model_args
 from torchtitan.checkpointing.manager import CheckpointManager
 from torchtitan.checkpointing.run import build_run_checkpointer
-from torchtitan.components.run_control import StepGuard, StopSignals, Verdict
+from torchtitan.components.run_control import Guard, StepGuard, StopSignals
 from torchtitan.components.seams import Metrics, Tokenizer
 from torchtitan.datasets.shard import ReportsDataMix
 from torchtitan.datasets.tokenizer import build_tokenizer
@@ -30,7 +29,8 @@ from torchtitan.observability.step_metrics import StepMetrics
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from torchtitan.components.seams import OuterSync, Parts
+    from torchtitan.components.group_seams import CheckpointShare, GradientSync
+    from torchtitan.components.parts import CoreParts
     from torchtitan.config.schema import Model, Training
     from torchtitan.datasets.shard import DataShard
     from torchtitan.distributed.parallel_dims import ParallelDims
@@ -48,10 +48,6 @@ class Checkpointer(Protocol):
     def close(self) -> None: ...
 
 
-class Guard(Protocol):
-    def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> Verdict: ...
-
-
 def _build_world_mesh(parallel_dims: ParallelDims, device_type: str) -> DeviceMesh | None:
     return parallel_dims.build_mesh(device_type)
 
@@ -60,7 +56,7 @@ def _build_tokenizer(model: Model) -> Any:
     return build_tokenizer(model.tokenizer_path)
 
 
-def build_metrics(core: Parts, outer: OuterSync, *, start_step: int) -> StepMetrics:
+def build_metrics(core: CoreParts, gradients: GradientSync, *, start_step: int) -> StepMetrics:
     """The default ``Builders.metrics``: per-step records (console, metrics.jsonl, TensorBoard) on rank 0."""
     cfg, reduce = core.config, core.step_fn.reduce_loss
     return StepMetrics(
@@ -74,7 +70,7 @@ def build_metrics(core: Parts, outer: OuterSync, *, start_step: int) -> StepMetr
         device=core.device,
         enabled=core.rank == 0,
         # the logged (mean, max) of a per-rank loss; with replica groups the max is over the groups' too
-        reduce_loss=lambda loss: reduce(loss, max_source=outer.loss_max),
+        reduce_loss=lambda loss: reduce(loss, max_source=gradients.loss_max),
         num_params=core.num_flop_params,
         model_args=core.model_args,
         documents=core.step_fn.feed.take_stats if core.step_fn.feed is not None else None,
@@ -83,28 +79,28 @@ def build_metrics(core: Parts, outer: OuterSync, *, start_step: int) -> StepMetr
 
 
 def build_checkpointer(
-    core: Parts,
-    outer: OuterSync,
+    core: CoreParts,
+    share: CheckpointShare,
+    modules: Mapping[str, nn.Module],
     *,
     before_marker: Callable[[int], None] | None = None,
-    extra: Mapping[str, Any] | None = None,
 ) -> CheckpointManager:
-    """The default ``Builders.checkpointer``; ``before_marker``: see ``CheckpointManager``; ``extra``: more stateful
-    parts a loop's checkpoints hold (RL's frozen reference), beside ``outer``'s.
+    """The default ``Builders.checkpointer``; ``modules``: the step's modules besides the model (RL's frozen
+    reference), saved beside what ``share`` adds; ``before_marker``: see ``CheckpointManager``.
 
-    The data position saved is what ``outer`` says (with replica groups: every group's, so the shared
-    checkpoint one group writes resumes all of them); the run's own files (metrics) are in its run folder.
+    The data position saved is what ``share`` says (with replica groups: every group's, so the shared checkpoint one
+    group writes resumes all of them); the run's own files (metrics) are in its run folder.
     """
     return build_run_checkpointer(
         core.config,
         root=checkpoint_root(core.config),
         run_folder=core.run_folder,
-        extra={**outer.checkpoint_state(), **(extra or {})},
-        sets_aside_later=outer.sets_aside_later,
+        extra={**share.checkpoint_state(), **modules},
+        sets_aside_later=share.sets_aside_later,
         model_parts=core.model_parts,
         optimizer=core.optimizer,
         lr_scheduler=core.lr_scheduler,
-        data_loader=outer.data_state(core.data_loader),
+        data_loader=share.data_state(core.data_loader),
         dp_rank=core.world.local_rank("dp"),
         rank=core.rank,
         device=core.device,
@@ -114,12 +110,12 @@ def build_checkpointer(
     )
 
 
-def load_start_weights(core: Parts, checkpointer: Checkpointer) -> int:
+def load_start_weights(core: CoreParts, checkpointer: Checkpointer) -> int:
     """The default ``Builders.load``: the checkpointer's load; returns the step training continues after."""
     return checkpointer.load()
 
 
-def build_guard(core: Parts, metrics: Metrics, signals: StopSignals) -> StepGuard:
+def build_guard(core: CoreParts, metrics: Metrics, signals: StopSignals) -> StepGuard:
     """The default ``Builders.guard``: the per-step agreement on non-finite steps and stop signals."""
     cfg = core.config
     on_wait = metrics.add_wait if cfg.metrics.straggler_factor > 0 else None
@@ -136,9 +132,10 @@ class Builders:
     model_args(config, spec, vocab_size, *, device_type) -> the family's args
     meta_model(spec, model_args) -> nn.Module on the meta device (called once per pipeline stage too)
     data_loader(training, tokenizer, shard, model_args) -> iterable of (inputs, labels), stateful for checkpoints
-    checkpointer(core, outer) -> Checkpointer
+    checkpointer(core, share, modules) -> Checkpointer (``share``: the replica groups' CheckpointShare; ``modules``:
+        the step's modules besides the model)
     load(core, checkpointer) -> the step the run continues after
-    metrics(core, outer, *, start_step) -> Metrics
+    metrics(core, gradients, *, start_step) -> Metrics (``gradients``: the replica groups' GradientSync)
     guard(core, metrics, signals) -> Guard
     """
 
@@ -147,12 +144,12 @@ class Builders:
     model_args: Callable[..., Any] = build_model_args
     meta_model: Callable[[Any, Any], nn.Module] = build_meta_model
     data_loader: Callable[[Training, Tokenizer, DataShard, Any], Iterable] = build_data_loader
-    checkpointer: Callable[[Parts, OuterSync], Checkpointer] = build_checkpointer
-    load: Callable[[Parts, Checkpointer], int] = load_start_weights
+    checkpointer: Callable[..., Checkpointer] = build_checkpointer
+    load: Callable[[CoreParts, Checkpointer], int] = load_start_weights
     metrics: Callable[..., Metrics] = build_metrics
-    guard: Callable[[Parts, Metrics, StopSignals], Guard] = build_guard
+    guard: Callable[[CoreParts, Metrics, StopSignals], Guard] = build_guard
     overrides: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
-    """A one-feature seam's builder (preflight/registry.py ``Slot``: data_shard, outer, optimizer_step, step_pass)
-    used instead of the enabled feature's."""
+    """A one-feature slot's builder (features/registry.py ``Slot``: data_shard, replica_groups, optimizer_step,
+    step_pass, ...) used instead of the enabled feature's."""
     estimate: bool = False
     """Build the features' seams for the memory estimator (the registry's ``estimate`` builders)."""

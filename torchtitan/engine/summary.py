@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from torchtitan.checkpointing.folders import resume_point
-from torchtitan.checkpointing.marker import FULL
+from torchtitan.checkpointing.files.folders import resume_point
+from torchtitan.checkpointing.files.marker import FULL
 from torchtitan.datasets.indexed.format import find_prefixes
+from torchtitan.features.registry import plan_terms
 from torchtitan.launch.run_folder import checkpoint_root
 from torchtitan.observability.console import format_data_source, format_layout, format_start_summary
-from torchtitan.preflight.registry import plan_terms
 
 if TYPE_CHECKING:
     from torchtitan.config.manager import JobConfig
@@ -36,6 +36,7 @@ def start_summary(parts: TrainingParts) -> str:
         trains=[s for t in plan_terms(cfg) if (s := t.summary(cfg, core.model_args, core.num_params)) is not None],
         device=str(core.device),
         dump_folder=core.run_folder,
+        lines=parts.runner.summary_lines(),
     )
 
 

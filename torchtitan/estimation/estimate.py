@@ -30,12 +30,13 @@ from torchtitan.estimation.fake_trainer import (
     pipeline_patches,
     resolve_vocab,
 )
+from torchtitan.estimation.foreach import use_per_parameter_step
 from torchtitan.estimation.images import describe, image_folder
-from torchtitan.estimation.tracker import DDP_BUCKETS, StepMemory, track_steps, use_per_parameter_step
+from torchtitan.estimation.tracker import DDP_BUCKETS, StepMemory, track_steps
+from torchtitan.features.registry import check_estimable_features, plan_terms
 from torchtitan.preflight import run_preflight
-from torchtitan.preflight.registry import check_estimable_features
 from torchtitan.spec import get_model_spec
-from torchtitan.train import driver
+from torchtitan.train import Trainer
 
 # The optimizer step is modeled as torch 2.13 and later run it (the tracker on real runs agrees on 2.13 and 2.15).
 # On 2.11 and 2.12 the tiny family's real FSDP2 step (tests/distributed/test_model_family.py) held 7x its sharded
@@ -152,7 +153,7 @@ def estimate_rank(
         builders = estimation_builders(vocab, n_layers=n_layers, tokenizer_path=config.model.tokenizer_path)
         if not fake:  # the accuracy tests' real run: same builders (and routing assumption), real tensors
             with gloo_frees_in_order() if get_device_info().backend == "gloo" else contextlib.nullcontext():
-                trainer = driver(config, estimate=True)(config, world_size=world_size, rank=rank, builders=builders)
+                trainer = Trainer(config, world_size=world_size, rank=rank, builders=builders)
                 return track_steps(trainer)
         # allow_non_fake_inputs: the meta model (see estimation_builders) is plain meta tensors.
         with (
@@ -163,14 +164,15 @@ def estimate_rank(
             _backend_patches(),
             _family_patches(config),
         ):
-            trainer = driver(config, estimate=True)(config, world_size=world_size, rank=rank, builders=builders)
+            trainer = Trainer(config, world_size=world_size, rank=rank, builders=builders)
             foreach_temp = use_per_parameter_step(trainer.optimizer)
             # In backward each parameter steps alone in a hook (its group's foreach flag is copied
             # there): the tracker sees that step's own temporaries, there are no list-wide ones.
             memory = track_steps(
                 trainer, foreach_temp=0 if trainer.core.optimizer_step.steps_in_backward else foreach_temp
             )
-            trainer.outer.add_modeled_memory(memory, trainer.model_parts, trainer.device)
+            for terms in plan_terms(config):  # what a feature holds that the fake step does not run
+                terms.modeled_memory(memory, config, trainer.model_parts, trainer.device)
             if trainer.parallel_dims.dp_replicate_enabled and not trainer.parallel_dims.dp_shard_enabled:
                 buckets = ddp_bucket_bytes(trainer.model_parts)
                 memory.add_persistent(

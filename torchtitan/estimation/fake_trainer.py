@@ -167,8 +167,8 @@ def estimation_builders(vocab: int, *, n_layers: int | None = None, tokenizer_pa
         data_loader=lambda training, tokenizer, shard, args=None: _random_batches(
             training, tokenizer, args, tokenizer_path
         ),
-        metrics=lambda core, outer, *, start_step: _NoMetrics(),
-        checkpointer=lambda core, outer: _NoCheckpoint(),
+        metrics=lambda core, gradients, *, start_step: _NoMetrics(),
+        checkpointer=lambda core, share, modules: _NoCheckpoint(),
         # The guard reads the step's flags on the host, which fake tensors cannot answer; a fake step
         # is never non-finite and never asked to stop.
         guard=lambda core, metrics, signals: _NoGuard(),

@@ -43,15 +43,15 @@ from dataclasses import dataclass, field
 from torchtitan.build import build_meta_model, build_model_args
 from torchtitan.components.optim.param_groups import optimizer_state_by_group
 from torchtitan.components.seams import PlanTerms
-from torchtitan.config.schema_optimizer import Optimizer as OptimizerConfig
+from torchtitan.config.sections.optimizer import Optimizer as OptimizerConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.dtypes import to_dtype
 from torchtitan.estimation.estimate import estimate_memory, named_shapes
 from torchtitan.estimation.fake_trainer import resolve_vocab
+from torchtitan.features.registry import plan_terms
 from torchtitan.observability.flops import GPU_PEAK_FLOPS
 from torchtitan.observability.metrics import model_flops_per_token
 from torchtitan.preflight import run_preflight
-from torchtitan.preflight.registry import plan_terms
 from torchtitan.spec import get_model_spec
 
 GIB = 2**30

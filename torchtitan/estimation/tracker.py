@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed._tools import FSDPMemTracker, MemTracker
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_pre_hook
+
+from torchtitan.components.batch import Batch
 
 # Tracker category -> report row. FSDPMemTracker and MemTracker name the same things differently.
 CATEGORIES = {
@@ -81,7 +82,7 @@ class StepMemory:
     # semi-synchronous modes' synchronization after it (fault_tolerance/estimate.py): that plus their copies.
     at_optimizer_step: Phase | None = None
     synchronization: Phase | None = None
-    # The peak of each phase a step names (``Trainer.phase_done``: the RL step's generation) in the last step.
+    # The peak of each phase a step names (its runner's ``phase_done`` calls: the RL step's generation) in the last step.
     phases: dict[str, Phase] = field(default_factory=dict)
 
     @property
@@ -223,7 +224,8 @@ def _label_in_backward_states(tracker, trainer) -> list:
     def label(optimizer, *_):
         tracker._track_optimizer_states(_FSDPRefType.OPT, optimizer)
 
-    return [one.register_step_post_hook(label) for one, _ in trainer.core.optimizer_step.in_backward.one.values()]
+    stepping = trainer.core.optimizer_step.stepping(trainer.optimizer)
+    return [one.register_step_post_hook(label) for one in stepping]
 
 
 @contextmanager
@@ -280,68 +282,27 @@ def _non_leaf_stage_inputs() -> Iterator[None]:
             stage.PipelineStage._compute_outputs = inference
 
 
-def foreach_temp_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the list-wide temporaries of torch's foreach Adam/AdamW step on this rank.
-
-    ``_multi_tensor_adam`` allocates ``sqrt(exp_avg_sq)`` for every parameter at once (one
-    parameter-sized list), and Adam with L2 weight decay also ``grad + wd * param`` (another).
-    """
-    total = 0
-    for group in optimizer.param_groups:
-        if group.get("optimizer") == "Muon":
-            continue  # not a foreach step: its per-matrix buffers are allocated (and tracked) as it runs
-        extra = 2 if group["weight_decay"] and not group.get("decoupled_weight_decay", False) else 1
-        for p in group["params"]:
-            local = p.to_local() if isinstance(p, DTensor) else p
-            total += extra * local.numel() * local.element_size()
-    return total
-
-
-def use_per_parameter_step(optimizer: torch.optim.Optimizer) -> int:
-    """Switch a foreach optimizer over DTensors to the per-parameter step; return the temp it hides.
-
-    Under FakeTensorMode the foreach step on DTensors is overcounted several-fold (measured:
-    859 MiB instead of about 115 MiB of optimizer memory for a 60M model at FSDP 4; notes
-    section 9), while on real tensors the tracker reports the same peak for foreach and
-    per-parameter steps. The update math is identical; only the temporaries differ, and those are
-    added back explicitly (``foreach_temp_bytes``). Returns 0 if nothing was switched.
-    """
-    switched = False
-    for group in optimizer.param_groups:
-        if (
-            group.get("foreach")
-            and group.get("optimizer") != "Muon"
-            and any(isinstance(p, DTensor) for p in group["params"])
-        ):
-            group["foreach"] = False
-            switched = True
-    return foreach_temp_bytes(optimizer) if switched else 0
-
-
 def track_steps(trainer, *, foreach_temp: int = 0, steps: int = 2) -> StepMemory:
-    """Run ``trainer.train_step`` ``steps`` times under a tracker; the peak over the steps.
+    """Run the trainer's step (its runner's data and training) ``steps`` times under a tracker; the peak over the steps.
 
     ``foreach_temp``: bytes of foreach temporaries the tracked step does not allocate (see
     ``use_per_parameter_step``); the optimizer-step peak is then the memory live when the step
     starts plus these, and the reported peak is the larger of that and the tracked peak.
     """
-    step_modules = trainer.step_modules()
+    step_modules = list(trainer.parts.modules.values())
+    runner = trainer.parts.runner
     tracker = _build_tracker(trainer.model_parts, trainer.optimizer, step_modules)
     at_opt_step: list[dict] = []
     snap = tracker.get_tracker_snapshot
     hooks = [trainer.optimizer.register_step_pre_hook(lambda *_: at_opt_step.append(snap("current")))]
     phases: dict[str, dict] = {}  # a phase of the step's own (RL's generation): its peak in the last step
-    trainer.phase_done = lambda name: phases.__setitem__(name, snap("peak"))
+
+    def phase_done(name: str) -> None:
+        phases[name] = snap("peak")
+
     hooks += _label_in_backward_states(tracker, trainer)
     after_last_block: list[dict] = []
-    for part in trainer.model_parts:
-        blocks = [b for b in getattr(part, "layers", {}).values() if b is not None]
-        if blocks:  # the third-to-last block on this part: the first few blocks' backward included
-            hooks.append(
-                blocks[max(0, len(blocks) - 3)].register_full_backward_hook(
-                    lambda *_: after_last_block.append(tracker.get_tracker_snapshot("peak"))
-                )
-            )
+    hooks += _all_activations_hooks(tracker, trainer.model_parts, after_last_block)
     earlier: dict = {}
     # As in Trainer.train: no garbage collection during steps. Collection at arbitrary moments
     # frees reference cycles (pipeline works, autograd graphs) at run-dependent points, which made
@@ -358,26 +319,45 @@ def track_steps(trainer, *, foreach_temp: int = 0, steps: int = 2) -> StepMemory
             # without autograd and dropped before it (the RL generation's cache kernels) are gone then
             warnings.filterwarnings("ignore", message="Module is None. Skipping POST_BW hook")
             for i in range(steps):
-                batches = trainer.next_batches(iter(trainer.data_loader))
+                data = runner.data(trainer.step, iter(trainer.data_loader))
                 if isinstance(tracker, FSDPMemTracker):
-                    tracker.track_inputs(tuple(t for b in batches for t in (b.inputs, b.labels)))
+                    tracker.track_inputs(tuple(t for b in _batches(data) for t in (b.inputs, b.labels)))
                 if i == steps - 1:
                     # The all-activations snapshot must read the last step only (see StepMemory):
                     # restart the tracker's running peak, and keep the earlier steps' peak aside.
                     earlier = tracker.get_tracker_snapshot("peak")
                     tracker._peak_mem, tracker._peak_mem_snap = {}, {}
-                trainer.train_step(batches)
+                runner.train(trainer.step, data, phase_done=phase_done)
                 if i == 0:
                     tracker.reset_mod_stats()
         peak = max(tracker.get_tracker_snapshot("peak"), earlier, key=_total)
     finally:
         gc.enable()
-        del trainer.phase_done
         for hook in hooks:
             hook.remove()
     memory = _step_memory(peak, at_opt_step[-1] if at_opt_step else None, after_last_block, foreach_temp)
     memory.phases = {name: Phase(_total(p), _breakdown(p)) for name, p in phases.items()}
     return memory
+
+
+def _all_activations_hooks(tracker, model_parts: list, snapshots: list[dict]) -> list:
+    """A backward hook on the third-to-last block of each part (the first few blocks' backward included) that
+    appends the tracker's peak to ``snapshots``: the moment every activation is live."""
+    hooks = []
+    for part in model_parts:
+        blocks = [b for b in getattr(part, "layers", {}).values() if b is not None]
+        if blocks:
+            hooks.append(
+                blocks[max(0, len(blocks) - 3)].register_full_backward_hook(
+                    lambda *_: snapshots.append(tracker.get_tracker_snapshot("peak"))
+                )
+            )
+    return hooks
+
+
+def _batches(data: object) -> list[Batch]:
+    """The step's micro-batches, where its data is a list of them (pre-training's; RL's step makes its own)."""
+    return [b for b in data if isinstance(b, Batch)] if isinstance(data, list) else []
 
 
 def _step_memory(peak: dict, at_opt_step: dict | None, after_last_block: list[dict], foreach_temp: int) -> StepMemory:

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from torchtitan.config.schema_eval import DEFAULT_BATCH_SIZE
+from torchtitan.config.sections.eval import DEFAULT_BATCH_SIZE
 from torchtitan.eval.tasks import SHIPPED_TASKS, build_task_manager
 
 

@@ -20,7 +20,7 @@ from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_
 
 from torchtitan.components.generation import Sampling
 from torchtitan.config.manager import JobConfig
-from torchtitan.config.schema_eval import DEFAULT_BATCH_SIZE
+from torchtitan.config.sections.eval import DEFAULT_BATCH_SIZE
 from torchtitan.eval.model import EvalModel, build_eval_model, load_config
 from torchtitan.eval.runner import ModelRunner
 

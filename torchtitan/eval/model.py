@@ -61,7 +61,7 @@ def build_eval_model(
         NotImplementedError: pipeline or context parallel in the config.
     """
     from torchtitan.build import autocast_dtype, build_model, build_model_args
-    from torchtitan.checkpointing.hf_files import hf_embedding_rows
+    from torchtitan.checkpointing.hf.files import hf_embedding_rows
     from torchtitan.datasets.tokenizer import build_tokenizer
     from torchtitan.distributed.backend.device import get_device_info, init_distributed
     from torchtitan.spec import get_model_spec
@@ -109,8 +109,8 @@ def _tokenizer_path(config: JobConfig, checkpoint: str | None, hf: str | None) -
     Raises:
         FileNotFoundError: the recorded tokenizer is not on this machine.
     """
-    from torchtitan.checkpointing.hf_files import hf_folder_tokenizer
-    from torchtitan.checkpointing.marker import recorded_tokenizer
+    from torchtitan.checkpointing.files.marker import recorded_tokenizer
+    from torchtitan.checkpointing.hf.files import hf_folder_tokenizer
 
     fix = "pass overrides=--model.tokenizer_path <the same tokenizer's file or folder>"
     recorded = recorded_tokenizer(checkpoint, fix=fix) if checkpoint else None
@@ -126,7 +126,7 @@ def _describe(info: dict[str, Any]) -> str:
 def _checkpoint_weights(path: str, config: JobConfig, args: Any) -> dict[str, torch.Tensor]:
     """The whole-model weights of a complete checkpoint, after checking it holds the config's family and flavor."""
     from torchtitan.checkpointing.common import load_model_weights
-    from torchtitan.checkpointing.marker import read_marker, why_not_loadable
+    from torchtitan.checkpointing.files.marker import read_marker, why_not_loadable
 
     marker = read_marker(path)
     if marker is None:
@@ -148,7 +148,7 @@ def _checkpoint_weights(path: str, config: JobConfig, args: Any) -> dict[str, to
 
 def _hf_weights(folder: str, spec: Any, args: Any) -> dict[str, torch.Tensor]:
     """A Hugging Face folder's weights in our names (the family's adapter), checked against the config's shapes."""
-    from torchtitan.checkpointing.hf_files import load_hf_weights
+    from torchtitan.checkpointing.hf.files import load_hf_weights
 
     if spec.state_dict_adapter is None:
         raise NotImplementedError(f"hf={folder}: model family {spec.name} has no Hugging Face adapter")

@@ -222,7 +222,7 @@ def resume_hint(module: str | None, trainer_args: list[str]) -> str:
     if module != "torchtitan.train":
         return "restart the same command on every node"
     try:
-        from torchtitan.checkpointing.folders import resume_point
+        from torchtitan.checkpointing.files.folders import resume_point
         from torchtitan.config.manager import JobConfig
         from torchtitan.launch.run_folder import checkpoint_root
 

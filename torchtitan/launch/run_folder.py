@@ -33,8 +33,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from torchtitan.checkpointing.marker import EARLIER_RUNS
-from torchtitan.checkpointing.storage import under
+from torchtitan.checkpointing.files.marker import EARLIER_RUNS
+from torchtitan.checkpointing.files.storage import under
 from torchtitan.config.errors import ConfigError
 from torchtitan.launch.parent_watch import GRACE_SECONDS, POLL_SECONDS, under_launcher
 

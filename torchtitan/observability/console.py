@@ -7,6 +7,7 @@ Colour only when the log stream is a terminal and colour printing is on; redirec
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torchtitan.config.schema import Training
@@ -108,23 +109,27 @@ def format_start_summary(
     trains: list[str],
     device: str,
     dump_folder: str,
+    lines: Mapping[str, str] | None = None,
 ) -> str:
     """The block rank 0 logs before the first step. ``data``: ``format_data_source``'s; ``start``: where the weights
-    come from; ``trains``: a line per feature that trains part of the model (e.g. adapters), none for a full run."""
+    come from; ``trains``: a line per feature that trains part of the model (e.g. adapters), none for a full run;
+    ``lines``: lines by key (``batch``, ``data``, ...) that replace the block's own, and new keys added at its end (a
+    step that is not pre-training's says what it does)."""
     seq_len, steps = training.seq_len, training.steps
     tokens = global_batch * seq_len
-    return "\n".join(
-        [
-            # flop_params: what each token is multiplied by: no embedding lookup, and only the active experts
-            f"model       {model}: {params:,} parameters, {flop_params:,} of them multiply each token (MFU's N)",
-            *(f"trains      {line}" for line in trains),
-            f"layout      {layout} ({world_size} process{'es' if world_size > 1 else ''}, device {device})",
-            f"batch       {global_batch} samples x {seq_len} tokens = {tokens:,} tokens per step, {steps} steps",
-            f"data        {data}",
-            f"start       {start}",
-            f"outputs     {dump_folder} (metrics.jsonl, config.toml, command.txt, run_info.json)",
-        ]
-    )
+    block = [
+        # flop_params: what each token is multiplied by: no embedding lookup, and only the active experts
+        ("model", f"{model}: {params:,} parameters, {flop_params:,} of them multiply each token (MFU's N)"),
+        *(("trains", line) for line in trains),
+        ("layout", f"{layout} ({world_size} process{'es' if world_size > 1 else ''}, device {device})"),
+        ("batch", f"{global_batch} samples x {seq_len} tokens = {tokens:,} tokens per step, {steps} steps"),
+        ("data", data),
+        ("start", start),
+        ("outputs", f"{dump_folder} (metrics.jsonl, config.toml, command.txt, run_info.json)"),
+    ]
+    lines = dict(lines or {})
+    block = [(key, lines.pop(key, text)) for key, text in block] + list(lines.items())
+    return "\n".join(f"{key:<12}{text}" for key, text in block)
 
 
 def format_end_summary(

@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING
 from torchtitan.config.bounds import check_not_built, check_ranges
 from torchtitan.distributed.backend.device import get_device_info
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.preflight.registry import FEATURES, Check
+from torchtitan.features.registry import FEATURES, Check
 
 if TYPE_CHECKING:
     from torchtitan.config.manager import JobConfig
 
-# Every check, in the registry's order (preflight/registry.py says why that order).
+# Every check, in the registry's order (features/registry.py says why that order).
 CHECKS: tuple[Check, ...] = tuple(check for feature in FEATURES for check in feature.checks)
 
 

@@ -7,7 +7,6 @@ import logging
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -18,7 +17,6 @@ from torchtitan.components.optim.optim_lowp import LowPrecisionAdamW
 from torchtitan.components.optim.param_groups import Group, assign_groups, canonical_name, format_group_table
 from torchtitan.config.schema import Optimizer as OptimizerConfig
 from torchtitan.config.schema import Training
-from torchtitan.features.in_backward.in_backward import OptimizerInBackward
 
 logger = logging.getLogger(__name__)
 
@@ -44,35 +42,7 @@ def _torch_groups(groups: list[Group], params: dict[str, nn.Parameter]) -> list[
     return out
 
 
-def build_optimizer_in_backward(
-    optimizer: torch.optim.Optimizer,
-    config: OptimizerConfig,
-    *,
-    pipeline_microbatches: int,
-    fsdp: bool,
-    pp_group: dist.ProcessGroup | None,
-) -> OptimizerInBackward:
-    """The per-parameter steps in backward over ``optimizer``'s parameters (``optimizer.early_step_in_backward``).
-
-    ``pipeline_microbatches``: 1 without pipeline parallel. Without FSDP every micro-batch's backward
-    accumulates into a stage's gradients; FSDP's hook fires once, after its reduce-scatter.
-    """
-    in_backward = OptimizerInBackward(
-        optimizer,
-        lambda params: _optimizer_over(params, config),
-        grads_per_step=1 if fsdp else pipeline_microbatches,
-        grad_divisor=pipeline_microbatches,
-        norm_groups=[pp_group] if pp_group is not None else [],
-    )
-    logger.info(
-        "optimizer steps in backward: each of this rank's %d parameters is stepped by a hook as soon as its "
-        "gradient is final, and the gradient freed",
-        len(in_backward.one),
-    )
-    return in_backward
-
-
-def _optimizer_over(params: list[nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:
+def optimizer_over(params: list[nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:
     """One optimizer over ``params`` (the in-backward step's per-parameter optimizers): the groups' rules apply."""
     groups = assign_groups([(str(i), tuple(p.shape)) for i, p in enumerate(params)], _catch_all(config))
     by_name = {str(i): p for i, p in enumerate(params)}

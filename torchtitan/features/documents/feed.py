@@ -18,13 +18,13 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchtitan.components.batch import Batch, Documents
 from torchtitan.distributed.context_parallel.context_parallel import shard_sequence
 from torchtitan.models.common.documents import (
     IGNORE_INDEX,
@@ -53,41 +53,6 @@ def batch_stats(doc_ids: torch.Tensor, labels: torch.Tensor, real_tokens: torch.
     pad = seqlen - real_tokens  # (bs,)
     padded = torch.stack([torch.zeros_like(pad[0]), (pad > 0).sum(), (pad * (pad + 1) // 2).sum()])
     return torch.cat([stats - padded, torch.stack([real_tokens.sum(), trained])])
-
-
-@dataclass(frozen=True)
-class Documents:
-    """One (local) batch's document ids (bs, seqlen) and, with positions_per_document, positions.
-
-    ``stats``: (7,) int64 over the batch's whole windows (before context parallel cuts them):
-    ``DocumentStats``' fields (``batch_stats``, then the images' patches and patch pairs).
-    """
-
-    doc_ids: torch.Tensor
-    positions: torch.Tensor | None = None
-    stats: torch.Tensor | None = None
-    images: Any = None
-    """Image-text data's images (``models.qwen3_5.multimodal.ImageBatch``: pixels, grids, multimodal positions),
-    passed to the forward as ``images``; None for text."""
-
-    def split(self, n: int) -> list[Documents]:
-        ids = torch.tensor_split(self.doc_ids, n, dim=0)
-        pos = torch.tensor_split(self.positions, n, dim=0) if self.positions is not None else [None] * n
-        images = self.images.split(n) if self.images is not None else [None] * n
-        return [Documents(i, p, images=m) for i, p, m in zip(ids, pos, images)]
-
-
-@dataclass(frozen=True)
-class Batch:
-    """One micro-batch on the device, as this rank computes on it (cut for context parallel).
-
-    ``inputs``, ``labels``: (bs, local seqlen). ``docs``: its documents under block_causal attention
-    (``DocumentFeed.prepare``), else None.
-    """
-
-    inputs: torch.Tensor
-    labels: torch.Tensor
-    docs: Documents | None = None
 
 
 class DocumentFeed:
@@ -191,7 +156,7 @@ class DocumentFeed:
     @contextlib.contextmanager
     def plain_causal(self) -> Iterator[None]:
         """The forwards inside run plain causal attention over each row (the in-loop evaluation's independent
-        requests, torchtitan/eval/loop.py), at positions 0..n-1 or those the caller passes."""
+        requests, torchtitan/features/in_loop_eval/loop.py), at positions 0..n-1 or those the caller passes."""
         self.causal = True
         try:
             yield

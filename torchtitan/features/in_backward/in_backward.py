@@ -23,13 +23,23 @@ What does not compose (clipping, gradient accumulation, DDP, split-backward pipe
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+if TYPE_CHECKING:
+    from torchtitan.components.group_seams import GradientSync
+    from torchtitan.components.step import StepFunction
+    from torchtitan.config.schema import Optimizer as OptimizerConfig
+
+from torchtitan.components.optim.optimizer import optimizer_over
 from torchtitan.distributed.grad_norm import GradNormAccumulator, reduce_partial_grads_
+
+logger = logging.getLogger(__name__)
 
 
 class OptimizerInBackward:
@@ -114,10 +124,56 @@ class InBackwardStep:
     def grad_norm(self, clip: Callable[[list | None], torch.Tensor], params: list | None) -> torch.Tensor:
         return self.in_backward.finish_step()
 
-    def apply(self, optimizer: torch.optim.Optimizer, outer: object) -> None:
+    def apply(self, optimizer: torch.optim.Optimizer, gradients: GradientSync) -> None:
         pass  # every parameter already stepped during backward
 
+    def stepping(self, optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+        """The one-parameter optimizers the hooks step."""
+        return [one for one, _ in self.in_backward.one.values()]
 
-def build_in_backward_step(step_fn, optimizer: torch.optim.Optimizer, config) -> InBackwardStep:
-    """The ``optimizer_step`` seam's builder (preflight/registry.py): hooks over ``step_fn``'s model parts."""
-    return InBackwardStep(step_fn.build_optimizer_in_backward(optimizer, config))
+
+def build_optimizer_in_backward(
+    optimizer: torch.optim.Optimizer,
+    config: OptimizerConfig,
+    *,
+    pipeline_microbatches: int,
+    fsdp: bool,
+    pp_group: dist.ProcessGroup | None,
+) -> OptimizerInBackward:
+    """The per-parameter steps in backward over ``optimizer``'s parameters (``optimizer.early_step_in_backward``).
+
+    ``pipeline_microbatches``: 1 without pipeline parallel. Without FSDP every micro-batch's backward accumulates
+    into a stage's gradients; FSDP's hook fires once, after its reduce-scatter.
+    """
+    in_backward = OptimizerInBackward(
+        optimizer,
+        lambda params: optimizer_over(params, config),
+        grads_per_step=1 if fsdp else pipeline_microbatches,
+        grad_divisor=pipeline_microbatches,
+        norm_groups=[pp_group] if pp_group is not None else [],
+    )
+    logger.info(
+        "optimizer steps in backward: each of this rank's %d parameters is stepped by a hook as soon as its "
+        "gradient is final, and the gradient freed",
+        len(in_backward.one),
+    )
+    return in_backward
+
+
+def build_in_backward_step(
+    step_fn: StepFunction, optimizer: torch.optim.Optimizer, config: OptimizerConfig
+) -> InBackwardStep:
+    """The ``optimizer_step`` seam's builder (features/registry.py): hooks over ``step_fn``'s model parts.
+
+    Under pipeline parallel a stage's backward runs once per micro-batch (FSDP reduces after the last one) and the
+    schedule would scale the gradients by 1/micro-batches after it; the grad norm is summed over the pp axis too, as
+    in ``StepFunction.clip_grad_norm_``.
+    """
+    in_backward = build_optimizer_in_backward(
+        optimizer,
+        config,
+        pipeline_microbatches=step_fn.pipeline.n_microbatches if step_fn.pipeline is not None else 1,
+        fsdp=step_fn.world.dims.fsdp_enabled,
+        pp_group=step_fn.world.group("pp"),
+    )
+    return InBackwardStep(in_backward)

@@ -33,7 +33,7 @@ from torch import nn
 from torchtitan.components.run_control import AgreedStop
 
 if TYPE_CHECKING:
-    from torchtitan.components.seams import Parts
+    from torchtitan.components.parts import CoreParts
     from torchtitan.spec import StepHooks
 
 logger = logging.getLogger(__name__)
@@ -166,8 +166,8 @@ def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor
         getattr(torch, device.type).set_rng_state(state[1], device)
 
 
-def build_step_replay(core: Parts, *, after_pass: AfterPass | None = None) -> StepReplay:
-    """The ``step_pass`` seam with ``training.replay_every_n_steps`` (preflight/registry.py); ``after_pass``: a
+def build_step_replay(core: CoreParts, *, after_pass: AfterPass | None = None) -> StepReplay:
+    """The ``step_pass`` seam with ``training.replay_every_n_steps`` (features/registry.py); ``after_pass``: a
     test's fault injection."""
     t = core.config.training
     return StepReplay(

@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchtitan.features.documents.feed import Batch
+from torchtitan.components.batch import Batch
 
 if TYPE_CHECKING:
-    from torchtitan.components.seams import Metrics, Parts
+    from torchtitan.components.parts import CoreParts
+    from torchtitan.components.seams import Metrics
     from torchtitan.components.step import StepFunction
     from torchtitan.config.schema import Training, Validation
     from torchtitan.datasets.shard import DataShard
@@ -56,7 +57,7 @@ class Validator:
         groups = compute_stream_groups(shard.rank, shard.degree, batch_size, microbatches)
         num_streams = shard.degree * batch_size * microbatches
         if training.dataset_format != "text":  # fine-tuning: the held-out rows packed alike, so the loss is masked
-            from torchtitan.datasets.finetune import build_sft_data_loader
+            from torchtitan.datasets.sft.finetune import build_sft_data_loader
 
             self.loader = build_sft_data_loader(
                 validation.dataset, validation.dataset_path, tokenizer, training, groups, num_streams, model_args
@@ -104,8 +105,8 @@ class PeriodicValidation:
             self.log(step, self.validator.run())
 
 
-def build_validation(core: Parts, metrics: Metrics) -> PeriodicValidation:
-    """The ``after_step`` seam's builder (preflight/registry.py)."""
+def build_validation(core: CoreParts, metrics: Metrics) -> PeriodicValidation:
+    """The ``after_step`` seam's builder (features/registry.py)."""
     from torchtitan.datasets.shard import DataShard
 
     cfg = core.config

@@ -1,0 +1,131 @@
+"""A Hugging Face model folder's files (config.json, the safetensors index, writing weights): light, so the
+pre-launch checks use it without the conversion machinery (hf.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from torchtitan.checkpointing.files.marker import does_not_exist
+
+
+def read_hf_config(hf_dir: str) -> dict[str, Any]:
+    """An HF model folder's ``config.json``.
+
+    Raises:
+        ValueError: no such folder, or no ``config.json`` in it.
+    """
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        what = "has no config.json" if os.path.isdir(hf_dir) else does_not_exist(hf_dir)
+        raise ValueError(
+            f"Hugging Face folder {hf_dir!r} {what}; pass a folder written by save_pretrained "
+            f"(config.json + *.safetensors)"
+        )
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def hf_weight_files(hf_dir: str) -> dict[str, str]:
+    """Every weight of an HF folder -> the safetensors file holding it (index file or all ``*.safetensors``).
+
+    Raises:
+        ValueError: no safetensors files (a PyTorch ``.bin`` checkpoint is not read: re-save it with
+            ``save_pretrained(..., safe_serialization=True)``).
+    """
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            return {k: os.path.join(hf_dir, v) for k, v in json.load(f)["weight_map"].items()}
+    names = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
+    if not names:
+        raise ValueError(
+            f"Hugging Face folder {hf_dir!r} has no *.safetensors files; re-save the model with "
+            f"save_pretrained(..., safe_serialization=True)"
+        )
+    files = {}
+    for name in names:
+        with safe_open(os.path.join(hf_dir, name), framework="pt") as f:
+            files.update(dict.fromkeys(f.keys(), os.path.join(hf_dir, name)))
+    return files
+
+
+# transformers' default shard size for save_pretrained
+MAX_SHARD_BYTES = 5 * 10**9
+
+
+def save_hf_folder(
+    hf: dict[str, torch.Tensor], config: dict[str, Any], output_dir: str, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> None:
+    """``config.json`` and the weights: ``model.safetensors``, or shards over ``max_shard_bytes``
+    (``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``, as transformers writes)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, w in hf.items():
+        nbytes = w.numel() * w.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = w
+        size += nbytes
+    os.makedirs(output_dir, exist_ok=True)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(output_dir, name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
+        total = sum(w.numel() * w.element_size() for w in hf.values())
+        with open(os.path.join(output_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    config_path = os.path.join(output_dir, "config.json")
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    # safetensors writes through a private temporary file (mode 0600); give the weights the mode every
+    # other file here gets (0666 less the umask: config.json's), as save_pretrained's do.
+    mode = os.stat(config_path).st_mode & 0o777
+    for name in os.listdir(output_dir):
+        if name.endswith(".safetensors"):
+            os.chmod(os.path.join(output_dir, name), mode)
+
+
+def hf_embedding_rows(hf_dir: str, tokenizer_words: int, tokenizer_path: str) -> int:
+    """The embedding rows of an HF model: published models pad their table past the tokenizer's words (Qwen3:
+    151,936 rows for 151,669 tokens); the padding rows are never looked up. The trainer, generation and
+    evaluation build the model with these rows.
+
+    Raises:
+        ValueError: fewer rows than the tokenizer has words (another model's tokenizer).
+    """
+    config = read_hf_config(hf_dir)
+    rows = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", tokenizer_words)
+    if rows < tokenizer_words:
+        raise ValueError(
+            f"Hugging Face folder {hf_dir!r} has vocab_size {rows}, fewer rows than the tokenizer's "
+            f"{tokenizer_words} words ({tokenizer_path}); use the tokenizer that model was trained with"
+        )
+    return rows
+
+
+def hf_folder_tokenizer(hf_dir: str) -> str | None:
+    """The folder itself when it holds its tokenizer (``tokenizer.json``), as transformers' AutoTokenizer reads
+    a model folder; None when it has none."""
+    return hf_dir if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")) else None
+
+
+def load_hf_weights(hf_dir: str, adapter: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(our model args as a dict, our weights) of an HF folder, through the family's ``StateDictAdapter``."""
+    from safetensors.torch import load_file
+
+    fields = adapter.model_args_from_hf(read_hf_config(hf_dir))
+    hf: dict[str, torch.Tensor] = {}
+    for path in sorted(set(hf_weight_files(hf_dir).values())):  # one file, or save_pretrained's shards
+        hf.update(load_file(path))
+    return fields, adapter.from_hf_state_dict(hf, fields)
