@@ -1,5 +1,6 @@
-"""The one build path of the model and its step, shared by the trainer, the memory estimator, evaluation and
-the seed checkpoint: model args, the meta model, the finished (parallelized, materialised, initialised) model
+"""The one build path of the model and its step: the trainer's, the estimator's, evaluation's and the seed's.
+
+What it builds: model args, the meta model, the finished (parallelized, materialised, initialised) model
 parts, the step function, the data loader. The engine (engine/parts.py) calls it in its ordered pass.
 """
 

@@ -1,5 +1,6 @@
-"""``python -m torchtitan.preflight_launch TORCHRUN_ARGS -m torchtitan.train ARGS``: the pre-launch check, then the
-launch, in one process.
+"""The pre-launch check, then the launch, in one process (what run_llama_train.sh runs).
+
+Usage: ``python -m torchtitan.preflight_launch TORCHRUN_ARGS -m torchtitan.train ARGS``.
 
 What ``run_llama_train.sh`` runs (with ``PREFLIGHT=0``, ``python -m torchtitan.launch``: no check). torchrun's
 arguments, as for ``python -m torchtitan.launch``. Before any rank starts, ``python -m torchtitan.preflight``'s check

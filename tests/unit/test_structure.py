@@ -10,7 +10,8 @@
   through the model spec (they never name them);
 - ``models/`` holds pure modules: torch, the stdlib and ``torchtitan.models`` only (a family's ``kernels.py`` may
   also import an optional kernel package);
-- no file of a folder of the package (its top aside) sits beside more than 12 siblings (folders per concern);
+- no file of a folder of the package (its top and features/ aside: folders of folders) sits beside more than 12
+  siblings (folders per concern);
 - at most one import runs back up the floor plan (a unit placed apart from its folder, imported from below).
 """
 
@@ -698,17 +699,65 @@ def test_design_doc_draws_the_floors_as_they_are():
     assert drawn == expected, "docs/design.md's floor plan is stale; replace its block with:\n" + expected
 
 
+# --------------------------------------------------------------------------- 5b. the tree docs/design.md draws
+
+TREE_BEGIN = "<!-- tree: tests/unit/test_structure.py writes this block from each package's docstring; do not edit -->"
+TREE_END = "<!-- end of tree -->"
+
+
+def summary_line(path: Path) -> str:
+    """A module's one-line summary: its docstring's first line, which must stand alone (PEP 257)."""
+    doc = ast.get_docstring(_tree(path)) or ""
+    first, _, rest = doc.partition("\n")
+    assert first.strip() and (not rest or rest.startswith("\n")), f"{_rel(path)}: no one-line summary in its docstring"
+    return first.strip()
+
+
+def render_tree(root: Path = PACKAGE_ROOT) -> str:
+    """Every package of ``root`` (a folder with an ``__init__.py``) and the files at its top, each with the first line
+    of its docstring."""
+    rows: list[tuple[str, str]] = []
+
+    def walk(folder: Path, depth: int) -> None:
+        entries = sorted(folder.iterdir(), key=lambda p: p.name)
+        if depth == 1:
+            files = [p for p in entries if p.suffix == ".py" and p.name != "__init__.py"]
+            rows.extend((f"  {p.name}", summary_line(p)) for p in files)
+        for sub in entries:
+            if sub.is_dir() and (sub / "__init__.py").is_file():
+                rows.append((f"{'  ' * depth}{sub.name}/", summary_line(sub / "__init__.py")))
+                walk(sub, depth + 1)
+
+    walk(root, 1)
+    width = max(len(name) for name, _ in rows) + 2
+    lines = [TREE_BEGIN, "```", f"{root.name}/", *(f"{name:<{width}}{text}" for name, text in rows), "```", TREE_END]
+    return "\n".join(lines)
+
+
+def test_design_doc_draws_the_tree_as_it_is():
+    text = DESIGN_DOC.read_text(encoding="utf-8")
+    start, end = text.find(TREE_BEGIN), text.find(TREE_END)
+    assert start >= 0 and end > start, f"docs/design.md lost its tree block ({TREE_BEGIN!r})"
+    expected = render_tree()
+    assert text[start : end + len(TREE_END)] == expected, (
+        "docs/design.md's tree is stale; replace its block with:\n" + expected
+    )
+
+
 # --------------------------------------------------------------------------- 6. folders per concern
 
-MAX_SIBLINGS = 12  # a file of any folder of the package (its top aside) sits beside at most this many entries
+MAX_SIBLINGS = 12  # a file of any folder of the package sits beside at most this many entries
+# Folders that hold a folder per kind of thing by design, not modules: the package's top (the entry points and the
+# folders by concern) and features/ (a folder per optional feature, beside the registry).
+FOLDERS_OF_FOLDERS = ("", "features")
 
 
 def crowded_folders(root: Path = PACKAGE_ROOT) -> list[str]:
-    """The package's folders (its top aside: the entry points and the folders by concern) with more than
-    ``MAX_SIBLINGS + 1`` entries (``__pycache__`` aside); data folders (no ``__init__.py``) too."""
+    """The package's folders (``FOLDERS_OF_FOLDERS`` aside) with more than ``MAX_SIBLINGS + 1`` entries
+    (``__pycache__`` aside); data folders (no ``__init__.py``) too."""
     found = []
-    for folder in sorted(p for p in root.rglob("*") if p.is_dir()):
-        if "__pycache__" in folder.parts:
+    for folder in sorted(p for p in [root, *root.rglob("*")] if p.is_dir()):
+        if "__pycache__" in folder.parts or folder.relative_to(root).as_posix().strip(".") in FOLDERS_OF_FOLDERS:
             continue
         entries = [p for p in folder.iterdir() if p.name != "__pycache__"]
         if len(entries) > MAX_SIBLINGS + 1:

@@ -1,1 +1,1 @@
-"""Optional features, one folder each (its config's code, pre-launch check and build); imports nothing."""
+"""Optional features, a folder each (its pre-launch check and builders), and the registry that names them."""

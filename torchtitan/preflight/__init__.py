@@ -1,5 +1,6 @@
-"""The pre-launch check: one ordered list of every feature's own check, run once before any process
-group exists (``python -m torchtitan.preflight``, the trainer's ``run_job``, the estimator).
+"""The pre-launch check: every feature's own check, in the registry's order, before any process group exists.
+
+Run by ``python -m torchtitan.preflight``, the trainer's ``run_job`` and the estimator.
 
 This layer sits on top: it is the one place that knows every feature. Each check lives in a light
 module beside its feature (no DTensor, DCP, pipelining or data stack is imported to run them) and has

@@ -3,7 +3,7 @@
 ``export_to_hf`` reads a complete checkpoint, finds its family from the marker, and writes
 safetensors (one file, or shards with ``model.safetensors.index.json``) + ``config.json`` with
 that family's ``state_dict_adapter``; ``import_from_hf`` does the reverse into a step-0 seed
-checkpoint. Starting a run from an HF folder and exporting its last checkpoint: hf_run.py.
+checkpoint. Starting a run from an HF folder and exporting its last checkpoint: hf/run.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""The config tree's sections, a module each: the training loop's, and each optional feature's."""

@@ -1,6 +1,7 @@
 """Float8 training with torchao: which linears convert, the recipe, and the checks that refuse what cannot run.
 
-Order (``build.finish_model_part``): the meta model is converted first, then parallelized. A
+Order (its ``model_transform``, run by ``build.finish_model_part``): the meta model is converted first, then
+parallelized. A
 converted linear is torchao's ``Float8Linear``: the same ``weight`` parameter (same name, shape and
 dtype as the ``nn.Linear`` it replaces, so checkpoints interchange with bf16 runs), whose forward
 casts input and weight to float8 with dynamic scales, multiplies with ``torch._scaled_mm`` and

@@ -1,0 +1,1 @@
+"""Evaluation during training (``[eval]``): lm-eval tasks on the live model every ``eval.freq`` steps."""

@@ -1,1 +1,1 @@
-"""Reinforcement learning after fine-tuning (GRPO, DAPO): a second driver over the trainer's built parts (docs/rl.md)."""
+"""Reinforcement learning after fine-tuning (GRPO, DAPO): the RL step over the trainer's parts (docs/rl.md)."""

@@ -1,2 +1,5 @@
-"""What the model families share, written once: attention kernels and document masks, weight init, RoPE
-(YaRN's table; HF's RoPE config read and written one way) and the Hugging Face conversion toolkit."""
+"""What the model families share, written once: attention, masks, init, RoPE, the HF toolkit.
+
+Attention kernels and document masks, weight init, RoPE (YaRN's table; HF's RoPE config read and written one way)
+and the Hugging Face conversion toolkit.
+"""

@@ -1,6 +1,6 @@
 """The llama3 family's Hugging Face adapter: our weights <-> ``LlamaForCausalLM`` weights and ``config.json``.
 
-Pure tensor and dict work (the spec's ``state_dict_adapter``); file I/O is ``checkpointing/hf.py``'s. The
+Pure tensor and dict work (the spec's ``state_dict_adapter``); file I/O is ``checkpointing/hf/convert.py``'s. The
 mapping itself (names, tied embeddings, q/k's RoPE row order) is the toolkit's (models/common/hf_adapter.py);
 RoPE's config entries are models/common/hf_rope.py's.
 """

@@ -1,5 +1,6 @@
-"""Qwen3.5's text model ("qwen3_5"): Gated DeltaNet (linear attention) in three layers of every four, gated full
-attention in the fourth (model.py, gated_delta.py).
+"""Qwen3.5 ("qwen3_5"): Gated DeltaNet in three layers of every four, gated full attention in the fourth.
+
+The text model: model.py, gated_delta.py (Gated DeltaNet is linear attention).
 
 debugmodel: the debug size (8 layers: 6 Gated DeltaNet, 2 full attention), head sizes smaller than published but
 every feature on (grouped value heads, partial RoPE, the output gate); debugmodel_tiny: the parity tests' size (4
