@@ -85,7 +85,7 @@ def _check_parity(run: list[dict], want: dict[str, list[float]], name: str) -> N
     for r, loss, norm in zip(run, want["loss"], want["grad_norm"], strict=True):
         assert abs(r["loss"] - loss) <= RTOL * abs(loss), f"{name} step {r['step']}: loss {r['loss']} vs HSDP {loss}"
         assert abs(r["grad_norm"] - norm) <= GRAD_NORM_RTOL * norm, f"{name} step {r['step']}: grad norm"
-        assert r["group_seams"] == 2 and r["global_batch_samples"] == 8, r
+        assert r["replica_groups"] == 2 and r["global_batch_samples"] == 8, r
 
 
 # --------------------------------------------------------------------------- parity with HSDP, resume
@@ -172,7 +172,7 @@ def test_ft_local_kills_a_group_which_heals_from_the_live_one_and_checks_its_cla
     argv = [*COMMON, "--training.steps", str(steps), "--training.batch_size", "4"]
     # an earlier job's files in the folder (group 1 logged its last step): moved aside, never read as this job's
     (dump / "replica_1").mkdir(parents=True)
-    (dump / "replica_1" / "metrics.jsonl").write_text(json.dumps({"step": steps, "group_seams": 2}) + "\n")
+    (dump / "replica_1" / "metrics.jsonl").write_text(json.dumps({"step": steps, "replica_groups": 2}) + "\n")
     result = _ft_local(*argv, env=env)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
@@ -189,7 +189,7 @@ def test_ft_local_kills_a_group_which_heals_from_the_live_one_and_checks_its_cla
     assert all(math.isfinite(x) for x in losses) and sum(losses[-10:]) < sum(losses[:10]) - 3.0, losses
     assert "Traceback" not in text0 and "Error" not in text0
     left = [line for line in text0.splitlines() if "[1] left" in line or "retried with replica groups [0]" in line]
-    assert len(left) == 1 and any(r["group_seams"] == 1 for r in run) and run[-1]["group_seams"] == 2, left
+    assert len(left) == 1 and any(r["replica_groups"] == 1 for r in run) and run[-1]["replica_groups"] == 2, left
     record = json.loads((dump / "ft_local.json").read_text())
     healed = re.findall(r"replica group 1 healed from group 0 at step (\d+)", text1.split("replica group 1 of 2")[-1])
     assert len(healed) == 1 and int(healed[0]) > record["killed_after"] >= 3, (healed, record)

@@ -169,8 +169,8 @@ def build_trainer(config: JobConfig, spec: RunSpec, vocab: int) -> Trainer:
         data_loader=lambda training, tok, shard, *_: SyntheticTokens(
             training.batch_size, training.seq_len, tok.eos_id, spec.doc_len
         ),
-        metrics=lambda core, outer, *, start_step: LossLog(),
-        checkpointer=lambda core, outer: NoCheckpoint(),
+        metrics=lambda core, gradients, *, start_step: LossLog(),
+        checkpointer=lambda core, share, modules: NoCheckpoint(),
     )
     return Trainer(config, world_size=1, rank=0, builders=builders)
 

@@ -149,7 +149,7 @@ class Builders:
     metrics: Callable[..., Metrics] = build_metrics
     guard: Callable[[CoreParts, Metrics, StopSignals], Guard] = build_guard
     overrides: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
-    """A one-feature slot's builder (features/registry.py ``Slot``: data_shard, replica_groups, optimizer_step,
+    """A one-feature slot's builder (features/registry.py ``Slot``: data_shard, group_seams, optimizer_step,
     step_pass, ...) used instead of the enabled feature's."""
     estimate: bool = False
     """Build the features' seams for the memory estimator (the registry's ``estimate`` builders)."""

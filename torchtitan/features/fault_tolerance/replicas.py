@@ -82,7 +82,7 @@ class Replicas:
         """The log record's fields: the live groups and the global batch they trained (``group_batch``
         samples each)."""
         groups = len(self.members)
-        return {"group_seams": groups, "global_batch_samples": groups * group_batch}, {"ft/replica_groups": groups}
+        return {"replica_groups": groups, "global_batch_samples": groups * group_batch}, {"ft/replica_groups": groups}
 
     def data_state(self, data_loader: Any) -> DataPositions:
         """A shared checkpoint saves every group's data position, so it resumes all of them."""
