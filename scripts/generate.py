@@ -89,7 +89,8 @@ def _weights_and_model(checkpoint: str | None, hf: str | None, max_len: int):
     if hf:
         from torchtitan.checkpointing.hf_files import load_hf_weights, read_hf_config
 
-        spec = spec_for_hf_model_type(read_hf_config(hf).get("model_type", "llama"))
+        # a model_type no family of ours reads: transformers' own class, as model.name = "hf" trains and exports it
+        spec = spec_for_hf_model_type(read_hf_config(hf).get("model_type", "llama"), any_family=True)
         if spec.state_dict_adapter is None:
             raise NotImplementedError(f"--hf {hf}: model family {spec.name} has no Hugging Face adapter")
         fields, weights = load_hf_weights(hf, spec.state_dict_adapter)

@@ -216,7 +216,8 @@ class ModelSpec:
         layer_pattern: ``args -> (prefix, period)``: after ``prefix`` leading layers, the layers
             repeat with this period (the estimator extrapolates memory over whole periods).
         hf_model_type: the Hugging Face ``model_type`` a ``config.json`` names for this family (``"*"``: any; the
-            ``hf`` family builds transformers' own class for it; never picked by ``spec_for_hf_model_type``).
+            ``hf`` family builds transformers' own class for it; ``spec_for_hf_model_type`` picks it only with
+            ``any_family``, where no other family reads the model_type).
         hf_wrapper_model_type: the ``model_type`` of a published multimodal folder whose ``text_config`` and
             language-model weights the family also imports (Qwen3.5's ``"qwen3_5"``); None: none.
         hf_refusal: ``args -> str | None`` (``args`` a dict: a flavor's, or a checkpoint marker's): why
@@ -345,15 +346,25 @@ def flavor_args(model: Model) -> Any:
     return get_model_spec(model.name).flavor_args(model)
 
 
-def spec_for_hf_model_type(model_type: str) -> ModelSpec:
+def spec_for_hf_model_type(model_type: str, *, any_family: bool = False) -> ModelSpec:
     """The family that imports a Hugging Face ``config.json`` of this ``model_type`` (imports every family): the one
-    whose own model_type it is, else one that imports such a folder's language model."""
+    whose own model_type it is, else one that imports such a folder's language model; with ``any_family``, when no
+    family of ours does, the one that builds transformers' own class for any model_type (``model.name = 'hf'``:
+    ``scripts/generate.py --hf`` on what that family trains and exports).
+
+    Raises:
+        ValueError: no family imports it (without ``any_family``).
+    """
     specs = [get_model_spec(name) for name in model_names()]
     # the family that reads the folder whole (its own model_type) before one that reads its language model
     # (hf_wrapper_model_type: Qwen3.5's multimodal folder -> qwen3_5_vl, not the text qwen3_5)
     for spec in sorted(specs, key=lambda s: s.hf_model_type != model_type):
         if spec.hf_model_type != ANY_HF_MODEL_TYPE and spec.reads_hf_model_type(model_type):
             return spec
+    if any_family:
+        for spec in specs:
+            if spec.hf_model_type == ANY_HF_MODEL_TYPE:
+                return spec
     known = sorted(s.hf_model_type for s in specs if s.hf_model_type and s.hf_model_type != ANY_HF_MODEL_TYPE)
     raise ValueError(f"Hugging Face model_type {model_type!r} has no model family here; known: {known}")
 

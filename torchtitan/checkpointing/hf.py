@@ -127,8 +127,9 @@ def check_hf_matches(hf_dir: str, model_name: str, args: dict[str, Any]) -> None
 
 # Args that size no weight: the run's seq_len sizes the RoPE cache, norm_type picks a kernel. Llama's FFN width is
 # read from intermediate_size as multiple_of / ffn_dim_multiplier, which a flavor spells its own way (the weights'
-# shapes are checked as they load).
-_NOT_SHAPES = ("max_seq_len", "norm_type", "multiple_of", "ffn_dim_multiplier")
+# shapes are checked as they load). The ``hf`` family's ``config`` is the config.json text, which a saved folder
+# spells with transformers' bookkeeping (its version, ``architectures``): the shapes read from it are compared.
+_NOT_SHAPES = ("max_seq_len", "norm_type", "multiple_of", "ffn_dim_multiplier", "config")
 
 
 def _kv(args: dict[str, Any], key: str) -> Any:

@@ -297,7 +297,15 @@ class HFAdapter:
         return out
 
     def from_hf_state_dict(self, hf: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return {f"hf.{key}": value for key, value in hf.items()}
+        """Ours under ``hf.``; a tied head, which transformers saves once (as its embedding), under its own name too
+        (the class's ``_tied_weights_keys``: head -> embedding), so a whole model's state dict is complete."""
+        out = {f"hf.{key}": value for key, value in hf.items()}
+        if args.get("tie_word_embeddings") and args.get("config"):
+            tied = causal_lm_class(build_hf_config(json.loads(args["config"])))._tied_weights_keys
+            for head, embedding in (tied if isinstance(tied, dict) else {}).items():
+                if f"hf.{embedding}" in out:
+                    out.setdefault(f"hf.{head}", out[f"hf.{embedding}"])
+        return out
 
     def hf_config(self, args: dict[str, Any], weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
         fields = json.loads(args["config"])
@@ -309,9 +317,10 @@ class HFAdapter:
         return out
 
     def model_args_from_hf(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The args of the folder's config: its fields (``config``, what builds the model) and the shapes read from
+        them; ``max_seq_len`` is the caller's (the run's seq_len, generation's prompt and answer)."""
         args = from_hf_config(config, "config.json")
-        out = {k: v for k, v in vars(args).items() if k not in ("config", "source", "vocab_size", "max_seq_len")}
-        return out
+        return {k: v for k, v in vars(args).items() if k not in ("source", "max_seq_len")}
 
 
 HF = HFAdapter()
