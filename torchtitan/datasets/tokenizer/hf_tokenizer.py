@@ -5,10 +5,16 @@ or ends a text: transformers reads that from the `tokenizer_config.json` beside 
 `eos_token`, `pad_token`), and so do we. Qwen3 has no begin-of-text token (`bos_token: null`; its
 documents are separated by the end-of-text token only), so there `encode(bos=True)` prepends nothing
 and `bos_id` is -1.
+
+`encode` frames training documents (our rule: bos where the config names one, special-token text as plain text).
+A prompt (generation, evaluation, RL) is encoded as transformers' `tokenizer(text)` encodes it (`encode_prompt`):
+special-token text is the token, and the special tokens added are the post-processor's of `tokenizer.json`, which
+need not add the `bos_token` the config names (`prompt_model`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Sequence
@@ -143,6 +149,19 @@ class HFTokenizer(Tokenizer):
         if eos:
             ids.append(self._eos_id)
         return ids
+
+    @functools.cached_property
+    def prompt_model(self) -> tokenizers.Tokenizer:
+        """The tokenizer as transformers' ``AutoTokenizer`` reads the folder for a prompt: special-token text is the
+        special token, and the special tokens added are ``tokenizer.json``'s post-processor's (none where it has
+        none). transformers 5 reads the folder so: beside a ``tokenizer.json`` it drops the config's
+        ``add_bos_token`` / ``add_eos_token``, and a ``bos_token`` the config names is added only where the
+        post-processor adds it."""
+        return tokenizers.Tokenizer.from_file(self.path)  # encode_special_tokens off: "<|im_end|>" is the token
+
+    def encode_prompt(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """``AutoTokenizer.from_pretrained(folder)(text, add_special_tokens=...).input_ids`` (``prompt_model``)."""
+        return self.prompt_model.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.model.decode(list(ids), skip_special_tokens=False)
