@@ -225,6 +225,10 @@ class ModelSpec:
             convert. Read through ``hf_conversion_refusal`` (the pre-launch check and the converters).
         configure: ``(flavor_args, model: Model) -> args``: the args of the flavor under the run's ``[model]`` section
             (the ``hf`` family reads ``model.hf_config``); None: the flavor's args as listed.
+        config_vocab: ``args -> int | None``: the vocabulary a model config of the user's gave those args (the ``hf``
+            family's ``model.hf_config`` setting ``vocab_size``), which the embedding keeps (checkpointing/hf_files.py
+            ``vocab_rows``: at least the tokenizer's words, else refused before launch); None (or no function): the
+            flavor names none, and the tokenizer's words size the embedding.
         documents: the family's forward takes ``doc_ids`` (and per-row ``positions``) and passes them to
             every block's attention, so ``model.attn_mask_type = "block_causal"`` can run on it; its
             args then have an ``attention_backend`` field (``build_model_args`` sets it).
@@ -248,6 +252,7 @@ class ModelSpec:
     hf_refusal: Callable[[Mapping[str, Any]], str | None] | None = None
     documents: bool = False
     configure: Callable[[Any, Model], Any] | None = None
+    config_vocab: Callable[[Any], int | None] | None = None
 
     def flavor_args(self, model: Model) -> Any:
         """The args of ``model.flavor`` under the run's ``[model]`` section (``configure``)."""

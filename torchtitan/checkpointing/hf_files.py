@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from torchtitan.checkpointing.marker import does_not_exist
+
+if TYPE_CHECKING:
+    from torchtitan.config.manager import JobConfig
+    from torchtitan.spec import ModelSpec
 
 
 def read_hf_config(hf_dir: str) -> dict[str, Any]:
@@ -96,6 +100,40 @@ def save_hf_folder(
             os.chmod(os.path.join(output_dir, name), mode)
 
 
+def vocab_rows(config: JobConfig, spec: ModelSpec, words: int) -> int:
+    """The model's embedding rows, one rule for every family (the trainer, the estimator, evaluation and the
+    pre-launch check call it): the ``vocab_size`` of the model config the run names, the Hugging Face folder it starts
+    from (``checkpoint.initial_load_in_hf``) or the family's own (``ModelSpec.config_vocab``: the ``hf`` family's
+    ``model.hf_config``); else the tokenizer's ``words`` (a flavor names no vocabulary). A named vocabulary may be
+    padded past the tokenizer's words (Qwen3: 151,936 rows for 151,669 tokens; the padding rows are never looked
+    up), never smaller: the model is not resized to the tokenizer.
+
+    Raises:
+        ValueError: a named vocabulary smaller than the tokenizer's words (both sizes and the fix), or rows that
+            ``training.tensor_parallel_degree`` does not divide.
+    """
+    ck, model = config.checkpoint, config.model
+    if ck.initial_load_in_hf and ck.initial_load_path:
+        rows = hf_embedding_rows(ck.initial_load_path, words, model.tokenizer_path)
+    else:
+        named = spec.config_vocab(spec.flavor_args(model)) if spec.config_vocab is not None else None
+        rows = named or words
+        if rows < words:
+            raise ValueError(
+                f"model.hf_config = '{model.hf_config}' sets vocab_size {rows}, fewer rows than the tokenizer's "
+                f"{words} words ({model.tokenizer_path}); the model is not resized to its tokenizer: pass the "
+                f"tokenizer of that model (model.tokenizer_path), or set vocab_size >= {words} in its config"
+            )
+    tp = config.training.tensor_parallel_degree
+    if rows % tp:
+        raise ValueError(
+            f"the model's vocabulary ({rows} rows, tokenizer {model.tokenizer_path}) is not divisible by "
+            f"training.tensor_parallel_degree = {tp}: TP shards the embedding and output over the vocabulary; "
+            "choose a TP degree that divides it"
+        )
+    return rows
+
+
 def hf_embedding_rows(hf_dir: str, tokenizer_words: int, tokenizer_path: str) -> int:
     """The embedding rows of an HF model: published models pad their table past the tokenizer's words (Qwen3:
     151,936 rows for 151,669 tokens); the padding rows are never looked up. The trainer, generation and
@@ -109,7 +147,8 @@ def hf_embedding_rows(hf_dir: str, tokenizer_words: int, tokenizer_path: str) ->
     if rows < tokenizer_words:
         raise ValueError(
             f"Hugging Face folder {hf_dir!r} has vocab_size {rows}, fewer rows than the tokenizer's "
-            f"{tokenizer_words} words ({tokenizer_path}); use the tokenizer that model was trained with"
+            f"{tokenizer_words} words ({tokenizer_path}); the model is not resized to its tokenizer: pass the "
+            "tokenizer that model was trained with (model.tokenizer_path; its folder's own, when it holds one)"
         )
     return rows
 

@@ -29,7 +29,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from torchtitan.checkpointing.checks import check_checkpoint, check_checkpoint_storage, check_initial_load
+from torchtitan.checkpointing.checks import (
+    check_checkpoint,
+    check_checkpoint_storage,
+    check_initial_load,
+    check_vocabulary,
+)
 from torchtitan.components.checks import check_memory_options, check_training_dtype
 from torchtitan.components.optim.lr_schedule import check_lr_schedule
 from torchtitan.components.optim.param_groups import check_param_groups
@@ -218,6 +223,8 @@ FEATURES: tuple[Feature, ...] = (  # declarative table
     ),
     Feature("data_paths", (Check(check_data_paths, "machine", "the tokenizer and data paths"),)),
     Feature("initial_load", (Check(check_initial_load, "machine", "checkpoint.initial_load_path"),)),
+    # after the tokenizer file and the HF folder are found: the model's rows against the tokenizer's words
+    Feature("vocabulary", (Check(check_vocabulary, "machine", "the model's vocabulary against the tokenizer"),)),
     Feature("dump_folder", (Check(check_dump_folder, "machine", "job.dump_folder writable"),)),
     Feature(
         "validation",

@@ -186,6 +186,15 @@ def configure(args: HFArgs, model) -> HFArgs:
     return from_hf_config(read_hf_config(model.hf_config), model.hf_config)
 
 
+def config_vocab(args: HFArgs) -> int | None:
+    """The ``vocab_size`` the config.json of ``model.hf_config`` sets (the embedding keeps it); None for a tiny flavor
+    of ours or a config that sets none (the tokenizer's words size the embedding)."""
+    if args.source in TINY:
+        return None
+    fields = args.config_dict
+    return fields.get("vocab_size") or (fields.get("text_config") or {}).get("vocab_size")
+
+
 def check_hf(args: HFArgs, *, model, training, experimental) -> list[str]:
     """What the generic path does not build, refused in one line each."""
     config = build_hf_config(args.config_dict)
@@ -361,6 +370,7 @@ SPEC = ModelSpec(
     check_fn=check_hf,
     hf_model_type="*",
     configure=configure,
+    config_vocab=config_vocab,
     adapters=AdapterLayout(block_names={}, ffn_paths=(), linears=adaptable_linears),
     documents=True,
     fake_tensor_context=fake_tensor_context,
