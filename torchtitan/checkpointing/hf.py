@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from typing import Any
 
 import torch
@@ -82,8 +81,7 @@ def import_from_hf(hf_dir: str, output_path: str, model_name: str | None = None)
     config must match (the load checks every key and shape). ``model_name``: the family; default
     the one whose ``hf_model_type`` is the config's ``model_type``.
     """
-    with open(os.path.join(hf_dir, "config.json"), encoding="utf-8") as f:
-        hf_config = json.load(f)
+    hf_config = read_hf_config(hf_dir)
     if model_name is None:
         model_name = spec_for_hf_model_type(hf_config.get("model_type", "llama")).name
     args, weights = load_hf_weights(hf_dir, adapter_of(model_name))

@@ -8,10 +8,11 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 
 from torchtitan.checkpointing.marker import does_not_exist
+from torchtitan.config.parse_errors import parsing
 
 if TYPE_CHECKING:
     from torchtitan.config.manager import JobConfig
@@ -31,8 +32,14 @@ def read_hf_config(hf_dir: str) -> dict[str, Any]:
             f"Hugging Face folder {hf_dir!r} {what}; pass a folder written by save_pretrained "
             f"(config.json + *.safetensors)"
         )
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8") as f, parsing(path, "valid JSON", fix=_FIX_JSON):
         return json.load(f)
+
+
+# a folder's JSON files are written by save_pretrained; a hand edit that breaks one is fixed at the line named
+_FIX_JSON = "fix that line, or save the folder again with save_pretrained"
+# a safetensors file's first 8 bytes give its JSON header's length: a file that is not one (or cut short) fails there
+_FIX_SAFETENSORS = "the file is not safetensors or was cut short; copy or save it again"
 
 
 def hf_weight_files(hf_dir: str) -> dict[str, str]:
@@ -44,8 +51,9 @@ def hf_weight_files(hf_dir: str) -> dict[str, str]:
     """
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            return {k: os.path.join(hf_dir, v) for k, v in json.load(f)["weight_map"].items()}
+        with open(index, encoding="utf-8") as f, parsing(index, "valid JSON", fix=_FIX_JSON):
+            weight_map = json.load(f)["weight_map"]
+        return {k: os.path.join(hf_dir, v) for k, v in weight_map.items()}
     names = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
     if not names:
         raise ValueError(
@@ -54,9 +62,24 @@ def hf_weight_files(hf_dir: str) -> dict[str, str]:
         )
     files = {}
     for name in names:
-        with safe_open(os.path.join(hf_dir, name), framework="pt") as f:
-            files.update(dict.fromkeys(f.keys(), os.path.join(hf_dir, name)))
+        path = os.path.join(hf_dir, name)
+        with open_safetensors(path) as f:
+            files.update(dict.fromkeys(f.keys(), path))
     return files
+
+
+def open_safetensors(path: str) -> Any:
+    """``safe_open(path)`` (a context manager: its tensors read lazily), a header that does not parse named in one
+    line."""
+    with parsing(path, "a safetensors file", part="header", fix=_FIX_SAFETENSORS, errors=(SafetensorError,)):
+        return safe_open(path, framework="pt")
+
+
+def read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file (``safetensors.torch.load_file``), a header that does not parse named in one
+    line."""
+    with parsing(path, "a safetensors file", part="header", fix=_FIX_SAFETENSORS, errors=(SafetensorError,)):
+        return load_file(path)
 
 
 # transformers' default shard size for save_pretrained
@@ -161,10 +184,8 @@ def hf_folder_tokenizer(hf_dir: str) -> str | None:
 
 def load_hf_weights(hf_dir: str, adapter: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(our model args as a dict, our weights) of an HF folder, through the family's ``StateDictAdapter``."""
-    from safetensors.torch import load_file
-
     fields = adapter.model_args_from_hf(read_hf_config(hf_dir))
     hf: dict[str, torch.Tensor] = {}
     for path in sorted(set(hf_weight_files(hf_dir).values())):  # one file, or save_pretrained's shards
-        hf.update(load_file(path))
+        hf.update(read_safetensors(path))
     return fields, adapter.from_hf_state_dict(hf, fields)

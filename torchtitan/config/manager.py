@@ -16,6 +16,7 @@ from typing import Any
 
 from torchtitan.config.compat_2025 import RULES, SECTIONS_2025
 from torchtitan.config.errors import ConfigError  # also importable from here, as before
+from torchtitan.config.parse_errors import parsing
 from torchtitan.config.resolve_2025 import resolve
 from torchtitan.config.schema import NEGATED_ALIASES, JobConfigTree
 from torchtitan.config.spellings import Alias, Given, describe, translate
@@ -172,14 +173,12 @@ def _resolve_aliases(pairs: list[tuple[str, Any]], *, from_cli: bool) -> list[tu
 
 def load_toml(path: str) -> dict[str, Any]:
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb") as f, parsing(path, "valid TOML", fix="fix that line"):
             return tomllib.load(f)
     except FileNotFoundError:
         raise FileNotFoundError(
             f"config file not found: '{path}' (set --job.config_file to an existing TOML)"
         ) from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file '{path}' is not valid TOML: {e}") from None
 
 
 class JobConfig(JobConfigTree):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import tokenizers
 
+from torchtitan.config.parse_errors import parsing
 from torchtitan.datasets.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -49,13 +50,12 @@ def _read_config(config_path: Path) -> dict:
     """`tokenizer_config.json` as a dict; {} when the file is absent."""
     if not config_path.is_file():
         return {}
+    fix = f"fix that line, or fetch the model repo's {CONFIG_FILE} again"
     try:
-        with config_path.open(encoding="utf-8") as f:
+        with config_path.open(encoding="utf-8") as f, parsing(config_path, "valid JSON", fix=fix):
             config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(
-            f"{config_path}: not a readable JSON file ({e}); fetch the model repo's {CONFIG_FILE} again"
-        ) from e
+    except OSError as e:
+        raise ValueError(f"{config_path}: not readable ({e}); fetch the model repo's {CONFIG_FILE} again") from e
     if not isinstance(config, dict):
         raise ValueError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
     return config
@@ -83,13 +83,10 @@ class HFTokenizer(Tokenizer):
                 f"tokenizer file not found: {where}; pass a Hugging Face {TOKENIZER_FILE} or its folder "
                 f"({_FETCH_HINT}), or a tiktoken-format file such as Llama 3's tokenizer.model"
             )
-        try:
+        fix = f"pass the {TOKENIZER_FILE} of a model repo ({_FETCH_HINT})"
+        # the Rust side raises a bare Exception for any parse error (serde's message names the line and column)
+        with parsing(file, f"a Hugging Face {TOKENIZER_FILE}", fix=fix, errors=(Exception,)):
             self.model = tokenizers.Tokenizer.from_file(str(file))
-        except Exception as e:  # the Rust side raises a bare Exception for any parse error
-            raise ValueError(
-                f"{file}: not a Hugging Face {TOKENIZER_FILE} ({e}); pass the {TOKENIZER_FILE} of a model repo "
-                f"({_FETCH_HINT})"
-            ) from e
         # documents are untrusted text: "<|endoftext|>" inside a web page must not end it (as in TikTokenizer)
         self.model.encode_special_tokens = True
         self.path = str(file)  # the tokenizer.json read (its folder holds the config and chat template)

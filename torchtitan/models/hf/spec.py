@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.config.parse_errors import parsing
 from torchtitan.models.hf.model import LOGIT_TRANSFORMS, HFArgs, HFCausalLM, unbuilt_tp_styles
 from torchtitan.spec import AdapterLayout, Deferred, ModelSpec
 
@@ -156,17 +157,14 @@ class _Flavors(Mapping):
 def read_hf_config(source: str) -> dict[str, Any]:
     """``model.hf_config``: a folder holding config.json, the file itself, or JSON text ``{"model_type": ...}``."""
     if source.lstrip().startswith("{"):
-        try:
+        with parsing("model.hf_config", "valid JSON", fix="give a folder, a config.json or a JSON dict"):
             return json.loads(source)
-        except json.JSONDecodeError as e:
-            raise ConfigError(
-                f"model.hf_config is not valid JSON ({e}); give a folder, a config.json or a JSON dict"
-            ) from None
     path = Path(source)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"model.hf_config = '{source}': no config.json there; give a local HF model folder")
-    return json.loads(file.read_text(encoding="utf-8"))
+    with parsing(file, "valid JSON", fix="fix that line, or save the folder again with save_pretrained"):
+        return json.loads(file.read_text(encoding="utf-8"))
 
 
 def configure(args: HFArgs, model) -> HFArgs:
