@@ -3,8 +3,9 @@
     python scripts/convert_to_hf.py outputs/debug_model/checkpoint/step-30 outputs/hf_debug [--dtype bfloat16]
 
 Writes safetensors and ``config.json`` (``LlamaForCausalLM``, ``Qwen3ForCausalLM`` or
-``Qwen3MoeForCausalLM``, from the family its marker names), which
-``transformers.AutoModelForCausalLM.from_pretrained(outputs/hf_debug)`` loads with our logits. q/k
+``Qwen3MoeForCausalLM``, from the family its marker names; a ``model.name = "hf"`` run's own transformers class),
+which ``transformers.AutoModelForCausalLM.from_pretrained(outputs/hf_debug)`` loads with our logits, and prints one
+line (layers, width, dtype). q/k
 projection rows are permuted from our interleaved RoPE to HF's rotate-half layout. Weights with no
 Hugging Face counterpart (``llama3_moe``; a ``qwen3_moe`` flavor balanced with an expert bias) are
 refused with one line saying why and what to train instead (docs/models.md). A LoRA run's checkpoint
@@ -60,13 +61,22 @@ def main(argv: list[str] | None = None) -> int:
     if config.get("peft_type"):
         print(f"wrote {args.output}: a PEFT LoRA adapter (r {config['r']}, targets {config['target_modules']})")
         return 0
-    text = config.get("text_config", config)  # a multimodal folder nests the language model's
-    tower = f", a vision tower of {config['vision_config']['depth']} blocks" if "vision_config" in config else ""
-    print(
-        f"wrote {args.output}: {text['num_hidden_layers']} layers, hidden {text['hidden_size']}{tower}, "
-        f"{config['torch_dtype']}"
-    )
+    print(f"wrote {args.output}: {summary(config)}")
     return 0
+
+
+def summary(config: dict) -> str:
+    """Layers, width, vision tower and dtype of a written ``config.json``, each as the folder spells it (transformers 5
+    writes ``dtype``, earlier versions and our native families ``torch_dtype``; ``model.name = 'hf'`` writes the
+    architecture's own names, e.g. GPT-2's ``n_layer``)."""
+    text = config.get("text_config", config)  # a multimodal folder nests the language model's
+
+    def first(*keys: str) -> object:
+        return next((d[k] for d in (text, config) for k in keys if d.get(k) is not None), "?")
+
+    tower = f", a vision tower of {config['vision_config']['depth']} blocks" if "vision_config" in config else ""
+    layers, hidden = first("num_hidden_layers", "n_layer", "num_layers"), first("hidden_size", "n_embd", "d_model")
+    return f"{layers} layers, hidden {hidden}{tower}, {first('dtype', 'torch_dtype')}"
 
 
 if __name__ == "__main__":

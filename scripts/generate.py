@@ -16,8 +16,10 @@ from ``--tokenizer`` (default: the one the checkpoint's run trained with, which 
 folder's own tokenizer.json, as transformers reads it; else the shipped one the debug configs train with). CPU without a GPU, else
 CUDA. Greedy by default (temperature 0); with a KV cache unless ``--no_cache``.
 
-Plain, the prompt is text to continue (after the tokenizer's bos, if it has one); generation stops at
-eos and the continuation is printed as decoded. With ``--chat`` the prompt is a user message: it is
+Plain, the prompt is text to continue, framed as the tokenizer frames a prompt (``Tokenizer.encode_prompt``): a
+Hugging Face tokenizer as transformers' ``tokenizer(text)`` does (its own special tokens: a bos only where its
+post-processor adds one, not because its config names a ``bos_token``), a tiktoken file after its bos; generation
+stops at eos and the continuation is printed as decoded. With ``--chat`` the prompt is a user message: it is
 rendered (after ``--system``, if given) with the tokenizer's chat template, or the built-in ChatML
 one when it has none, and the assistant's header, as transformers' ``apply_chat_template(...,
 add_generation_prompt=True)`` renders it. Generation stops at the end of the assistant's turn (eos,
@@ -94,7 +96,8 @@ def _weights_and_model(checkpoint: str | None, hf: str | None, max_len: int):
     if hf:
         from torchtitan.checkpointing.hf.files import load_hf_weights, read_hf_config
 
-        spec = spec_for_hf_model_type(read_hf_config(hf).get("model_type", "llama"))
+        # a model_type no family of ours reads: transformers' own class, as model.name = "hf" trains and exports it
+        spec = spec_for_hf_model_type(read_hf_config(hf).get("model_type", "llama"), any_family=True)
         if spec.state_dict_adapter is None:
             raise NotImplementedError(f"--hf {hf}: model family {spec.name} has no Hugging Face adapter")
         fields, weights = load_hf_weights(hf, spec.state_dict_adapter)
@@ -179,7 +182,8 @@ class Prompt(NamedTuple):
 
 
 def build_prompt(args: argparse.Namespace) -> Prompt:
-    """The prompt of a plain run (text after bos) or of a ``--chat`` run (a rendered user turn).
+    """The prompt of a plain run (the text as the tokenizer frames a prompt) or of a ``--chat`` run (a rendered user
+    turn, the template writing its own special tokens).
 
     Raises:
         ValueError: ``--chat`` with a tiktoken tokenizer, or a tokenizer without a usable chat template.
@@ -191,7 +195,7 @@ def build_prompt(args: argparse.Namespace) -> Prompt:
 
     if not args.chat:
         tokenizer = build_tokenizer(args.tokenizer)
-        ids = tokenizer.encode(args.prompt, bos=True, eos=False)
+        ids = tokenizer.encode_prompt(args.prompt)
         return Prompt(ids, tokenizer.n_words, (tokenizer.eos_id,), tokenizer.decode)
     if not is_hf_tokenizer_path(args.tokenizer):
         raise ValueError(

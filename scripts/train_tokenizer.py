@@ -28,6 +28,7 @@ import tiktoken
 # run as `python scripts/train_tokenizer.py` from anywhere: make the repo's package importable so
 # the pre-tokenization regex has a single source of truth
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from torchtitan.config.parse_errors import parsing  # noqa: E402
 from torchtitan.datasets.tokenizer.tiktoken import PAT_STR, load_bpe_ranks  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -41,8 +42,14 @@ Pair = tuple[int, int]
 def read_jsonl_texts(path: str, text_field: str = "text") -> list[str]:
     if not Path(path).is_file():
         raise FileNotFoundError(f"corpus not found: {path!r}; build it with `python scripts/build_default_corpus.py`")
+    texts = []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line)[text_field] for line in f if line.strip()]
+        for number, line in enumerate(f, start=1):
+            if line.strip():
+                with parsing(path, "valid JSON", line=number, fix="fix or remove that row"):
+                    row = json.loads(line)
+                texts.append(row[text_field])
+    return texts
 
 
 def count_words(texts: Iterable[str]) -> Counter[bytes]:
@@ -210,4 +217,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as e:  # bad input: one line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

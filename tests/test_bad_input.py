@@ -50,7 +50,7 @@ def _one_error_line(result: subprocess.CompletedProcess, expected: str, code: in
     "args, config, expected",
     [
         ([], "./missing.toml", "error: config file not found: './missing.toml'"),
-        ([], "BAD_TOML", "is not valid TOML"),
+        ([], "BAD_TOML", "bad.toml: line 1, column 10: not valid TOML"),
         (["--training.tensor_paralel_degree", "2"], None, "did you mean 'training.tensor_parallel_degree'?"),
         (
             ["--training.data_parallel_shard_degree", "3"],

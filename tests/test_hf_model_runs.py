@@ -208,6 +208,41 @@ def test_export_loads_in_transformers_with_equal_logits(references):
         assert torch.equal(ours(tokens), hf(input_ids=tokens).logits)
 
 
+def _script(name: str):
+    """scripts/<name>.py as a module (scripts/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"{name}_script", os.path.join("scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_convert_and_generate_the_runs_checkpoint(references, tmp_path, capsys):
+    """The documented path after a run (docs/models.md): ``scripts/convert_to_hf.py`` on the Mistral reference's last
+    checkpoint prints its one line (transformers 5 writes ``dtype``, not ``torch_dtype``), and ``scripts/generate.py
+    --hf`` on what it wrote (model_type mistral, which no family of ours reads: transformers' class through this
+    family) prints the greedy text transformers' ``generate`` gives on the same folder, the same prompt ids (the
+    shipped tokenizer the run trained with: bos, then the text)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from torchtitan.datasets.tokenizer import build_tokenizer
+
+    checkpoint, out = os.path.join(references[CHECKPOINTED], "checkpoint", f"step-{STEPS}"), str(tmp_path / "hf")
+    assert _script("convert_to_hf").main([checkpoint, out]) == 0
+    assert capsys.readouterr().out == f"wrote {out}: 2 layers, hidden 64, float32\n"
+    prompt, new_tokens = "def main(", 12
+    assert _script("generate").main(["--hf", out, "--prompt", prompt, "--max_new_tokens", str(new_tokens)]) == 0
+    tokenizer = build_tokenizer("./torchtitan/datasets/assets/tokenizer/pydocs_bpe2048.tiktoken")
+    ids = tokenizer.encode(prompt, bos=True, eos=False)
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(out).generate(
+            torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=tokenizer.eos_id
+        )[0, len(ids) :]
+    assert capsys.readouterr().out == tokenizer.decode(want.tolist()) + "\n"
+
+
 GPT2 = '{"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 2048}'
 
 

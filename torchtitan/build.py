@@ -18,7 +18,7 @@ from torch import nn
 from torchtitan.checkpointing.common import model_info, save_model_weights
 from torchtitan.checkpointing.files.marker import read_marker, step_folder
 from torchtitan.checkpointing.files.storage import under
-from torchtitan.checkpointing.hf.files import hf_embedding_rows
+from torchtitan.checkpointing.hf.files import vocab_rows
 from torchtitan.checkpointing.scope import WHOLE_MODEL
 from torchtitan.checkpointing.state import ModelState
 from torchtitan.components.loss import build_loss_fn
@@ -47,23 +47,15 @@ if TYPE_CHECKING:
 
 
 def build_model_args(config: JobConfig, spec: ModelSpec, vocab_size: int, *, device_type: str | None = None) -> Any:
-    """The flavor's args with the tokenizer's vocab (the HF model's rows when a run starts from one, see
-    ``hf_embedding_rows``), the training seq_len, the norm type and the attention backend (a new object).
+    """The flavor's args with the tokenizer's vocab (``vocab_size``: its words; the rows of the model config the run
+    names where it names one, see ``vocab_rows``), the training seq_len, the norm type and the attention backend (a
+    new object).
 
     ``device_type``: the run's device, which ``model.attention_backend = 'auto'`` resolves against;
     default the device this process trains on (``get_device_info``), as the trainer's.
     """
     flavor = spec.flavor_args(config.model)
-    ck = config.checkpoint
-    if ck.initial_load_in_hf and ck.initial_load_path:
-        vocab_size = hf_embedding_rows(ck.initial_load_path, vocab_size, config.model.tokenizer_path)
-    tp = config.training.tensor_parallel_degree
-    if vocab_size % tp:
-        raise ValueError(
-            f"the tokenizer's vocabulary ({vocab_size} words, {config.model.tokenizer_path}) is not divisible by "
-            f"training.tensor_parallel_degree = {tp}: TP shards the embedding and output over the vocabulary; "
-            "choose a TP degree that divides it"
-        )
+    vocab_size = vocab_rows(config, spec, vocab_size)
     if config.model.norm_type == "fused_rmsnorm":
         _log_fused_rmsnorm_once()
     args = dataclasses.replace(

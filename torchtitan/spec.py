@@ -216,7 +216,8 @@ class ModelSpec:
         layer_pattern: ``args -> (prefix, period)``: after ``prefix`` leading layers, the layers
             repeat with this period (the estimator extrapolates memory over whole periods).
         hf_model_type: the Hugging Face ``model_type`` a ``config.json`` names for this family (``"*"``: any; the
-            ``hf`` family builds transformers' own class for it; never picked by ``spec_for_hf_model_type``).
+            ``hf`` family builds transformers' own class for it; ``spec_for_hf_model_type`` picks it only with
+            ``any_family``, where no other family reads the model_type).
         hf_wrapper_model_type: the ``model_type`` of a published multimodal folder whose ``text_config`` and
             language-model weights the family also imports (Qwen3.5's ``"qwen3_5"``); None: none.
         hf_refusal: ``args -> str | None`` (``args`` a dict: a flavor's, or a checkpoint marker's): why
@@ -224,6 +225,10 @@ class ModelSpec:
             convert. Read through ``hf_conversion_refusal`` (the pre-launch check and the converters).
         configure: ``(flavor_args, model: Model) -> args``: the args of the flavor under the run's ``[model]`` section
             (the ``hf`` family reads ``model.hf_config``); None: the flavor's args as listed.
+        config_vocab: ``args -> int | None``: the vocabulary a model config of the user's gave those args (the ``hf``
+            family's ``model.hf_config`` setting ``vocab_size``), which the embedding keeps (checkpointing/hf/files.py
+            ``vocab_rows``: at least the tokenizer's words, else refused before launch); None (or no function): the
+            flavor names none, and the tokenizer's words size the embedding.
         documents: the family's forward takes ``doc_ids`` (and per-row ``positions``) and passes them to
             every block's attention, so ``model.attn_mask_type = "block_causal"`` can run on it; its
             args then have an ``attention_backend`` field (``build_model_args`` sets it).
@@ -247,6 +252,7 @@ class ModelSpec:
     hf_refusal: Callable[[Mapping[str, Any]], str | None] | None = None
     documents: bool = False
     configure: Callable[[Any, Model], Any] | None = None
+    config_vocab: Callable[[Any], int | None] | None = None
 
     def flavor_args(self, model: Model) -> Any:
         """The args of ``model.flavor`` under the run's ``[model]`` section (``configure``)."""
@@ -345,15 +351,25 @@ def flavor_args(model: Model) -> Any:
     return get_model_spec(model.name).flavor_args(model)
 
 
-def spec_for_hf_model_type(model_type: str) -> ModelSpec:
+def spec_for_hf_model_type(model_type: str, *, any_family: bool = False) -> ModelSpec:
     """The family that imports a Hugging Face ``config.json`` of this ``model_type`` (imports every family): the one
-    whose own model_type it is, else one that imports such a folder's language model."""
+    whose own model_type it is, else one that imports such a folder's language model; with ``any_family``, when no
+    family of ours does, the one that builds transformers' own class for any model_type (``model.name = 'hf'``:
+    ``scripts/generate.py --hf`` on what that family trains and exports).
+
+    Raises:
+        ValueError: no family imports it (without ``any_family``).
+    """
     specs = [get_model_spec(name) for name in model_names()]
     # the family that reads the folder whole (its own model_type) before one that reads its language model
     # (hf_wrapper_model_type: Qwen3.5's multimodal folder -> qwen3_5_vl, not the text qwen3_5)
     for spec in sorted(specs, key=lambda s: s.hf_model_type != model_type):
         if spec.hf_model_type != ANY_HF_MODEL_TYPE and spec.reads_hf_model_type(model_type):
             return spec
+    if any_family:
+        for spec in specs:
+            if spec.hf_model_type == ANY_HF_MODEL_TYPE:
+                return spec
     known = sorted(s.hf_model_type for s in specs if s.hf_model_type and s.hf_model_type != ANY_HF_MODEL_TYPE)
     raise ValueError(f"Hugging Face model_type {model_type!r} has no model family here; known: {known}")
 

@@ -112,7 +112,7 @@ def test_bad_toml_types_and_syntax(tmp_path):
         JobConfig.parse_args(["--job.config_file", str(bad_type)])
     bad_syntax = tmp_path / "s.toml"
     bad_syntax.write_text("[training\nsteps = 1\n")
-    with pytest.raises(ConfigError, match="is not valid TOML"):
+    with pytest.raises(ConfigError, match=r"s.toml: line 1, column 10: not valid TOML \(.*\); fix that line$"):
         JobConfig.parse_args(["--job.config_file", str(bad_syntax)])
 
 

@@ -18,11 +18,11 @@ import torch
 
 from torchtitan.components.optim.lr_schedule import compute_lr_factor, compute_wsd_lr_factor, wsd_phases
 from torchtitan.components.optim.optimizer import build_lr_scheduler
-from torchtitan.config.compat_2025 import RULES, SHARED, file_is_2025
+from torchtitan.config.compat.keys_2025 import RULES, SHARED, file_is_2025
+from torchtitan.config.compat.spellings import Alias
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import JobConfig, _field_type, all_keys, format_help
 from torchtitan.config.schema import Training
-from torchtitan.config.spellings import Alias
 from torchtitan.preflight import run_preflight
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -205,7 +205,7 @@ def test_2025_compile_components(tmp_path):
 def test_inert_quantize_sections_load_with_no_effect(tmp_path, caplog):
     """A section upstream reads only when model.converters names its converter (refused here) loads at any value."""
     toml = '[quantize.grouped_mm.float8]\nfqns = ["experts"]\n[quantize.linear.mx]\nrecipe_name = "mxfp8_cutlass"\n'
-    with caplog.at_level("WARNING", logger="torchtitan.config.resolve_2025"):
+    with caplog.at_level("WARNING", logger="torchtitan.config.compat.resolve_2025"):
         c = _parse(tmp_path, toml)
     assert not c.float8.enable_float8_linear
     assert "quantize.grouped_mm.float8.fqns = [\"experts\"] has no effect without 'quantize.grouped_mm.float8'" in (

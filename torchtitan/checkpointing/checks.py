@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from torchtitan.checkpointing.files.marker import read_marker, why_not_loadable
 from torchtitan.checkpointing.files.storage import access_problem, is_url, missing_package
-from torchtitan.checkpointing.hf.files import hf_weight_files, read_hf_config
+from torchtitan.checkpointing.hf.files import hf_weight_files, read_hf_config, vocab_rows
 from torchtitan.config.errors import ConfigError
 from torchtitan.spec import flavor_args, get_model_spec, hf_conversion_refusal
 
@@ -107,6 +107,20 @@ def check_initial_load(config: JobConfig, dims: ParallelDims) -> list[str]:
         if os.path.isfile(os.path.join(path, "config.json")):
             why = "is not a complete checkpoint; it looks like a Hugging Face folder: set checkpoint.initial_load_in_hf = true"
         raise ConfigError(f"checkpoint.initial_load_path = '{path}' {why}")
+    return []
+
+
+def check_vocabulary(config: JobConfig, dims: ParallelDims) -> list[str]:
+    """This machine: the model's embedding rows against the tokenizer's words, by the rule the ranks build with
+    (hf/files.py ``vocab_rows``): a model config naming fewer rows than the tokenizer has words is refused here, in one
+    line, not on every rank.
+
+    Raises:
+        ValueError: see ``vocab_rows``; a tokenizer file that does not parse (``build_tokenizer``).
+    """
+    from torchtitan.datasets.tokenizer import build_tokenizer
+
+    vocab_rows(config, get_model_spec(config.model.name), build_tokenizer(config.model.tokenizer_path).n_words)
     return []
 
 

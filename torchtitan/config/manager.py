@@ -14,11 +14,12 @@ import sys
 import typing
 from typing import Any
 
-from torchtitan.config.compat_2025 import RULES, SECTIONS_2025
+from torchtitan.config.compat.keys_2025 import RULES, SECTIONS_2025
+from torchtitan.config.compat.resolve_2025 import resolve
+from torchtitan.config.compat.spellings import Alias, Given, describe, translate
 from torchtitan.config.errors import ConfigError  # also importable from here, as before
-from torchtitan.config.resolve_2025 import resolve
+from torchtitan.config.parse_errors import parsing
 from torchtitan.config.schema import NEGATED_ALIASES, JobConfigTree
-from torchtitan.config.spellings import Alias, Given, describe, translate
 from torchtitan.config.values import coerce, toml_value, type_name
 
 try:
@@ -172,14 +173,12 @@ def _resolve_aliases(pairs: list[tuple[str, Any]], *, from_cli: bool) -> list[tu
 
 def load_toml(path: str) -> dict[str, Any]:
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb") as f, parsing(path, "valid TOML", fix="fix that line"):
             return tomllib.load(f)
     except FileNotFoundError:
         raise FileNotFoundError(
             f"config file not found: '{path}' (set --job.config_file to an existing TOML)"
         ) from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file '{path}' is not valid TOML: {e}") from None
 
 
 class JobConfig(JobConfigTree):
@@ -187,7 +186,7 @@ class JobConfig(JobConfigTree):
 
     @classmethod
     def parse_args(cls, argv: list[str] | None = None, *, world_size: int | None = None) -> JobConfig:
-        """Defaults < the TOML file < the flags, in this schema's keys or torchtitan 2025's (config/compat_2025.py).
+        """Defaults < the TOML file < the flags, in this schema's keys or torchtitan 2025's (config/compat/keys_2025.py).
 
         ``world_size``: the number of processes of the run; only ``training.global_batch_size`` (2025) needs it,
         to find the data-parallel degree when ``data_parallel_shard_degree = -1``.

@@ -2,7 +2,7 @@
 
 The field help strings are what ``--help`` prints. Field names and sections accept the
 late-2024 torchtitan schema so its published TOML files load unchanged; torchtitan's 2025 spellings are
-translated onto these keys as they are read (config/compat_2025.py), so the tree has only these.
+translated onto these keys as they are read (config/compat/keys_2025.py), so the tree has only these.
 """
 
 from __future__ import annotations

@@ -31,20 +31,6 @@ DEFAULT_MAX_GEN_TOKS = 256
 _GEN_KEYS = {"do_sample", "temperature", "top_k", "until", "max_gen_toks"}
 
 
-def _special_aware(tokenizer: Any) -> Any:
-    """For a Hugging Face tokenizer, a copy that reads special-token text (``<|im_end|>``) as the special token,
-    as transformers does: a task's prompt is written by the task, not untrusted text (training reads
-    ``<|endoftext|>`` inside a document as plain text); None for other tokenizers."""
-    model = getattr(tokenizer, "model", None)
-    if not hasattr(model, "to_str"):
-        return None
-    import tokenizers
-
-    raw = tokenizers.Tokenizer.from_str(model.to_str())
-    raw.encode_special_tokens = False
-    return raw
-
-
 @register_model("torchtitan")
 class TorchtitanLM(TemplateLM):
     """An lm-eval model over our model.
@@ -85,7 +71,6 @@ class TorchtitanLM(TemplateLM):
             raise ValueError("batch_size=auto is not supported by the torchtitan backend; pass a number")
         self.em = model
         self.tokenizer_ = model.tokenizer
-        self._special_aware = _special_aware(model.tokenizer)
         self._batch_size = int(batch_size)
         self._max_length = int(max_length or model.max_seq_len)
         if self._max_length > model.max_seq_len:
@@ -138,17 +123,14 @@ class TorchtitanLM(TemplateLM):
         return 1
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
-        # as hf: by default the tokenizer's own special tokens (a bos where it has one), unless the text starts with it
+        # as hf: by default the tokenizer's own special tokens (transformers' tokenizer(text): a bos only where its
+        # post-processor adds one), unless the text starts with the prefix token; a task's special-token text
+        # (<|im_end|>) is the special token, as in transformers
         if add_special_tokens is None:
             add_special_tokens = not string.startswith(
                 self.tok_decode([self.prefix_token_id], skip_special_tokens=False)
             )
-        if self._special_aware is None:
-            return self.tokenizer_.encode(string, bos=add_special_tokens, eos=False)
-        bos = self.tokenizer_.bos_id
-        return ([bos] if add_special_tokens and bos >= 0 else []) + self._special_aware.encode(
-            string, add_special_tokens=False
-        ).ids
+        return self.tokenizer_.encode_prompt(string, add_special_tokens=add_special_tokens)
 
     def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
         model = getattr(self.tokenizer_, "model", None)

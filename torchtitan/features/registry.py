@@ -235,6 +235,17 @@ FEATURES: tuple[Feature, ...] = (  # declarative table
         "initial_load",
         (_c("torchtitan.checkpointing.checks:check_initial_load", "machine", "checkpoint.initial_load_path"),),
     ),
+    # after the tokenizer file and the HF folder are found: the model's rows against the tokenizer's words
+    Feature(
+        "vocabulary",
+        (
+            _c(
+                "torchtitan.checkpointing.checks:check_vocabulary",
+                "machine",
+                "the model's vocabulary against the tokenizer",
+            ),
+        ),
+    ),
     Feature(
         "dump_folder", (_c("torchtitan.launch.run_folder:check_dump_folder", "machine", "job.dump_folder writable"),)
     ),

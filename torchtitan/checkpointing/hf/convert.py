@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from typing import Any
 
 import torch
@@ -82,8 +81,7 @@ def import_from_hf(hf_dir: str, output_path: str, model_name: str | None = None)
     config must match (the load checks every key and shape). ``model_name``: the family; default
     the one whose ``hf_model_type`` is the config's ``model_type``.
     """
-    with open(os.path.join(hf_dir, "config.json"), encoding="utf-8") as f:
-        hf_config = json.load(f)
+    hf_config = read_hf_config(hf_dir)
     if model_name is None:
         model_name = spec_for_hf_model_type(hf_config.get("model_type", "llama")).name
     args, weights = load_hf_weights(hf_dir, adapter_of(model_name))
@@ -127,8 +125,9 @@ def check_hf_matches(hf_dir: str, model_name: str, args: dict[str, Any]) -> None
 
 # Args that size no weight: the run's seq_len sizes the RoPE cache, norm_type picks a kernel. Llama's FFN width is
 # read from intermediate_size as multiple_of / ffn_dim_multiplier, which a flavor spells its own way (the weights'
-# shapes are checked as they load).
-_NOT_SHAPES = ("max_seq_len", "norm_type", "multiple_of", "ffn_dim_multiplier")
+# shapes are checked as they load). The ``hf`` family's ``config`` is the config.json text, which a saved folder
+# spells with transformers' bookkeeping (its version, ``architectures``): the shapes read from it are compared.
+_NOT_SHAPES = ("max_seq_len", "norm_type", "multiple_of", "ffn_dim_multiplier", "config")
 
 
 def _kv(args: dict[str, Any], key: str) -> Any:

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 
 from torchtitan.checkpointing.files.marker import does_not_exist
+from torchtitan.config.parse_errors import parsing
+
+if TYPE_CHECKING:
+    from torchtitan.config.manager import JobConfig
+    from torchtitan.spec import ModelSpec
 
 
 def read_hf_config(hf_dir: str) -> dict[str, Any]:
@@ -27,8 +32,14 @@ def read_hf_config(hf_dir: str) -> dict[str, Any]:
             f"Hugging Face folder {hf_dir!r} {what}; pass a folder written by save_pretrained "
             f"(config.json + *.safetensors)"
         )
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8") as f, parsing(path, "valid JSON", fix=_FIX_JSON):
         return json.load(f)
+
+
+# a folder's JSON files are written by save_pretrained; a hand edit that breaks one is fixed at the line named
+_FIX_JSON = "fix that line, or save the folder again with save_pretrained"
+# a safetensors file's first 8 bytes give its JSON header's length: a file that is not one (or cut short) fails there
+_FIX_SAFETENSORS = "the file is not safetensors or was cut short; copy or save it again"
 
 
 def hf_weight_files(hf_dir: str) -> dict[str, str]:
@@ -40,8 +51,9 @@ def hf_weight_files(hf_dir: str) -> dict[str, str]:
     """
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            return {k: os.path.join(hf_dir, v) for k, v in json.load(f)["weight_map"].items()}
+        with open(index, encoding="utf-8") as f, parsing(index, "valid JSON", fix=_FIX_JSON):
+            weight_map = json.load(f)["weight_map"]
+        return {k: os.path.join(hf_dir, v) for k, v in weight_map.items()}
     names = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
     if not names:
         raise ValueError(
@@ -50,9 +62,24 @@ def hf_weight_files(hf_dir: str) -> dict[str, str]:
         )
     files = {}
     for name in names:
-        with safe_open(os.path.join(hf_dir, name), framework="pt") as f:
-            files.update(dict.fromkeys(f.keys(), os.path.join(hf_dir, name)))
+        path = os.path.join(hf_dir, name)
+        with open_safetensors(path) as f:
+            files.update(dict.fromkeys(f.keys(), path))
     return files
+
+
+def open_safetensors(path: str) -> Any:
+    """``safe_open(path)`` (a context manager: its tensors read lazily), a header that does not parse named in one
+    line."""
+    with parsing(path, "a safetensors file", part="header", fix=_FIX_SAFETENSORS, errors=(SafetensorError,)):
+        return safe_open(path, framework="pt")
+
+
+def read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file (``safetensors.torch.load_file``), a header that does not parse named in one
+    line."""
+    with parsing(path, "a safetensors file", part="header", fix=_FIX_SAFETENSORS, errors=(SafetensorError,)):
+        return load_file(path)
 
 
 # transformers' default shard size for save_pretrained
@@ -96,6 +123,40 @@ def save_hf_folder(
             os.chmod(os.path.join(output_dir, name), mode)
 
 
+def vocab_rows(config: JobConfig, spec: ModelSpec, words: int) -> int:
+    """The model's embedding rows, one rule for every family (the trainer, the estimator, evaluation and the
+    pre-launch check call it): the ``vocab_size`` of the model config the run names, the Hugging Face folder it starts
+    from (``checkpoint.initial_load_in_hf``) or the family's own (``ModelSpec.config_vocab``: the ``hf`` family's
+    ``model.hf_config``); else the tokenizer's ``words`` (a flavor names no vocabulary). A named vocabulary may be
+    padded past the tokenizer's words (Qwen3: 151,936 rows for 151,669 tokens; the padding rows are never looked
+    up), never smaller: the model is not resized to the tokenizer.
+
+    Raises:
+        ValueError: a named vocabulary smaller than the tokenizer's words (both sizes and the fix), or rows that
+            ``training.tensor_parallel_degree`` does not divide.
+    """
+    ck, model = config.checkpoint, config.model
+    if ck.initial_load_in_hf and ck.initial_load_path:
+        rows = hf_embedding_rows(ck.initial_load_path, words, model.tokenizer_path)
+    else:
+        named = spec.config_vocab(spec.flavor_args(model)) if spec.config_vocab is not None else None
+        rows = named or words
+        if rows < words:
+            raise ValueError(
+                f"model.hf_config = '{model.hf_config}' sets vocab_size {rows}, fewer rows than the tokenizer's "
+                f"{words} words ({model.tokenizer_path}); the model is not resized to its tokenizer: pass the "
+                f"tokenizer of that model (model.tokenizer_path), or set vocab_size >= {words} in its config"
+            )
+    tp = config.training.tensor_parallel_degree
+    if rows % tp:
+        raise ValueError(
+            f"the model's vocabulary ({rows} rows, tokenizer {model.tokenizer_path}) is not divisible by "
+            f"training.tensor_parallel_degree = {tp}: TP shards the embedding and output over the vocabulary; "
+            "choose a TP degree that divides it"
+        )
+    return rows
+
+
 def hf_embedding_rows(hf_dir: str, tokenizer_words: int, tokenizer_path: str) -> int:
     """The embedding rows of an HF model: published models pad their table past the tokenizer's words (Qwen3:
     151,936 rows for 151,669 tokens); the padding rows are never looked up. The trainer, generation and
@@ -109,7 +170,8 @@ def hf_embedding_rows(hf_dir: str, tokenizer_words: int, tokenizer_path: str) ->
     if rows < tokenizer_words:
         raise ValueError(
             f"Hugging Face folder {hf_dir!r} has vocab_size {rows}, fewer rows than the tokenizer's "
-            f"{tokenizer_words} words ({tokenizer_path}); use the tokenizer that model was trained with"
+            f"{tokenizer_words} words ({tokenizer_path}); the model is not resized to its tokenizer: pass the "
+            "tokenizer that model was trained with (model.tokenizer_path; its folder's own, when it holds one)"
         )
     return rows
 
@@ -122,10 +184,8 @@ def hf_folder_tokenizer(hf_dir: str) -> str | None:
 
 def load_hf_weights(hf_dir: str, adapter: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(our model args as a dict, our weights) of an HF folder, through the family's ``StateDictAdapter``."""
-    from safetensors.torch import load_file
-
     fields = adapter.model_args_from_hf(read_hf_config(hf_dir))
     hf: dict[str, torch.Tensor] = {}
     for path in sorted(set(hf_weight_files(hf_dir).values())):  # one file, or save_pretrained's shards
-        hf.update(load_file(path))
+        hf.update(read_safetensors(path))
     return fields, adapter.from_hf_state_dict(hf, fields)

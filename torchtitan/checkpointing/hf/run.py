@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
@@ -29,7 +28,7 @@ from torchtitan.checkpointing.files.folders import CheckpointInfo, verify_files
 from torchtitan.checkpointing.files.format import check_readable
 from torchtitan.checkpointing.files.marker import SEED, read_marker, why_not_loadable
 from torchtitan.checkpointing.hf.convert import adapter_of, check_hf_matches, export_to_hf
-from torchtitan.checkpointing.hf.files import hf_weight_files
+from torchtitan.checkpointing.hf.files import hf_weight_files, open_safetensors
 from torchtitan.dtypes import to_dtype
 
 if TYPE_CHECKING:
@@ -72,7 +71,7 @@ def load_hf_into(
         def read(key: str) -> torch.Tensor:
             path = files[key]
             if path not in handles:
-                handles[path] = stack.enter_context(safe_open(path, framework="pt"))
+                handles[path] = stack.enter_context(open_safetensors(path))
             return handles[path].get_tensor(key)
 
         for group, keys in groups.items():

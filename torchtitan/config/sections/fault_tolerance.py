@@ -2,7 +2,7 @@
 
 Keys and defaults are torchtitan's (2025) spelling, so upstream's flags work unchanged; the DiLoCo outer
 optimizer's settings (upstream hard-codes them) and the quorum timeout are this trainer's own. Upstream's
-Streaming DiLoCo and quantization keys are accepted at their defaults only (config/compat_2025.py). What each
+Streaming DiLoCo and quantization keys are accepted at their defaults only (config/compat/keys_2025.py). What each
 key does: docs/fault_tolerance.md. The lighthouse address comes from ``TORCHFT_LIGHTHOUSE``, as upstream.
 """
 
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from torchtitan.config.bounds import Bound
+from torchtitan.config.compat.spellings import Fixed, Rule
 from torchtitan.config.fields import POSITIVE as _POSITIVE
 from torchtitan.config.fields import config_field as _f
-from torchtitan.config.spellings import Fixed, Rule
 
 _STREAMING = (
     "Streaming DiLoCo (several model fragments synced at different steps) is not built; diloco syncs the whole model"
@@ -23,7 +23,7 @@ _STREAMING = (
 
 @dataclass
 class FaultTolerance:
-    # The 2025 schema (config/compat_2025.py reads these of every section): its keys spelled and meant as here,
+    # The 2025 schema (config/compat/keys_2025.py reads these of every section): its keys spelled and meant as here,
     # and its keys accepted at their defaults only.
     SHARED_2025: ClassVar[tuple[str, ...]] = (
         "enable",

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-import tokenizers
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -169,8 +168,9 @@ class ChatTokenizer:
             (special tokens, and ``chat_template`` if the model has one).
         base: the ``HFTokenizer`` of ``path`` if the caller has built it already.
 
-    ``base`` encodes plain text (special-token text stays text); chat renderings are encoded with the
-    added tokens recognised, because the template writes its control tokens as text.
+    ``base`` encodes plain text (special-token text stays text); chat renderings are encoded as prompts
+    (``base.prompt_model``) with no special tokens added: the template writes its control tokens (a bos where it
+    wants one) as text, and they are recognised.
     """
 
     def __init__(self, path: str, *, base: HFTokenizer | None = None) -> None:
@@ -184,7 +184,8 @@ class ChatTokenizer:
             name: token for name in SPECIAL_TOKEN_NAMES if (token := _token_string(config.get(name))) is not None
         }
         self.chat_template = _read_template(config, file.parent)
-        self._chat_model = tokenizers.Tokenizer.from_file(str(file))  # added tokens recognised in text
+        # a rendering is a prompt: its control tokens, written as text, are the tokens (the template decides them)
+        self._chat_model = self.base.prompt_model
         self._source = str(file)
 
     @property

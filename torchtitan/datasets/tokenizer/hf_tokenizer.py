@@ -5,10 +5,16 @@ or ends a text: transformers reads that from the `tokenizer_config.json` beside 
 `eos_token`, `pad_token`), and so do we. Qwen3 has no begin-of-text token (`bos_token: null`; its
 documents are separated by the end-of-text token only), so there `encode(bos=True)` prepends nothing
 and `bos_id` is -1.
+
+`encode` frames training documents (our rule: bos where the config names one, special-token text as plain text).
+A prompt (generation, evaluation, RL) is encoded as transformers' `tokenizer(text)` encodes it (`encode_prompt`):
+special-token text is the token, and the special tokens added are the post-processor's of `tokenizer.json`, which
+need not add the `bos_token` the config names (`prompt_model`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Sequence
@@ -16,6 +22,7 @@ from pathlib import Path
 
 import tokenizers
 
+from torchtitan.config.parse_errors import parsing
 from torchtitan.datasets.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -43,13 +50,12 @@ def _read_config(config_path: Path) -> dict:
     """`tokenizer_config.json` as a dict; {} when the file is absent."""
     if not config_path.is_file():
         return {}
+    fix = f"fix that line, or fetch the model repo's {CONFIG_FILE} again"
     try:
-        with config_path.open(encoding="utf-8") as f:
+        with config_path.open(encoding="utf-8") as f, parsing(config_path, "valid JSON", fix=fix):
             config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(
-            f"{config_path}: not a readable JSON file ({e}); fetch the model repo's {CONFIG_FILE} again"
-        ) from e
+    except OSError as e:
+        raise ValueError(f"{config_path}: not readable ({e}); fetch the model repo's {CONFIG_FILE} again") from e
     if not isinstance(config, dict):
         raise ValueError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
     return config
@@ -77,13 +83,10 @@ class HFTokenizer(Tokenizer):
                 f"tokenizer file not found: {where}; pass a Hugging Face {TOKENIZER_FILE} or its folder "
                 f"({_FETCH_HINT}), or a tiktoken-format file such as Llama 3's tokenizer.model"
             )
-        try:
+        fix = f"pass the {TOKENIZER_FILE} of a model repo ({_FETCH_HINT})"
+        # the Rust side raises a bare Exception for any parse error (serde's message names the line and column)
+        with parsing(file, f"a Hugging Face {TOKENIZER_FILE}", fix=fix, errors=(Exception,)):
             self.model = tokenizers.Tokenizer.from_file(str(file))
-        except Exception as e:  # the Rust side raises a bare Exception for any parse error
-            raise ValueError(
-                f"{file}: not a Hugging Face {TOKENIZER_FILE} ({e}); pass the {TOKENIZER_FILE} of a model repo "
-                f"({_FETCH_HINT})"
-            ) from e
         # documents are untrusted text: "<|endoftext|>" inside a web page must not end it (as in TikTokenizer)
         self.model.encode_special_tokens = True
         self.path = str(file)  # the tokenizer.json read (its folder holds the config and chat template)
@@ -143,6 +146,19 @@ class HFTokenizer(Tokenizer):
         if eos:
             ids.append(self._eos_id)
         return ids
+
+    @functools.cached_property
+    def prompt_model(self) -> tokenizers.Tokenizer:
+        """The tokenizer as transformers' ``AutoTokenizer`` reads the folder for a prompt: special-token text is the
+        special token, and the special tokens added are ``tokenizer.json``'s post-processor's (none where it has
+        none). transformers 5 reads the folder so: beside a ``tokenizer.json`` it drops the config's
+        ``add_bos_token`` / ``add_eos_token``, and a ``bos_token`` the config names is added only where the
+        post-processor adds it."""
+        return tokenizers.Tokenizer.from_file(self.path)  # encode_special_tokens off: "<|im_end|>" is the token
+
+    def encode_prompt(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """``AutoTokenizer.from_pretrained(folder)(text, add_special_tokens=...).input_ids`` (``prompt_model``)."""
+        return self.prompt_model.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.model.decode(list(ids), skip_special_tokens=False)

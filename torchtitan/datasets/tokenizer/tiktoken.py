@@ -68,7 +68,7 @@ def load_bpe_ranks(path: str) -> dict[bytes, int]:
                 ranks[base64.b64decode(token, validate=True)] = int(rank)
             except ValueError as e:
                 raise ValueError(
-                    f"{path}:{lineno}: expected '<base64 token> <rank>' (tiktoken BPE format), "
+                    f"{path}: line {lineno}: expected '<base64 token> <rank>' (tiktoken BPE format), "
                     f"got {line[:60]!r}; pass a tiktoken-format file such as Llama 3's tokenizer.model"
                 ) from e
     if sorted(ranks.values()) != list(range(len(ranks))):

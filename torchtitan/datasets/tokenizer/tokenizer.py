@@ -13,6 +13,12 @@ class Tokenizer(ABC):
     def encode(self, s: str, *, bos: bool, eos: bool) -> list[int]:
         """Encode `s`, optionally framed by the begin/end-of-text ids."""
 
+    def encode_prompt(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's ids (generation, evaluation), framed by the tokenizer's own rule: here the training
+        documents' (bos, where it has one, then the text); a Hugging Face tokenizer's is transformers'
+        ``tokenizer(text)`` (``HFTokenizer.encode_prompt``). ``add_special_tokens=False``: the text alone."""
+        return self.encode(text, bos=add_special_tokens, eos=False)
+
     @abstractmethod
     def decode(self, ids: Sequence[int]) -> str:
         """Decode token ids to text (special tokens are rendered as their text)."""

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from torchtitan.config.parse_errors import parsing
+
 if TYPE_CHECKING:
     from torchtitan.models.qwen3_5.vision import VisionArgs
 
@@ -51,7 +53,7 @@ def pixel_budget(folder: str | None) -> tuple[int, int]:
     read: dict[str, Any] = {}
     config = Path(folder) / PREPROCESSOR_FILE if folder else None
     if config is not None and config.is_file():
-        read = json.loads(config.read_text(encoding="utf-8"))
+        read = _read_json(config)
     size = read.get("size") or {}
     low = int(read.get("min_pixels", size.get("shortest_edge", DEFAULTS["min_pixels"])))
     return low, int(read.get("max_pixels", size.get("longest_edge", DEFAULTS["max_pixels"])))
@@ -69,7 +71,7 @@ class ImageProcessor:
         read: dict[str, Any] = {}
         config = Path(folder) / PREPROCESSOR_FILE if folder is not None else None
         if config is not None and config.is_file():
-            read = json.loads(config.read_text(encoding="utf-8"))
+            read = _read_json(config)
         self.min_pixels, self.max_pixels = pixel_budget(folder)
         mean, std = read.get("image_mean", DEFAULTS["image_mean"]), read.get("image_std", DEFAULTS["image_std"])
         self.patch, self.merge, self.frames = vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size
@@ -103,12 +105,20 @@ class ImageProcessor:
         """The image's patch rows (patches, channels x frames x patch x patch), float32."""
         from PIL import Image
 
-        with Image.open(image.path) as img:
-            out = self._processor(images=img.convert("RGB"), return_tensors="np")
+        # its header was read when the text was laid out; its pixels are decoded here (a file cut short fails here)
+        with parsing(image.path, "a readable image", fix="copy the image again", errors=(OSError,)):
+            with Image.open(image.path) as img:
+                rgb = img.convert("RGB")
+        out = self._processor(images=rgb, return_tensors="np")
         grid = tuple(int(x) for x in out["image_grid_thw"][0])
         if grid != image.grid:  # the file changed since its size was read
             raise ValueError(f"image {image.path}: its grid is now {grid}, {image.grid} when the text was laid out")
         return torch.from_numpy(np.ascontiguousarray(out["pixel_values"], dtype=np.float32))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    with parsing(path, "valid JSON", fix="fix that line, or save the processor again with save_pretrained"):
+        return json.loads(path.read_text(encoding="utf-8"))
 
 
 def _size(path: str, where: str) -> tuple[int, int]:

@@ -7,10 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from torchtitan.checkpointing.common import load_model_weights
-from torchtitan.checkpointing.hf.files import hf_weight_files, save_hf_folder
+from torchtitan.checkpointing.hf.files import hf_weight_files, read_safetensors, save_hf_folder
 from torchtitan.features.lora.linear import is_adapter_key, is_base_key
 from torchtitan.features.lora.peft_io import (
     adapter_config,
@@ -72,7 +71,7 @@ def read_base(path: str, in_hf: bool, spec: Any, args: dict[str, Any]) -> dict[s
     if in_hf:
         hf: dict[str, torch.Tensor] = {}
         for file in sorted(set(hf_weight_files(path).values())):
-            hf.update(load_file(file))
+            hf.update(read_safetensors(file))
         return spec.state_dict_adapter.from_hf_state_dict(hf, args)
     weights, _ = load_model_weights(path)
     return {k: v for k, v in weights.items() if is_base_key(k)}

@@ -14,9 +14,11 @@ import os
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from torchtitan.checkpointing.files.marker import does_not_exist
+from torchtitan.checkpointing.hf.files import read_safetensors
+from torchtitan.config.parse_errors import parsing
 from torchtitan.features.lora.names import resolve_targets
 from torchtitan.spec import ModelSpec
 
@@ -139,14 +141,14 @@ def read_peft_folder(folder: str, spec: ModelSpec, args: dict[str, Any]) -> tupl
     for path in paths:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{folder!r} is not a PEFT adapter folder: no {os.path.basename(path)}")
-    with open(paths[0], encoding="utf-8") as f:
+    with open(paths[0], encoding="utf-8") as f, parsing(paths[0], "valid JSON", fix="fix that line"):
         config = json.load(f)
     unsupported = {"peft_type": config.get("peft_type") != "LORA", "use_rslora": config.get("use_rslora")}
     unsupported |= {"use_dora": config.get("use_dora"), "modules_to_save": config.get("modules_to_save")}
     bad = [k for k, v in unsupported.items() if v]
     if bad:
         raise ValueError(f"{paths[0]}: {', '.join(f'{k} = {config.get(k)!r}' for k in bad)}: only plain LoRA loads")
-    return config, from_peft_state_dict(load_file(paths[1]), spec, args)
+    return config, from_peft_state_dict(read_safetensors(paths[1]), spec, args)
 
 
 def scaling_of(config: dict[str, Any]) -> float:

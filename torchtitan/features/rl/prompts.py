@@ -15,6 +15,7 @@ from typing import Any
 import jinja2
 import torch
 
+from torchtitan.config.parse_errors import parsing
 from torchtitan.datasets.sft.chat_template import ChatTokenizer, render_chat
 from torchtitan.datasets.sft.prompting import chat_stop_ids
 
@@ -88,10 +89,8 @@ class PromptSource:
                 if not line.strip():
                     continue
                 where = f"rl.prompts_path {path} line {i + 1}"
-                try:
+                with parsing(f"rl.prompts_path {path}", "valid JSON", line=i + 1, fix="fix or remove that row"):
                     row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: not JSON ({e})") from e
                 text, ids = _render(tokenizer, row, where)
                 if len(ids) + max_new_tokens > seq_len:
                     raise ValueError(

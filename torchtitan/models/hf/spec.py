@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.config.parse_errors import parsing
 from torchtitan.models.hf.model import LOGIT_TRANSFORMS, HFArgs, HFCausalLM, unbuilt_tp_styles
 from torchtitan.spec import AdapterLayout, Deferred, ModelSpec
 
@@ -156,17 +157,14 @@ class _Flavors(Mapping):
 def read_hf_config(source: str) -> dict[str, Any]:
     """``model.hf_config``: a folder holding config.json, the file itself, or JSON text ``{"model_type": ...}``."""
     if source.lstrip().startswith("{"):
-        try:
+        with parsing("model.hf_config", "valid JSON", fix="give a folder, a config.json or a JSON dict"):
             return json.loads(source)
-        except json.JSONDecodeError as e:
-            raise ConfigError(
-                f"model.hf_config is not valid JSON ({e}); give a folder, a config.json or a JSON dict"
-            ) from None
     path = Path(source)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"model.hf_config = '{source}': no config.json there; give a local HF model folder")
-    return json.loads(file.read_text(encoding="utf-8"))
+    with parsing(file, "valid JSON", fix="fix that line, or save the folder again with save_pretrained"):
+        return json.loads(file.read_text(encoding="utf-8"))
 
 
 def configure(args: HFArgs, model) -> HFArgs:
@@ -184,6 +182,15 @@ def configure(args: HFArgs, model) -> HFArgs:
             'its config.json, or JSON text {"model_type": ...}'
         )
     return from_hf_config(read_hf_config(model.hf_config), model.hf_config)
+
+
+def config_vocab(args: HFArgs) -> int | None:
+    """The ``vocab_size`` the config.json of ``model.hf_config`` sets (the embedding keeps it); None for a tiny flavor
+    of ours or a config that sets none (the tokenizer's words size the embedding)."""
+    if args.source in TINY:
+        return None
+    fields = args.config_dict
+    return fields.get("vocab_size") or (fields.get("text_config") or {}).get("vocab_size")
 
 
 def check_hf(args: HFArgs, *, model, training, experimental) -> list[str]:
@@ -297,7 +304,15 @@ class HFAdapter:
         return out
 
     def from_hf_state_dict(self, hf: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return {f"hf.{key}": value for key, value in hf.items()}
+        """Ours under ``hf.``; a tied head, which transformers saves once (as its embedding), under its own name too
+        (the class's ``_tied_weights_keys``: head -> embedding), so a whole model's state dict is complete."""
+        out = {f"hf.{key}": value for key, value in hf.items()}
+        if args.get("tie_word_embeddings") and args.get("config"):
+            tied = causal_lm_class(build_hf_config(json.loads(args["config"])))._tied_weights_keys
+            for head, embedding in (tied if isinstance(tied, dict) else {}).items():
+                if f"hf.{embedding}" in out:
+                    out.setdefault(f"hf.{head}", out[f"hf.{embedding}"])
+        return out
 
     def hf_config(self, args: dict[str, Any], weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
         fields = json.loads(args["config"])
@@ -309,9 +324,10 @@ class HFAdapter:
         return out
 
     def model_args_from_hf(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The args of the folder's config: its fields (``config``, what builds the model) and the shapes read from
+        them; ``max_seq_len`` is the caller's (the run's seq_len, generation's prompt and answer)."""
         args = from_hf_config(config, "config.json")
-        out = {k: v for k, v in vars(args).items() if k not in ("config", "source", "vocab_size", "max_seq_len")}
-        return out
+        return {k: v for k, v in vars(args).items() if k not in ("source", "max_seq_len")}
 
 
 HF = HFAdapter()
@@ -352,6 +368,7 @@ SPEC = ModelSpec(
     check_fn=check_hf,
     hf_model_type="*",
     configure=configure,
+    config_vocab=config_vocab,
     adapters=AdapterLayout(block_names={}, ffn_paths=(), linears=adaptable_linears),
     documents=True,
     fake_tensor_context=fake_tensor_context,

@@ -1,6 +1,6 @@
 """Keys of another schema (torchtitan's 2025 one) read as this schema's: the rule kinds and the translation.
 
-Each foreign key has one rule (the table: config/compat_2025.py):
+Each foreign key has one rule (the table: config/compat/keys_2025.py):
 
 * ``Alias(target, convert, implies)``: the same setting under this schema's key ``target``, the value
   converted where the spellings differ (``disable_x`` -> ``enable_x = not x``); ``implies`` sets other keys

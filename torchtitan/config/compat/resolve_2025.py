@@ -1,7 +1,7 @@
 """torchtitan 2025 keys that need every source: settled once the TOML file and the flags are both in.
 
 Refusals of a value (``Fixed``, a converter not built) wait until here, so that a flag may still override
-the file's value; then a 2025 file's defaults (config/compat_2025.py ``DEFAULTS``) and the family of its
+the file's value; then a 2025 file's defaults (config/compat/keys_2025.py ``DEFAULTS``) and the family of its
 qwen3 MoE flavors, then the keys that depend on others: ``compile.components`` on compile,
 ``training.global_batch_size`` on the batch and the data-parallel degree (so on the world size), the
 pipeline keys on the degrees, ``validation.seq_len`` on the training one, and ``model.hf_assets_path`` as
@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from torchtitan.config.compat_2025 import DEFAULTS, QWEN3_MOE_FLAVORS, RULES, file_is_2025
+from torchtitan.config.compat.keys_2025 import DEFAULTS, QWEN3_MOE_FLAVORS, RULES, file_is_2025
+from torchtitan.config.compat.spellings import Deferred, Fixed, Given, Inert
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.schema import JobConfigTree
-from torchtitan.config.spellings import Deferred, Fixed, Given, Inert
 from torchtitan.config.values import toml_value
 
 logger = logging.getLogger(__name__)

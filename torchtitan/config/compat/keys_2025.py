@@ -1,7 +1,7 @@
 """torchtitan's 2025 config schema, read as this one's.
 
 Every key of upstream's ``torchtitan/config/job_config.py`` (commit 7e4ab8599, Dec 2025) is either spelled
-as here (``SHARED``) or has a rule in ``RULES`` (config/spellings.py says what each kind does). The TOML
+as here (``SHARED``) or has a rule in ``RULES`` (config/compat/spellings.py says what each kind does). The TOML
 file and the command line are translated as they are read; what needs other keys or the world size is
 settled once every source is in (``resolve``). docs/compatibility.md has the same table in prose.
 
@@ -17,9 +17,9 @@ import logging
 import re
 from typing import Any, Literal
 
+from torchtitan.config.compat.spellings import Alias, Deferred, Fixed, Inert, Rule
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.schema import NEGATED_ALIASES, JobConfigTree
-from torchtitan.config.spellings import Alias, Deferred, Fixed, Inert, Rule
 from torchtitan.config.values import toml_value
 
 logger = logging.getLogger(__name__)
