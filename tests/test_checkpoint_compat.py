@@ -1,6 +1,6 @@
 """Checkpoints written by earlier releases resume with the current code (docs/checkpoint.md, "Compatibility").
 
-Every asset in tests/assets/checkpoints (tests/checkpoint_assets.py: dense, MoE, LoRA, Muon, fault tolerance with
+Every asset in tests/assets/checkpoints (tests/support/checkpoint_assets.py: dense, MoE, LoRA, Muon, fault tolerance with
 DiLoCo (where torchft is installed), an indexed blend) is
 copied into a fresh dump folder and resumed by the current code with the arguments that wrote it (one worker-pool
 process each, a few seconds): the losses after the resume step equal the ones the writing run logged, bit for bit
@@ -23,7 +23,7 @@ import zlib
 
 import pytest
 
-from tests.checkpoint_assets import (
+from tests.support.checkpoint_assets import (
     ASSETS,
     RESUME_STEP,
     argv,
@@ -34,8 +34,9 @@ from tests.checkpoint_assets import (
     run,
     run_folder,
 )
-from tests.golden import fingerprint
-from tests.integration_tests import RTOL, check_job, launch_jobs, trainer_argv
+from tests.support.golden import fingerprint
+from tests.support.matrix import RTOL
+from tests.support.runs import check_job, launch_jobs, trainer_argv
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1)]
 

@@ -27,18 +27,10 @@ import time
 
 import pytest
 
-from tests.held_marker_train import kill_job, popen_held_marker
-from tests.integration_tests import (
-    COMMON,
-    ROOT,
-    RTOL,
-    STEPS,
-    check_job,
-    launch_jobs,
-    pp_schedule,
-    read_metrics,
-)
-from tests.integration_tests import train as pooled_train
+from tests.support.held_marker_train import kill_job, popen_held_marker
+from tests.support.matrix import RTOL, pp_schedule
+from tests.support.runs import COMMON, ROOT, STEPS, check_job, launch_jobs, read_metrics
+from tests.support.runs import train as pooled_train
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2, 4)]
 
@@ -50,7 +42,7 @@ def losses(folder: str) -> dict[int, float]:
 
 
 def train(ngpu: int, folder: str, args: list[str]) -> str:
-    """A checkpointing run in the worker pool (tests/pool.py); returns rank 0's log."""
+    """A checkpointing run in the worker pool (tests/support/pool.py); returns rank 0's log."""
     result = pooled_train(ngpu, folder, [*CKPT, *args])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout + result.stderr
@@ -115,7 +107,7 @@ def test_killed_save_resumes_from_previous_complete(seeded_fsdp2, tmp_path):
     _, seeded, _ = seeded_fsdp2
     folder = str(tmp_path)
     args = [*CKPT, "--training.batch_size", "4", "--training.seed", "7", "--checkpoint.interval", "2"]
-    # step-4's marker held back 120 s (tests/held_marker_train.py)
+    # step-4's marker held back 120 s (tests/support/held_marker_train.py)
     proc = popen_held_marker(4, 120, [*COMMON, *args, "--job.dump_folder", folder], stdout=subprocess.DEVNULL)
     step4 = os.path.join(folder, "checkpoint", "step-4")
     deadline = time.monotonic() + 300
@@ -182,7 +174,7 @@ def _job(folder: str, local_batch: int, layout: list[str], *extra: str) -> list[
 def resumes(tmp_path_factory) -> dict[str, dict]:
     """Per layout: the uninterrupted losses, the same-layout resume's and the resharded resume's.
 
-    Jobs in the 2-rank worker pool (tests/pool.py), in this order: every layout's full run, then every
+    Jobs in the 2-rank worker pool (tests/support/pool.py), in this order: every layout's full run, then every
     same-layout resume and 2-process resharded resume together, then the 1-process one.
     """
     base = tmp_path_factory.mktemp("resume")

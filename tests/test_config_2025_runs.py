@@ -21,8 +21,9 @@ import os
 
 import pytest
 
-from tests.integration_tests import COMMON, PARITY_FLAVOR, ROWS, MatrixLaunches, check_job, losses_of, read_metrics
-from tests.pool import run_train_job
+from tests.support.matrix import ROWS, MatrixLaunches, losses_of
+from tests.support.pool import run_train_job
+from tests.support.runs import COMMON, PARITY_FLAVOR, check_job, read_metrics
 from tests.unit.test_hf_tokenizer import _write_tokenizer
 from torchtitan.config.manager import tomllib
 

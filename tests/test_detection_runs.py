@@ -23,8 +23,8 @@ import time
 
 import pytest
 
-from tests.integration_tests import COMMON, ROOT, read_metrics, trainer_argv
-from tests.pool import run_in_pool, train_job
+from tests.support.pool import run_in_pool, train_job
+from tests.support.runs import COMMON, ROOT, read_metrics, trainer_argv
 from tests.test_checkpoint_runs import complete_steps
 
 pytestmark = [pytest.mark.distributed, pytest.mark.pool(2)]

@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from tests.pool import JobFailed, run_in_pool, train_job
+from tests.support.pool import JobFailed, run_in_pool, train_job
 from torchtitan.config.manager import JobConfig
 from torchtitan.preflight.__main__ import _launch_flags
 from torchtitan.preflight.__main__ import main as preflight_main

@@ -38,20 +38,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.background_priority import lower_priority
-from tests.integration_tests import (
+from tests.support.background_priority import lower_priority
+from tests.support.matrix import (
     AC_FULL,
     DOC_ROWS,
     DOCS_TRAIN,
     MOE_ROWS,
     PURE_BF16_ROWS,
-    ROOT,
     ROTATE_ALLTOALL,
     ROWS,
     HSDP_2x2,
     Row,
     job_argv,
 )
+from tests.support.runs import ROOT
 from tests.test_float8_runs import FLOAT8_ROWS
 from tests.test_frontier_runs import DSV3_ROWS, GPT_OSS_ROWS
 from tests.test_hf_model_runs import HF
@@ -257,7 +257,7 @@ def _measure(base: str) -> dict[str, list[dict]]:
         folder.mkdir()
         cases, result = folder / "cases.json", folder / "measured.json"
         cases.write_text(json.dumps({r.name: _argv(r) for r in rows}))
-        # every rank lowers its own priority (torchrun starts each in a session of its own): tests/background_priority.py
+        # every rank lowers its own priority (torchrun starts each in a session of its own): tests/support/background_priority.py
         env = dict(
             os.environ,
             MALLOC_MMAP_THRESHOLD_="131072",
@@ -271,7 +271,7 @@ def _measure(base: str) -> dict[str, list[dict]]:
             "--rdzv_backend",
             "c10d",
             "--rdzv_endpoint=localhost:0",
-            os.path.join(ROOT, "tests", "background_priority.py"),
+            os.path.join(ROOT, "tests", "support", "background_priority.py"),
             "torchtitan.estimation.measure",
             str(result),
             str(cases),
@@ -389,7 +389,7 @@ def start_background(items: list[pytest.Item]) -> None:
 
     The real runs (``_measure``: a torchrun launch per world size, from a thread of this process) and every estimate
     (fake tensors and a fake group: one Python-bound process each, two spawn workers) run side by side, at the
-    lowest priority (tests/background_priority.py: nice 19, for their sessions too).
+    lowest priority (tests/support/background_priority.py: nice 19, for their sessions too).
     Memory figures do not depend on CPU time, so running them beside other work changes no number (each estimate is
     the same as in process: nothing is shared but the code); the time checks below read CPU seconds.
     """

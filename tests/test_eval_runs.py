@@ -26,7 +26,7 @@ import torch
 
 pytest.importorskip("lm_eval")
 
-from tests.distributed.harness import run_distributed  # noqa: E402
+from tests.support.distributed import run_distributed  # noqa: E402
 from torchtitan.config.manager import JobConfig  # noqa: E402
 from torchtitan.train import run_job  # noqa: E402
 
@@ -379,7 +379,7 @@ def test_sampled_generation_is_seeded(trained):
 def test_in_loop_eval_under_a_layout_leaves_training_bit_identical(tmp_path, layout):
     """The live FSDP2 / TP2 model evaluated in place (pool jobs): the losses of the run without eval, bit for bit,
     and rank 0 logs the metrics at 3, 6, 9."""
-    from tests.pool import run_train_job
+    from tests.support.pool import run_train_job
 
     degree = {"fsdp2": "--training.data_parallel_shard_degree", "tp2": "--training.tensor_parallel_degree"}[layout]
     ev = ["--eval.enabled", "--eval.tasks", "arith_mc", "--eval.freq", "3", "--eval.limit", "4"]

@@ -31,17 +31,9 @@ import torch
 
 pytest.importorskip("torchft")
 
-from tests.ft_groups import FtJob, errors, log, metrics  # noqa: E402
-from tests.integration_tests import (  # noqa: E402
-    AC_EVERY_2ND,
-    COMMON,
-    GRAD_NORM_RTOL,
-    ROOT,
-    ROWS,
-    RTOL,
-    MatrixLaunches,
-    trainer_argv,
-)
+from tests.support.ft_groups import FtJob, errors, log, metrics  # noqa: E402
+from tests.support.matrix import AC_EVERY_2ND, GRAD_NORM_RTOL, ROWS, RTOL, MatrixLaunches  # noqa: E402
+from tests.support.runs import COMMON, ROOT, trainer_argv  # noqa: E402
 
 pytestmark = [pytest.mark.distributed]
 

@@ -15,23 +15,19 @@ import sys
 
 import pytest
 
-from tests.integration_tests import (
+from tests.support.matrix import (
     ASYNC,
-    GLOBAL_BATCH,
     MOE,
-    ROOT,
     RTOL,
     MatrixLaunches,
     Row,
     check_grad_norms,
-    check_job,
     check_row,
     job_argv,
-    launch_jobs,
     losses_of,
     pp_schedule,
-    train,
 )
+from tests.support.runs import GLOBAL_BATCH, ROOT, check_job, launch_jobs, train
 from tests.test_checkpoint_runs import losses as step_losses
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]

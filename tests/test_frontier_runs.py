@@ -13,17 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration_tests import (
-    GLOBAL_BATCH,
-    GRAD_NORM_RTOL,
-    RTOL,
-    MatrixLaunches,
-    Row,
-    check_row,
-    pp_schedule,
-    read_metrics,
-)
-from tests.pool import run_train_job
+from tests.support.matrix import GRAD_NORM_RTOL, RTOL, MatrixLaunches, Row, check_row, pp_schedule
+from tests.support.pool import run_train_job
+from tests.support.runs import GLOBAL_BATCH, read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2, 4)]
 

@@ -27,7 +27,7 @@ import sys
 import pytest
 import torch
 
-from tests.integration_tests import ROOT, read_metrics
+from tests.support.runs import ROOT, read_metrics
 from tests.test_golden_loss import ARGS as GOLDEN_ARGS
 from torchtitan.components.generation import generate
 from torchtitan.datasets.tokenizer import build_tokenizer

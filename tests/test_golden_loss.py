@@ -35,7 +35,7 @@ import warnings
 import pytest
 import torch
 
-from tests.integration_tests import ROOT, read_metrics
+from tests.support.runs import ROOT, read_metrics
 
 pytestmark = pytest.mark.integration
 

@@ -24,8 +24,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.distributed.harness import run_distributed
-from tests.integration_tests import RTOL
+from tests.support.distributed import run_distributed
+from tests.support.matrix import RTOL
 from torchtitan.config.manager import JobConfig
 from torchtitan.train import run_job
 

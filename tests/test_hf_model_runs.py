@@ -16,8 +16,9 @@ import shutil
 
 import pytest
 
-from tests.integration_tests import Row, read_metrics
-from tests.pool import run_train_job
+from tests.support.matrix import Row
+from tests.support.pool import run_train_job
+from tests.support.runs import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2, 4)]
 

@@ -22,20 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration_tests import (
-    GLOBAL_BATCH,
-    GRAD_NORM_RTOL,
-    ROOT,
-    RTOL,
-    STEPS,
-    Row,
-    check_grad_norms,
-    check_job,
-    launch_jobs,
-    pp_schedule,
-    read_metrics,
-    trainer_argv,
-)
+from tests.support.matrix import GRAD_NORM_RTOL, RTOL, Row, check_grad_norms, pp_schedule
+from tests.support.runs import GLOBAL_BATCH, ROOT, STEPS, check_job, launch_jobs, read_metrics, trainer_argv
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]
 

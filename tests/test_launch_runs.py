@@ -1,7 +1,7 @@
 """The launcher and the run lock end to end: a rank's error or crash is printed once with its rank,
 a second run on a live dump folder is refused, and killing the launcher stops its ranks.
 
-The first two launch ``tests/failing_worker.py`` (ranks that do not import torch) through
+The first two launch ``tests/support/failing_worker.py`` (ranks that do not import torch) through
 ``python -m torchtitan.launch``; the last runs the trainer through run_llama_train.sh.
 """
 
@@ -18,14 +18,14 @@ import time
 
 import pytest
 
-from tests.held_marker_train import LAUNCH  # run_llama_train.sh's launch: NGPU=2, the user watches rank 0
+from tests.support.held_marker_train import LAUNCH  # run_llama_train.sh's launch: NGPU=2, the user watches rank 0
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _launch_failing(mode: str) -> tuple[int, str]:
     result = subprocess.run(
-        [*LAUNCH, "-m", "tests.failing_worker", mode], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [*LAUNCH, "-m", "tests.support.failing_worker", mode], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     return result.returncode, result.stdout + result.stderr
 

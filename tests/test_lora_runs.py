@@ -19,12 +19,10 @@ import shutil
 
 import pytest
 
-from tests.integration_tests import (
+from tests.support.matrix import (
     AC_FULL,
     AC_OP,
-    GLOBAL_BATCH,
     GRAD_NORM_RTOL,
-    ROOT,
     ROTATE_ALLGATHER,
     RTOL,
     MatrixLaunches,
@@ -32,11 +30,9 @@ from tests.integration_tests import (
     check_grad_norms,
     check_row,
     pp_schedule,
-    read_metrics,
-    train,
-    trainer_argv,
 )
-from tests.pool import run_in_pool
+from tests.support.pool import run_in_pool
+from tests.support.runs import GLOBAL_BATCH, ROOT, read_metrics, train, trainer_argv
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]
 

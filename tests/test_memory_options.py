@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration_tests import read_metrics, train
+from tests.support.runs import read_metrics, train
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1)]
 

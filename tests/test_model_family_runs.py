@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration_tests import (
-    GLOBAL_BATCH,
+from tests.support.matrix import (
     GRAD_NORM_RTOL,
     ROTATE_ALLTOALL,
     RTOL,
@@ -25,6 +24,7 @@ from tests.integration_tests import (
     check_row,
     pp_schedule,
 )
+from tests.support.runs import GLOBAL_BATCH
 
 pytestmark = pytest.mark.integration
 

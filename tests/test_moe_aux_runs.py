@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration_tests import GLOBAL_BATCH, GRAD_NORM_RTOL, RTOL, MatrixLaunches, Row, check_row, read_metrics
+from tests.support.matrix import GRAD_NORM_RTOL, RTOL, MatrixLaunches, Row, check_row
+from tests.support.runs import GLOBAL_BATCH, read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]
 

@@ -18,19 +18,8 @@ import shutil
 
 import pytest
 
-from tests.integration_tests import (
-    GLOBAL_BATCH,
-    GRAD_NORM_RTOL,
-    RTOL,
-    MatrixLaunches,
-    Row,
-    check_job,
-    check_row,
-    job_argv,
-    launch_jobs,
-    pp_schedule,
-    read_metrics,
-)
+from tests.support.matrix import GRAD_NORM_RTOL, RTOL, MatrixLaunches, Row, check_row, job_argv, pp_schedule
+from tests.support.runs import GLOBAL_BATCH, check_job, launch_jobs, read_metrics
 from tests.test_checkpoint_runs import losses as step_losses
 from tests.test_float8_runs import _metadata
 

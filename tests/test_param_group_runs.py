@@ -12,16 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration_tests import (
-    GLOBAL_BATCH,
-    GRAD_NORM_RTOL,
-    RTOL,
-    MatrixLaunches,
-    Row,
-    check_row,
-    pp_schedule,
-    read_metrics,
-)
+from tests.support.matrix import GRAD_NORM_RTOL, RTOL, MatrixLaunches, Row, check_row, pp_schedule
+from tests.support.runs import GLOBAL_BATCH, read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(2)]
 

@@ -18,19 +18,9 @@ import shutil
 
 import pytest
 
-from tests.integration_tests import (
-    AC_FULL,
-    GLOBAL_BATCH,
-    GRAD_NORM_RTOL,
-    RTOL,
-    MatrixLaunches,
-    Row,
-    check_grad_norms,
-    read_metrics,
-    train,
-    trainer_argv,
-)
-from tests.pool import run_in_pool
+from tests.support.matrix import AC_FULL, GRAD_NORM_RTOL, RTOL, MatrixLaunches, Row, check_grad_norms
+from tests.support.pool import run_in_pool
+from tests.support.runs import GLOBAL_BATCH, read_metrics, train, trainer_argv
 from tests.test_lora_runs import LORA
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]

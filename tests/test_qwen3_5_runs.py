@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration_tests import DOCS_TRAIN, GRAD_NORM_RTOL, RTOL, Row, pp_schedule, read_metrics
-from tests.pool import run_train_job
+from tests.support.matrix import DOCS_TRAIN, GRAD_NORM_RTOL, RTOL, Row, pp_schedule
+from tests.support.pool import run_train_job
+from tests.support.runs import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2, 4)]
 

@@ -1,6 +1,6 @@
 """Runs that used to lose work (issue: "a run that loses nothing"), each through the real trainer at 2 ranks.
 
-Runs are shared to keep CI short: a pool job (tests/pool.py) saves the checkpoints the others start
+Runs are shared to keep CI short: a pool job (tests/support/pool.py) saves the checkpoints the others start
 from, a pool job of its own has its ranks killed mid-save, a real run (run_llama_train.sh) is signalled
 mid-way, and a final series of pool jobs runs every check that resumes (a model change refused, a changed optimizer config, a plain resume after a
 rollback, the resume after SIGTERM and its uninterrupted reference).
@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from tests.held_marker_train import kill_mid_save
-from tests.integration_tests import COMMON, ROOT, check_job, launch_jobs, read_metrics, run_train
+from tests.support.held_marker_train import kill_mid_save
+from tests.support.runs import COMMON, ROOT, check_job, launch_jobs, read_metrics, run_train
 from tests.test_checkpoint_runs import complete_steps, losses
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(2)]

@@ -1,5 +1,5 @@
 """Checkpoints in an object store through the trainer: FSDP2 on 2 ranks saving to s3:// on a real S3-compatible
-server (moto's, on localhost: tests/moto_s3.py), worker-pool jobs that share one bucket prefix:
+server (moto's, on localhost: tests/support/s3_server.py), worker-pool jobs that share one bucket prefix:
 
 * A, FSDP2 (2 ranks), async saves every 2 steps, keep_latest_k 1; rank 0 crashes just before step-6's marker
   (``before_marker``, where tests/test_checkpoint_runs.py SIGKILLs: the objects in the bucket are the same) -> step-2
@@ -21,9 +21,10 @@ import os
 
 import pytest
 
-from tests.integration_tests import RTOL, STEPS, read_metrics, trainer_argv
-from tests.moto_s3 import BUCKET, s3_server, train_job_with_env
-from tests.pool import JobFailed, run_in_pool
+from tests.support.matrix import RTOL
+from tests.support.pool import JobFailed, run_in_pool
+from tests.support.runs import STEPS, read_metrics, trainer_argv
+from tests.support.s3_server import BUCKET, s3_server, train_job_with_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]
 

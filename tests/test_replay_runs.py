@@ -3,7 +3,7 @@
 Clean runs with replay on (pool jobs) equal the matrix's rows without it bit for bit, losses and grad norms (and
 the MoE row's expert load, whose counts the replay must not double): FSDP2 with gradient accumulation 2 (the
 replay re-runs both micro-batches) and the MoE FSDP2 row. A flipped bit in rank 1's gradient on its second pass
-(tests/replay_flip.py, through the product's ``Builders.overrides['step_pass']`` seam): with 'warn' the run goes on and
+(tests/support/replay_flip.py, through the product's ``Builders.overrides['step_pass']`` seam): with 'warn' the run goes on and
 logs the line; with 'stop', launched like run_llama_train.sh, the launcher prints one line naming the rank, its
 host, the step and the tensor, exits 6, and the checkpoints are those before the step.
 """
@@ -16,10 +16,11 @@ import subprocess
 
 import pytest
 
-from tests.held_marker_train import LAUNCH
-from tests.integration_tests import COMMON, MOE_ROWS, ROOT, ROWS, MatrixLaunches, job_argv, read_metrics
-from tests.pool import run_in_pool, run_train_job, train_job
-from tests.replay_flip import TENSOR, builders
+from tests.support.held_marker_train import LAUNCH
+from tests.support.matrix import MOE_ROWS, ROWS, MatrixLaunches, job_argv
+from tests.support.pool import run_in_pool, run_train_job, train_job
+from tests.support.replay_flip import TENSOR, builders
+from tests.support.runs import COMMON, ROOT, read_metrics
 from tests.test_checkpoint_runs import complete_steps
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(2)]
@@ -71,7 +72,7 @@ def test_stop_is_one_line_with_exit_code_6_and_keeps_the_last_checkpoint(tmp_pat
     args += ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "1"]
     argv = ["1", "3", "--job.config_file", "./train_configs/debug_model.toml", *COMMON, *args]
     run = subprocess.run(
-        [*LAUNCH, "-m", "tests.replay_flip", *argv, "--job.dump_folder", folder],
+        [*LAUNCH, "-m", "tests.support.replay_flip", *argv, "--job.dump_folder", folder],
         cwd=ROOT,
         capture_output=True,
         text=True,

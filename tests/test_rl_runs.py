@@ -3,7 +3,7 @@ layouts, rollouts from a file, exact resume, the outside-engine protocol, bad in
 
 The runs: DAPO with a KL term (so the reference, the ratio's clipping and the token weights all take part), 4 prompts
 x 3 completions per step in 3 updates of 4 completions, on the nano flavor with a reward that varies between a
-random policy's completions (tests/rl_rewards.py). An update of 4 completions takes a group and part of the next,
+random policy's completions (tests/support/rl_rewards.py). An update of 4 completions takes a group and part of the next,
 and each of 2 dp ranks 2 of them: advantages or token weights computed per rank instead of per group and per update
 would move the loss, so the rows below fail then.
 """
@@ -18,8 +18,9 @@ import sys
 
 import pytest
 
-from tests.integration_tests import Row, read_metrics
-from tests.pool import run_train_job
+from tests.support.matrix import Row
+from tests.support.pool import run_train_job
+from tests.support.runs import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2, 4)]
 
@@ -33,7 +34,7 @@ RL = [
     *("--job.config_file", "./train_configs/grpo_arith.toml", "--model.flavor", "debugmodel_nano"),
     *("--rl.algorithm", "dapo", "--rl.clip_high", "0.28", "--rl.kl_coef", "0.1"),
     *("--rl.prompts_per_step", "4", "--rl.group_size", "3", "--rl.updates_per_step", "3", "--rl.max_new_tokens", "8"),
-    *("--rl.reward", "tests.rl_rewards:digits", "--optimizer.lr", "1e-2", "--training.seq_len", "40"),
+    *("--rl.reward", "tests.support.rl_rewards:digits", "--optimizer.lr", "1e-2", "--training.seq_len", "40"),
     *("--training.steps", str(STEPS), "--training.warmup_steps", "0", "--metrics.log_freq", "1"),
 ]
 CHECKPOINT = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "2"]
@@ -113,7 +114,7 @@ def test_reference_learns_something_and_records(reference):
     assert all(abs(r["loss"]) > 1e-4 for r in records), "token-level weights: the loss is not the advantages' mean 0"
     assert len(_rollouts(reference)) == STEPS * 12
     log = open(os.path.join(reference, "rank0.log")).read()
-    assert "DAPO, KL to the start's policy x 0.1" in log and "reward tests.rl_rewards:digits" in log
+    assert "DAPO, KL to the start's policy x 0.1" in log and "reward tests.support.rl_rewards:digits" in log
 
 
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: r.name)
@@ -168,8 +169,8 @@ def test_reward_that_raises_stops_every_rank_in_one_line(reference, tmp_path):
     status = _run(
         Row("rl_raises", 2, 2, CHECKPOINT),
         folder,
-        ["--rl.reward", "tests.rl_rewards:raises_after_first_step", "--checkpoint.interval", "1"],
-        expect_error="rl.reward tests.rl_rewards:raises_after_first_step raised KeyError: 'expected_sum' on prompt row",
+        ["--rl.reward", "tests.support.rl_rewards:raises_after_first_step", "--checkpoint.interval", "1"],
+        expect_error="rl.reward tests.support.rl_rewards:raises_after_first_step raised KeyError: 'expected_sum' on prompt row",
     )
     assert status["ok"], status["error"]
     assert os.path.isfile(os.path.join(folder, "checkpoint", "step-1", ".complete")), "the good checkpoint stays"
@@ -202,7 +203,7 @@ def test_outside_engine_drives_the_trainer(reference, tmp_path):
         "--rl.publish_every",
         "1",
     ]
-    # one thread, as the pool's ranks (tests/pool.py): the engine's log-probs enter the loss, and on AVX-512 kernels
+    # one thread, as the pool's ranks (tests/support/pool.py): the engine's log-probs enter the loss, and on AVX-512 kernels
     # a matmul's sums at 2 threads differ in the last bits from 1 thread's (an AMD EPYC with avx512_bf16 read loss
     # -0.10092524 for -0.10092522 at step 2), so "exactly" holds only with the reference's thread count
     engine = subprocess.Popen(

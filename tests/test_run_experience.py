@@ -11,8 +11,9 @@ import os
 import pytest
 import torch
 
-from tests.integration_tests import RTOL, STEPS, VAL_FREQ, VALIDATION, read_metrics, train
-from tests.pool import run_train_job
+from tests.support.matrix import RTOL
+from tests.support.pool import run_train_job
+from tests.support.runs import STEPS, VAL_FREQ, VALIDATION, read_metrics, train
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]
 

@@ -15,8 +15,8 @@ import subprocess
 
 import pytest
 
-from tests.integration_tests import read_metrics
-from tests.pool import run_train_job
+from tests.support.pool import run_train_job
+from tests.support.runs import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]
 

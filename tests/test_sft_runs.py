@@ -20,22 +20,18 @@ import shutil
 
 import pytest
 
-from tests.integration_tests import (
-    GLOBAL_BATCH,
+from tests.support.matrix import (
     GRAD_NORM_RTOL,
     ROTATE_ALLGATHER,
     RTOL,
-    VALIDATION,
     MatrixLaunches,
     Row,
     check_grad_norms,
     check_row,
     pp_schedule,
-    read_metrics,
-    train,
-    trainer_argv,
 )
-from tests.pool import run_train_job
+from tests.support.pool import run_train_job
+from tests.support.runs import GLOBAL_BATCH, VALIDATION, read_metrics, train, trainer_argv
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]
 

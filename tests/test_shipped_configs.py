@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from tests.pool import run_train_job
+from tests.support.pool import run_train_job
 from tests.unit.test_checkpoint_scripts import _script
 from tests.unit.test_hf_refusals import LLAMA3_MOE
 from torchtitan.checkpointing.common import load_model_weights

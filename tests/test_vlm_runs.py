@@ -21,8 +21,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.integration_tests import GRAD_NORM_RTOL, RTOL, Row, pp_schedule, read_metrics
-from tests.pool import run_train_job
+from tests.support.matrix import GRAD_NORM_RTOL, RTOL, Row, pp_schedule
+from tests.support.pool import run_train_job
+from tests.support.runs import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]
 

@@ -1,5 +1,5 @@
 """Checkpoints in an object store, on one process, against a real S3-compatible server (moto's, on localhost,
-tests/moto_s3.py): the same CRC32s and restricted loading as on disk, the marker written last, retention and
+tests/support/s3_server.py): the same CRC32s and restricted loading as on disk, the marker written last, retention and
 set-aside by copy + delete; the pre-launch check's one-line refusals (exit 2) for what cannot work.
 
 The multi-rank runs (FSDP2 saving to s3://, a crash before the marker, resuming on another layout) are
@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from tests.moto_s3 import BUCKET, s3_server
+from tests.support.s3_server import BUCKET, s3_server
 from tests.unit.test_checkpoint_integrity import DATA, _model, _Pwn
 from tests.unit.test_checkpoint_integrity import _manager as _integrity_manager
 from torchtitan.checkpointing.common import load_model_weights, save_model_weights

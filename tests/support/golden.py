@@ -28,7 +28,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 
-GOLDEN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "golden_parity.json")
+GOLDEN_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "golden_parity.json")
 RECORD_ENV = "TORCHTITAN_GOLDEN_RECORD"
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # .ci/run's ISA line
 RECORD_HINT = f"{RECORD_ENV}=tests/assets/golden_parity.json python -m pytest tests/integration_tests.py"

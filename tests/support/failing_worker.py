@@ -1,4 +1,4 @@
-"""A stand-in rank for the launcher tests: ``python -m torchtitan.launch ... -m tests.failing_worker MODE``.
+"""A stand-in rank for the launcher tests: ``python -m torchtitan.launch ... -m tests.support.failing_worker MODE``.
 
 It fails the way a trainer rank does (``torchtitan.launch.failures.report_exception``, as
 ``torchtitan.train.main`` calls it) without importing torch, so a 2-rank launch costs only the

@@ -1,4 +1,4 @@
-"""A pool worker's meshes, kept from one job to the next (tests/pool.py).
+"""A pool worker's meshes, kept from one job to the next (tests/support/pool.py).
 
 Every job builds its world mesh with ``ParallelDims.build_mesh``, which first clears DTensor's sharding caches:
 in a process that outlives its world, a cached decision holds a mesh whose groups are gone

@@ -1,7 +1,7 @@
 """The step replay's fault injection for the tests: one flipped bit in one rank's gradient on a replay's second pass.
 
 ``flip_bit`` is a ``features.replay.replay.AfterPass``; ``builders`` gives the trainer a replay with it (the product's
-seam, ``Builders.overrides['step_pass']``). ``python -m torchtitan.launch ... -m tests.replay_flip RANK STEP --job.config_file
+seam, ``Builders.overrides['step_pass']``). ``python -m torchtitan.launch ... -m tests.support.replay_flip RANK STEP --job.config_file
 FILE [--section.key value ...]`` runs ``torchtitan.train.main`` with it, for the exit code and the launcher's line.
 """
 

@@ -3,7 +3,7 @@
 ``s3_server()`` starts it in a thread of this process and yields an ``S3`` record: its endpoint and the environment
 a client needs (dummy credentials, ``AWS_ENDPOINT_URL``, which botocore, and so s3fs, reads itself). Nothing
 leaves the machine: the credentials are dummies, and botocore reads no config file and asks no metadata address. ``with s3.env():`` sets that environment in this process; ``train_job_with_env`` does it in a
-worker of the pool (tests/pool.py), whose environment is the forkserver's.
+worker of the pool (tests/support/pool.py), whose environment is the forkserver's.
 """
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ def s3_server() -> Iterator[S3]:
 def train_job_with_env(
     rank: int, world_size: int, environ_: dict[str, str | None], argv: list[str], builders: Any = None
 ) -> Any:
-    """tests/pool.py's ``train_job`` with ``environ_`` set in this worker for the job's length."""
-    from tests.pool import train_job
+    """tests/support/pool.py's ``train_job`` with ``environ_`` set in this worker for the job's length."""
+    from tests.support.pool import train_job
 
     with environ(environ_):
         return train_job(rank, world_size, argv, builders)

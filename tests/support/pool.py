@@ -13,7 +13,7 @@ sequence, each ``fn(rank, world_size, *args)`` with ``fn`` importable by name:
 Isolation between jobs: determinism off, default dtype fp32, the once-per-process warnings cleared,
 dynamo reset, garbage collected (over what jobs made: what the worker loaded first is frozen); the default
 group stays, and so does the mesh of each layout a worker has built, with DTensor's sharding caches that name
-it (tests/pool_meshes.py: the same mesh object for the next job of that layout, as for the steps of one run);
+it (tests/support/pool_meshes.py: the same mesh object for the next job of that layout, as for the steps of one run);
 any other group a job made is destroyed and the caches cleared. A job that fails on any rank is reported and the
 pool goes on once a ping (an all-reduce of the job's number) shows the ranks are still in step; a
 rank that dies, a job past its deadline (each live rank first writes its Python stacks to the output the
@@ -55,10 +55,10 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from tests import pool_meshes
+from tests.support import pool_meshes
 from torchtitan.distributed.backend.device import ProcessFlags
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB_DEADLINE_S = 600.0
 PG_TIMEOUT_S = 300  # a collective waits this long for a peer (16 ranks on 2 cores compile slowly)
 GRACE_S = 60.0  # once one rank has failed, how long the others may take to report
@@ -116,7 +116,7 @@ def _context():
     if _CONTEXT is None:
         _CONTEXT = mp.get_context("forkserver")
         _CONTEXT.set_forkserver_preload(
-            ["torchtitan.train", "tests.pool", "torchtitan.datasets.hf_datasets", "scipy.io"]
+            ["torchtitan.train", "tests.support.pool", "torchtitan.datasets.hf_datasets", "scipy.io"]
         )
     return _CONTEXT
 

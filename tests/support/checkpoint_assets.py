@@ -1,11 +1,11 @@
 """The shipped old checkpoints (tests/assets/checkpoints/): what each one is, how it was written, how it is resumed.
 
 Each asset is a run of STEPS steps that saved at RESUME_STEP and at the end; the asset keeps the RESUME_STEP folder
-and the losses the run logged after it (per machine fingerprint, as tests/golden.py records them).
+and the losses the run logged after it (per machine fingerprint, as tests/support/golden.py records them).
 tests/test_checkpoint_compat.py copies each into a fresh dump folder, runs the same arguments with the current code
 (it resumes from that step) and compares the losses.
 
-Write (or add a fingerprint to) the assets with ``python -m tests.checkpoint_assets`` (``--only NAME``,
+Write (or add a fingerprint to) the assets with ``python -m tests.support.checkpoint_assets`` (``--only NAME``,
 ``--record-losses`` to keep the checkpoint files and only add this machine's losses). A release keeps the
 assets of the releases before it: writing new ones goes beside the old (``--release``), never over them.
 """
@@ -20,9 +20,9 @@ import subprocess
 import sys
 import tempfile
 
-from tests.golden import cpu_model, fingerprint
-from tests.integration_tests import ROOT, read_metrics, train, trainer_argv
-from tests.pool import close_all
+from tests.support.golden import cpu_model, fingerprint
+from tests.support.pool import close_all
+from tests.support.runs import ROOT, read_metrics, train, trainer_argv
 
 ASSETS_DIR = os.path.join(ROOT, "tests", "assets", "checkpoints")
 INDEX = os.path.join(ASSETS_DIR, "assets.json")
@@ -92,7 +92,7 @@ def run(name: str, folder: str) -> str | None:
     if name != "ft":
         result = train(1, folder, argv(name))
         return None if result.returncode == 0 else result.stderr[-3000:]
-    from tests.ft_groups import FtJob
+    from tests.support.ft_groups import FtJob
 
     with FtJob(1, 1, min_replicas=1) as job:
         failed = [r.error for r in job.run([trainer_argv(argv(name), folder)])[0] if r is not None]

@@ -9,7 +9,7 @@ a core less each while the background ran, measured: a 2-rank launch that takes 
 So a background process starts a session of its own and gives that session nice 19 as well
 (``/proc/self/autogroup``; raising it needs no privilege). Without autogroup the file is absent and plain nice
 does the job. Run as a script, it does the same for a rank of a torchrun launch and then runs a module:
-``python -m torch.distributed.run ... tests/background_priority.py MODULE ARGS...``.
+``python -m torch.distributed.run ... tests/support/background_priority.py MODULE ARGS...``.
 """
 
 from __future__ import annotations

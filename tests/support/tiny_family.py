@@ -1,5 +1,7 @@
-"""A model family defined entirely outside the package, to show that adding one needs only its own
-modules, flavors and spec plus one registration (tests/distributed/test_model_family.py).
+"""A model family defined entirely outside the package ("tiny_parallel"), registered when this module is imported.
+
+It shows that adding a family needs only its own modules, flavors and spec plus one registration
+(tests/distributed/test_model_family.py trains it).
 
 "tiny_parallel": GPT-J-style blocks whose attention and feed-forward each read the block input
 and add to the residual in parallel, and a GELU-gated feed-forward. It keeps the trainer's module-name contract (``tok_embeddings``, ``layers``,

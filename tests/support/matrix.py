@@ -1,64 +1,19 @@
-"""The loss-parity matrix: torchrun runs of the debug model through run_llama_train.sh.
+"""The loss-parity matrix: its rows (one parallel layout each) and tolerances, and the session's launches of them.
 
-Each row trains the same global batch (8 samples x 64 tokens per optimizer step) for STEPS steps
-under a different parallel layout, and its per-step global losses must equal those of the
-single-process run. (Validation-loss parity across layouts: tests/test_run_experience.py.) That holds because weights are a function of the seed (not of the layout)
-and global batch k holds the same samples whatever the data-parallel degree.
-
-Tolerance: relative 1e-5 per step in fp32 (RTOL). Layouts differ only in the order of the
-floating-point reductions (FSDP's reduce-scatter vs. one process's sum), ~1e-7 relative per step.
-
-Golden values (tests/golden.py): every row's and reference's logged numbers must also equal, bit for bit,
-those recorded on a machine like this one in tests/assets/golden_parity.json (within the tolerances above
-elsewhere); TORCHTITAN_GOLDEN_RECORD=PATH records them.
+Each row trains the same global batch (GLOBAL_BATCH samples x 64 tokens per optimizer step) for STEPS steps under a
+different layout; its per-step global losses must equal the single-process run's within RTOL
+(tests/runs/training/test_parity_matrix.py). The feature files' rows are ``Row``s too (tests/support/rows.py).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 from dataclasses import dataclass, field
 
-import pytest
+from tests.support.pool import run_train_job
+from tests.support.runs import GLOBAL_BATCH, STEPS, VAL_FREQ, VALIDATION, check_job, read_metrics, trainer_argv
 
-from tests.golden import GoldenCheck, values_of
-from tests.pool import run_train_job
-
-pytestmark = pytest.mark.integration
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 6
-VAL_FREQ = 3
-GLOBAL_BATCH = 8
 RTOL = 1e-5
-VALIDATION = ["--validation.enabled", "--validation.freq", str(VAL_FREQ), "--validation.steps", "2"]
-# The parity flavor of every family (dim 64, 4 layers; MoE: 4 experts, top 2): layouts are compared
-# on it. The debug flavor (dim 256, 8 layers) stays for the golden loss, memory options and RSS rows.
-PARITY_FLAVOR = "debugmodel_tiny"
-COMMON = [
-    "--model.flavor",
-    PARITY_FLAVOR,
-    "--training.steps",
-    str(STEPS),
-    "--training.seq_len",
-    "64",
-    "--training.warmup_steps",
-    "2",
-    # a higher peak lr than the debug config's, so the tiny flavor's loss visibly falls within the
-    # few steps (measured, one process: 8.27 -> 7.54 at 1e-2; at 3e-3 only 8.27 -> 8.10)
-    "--optimizer.lr",
-    "1e-2",
-    "--training.mixed_precision_param",
-    "float32",
-    "--training.seed",
-    "42",
-    "--training.deterministic",
-    "--metrics.log_freq",
-    "1",
-    "--activation_checkpoint.mode",
-    "none",
-]
 
 
 @dataclass(frozen=True)
@@ -211,7 +166,7 @@ MOE_ROWS = [
 # same gradients give grad norms that differ by ~7e-5 between one shard and two (dense fsdp2 too).
 # Counting the expert grads twice (or ep times) would change the norm far more than this.
 GRAD_NORM_RTOL = 3e-4
-# where a golden value is not compared exactly (tests/golden.py): another machine's, or a row in its rtol_rows
+# where a golden value is not compared exactly (tests/support/golden.py): another machine's, or a row in its rtol_rows
 FP32_TOLERANCE = {"loss": RTOL, "grad_norm": GRAD_NORM_RTOL, "validation_loss": RTOL}
 
 # bf16 mixed precision against one process in bf16 (``bf16_reference``: the trainer autocasts). The
@@ -285,25 +240,13 @@ DOC_ROWS = [
 DOC_MOE_ROWS = [Row("docs_moe_ep2", 2, 4, [*DOCS, *ep(2)])]
 
 
-def trainer_argv(overrides: list[str], dump_folder: str) -> list[str]:
-    """The trainer's arguments for a run with ``overrides``: what run_llama_train.sh would pass."""
-    return [
-        "--job.config_file",
-        "./train_configs/debug_model.toml",
-        *COMMON,
-        *overrides,
-        "--job.dump_folder",
-        dump_folder,
-    ]
-
-
 def job_argv(row: Row, dump_folder: str) -> list[str]:
     """A matrix row's trainer arguments."""
     return trainer_argv(["--training.batch_size", str(row.local_batch), *row.args()], dump_folder)
 
 
 class MatrixLaunches:
-    """The session's matrix rows, each run in the worker pool of its world size (tests/pool.py).
+    """The session's matrix rows, each run in the worker pool of its world size (tests/support/pool.py).
 
     A row runs when a test first asks for it, so a row that fails fails its own test by name and the
     pool goes on with the next. Compile rows restart their pool afterwards: inductor keeps state.
@@ -327,78 +270,6 @@ class MatrixLaunches:
     def losses(self, row: Row) -> dict[str, list[float]]:
         self.run(row)
         return losses_of(self.folder(row))
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What a series of pooled trainer jobs gave: 0 when every job ran as expected."""
-
-    returncode: int
-    stdout: str = ""
-    stderr: str = ""
-
-
-def launch_jobs(ngpu: int, jobs: list[list[str] | dict], spec_path: str) -> Launch:
-    """Trainer jobs (argument lists with their --job.dump_folder, or ``{"argv", "expect_error"}`` dicts), in order,
-    in the pool of ``ngpu`` workers; stops at the first that fails (the later ones get no status file).
-
-    ``spec_path`` keeps the list of jobs beside their folders, for reading a failure afterwards."""
-    specs = [job if isinstance(job, dict) else {"argv": job} for job in jobs]
-    with open(spec_path, "w") as f:
-        json.dump(specs, f)
-    for spec in specs:
-        status = run_train_job(ngpu, spec["argv"], expect_error=spec.get("expect_error"))
-        if not status["ok"]:
-            return Launch(1, stderr=status["error"] or "")
-    return Launch(0)
-
-
-def check_job(name: str, folder: str, launch: Launch | None = None) -> str:
-    """Fail unless the job whose dump folder is ``folder`` ran and succeeded; returns its rank-0 log."""
-    status_path = os.path.join(folder, "job_status.json")
-    if not os.path.isfile(status_path):
-        why = (
-            "" if launch is None else f": its launch exited with {launch.returncode} before it\n{launch.stderr[-3000:]}"
-        )
-        pytest.fail(f"{name} was not run{why}")
-    with open(status_path) as f:
-        status = json.load(f)
-    assert status["ok"], f"{name} failed:\n{status['error']}\n{_log_tails(folder)}"
-    with open(os.path.join(folder, "rank0.log")) as f:
-        return f.read()
-
-
-def _log_tails(folder: str) -> str:
-    tails = []
-    for name in sorted(n for n in os.listdir(folder) if n.endswith(".log")):
-        with open(os.path.join(folder, name)) as f:
-            tails.append(f"--- {name}\n" + "".join(f.readlines()[-15:]))
-    return "\n".join(tails)
-
-
-def run_train(ngpu: int, dump_folder: str, overrides: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    # PREFLIGHT=0: every rank validates the config anyway; tests/test_bad_input.py covers the preflight.
-    env = dict(os.environ, NGPU=str(ngpu), LOG_RANK="0", CONFIG_FILE="./train_configs/debug_model.toml", PREFLIGHT="0")
-    cmd = ["bash", "./run_llama_train.sh", *COMMON, *overrides, "--job.dump_folder", dump_folder]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def train(ngpu: int, dump_folder: str, overrides: list[str]) -> Launch:
-    """``run_train``'s run (the same arguments) as a job in the worker pool; its stderr is rank 0's log.
-
-    For checks of what a run computes; what the launcher prints or how it exits needs ``run_train``."""
-    status = run_train_job(ngpu, trainer_argv(overrides, dump_folder))
-    log_path = os.path.join(dump_folder, "rank0.log")
-    log = ""
-    if os.path.isfile(log_path):
-        with open(log_path) as f:
-            log = f.read()
-    return Launch(0 if status["ok"] else 1, stderr=log + ("" if status["ok"] else status["error"]))
-
-
-def read_metrics(dump_folder: str) -> list[dict]:
-    with open(os.path.join(dump_folder, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def losses_of(dump_folder: str) -> dict[str, list[float]]:
@@ -426,78 +297,6 @@ def check_row(row: Row) -> None:
     assert dp * row.local_batch * grad_accum == GLOBAL_BATCH
 
 
-@pytest.mark.parametrize("row", MOE_ROWS, ids=[r.name for r in MOE_ROWS])
-def test_moe_loss_parity(row: Row, moe_reference_run, matrix: MatrixLaunches, golden: GoldenCheck):
-    check_row(row)
-    losses = matrix.losses(row)
-    golden.check(row.name, values_of(losses, VAL_FREQ), FP32_TOLERANCE)
-    ref_folder, _ = moe_reference_run
-    reference = read_metrics(ref_folder)
-    for i, (got, want) in enumerate(zip(losses["loss"], [r["loss"] for r in reference], strict=True)):
-        assert abs(got - want) <= RTOL * abs(want), f"loss #{i}: {row.name} {got} vs single-process {want}"
-    # the expert bias follows the global counts, so routing (and the logged load) is layout-invariant
-    for got, want in zip(read_metrics(matrix.folder(row)), reference, strict=True):
-        assert got["expert_load"] == want["expert_load"], f"step {want['step']}: expert load differs"
-        assert abs(got["grad_norm"] - want["grad_norm"]) <= GRAD_NORM_RTOL * want["grad_norm"], (got, want)
-
-
-def test_moe_reference_learns_and_logs_expert_load(moe_reference_run):
-    folder, result = moe_reference_run
-    records = read_metrics(folder)
-    losses = [r["loss"] for r in records]
-    assert losses[-1] < losses[0] - 0.3, f"MoE loss did not fall: {losses}"
-    from torchtitan.models.moe import moe_configs
-
-    args = moe_configs[PARITY_FLAVOR]
-    moe_layers = [f"layers.{i}" for i in range(args.first_k_dense, args.n_layers)]  # layer 0 dense, the rest MoE
-    assert len(moe_layers) >= 3 and args.num_experts >= 4
-    tokens_per_step = GLOBAL_BATCH * 64 * args.top_k  # every token picks top_k experts
-    for r in records:
-        assert sorted(r["expert_load"]) == sorted(moe_layers)
-        for name, load in r["expert_load"].items():
-            assert len(load) == args.num_experts and sum(load) == tokens_per_step, (name, load)
-            assert r["expert_imbalance"][name] == pytest.approx(max(load) / (sum(load) / args.num_experts))
-        assert r["expert_imbalance_max"] == max(r["expert_imbalance"].values())
-    assert "moe_imbalance" in result.stdout + result.stderr  # the step line's short mention
-
-
-@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
-def test_loss_parity(row: Row, reference: dict[str, list[float]], matrix: MatrixLaunches, golden: GoldenCheck):
-    check_row(row)
-    losses = matrix.losses(row)
-    golden.check(row.name, values_of(losses, VAL_FREQ), FP32_TOLERANCE)
-    for key in ("loss",):
-        for i, (got, want) in enumerate(zip(losses[key], reference[key], strict=True)):
-            assert abs(got - want) <= RTOL * abs(want), f"{key} #{i}: {row.name} {got} vs single-process {want}"
-    check_grad_norms(row.name, losses["grad_norm"], reference["grad_norm"], GRAD_NORM_RTOL)
-
-
-@pytest.mark.bf16
-@pytest.mark.parametrize("row", BF16_ROWS, ids=[r.name for r in BF16_ROWS])
-def test_bf16_loss_parity(row: Row, bf16_reference: dict, reference: dict, matrix: MatrixLaunches, golden: GoldenCheck):
-    check_row(row)
-    records = matrix.losses(row)
-    golden.check(row.name, values_of(records, VAL_FREQ), BF16_TOLERANCE)
-    losses = records["loss"]
-    check_grad_norms(row.name, records["grad_norm"], bf16_reference["grad_norm"], BF16_GRAD_NORM_RTOL)
-    for i, (got, want) in enumerate(zip(losses, bf16_reference["loss"], strict=True)):
-        assert abs(got - want) <= BF16_RTOL * abs(want), f"loss #{i}: {row.name} {got} vs single-process bf16 {want}"
-    gap_to_fp32 = max(abs(got - want) / abs(want) for got, want in zip(losses, reference["loss"], strict=True))
-    assert gap_to_fp32 > RTOL, f"{row.name} is within fp32 parity ({gap_to_fp32:.2g}) of the fp32 run: not bf16?"
-
-
-@pytest.mark.bf16
-@pytest.mark.parametrize("row", PURE_BF16_ROWS, ids=[r.name for r in PURE_BF16_ROWS])
-def test_pure_bf16_loss_parity(row: Row, pure_bf16_reference: dict, matrix: MatrixLaunches, golden: GoldenCheck):
-    check_row(row)
-    records = matrix.losses(row)
-    golden.check(row.name, values_of(records, VAL_FREQ), PURE_BF16_TOLERANCE)
-    check_grad_norms(row.name, records["grad_norm"], pure_bf16_reference["grad_norm"], PURE_BF16_GRAD_NORM_RTOL)
-    for i, (got, want) in enumerate(zip(records["loss"], pure_bf16_reference["loss"], strict=True)):
-        assert abs(got - want) <= PURE_BF16_RTOL * abs(want), f"loss #{i}: {row.name} {got} vs pure bf16 {want}"
-    assert stored_dtypes(os.path.join(matrix.folder(row), "checkpoint", f"step-{STEPS}")) == {"bfloat16"}
-
-
 def stored_dtypes(step_folder: str) -> set[str]:
     """The dtypes of a DCP checkpoint's model parameters and Adam moments, read from its metadata."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -506,48 +305,3 @@ def stored_dtypes(step_folder: str) -> set[str]:
     keys = [k for k in meta if k.startswith("model.") or k.endswith((".exp_avg", ".exp_avg_sq"))]
     assert keys and any(k.endswith(".exp_avg") for k in keys), sorted(meta)[:20]
     return {str(meta[k].properties.dtype).removeprefix("torch.") for k in keys}
-
-
-@pytest.mark.parametrize("row", DOC_ROWS + DOC_MOE_ROWS, ids=[r.name for r in DOC_ROWS + DOC_MOE_ROWS])
-def test_block_causal_loss_parity(row: Row, docs_reference, docs_moe_reference, matrix: MatrixLaunches, golden):
-    check_row(row)
-    losses = matrix.losses(row)
-    golden.check(row.name, values_of(losses, VAL_FREQ), FP32_TOLERANCE)
-    reference = docs_moe_reference if row in DOC_MOE_ROWS else docs_reference
-    for key in ("loss", "validation_loss"):
-        for i, (got, want) in enumerate(zip(losses[key], reference[key], strict=True)):
-            assert abs(got - want) <= RTOL * abs(want), f"{key} #{i}: {row.name} {got} vs single-process {want}"
-    check_grad_norms(row.name, losses["grad_norm"], reference["grad_norm"], GRAD_NORM_RTOL)
-    # the same windows, so the same documents: a function of the global batch, not of the layout
-    docs = [r["documents_per_window"] for r in read_metrics(matrix.folder(row)) if "loss" in r]
-    assert docs == reference["documents_per_window"], (docs, reference["documents_per_window"])
-
-
-def test_fused_rmsnorm_one_process_equals_rmsnorm(reference: dict[str, list[float]], tmp_path):
-    folder = str(tmp_path / "fused_rmsnorm")
-    result = train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH), *VALIDATION, *FUSED_RMSNORM])
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "aten::_fused_rms_norm" in result.stdout + result.stderr  # the one line saying what it runs
-    assert losses_of(folder)["loss"] == reference["loss"]
-
-
-# The single-process references' own golden values (tests/golden.py): the runs are the fixtures' (no new run).
-REFERENCES = [
-    "reference",
-    pytest.param("bf16_reference", marks=pytest.mark.bf16),
-    pytest.param("pure_bf16_reference", marks=pytest.mark.bf16),
-    "moe_reference_run",
-    "docs_reference",
-    "docs_moe_reference",
-]
-
-
-@pytest.mark.pool(1)
-@pytest.mark.parametrize("fixture", REFERENCES)
-def test_reference_golden(fixture: str, request: pytest.FixtureRequest, golden: GoldenCheck):
-    value = request.getfixturevalue(fixture)
-    losses = losses_of(value[0]) if fixture == "moe_reference_run" else value  # (dump folder, its run)
-    tolerance = {"bf16_reference": BF16_TOLERANCE, "pure_bf16_reference": PURE_BF16_TOLERANCE}.get(
-        fixture, FP32_TOLERANCE
-    )
-    golden.check(fixture.removesuffix("_run"), values_of(losses, VAL_FREQ), tolerance)

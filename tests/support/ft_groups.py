@@ -1,6 +1,6 @@
 """Fault-tolerant jobs in the tests: a torchft lighthouse and replica groups on this machine (loopback only).
 
-Each replica group is a ``WorkerPool`` of its own (tests/pool.py: workers forked from the preloaded server, so a
+Each replica group is a ``WorkerPool`` of its own (tests/support/pool.py: workers forked from the preloaded server, so a
 group is ready in a fraction of a second), running the trainer's ``run_job`` as a pool job; groups run side by
 side, one thread each. The shared pools (one per world size) cannot serve here: each group needs its own process
 group, and the groups must run at the same time. What needs a launcher and signals (SIGKILL to a group's whole
@@ -15,7 +15,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from tests.pool import JobFailed, PoolBroken, WorkerPool, train_job
+from tests.support.pool import JobFailed, PoolBroken, WorkerPool, train_job
 from torchtitan.features.fault_tolerance.lighthouse import start_lighthouse
 
 # The lighthouse of the tests: a quorum re-checked every 50 ms, a silent group dropped after 1 s.

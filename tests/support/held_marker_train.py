@@ -1,11 +1,11 @@
 """The trainer with rank 0 holding back one checkpoint's ``.complete`` marker, for the killed-save tests.
 
-``python -m torchtitan.launch ... -m tests.held_marker_train STEP SECONDS --job.config_file FILE [--section.key value ...]``
+``python -m torchtitan.launch ... -m tests.support.held_marker_train STEP SECONDS --job.config_file FILE [--section.key value ...]``
 runs ``torchtitan.train.main`` on the rest of the arguments; its checkpointer is the trainer's own
 (``engine.builders.build_checkpointer``) with an injected ``before_marker`` that sleeps SECONDS once step STEP's
 data is written and before its marker, so a test can SIGKILL the job mid-save. ``popen_held_marker``
 launches it on 2 ranks the way run_llama_train.sh launches the trainer. ``kill_mid_save`` runs the same trainer
-as a job in a worker pool of its own (tests/pool.py) and SIGKILLs its ranks: for a test that reads what the crash
+as a job in a worker pool of its own (tests/support/pool.py) and SIGKILLs its ranks: for a test that reads what the crash
 leaves on disk, not what a launcher prints (no launcher and no 2 fresh ranks: 3 torch imports, ~3 s on 2 cores).
 """
 
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # run_llama_train.sh's launch with NGPU=2, LOG_RANK=0 (and no pre-launch check: every rank checks anyway)
 LAUNCH = [
     sys.executable,
@@ -49,7 +49,7 @@ def popen_held_marker(step: int, seconds: float, overrides: list[str], *, stdout
     ``seconds``; in a session of its own; ``kill_job`` kills it whole (launcher and ranks), as a crash would."""
     argv = [str(step), str(seconds), "--job.config_file", "./train_configs/debug_model.toml", *overrides]
     return subprocess.Popen(
-        [*LAUNCH, "-m", "tests.held_marker_train", *argv],
+        [*LAUNCH, "-m", "tests.support.held_marker_train", *argv],
         cwd=ROOT,
         stdout=stdout,
         stderr=subprocess.STDOUT,
@@ -104,7 +104,7 @@ def kill_mid_save(step: int, overrides: list[str], written: Callable[[], bool], 
 
     Raises AssertionError when ``written()`` never held: the job ended, or ``timeout_s`` passed (the tails of
     the ranks' output in the message)."""
-    from tests.pool import WorkerPool, train_job
+    from tests.support.pool import WorkerPool, train_job
     from torchtitan.engine.builders import Builders, build_checkpointer
 
     before_marker = functools.partial(hold_marker, step, 600.0)  # held until the kill
