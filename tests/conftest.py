@@ -32,7 +32,7 @@ from tests.support.runs import GLOBAL_BATCH, STEPS, VALIDATION, Launch, read_met
 def reference_run(tmp_path_factory) -> tuple[str, subprocess.CompletedProcess]:
     """One process, the whole global batch: (dump folder, the launcher's completed process).
 
-    Through run_llama_train.sh (not the pool): tests/test_run_experience.py reads what the launcher printed."""
+    Through run_llama_train.sh (not the pool): tests/runs/launch/test_run_experience.py reads what the launcher printed."""
     folder = str(tmp_path_factory.mktemp("reference"))
     result = run_train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH), *VALIDATION])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -85,9 +85,9 @@ def moe_reference_run(tmp_path_factory) -> tuple[str, Launch]:
 
 @pytest.fixture(scope="session")
 def golden_run(tmp_path_factory) -> tuple[str, list[float]]:
-    """The golden-loss run (tests/test_golden_loss.py: the debug model, 100 steps through run_llama_train.sh, its
-    step-100 checkpoint saved): (dump folder, its 100 losses). tests/test_generate_trained.py generates from it."""
-    from tests.test_golden_loss import train_losses
+    """The golden-loss run (tests/runs/training/test_golden_loss.py: the debug model, 100 steps through run_llama_train.sh, its
+    step-100 checkpoint saved): (dump folder, its 100 losses). tests/runs/launch/test_generate_trained.py generates from it."""
+    from tests.runs.training.test_golden_loss import train_losses
 
     folder = str(tmp_path_factory.mktemp("golden_run"))
     return folder, train_losses(folder)

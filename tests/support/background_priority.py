@@ -1,4 +1,4 @@
-"""Lowest CPU priority for the test session's background work (the estimator's file: tests/test_estimation.py).
+"""Lowest CPU priority for the test session's background work (the estimator's file: tests/runs/estimation/test_estimation.py).
 
 ``os.nice(19)`` alone does not yield the cores on Linux with autogroup scheduling
 (``/proc/sys/kernel/sched_autogroup_enabled`` = 1, the default of most distributions' kernels): the scheduler

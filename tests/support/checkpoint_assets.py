@@ -2,7 +2,7 @@
 
 Each asset is a run of STEPS steps that saved at RESUME_STEP and at the end; the asset keeps the RESUME_STEP folder
 and the losses the run logged after it (per machine fingerprint, as tests/support/golden.py records them).
-tests/test_checkpoint_compat.py copies each into a fresh dump folder, runs the same arguments with the current code
+tests/runs/checkpoint/test_checkpoint_compat.py copies each into a fresh dump folder, runs the same arguments with the current code
 (it resumes from that step) and compares the losses.
 
 Write (or add a fingerprint to) the assets with ``python -m tests.support.checkpoint_assets`` (``--only NAME``,

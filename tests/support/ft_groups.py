@@ -4,7 +4,7 @@ Each replica group is a ``WorkerPool`` of its own (tests/support/pool.py: worker
 group is ready in a fraction of a second), running the trainer's ``run_job`` as a pool job; groups run side by
 side, one thread each. The shared pools (one per world size) cannot serve here: each group needs its own process
 group, and the groups must run at the same time. What needs a launcher and signals (SIGKILL to a group's whole
-process group, a restart with the same command) is in tests/test_fault_tolerance_runs.py, through
+process group, a restart with the same command) is in tests/runs/reliability/test_fault_tolerance_runs.py, through
 run_llama_train.sh.
 """
 

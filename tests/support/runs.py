@@ -109,7 +109,7 @@ def _log_tails(folder: str) -> str:
 
 
 def run_train(ngpu: int, dump_folder: str, overrides: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    # PREFLIGHT=0: every rank validates the config anyway; tests/test_bad_input.py covers the preflight.
+    # PREFLIGHT=0: every rank validates the config anyway; tests/runs/launch/test_bad_input.py covers the preflight.
     env = dict(os.environ, NGPU=str(ngpu), LOG_RANK="0", CONFIG_FILE="./train_configs/debug_model.toml", PREFLIGHT="0")
     cmd = ["bash", "./run_llama_train.sh", *COMMON, *overrides, "--job.dump_folder", dump_folder]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

@@ -1,4 +1,4 @@
-"""LoRA's module, transform, TP styles and pre-launch refusals (single process; runs: tests/test_lora_runs.py)."""
+"""LoRA's module, transform, TP styles and pre-launch refusals (single process; runs: tests/runs/features/test_lora_runs.py)."""
 
 from __future__ import annotations
 

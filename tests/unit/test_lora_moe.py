@@ -1,6 +1,6 @@
 """LoRA on the MoE families, in process: which linears get adapters (attention, dense FFNs, the shared expert;
 never the routed experts or the router), step-0 logits equal the base's, the PEFT folder of a qwen3_moe model
-loads in ``peft`` on transformers' Qwen3-MoE, and the one-line refusals. Runs: tests/test_lora_moe_runs.py."""
+loads in ``peft`` on transformers' Qwen3-MoE, and the one-line refusals. Runs: tests/runs/features/test_lora_moe_runs.py."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_moe_refusals_are_one_line(family: str, targets: str, error: type, match
 
 
 def test_qlora_on_an_moe_family_is_one_line_and_exit_2(capsys, monkeypatch):
-    from tests.test_bad_input import ROOT, _error_lines
+    from tests.runs.launch.test_bad_input import ROOT, _error_lines
     from tests.unit.test_lora import TINY
     from torchtitan.preflight.__main__ import main
 

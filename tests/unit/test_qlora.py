@@ -1,6 +1,6 @@
 """QLoRA (``lora.quantize_base = 'nf4'``), single process: NF4's error against its format's bound, the NF4 model
 against the model of its dequantized weights, gradients, the planner's NF4 bytes and the one-line refusals.
-Through the trainer (losses, FSDP2, frozen base, checkpoints, the estimator): tests/test_qlora_runs.py.
+Through the trainer (losses, FSDP2, frozen base, checkpoints, the estimator): tests/runs/features/test_qlora_runs.py.
 
 NF4's error, derived from the format (torchao's NF4Tensor, the QLoRA paper's block sizes): a block of 64 elements
 is scaled by its absmax s and each element rounded to the nearest of 16 levels in [-1, 1], so the code's error is at
@@ -149,7 +149,7 @@ def test_planner_floor_counts_nf4_for_the_adapted_base():
     ids=["value", "without-lora", "tp", "pp", "cp", "ddp", "shapes"],
 )
 def test_bad_qlora_input_is_one_line_and_exit_2(extra, world_size, expected, capsys, monkeypatch):
-    from tests.test_bad_input import ROOT, _error_lines
+    from tests.runs.launch.test_bad_input import ROOT, _error_lines
     from torchtitan.preflight.__main__ import main
 
     monkeypatch.chdir(ROOT)
@@ -163,7 +163,7 @@ def test_bad_qlora_input_is_one_line_and_exit_2(extra, world_size, expected, cap
 def test_qlora_without_torchao_is_one_line(capsys, monkeypatch):
     import importlib.util
 
-    from tests.test_bad_input import ROOT, _error_lines
+    from tests.runs.launch.test_bad_input import ROOT, _error_lines
     from torchtitan.preflight.__main__ import main
 
     real = importlib.util.find_spec

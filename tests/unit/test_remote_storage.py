@@ -3,7 +3,7 @@ tests/support/s3_server.py): the same CRC32s and restricted loading as on disk, 
 set-aside by copy + delete; the pre-launch check's one-line refusals (exit 2) for what cannot work.
 
 The multi-rank runs (FSDP2 saving to s3://, a crash before the marker, resuming on another layout) are
-tests/test_remote_checkpoint_runs.py.
+tests/runs/checkpoint/test_remote_checkpoint_runs.py.
 """
 
 from __future__ import annotations

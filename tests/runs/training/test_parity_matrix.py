@@ -2,7 +2,7 @@
 
 Each row trains the same global batch (8 samples x 64 tokens per optimizer step) for STEPS steps
 under a different parallel layout, and its per-step global losses must equal those of the
-single-process run. (Validation-loss parity across layouts: tests/test_run_experience.py.) That holds because weights are a function of the seed (not of the layout)
+single-process run. (Validation-loss parity across layouts: tests/runs/launch/test_run_experience.py.) That holds because weights are a function of the seed (not of the layout)
 and global batch k holds the same samples whatever the data-parallel degree.
 
 Tolerance: relative 1e-5 per step in fp32 (RTOL). Layouts differ only in the order of the

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from tests.support.runs import ROOT
 from torchtitan.components.batch import Batch
 from torchtitan.config.manager import JobConfig
 from torchtitan.train import Trainer
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.bf16

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from tests.runs.checkpoint.test_checkpoint_runs import losses as step_losses
 from tests.support.matrix import (
     ASYNC,
     MOE,
@@ -28,7 +29,6 @@ from tests.support.matrix import (
     pp_schedule,
 )
 from tests.support.runs import GLOBAL_BATCH, ROOT, check_job, launch_jobs, train
-from tests.test_checkpoint_runs import losses as step_losses
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.runs import ROOT
 from torchtitan.build import build_model_args
 from torchtitan.config.manager import JobConfig
 from torchtitan.datasets.tokenizer import build_tokenizer
@@ -27,7 +28,6 @@ from torchtitan.spec import get_model_spec
 
 pytestmark = pytest.mark.integration
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "./train_configs/debug_model.toml"
 ARGS = [
     "--model.flavor",

@@ -26,12 +26,12 @@ import torch.nn.functional as F
 
 from tests.support.distributed import run_distributed
 from tests.support.matrix import RTOL
+from tests.support.runs import ROOT
 from torchtitan.config.manager import JobConfig
 from torchtitan.train import run_job
 
 pytestmark = [pytest.mark.distributed, pytest.mark.pool(2, 4)]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 20
 COMMON = [
     "--training.seq_len",
@@ -134,7 +134,7 @@ def _hf_start(family: str, folder: str) -> None:
 
 def save_random_hf_model(argv: list[str], folder: str) -> None:
     """A random-init HF model of the shapes the run ``argv`` builds (its flavor, its tokenizer's vocabulary),
-    saved by transformers in shards (tests/test_sft_recipe.py starts from one too)."""
+    saved by transformers in shards (tests/runs/features/test_sft_recipe.py starts from one too)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from torchtitan.build import build_meta_model, build_model_args

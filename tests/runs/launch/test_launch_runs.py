@@ -19,8 +19,7 @@ import time
 import pytest
 
 from tests.support.held_marker_train import LAUNCH  # run_llama_train.sh's launch: NGPU=2, the user watches rank 0
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support.runs import ROOT
 
 
 def _launch_failing(mode: str) -> tuple[int, str]:

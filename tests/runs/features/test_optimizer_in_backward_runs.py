@@ -8,7 +8,7 @@
 * Resume (FSDP2 x 2): in-backward 4 steps then to 8 = uninterrupted, bit-exact; a regular-optimizer
   checkpoint resumes in-backward and the reverse, the continued losses equal the source run's; both
   modes write the same checkpoint keys, shapes and dtypes.
-Peak memory against the regular optimizer, and the estimator's row: tests/test_estimation.py.
+Peak memory against the regular optimizer, and the estimator's row: tests/runs/estimation/test_estimation.py.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import shutil
 
 import pytest
 
+from tests.runs.checkpoint.test_checkpoint_runs import losses as step_losses
+from tests.runs.features.test_float8_runs import _metadata
 from tests.support.matrix import GRAD_NORM_RTOL, RTOL, MatrixLaunches, Row, check_row, job_argv, pp_schedule
 from tests.support.runs import GLOBAL_BATCH, check_job, launch_jobs, read_metrics
-from tests.test_checkpoint_runs import losses as step_losses
-from tests.test_float8_runs import _metadata
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(2)]
 

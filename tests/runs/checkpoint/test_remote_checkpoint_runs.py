@@ -2,7 +2,7 @@
 server (moto's, on localhost: tests/support/s3_server.py), worker-pool jobs that share one bucket prefix:
 
 * A, FSDP2 (2 ranks), async saves every 2 steps, keep_latest_k 1; rank 0 crashes just before step-6's marker
-  (``before_marker``, where tests/test_checkpoint_runs.py SIGKILLs: the objects in the bucket are the same) -> step-2
+  (``before_marker``, where tests/runs/checkpoint/test_checkpoint_runs.py SIGKILLs: the objects in the bucket are the same) -> step-2
   deleted by retention once step-4 is complete, step-4 complete with every object's CRC32, step-6's objects there
   but no marker. Its losses are the uninterrupted run's (step 6 is logged before its save).
 * B, FSDP2 (2 ranks) in another dump folder (another machine, say) on the same URL -> ignores the unmarked step-6,

@@ -1,7 +1,7 @@
 """The process-wide flags a run changes (``ProcessFlags``: deterministic kernels, cudnn, oneDNN, inductor's async-TP
 pass) are put back when the run is done, so a second run in the same process does not inherit them: after a
 trainer's build fails, and after an in-process memory estimate (whose trainer is never closed). A closed trainer's
-restore is checked through the GPU check's runs (tests/test_gpu_check.py)."""
+restore is checked through the GPU check's runs (tests/runs/launch/test_gpu_check.py)."""
 
 from __future__ import annotations
 

@@ -38,6 +38,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.runs.features.test_float8_runs import FLOAT8_ROWS
+from tests.runs.features.test_lora_runs import LLAMA_ROWS as LORA_ROWS
+from tests.runs.features.test_optimizer_in_backward_runs import IB_ROWS
+from tests.runs.features.test_rl_runs import RL
+from tests.runs.models.test_frontier_runs import DSV3_ROWS, GPT_OSS_ROWS
+from tests.runs.models.test_hf_model_runs import HF
+from tests.runs.models.test_model_family_runs import QWEN3_MOE_ROWS, QWEN3_ROWS, TIED_ROWS
 from tests.support.background_priority import lower_priority
 from tests.support.matrix import (
     AC_FULL,
@@ -52,13 +59,6 @@ from tests.support.matrix import (
     job_argv,
 )
 from tests.support.runs import ROOT
-from tests.test_float8_runs import FLOAT8_ROWS
-from tests.test_frontier_runs import DSV3_ROWS, GPT_OSS_ROWS
-from tests.test_hf_model_runs import HF
-from tests.test_lora_runs import LLAMA_ROWS as LORA_ROWS
-from tests.test_model_family_runs import QWEN3_MOE_ROWS, QWEN3_ROWS, TIED_ROWS
-from tests.test_optimizer_in_backward_runs import IB_ROWS
-from tests.test_rl_runs import RL
 from torchtitan.config.manager import JobConfig
 
 pytestmark = pytest.mark.integration
@@ -79,7 +79,7 @@ ESTIMATOR_ROWS = [
     Row("cp2_alltoall", 2, 8, ROTATE_ALLTOALL, cp=2),
     Row("hsdp_2x2", 4, 2, HSDP_2x2),
 ]
-# The RL step (tests/test_rl_runs.py's runs: DAPO with a KL reference, nano flavor): one group's generation at full
+# The RL step (tests/runs/features/test_rl_runs.py's runs: DAPO with a KL reference, nano flavor): one group's generation at full
 # length, then the update with the reference's forward. FSDP2: the reference is a second FSDP root the tracker
 # instruments too; TP2: each decode step padded for sequence parallel; DDP: the frozen reference is not wrapped.
 RL_ROWS = [
@@ -92,7 +92,7 @@ RL_ROWS = [
         ["--training.data_parallel_shard_degree", "1", *("--training.data_parallel_replicate_degree", "2")],
     ),
 ]
-# model.name = "hf": transformers' own layers and masks (tests/test_hf_model_runs.py's runs, 2 layers at seq 64); with
+# model.name = "hf": transformers' own layers and masks (tests/runs/models/test_hf_model_runs.py's runs, 2 layers at seq 64); with
 # LoRA under TP (its adapter styles over the model's own plan, Phi-3's fused projections) with every row only
 HF_ROWS = [
     Row("hf_mistral_fsdp2", 2, 2, ["--model.flavor", "mistral_tiny"]),
@@ -128,7 +128,7 @@ ALL_ROWS = [
     if r.name not in NOT_PRACTICAL and r.ngpu > 1
 ]
 # CI measures one row per feature (~4 minutes); every practical row takes ~15 minutes:
-# TORCHTITAN_ESTIMATION_ALL_ROWS=1 python -m pytest -s tests/test_estimation.py
+# TORCHTITAN_ESTIMATION_ALL_ROWS=1 python -m pytest -s tests/runs/estimation/test_estimation.py
 CI_ROWS = {
     "fsdp2",
     "ddp2",

@@ -27,12 +27,12 @@ import torch
 pytest.importorskip("lm_eval")
 
 from tests.support.distributed import run_distributed  # noqa: E402
+from tests.support.runs import ROOT
 from torchtitan.config.manager import JobConfig  # noqa: E402
 from torchtitan.train import run_job  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.pool(2)]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "train_configs/sft_debug.toml"
 TINY = ["--model.flavor", "debugmodel_tiny", "--training.data_parallel_shard_degree", "1"]
 HF_MODEL = ["--model.name", "hf", "--model.flavor", "mistral_tiny", "--training.data_parallel_shard_degree", "1"]

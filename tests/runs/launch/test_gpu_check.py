@@ -27,7 +27,7 @@ from bench.gpu_check.report import SECTIONS, format_markdown
 from bench.gpu_check.runs import SPEC_KEYS, RunSpec
 from bench.gpu_check.sections import Budget, Context, runs_section, throughput
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 # The only skips an honest dry run has: float8 without torchao; a block_causal twin whose kernel 'auto'
 # already ran on the CPU (auto = sdpa there).

@@ -14,12 +14,12 @@ threads 2.2e-7 relative; AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``, ``MKL_ENABL
 A real change to the numerics fails it: a learning rate 0.1% higher from step 5 (4e-3 by the
 end), a different seed at step 1.
 
-The run also saves its step-100 checkpoint (``SAVE``: no effect on the losses): tests/test_generate_trained.py
+The run also saves its step-100 checkpoint (``SAVE``: no effect on the losses): tests/runs/launch/test_generate_trained.py
 generates from it instead of training the debug model a second time. The run is the session fixture
 ``golden_run`` (tests/conftest.py), made by whichever of the two files runs first.
 
 Regenerate after an intended change of the reference (say why in the commit):
-``TORCHTITAN_REGENERATE_GOLDEN=1 python -m pytest tests/test_golden_loss.py`` rewrites the file
+``TORCHTITAN_REGENERATE_GOLDEN=1 python -m pytest tests/runs/training/test_golden_loss.py`` rewrites the file
 and warns with the largest change; review the diff before committing it.
 """
 
@@ -69,7 +69,7 @@ ARGS = [
 ]
 
 
-# Saved for tests/test_generate_trained.py; a checkpoint changes no loss, so ARGS (what the golden file pins) leaves it out.
+# Saved for tests/runs/launch/test_generate_trained.py; a checkpoint changes no loss, so ARGS (what the golden file pins) leaves it out.
 SAVE = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "100"]
 
 
@@ -102,14 +102,14 @@ def relative_gaps(got: list[float], want: list[float]) -> list[float]:
 
 def write_golden(losses: list[float]) -> None:
     golden = {
-        "about": "per-step training loss of the debug model, checked by tests/test_golden_loss.py",
+        "about": "per-step training loss of the debug model, checked by tests/runs/training/test_golden_loss.py",
         "command": command(),
         "args": ARGS,
         "torch": torch.__version__,
         "cpu": cpu_name(),
         "python": platform.python_version(),
         "generated": datetime.date.today().isoformat(),
-        "regenerate": f"{REGENERATE_ENV}=1 python -m pytest tests/test_golden_loss.py",
+        "regenerate": f"{REGENERATE_ENV}=1 python -m pytest tests/runs/training/test_golden_loss.py",
         "losses": losses,
     }
     with open(GOLDEN_FILE, "w") as f:

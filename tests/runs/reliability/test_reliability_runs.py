@@ -18,9 +18,9 @@ import time
 
 import pytest
 
+from tests.runs.checkpoint.test_checkpoint_runs import complete_steps, losses
 from tests.support.held_marker_train import kill_mid_save
 from tests.support.runs import COMMON, ROOT, check_job, launch_jobs, read_metrics, run_train
-from tests.test_checkpoint_runs import complete_steps, losses
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(2)]
 

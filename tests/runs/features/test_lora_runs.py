@@ -68,7 +68,7 @@ def test_lora_loss_parity(row: Row, reference: Row, matrix: MatrixLaunches):
 
 def check_lora_parity(row: Row, reference: Row, matrix: MatrixLaunches) -> dict[str, list[float]]:
     """The row's losses within RTOL of the one-process LoRA run's, its grad norms within GRAD_NORM_RTOL; the
-    reference's records (also the MoE LoRA rows' check: tests/test_lora_moe_runs.py)."""
+    reference's records (also the MoE LoRA rows' check: tests/runs/features/test_lora_moe_runs.py)."""
     check_row(row)
     got, want = matrix.losses(row), matrix.losses(reference)
     gaps = [abs(g - w) / abs(w) for g, w in zip(got["loss"], want["loss"], strict=True)]

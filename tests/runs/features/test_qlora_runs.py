@@ -18,10 +18,10 @@ import shutil
 
 import pytest
 
+from tests.runs.features.test_lora_runs import LORA
 from tests.support.matrix import AC_FULL, GRAD_NORM_RTOL, RTOL, MatrixLaunches, Row, check_grad_norms
 from tests.support.pool import run_in_pool
 from tests.support.runs import GLOBAL_BATCH, read_metrics, train, trainer_argv
-from tests.test_lora_runs import LORA
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]
 pytest.importorskip("torchao")
@@ -167,7 +167,7 @@ def _check_merges(step: str, want, merged_dir: str) -> None:
     import torch
     import transformers
 
-    from tests.test_lora_runs import _n_words, _script
+    from tests.runs.features.test_lora_runs import _n_words, _script
 
     convert_to_hf, generate = _script("convert_to_hf"), _script("generate")
     ours = generate.load_model(step, None, 64, _n_words(), torch.device("cpu"))
@@ -187,7 +187,7 @@ def _check_peft_export(step: str, base: str, want, tmp: str) -> None:
 
     import torch
 
-    from tests.test_lora_runs import _n_words, _script
+    from tests.runs.features.test_lora_runs import _n_words, _script
     from torchtitan.checkpointing.hf.convert import export_to_hf
 
     peft_dir, hf_base = os.path.join(tmp, "peft"), os.path.join(tmp, "hf_base")

@@ -23,13 +23,12 @@ import pytest
 
 from tests.support.matrix import ROWS, MatrixLaunches, losses_of
 from tests.support.pool import run_train_job
-from tests.support.runs import COMMON, PARITY_FLAVOR, check_job, read_metrics
+from tests.support.runs import COMMON, PARITY_FLAVOR, ROOT, check_job, read_metrics
 from tests.unit.test_hf_tokenizer import _write_tokenizer
 from torchtitan.config.manager import tomllib
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(2)]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASSETS = os.path.join(ROOT, "tests", "assets", "torchtitan_2025")
 DEBUG_2025 = os.path.join(ASSETS, "llama3_debug_model.toml")
 TWIN = next(r for r in ROWS if r.name == "fsdp2_grad_accum2")  # 2 ranks x local batch 2 x 2 micro-batches

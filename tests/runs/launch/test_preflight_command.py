@@ -5,22 +5,21 @@ and where it came from, the number of checks, what was not checked here). ``--ta
 cluster's config from this machine (a CPU login node): upstream's 405B file at its 128 H100s passes, its device
 checks run for CUDA, and the checks of this machine's files are listed as not checked here. Two processes (the
 command's own output and exit code), shared by the assertions on each; the refusals call the entry function in
-process, as tests/test_bad_input.py does.
+process, as tests/runs/launch/test_bad_input.py does.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
+from tests.support.runs import ROOT
 from torchtitan.distributed.backend.device import DEVICE_TYPES, get_device_info
 from torchtitan.preflight import CHECKS
 from torchtitan.preflight.__main__ import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG = "train_configs/debug_model.toml"
 LLAMA_405B = "tests/assets/torchtitan_2025/llama3_405b.toml"  # NOTE: 128 H100s; float8, async TP, compile
 TARGET_405B = ["--target", "cuda", "--world_size", "128", "--job.config_file", LLAMA_405B]

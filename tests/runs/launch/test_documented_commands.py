@@ -5,7 +5,7 @@ The commands are read from README.md, docs/*.md, the train_configs headers and s
 resolves it (scripts/config_args.sh: the command's ``--job.config_file`` wins over ``CONFIG_FILE``, else the
 debug config; ``NGPU`` processes, 2 on a machine without a GPU) and checked in process with
 ``torchtitan.preflight``'s entry point. A doc that shows a command training another config than it says, or
-a flag that no longer exists, fails here by file and line. tests/test_launch_runs.py runs the script itself.
+a flag that no longer exists, fails here by file and line. tests/runs/launch/test_launch_runs.py runs the script itself.
 The blocks a user runs line by line (``SEQUENCES``) run in order, each line as typed but for the training lines that
 another test already launches (``LAUNCHED_ELSEWHERE``): those are checked and trained in process and in the pool.
 """
@@ -22,11 +22,11 @@ import sys
 import pytest
 
 from tests.support.pool import JobFailed, run_in_pool, train_job
+from tests.support.runs import ROOT
 from torchtitan.config.manager import JobConfig
 from torchtitan.preflight.__main__ import _launch_flags
 from torchtitan.preflight.__main__ import main as preflight_main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = "./train_configs/debug_model.toml"
 # What a user sets up before the cluster configs run (each doc says so); the test stands in for it:
 # a downloaded hub tokenizer (scripts/download_tokenizer.py) -> the shipped one at the same key;
@@ -120,10 +120,10 @@ SEQUENCES = {  # name -> (file, the start of the block's first line)
 # through the script. The start of such a line -> the test that launches it.
 LAUNCHED_ELSEWHERE = {
     "./run_llama_train.sh --job.config_file train_configs/sft_debug.toml": (
-        "tests/test_launch_runs.py::test_the_readme_sft_command_trains_the_sft_config_over_config_file"
+        "tests/runs/launch/test_launch_runs.py::test_the_readme_sft_command_trains_the_sft_config_over_config_file"
     ),
     "NGPU=2 LOG_RANK=0 CONFIG_FILE=./train_configs/debug_model.toml bash run_llama_train.sh": (
-        "tests/test_reliability_runs.py (popen_train: this launch with the reliability runs' flags)"
+        "tests/runs/reliability/test_reliability_runs.py (popen_train: this launch with the reliability runs' flags)"
     ),
 }
 

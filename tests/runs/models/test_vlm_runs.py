@@ -27,7 +27,7 @@ from tests.support.runs import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 STEPS = 4
 REFERENCE = Row("vl_1proc", 1, 4)
 ROWS = [

@@ -64,7 +64,7 @@ def test_frontier_checkpoint_converts_to_hf_and_back(name, flavor, tmp_path, cap
     no missing or unexpected weight and the same logits (fp32, 1e-5) -> scripts/convert_from_hf.py gives back
     every weight and buffer exactly."""
     pytest.importorskip("transformers")
-    from tests.test_shipped_configs import SHORT, check_export_logits
+    from tests.runs.models.test_shipped_configs import SHORT, check_export_logits
     from tests.unit.test_checkpoint_scripts import _script
     from torchtitan.checkpointing.common import load_model_weights
 

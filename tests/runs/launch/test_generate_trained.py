@@ -2,7 +2,7 @@
 
 The checkpoint is the golden-loss run's (the session fixture ``golden_run``, tests/conftest.py): the debug model
 (train_configs/debug_model.toml: the shipped corpus and tokenizer), one process, fp32, 100 steps of 4 x 64
-tokens through run_llama_train.sh, saved at step 100; tests/test_golden_loss.py pins its every loss. This file
+tokens through run_llama_train.sh, saved at step 100; tests/runs/training/test_golden_loss.py pins its every loss. This file
 used to train its own (200 steps of 2 x 64 tokens in this process: the same 25,600 tokens, ~30 s more of CI).
 On it:
 - the loss fell well below chance, so the text below is a trained model's;
@@ -12,7 +12,7 @@ On it:
   the whole sequence at every step (no cache) and takes the argmax of the last position.
 
 Cost, measured on 2 quiet cores: the CLI subprocess 7 s (mostly importing torch), the cache check 2 s; the
-run itself (~20-35 s) lands on whichever of this file and tests/test_golden_loss.py runs first.
+run itself (~20-35 s) lands on whichever of this file and tests/runs/training/test_golden_loss.py runs first.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import sys
 import pytest
 import torch
 
+from tests.runs.training.test_golden_loss import ARGS as GOLDEN_ARGS
 from tests.support.runs import ROOT, read_metrics
-from tests.test_golden_loss import ARGS as GOLDEN_ARGS
 from torchtitan.components.generation import generate
 from torchtitan.datasets.tokenizer import build_tokenizer
 

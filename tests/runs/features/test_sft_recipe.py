@@ -25,10 +25,10 @@ import sys
 import pytest
 import torch
 
+from tests.runs.checkpoint.test_hf_finetune import hf_logits, save_random_hf_model
+from tests.runs.features.test_sft_runs import SFT_TRAIN
+from tests.runs.launch.test_generate_trained import _generate_script
 from tests.support.runs import ROOT, read_metrics, train, trainer_argv
-from tests.test_generate_trained import _generate_script
-from tests.test_hf_finetune import hf_logits, save_random_hf_model
-from tests.test_sft_runs import SFT_TRAIN
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1)]
 

@@ -15,7 +15,8 @@ import subprocess
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support.runs import ROOT
+
 # "error: ..." (the pre-launch check, the script) or "error (rank 1): ..." / "error (ranks 0,1): ..." (the launcher)
 ERROR_LINE = re.compile(r"^error( \(ranks? [\d,]+\))?: ")
 SMALL = ["--training.steps", "2", "--training.seq_len", "64", "--training.batch_size", "2"]
