@@ -87,7 +87,7 @@ def moe_reference_run(tmp_path_factory) -> tuple[str, Launch]:
 def golden_run(tmp_path_factory) -> tuple[str, list[float]]:
     """The golden-loss run (tests/runs/training/test_golden_loss.py: the debug model, 100 steps through run_llama_train.sh, its
     step-100 checkpoint saved): (dump folder, its 100 losses). tests/runs/launch/test_generate_trained.py generates from it."""
-    from tests.runs.training.test_golden_loss import train_losses
+    from tests.support.golden_run import train_losses
 
     folder = str(tmp_path_factory.mktemp("golden_run"))
     return folder, train_losses(folder)

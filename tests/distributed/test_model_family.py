@@ -15,8 +15,8 @@ import os
 import pytest
 
 import tests.support.tiny_family  # noqa: F401  (registers "tiny_parallel" in this process)
-from tests.runs.estimation.test_estimation import TRACKER_RTOL
 from tests.support.distributed import run_distributed
+from tests.support.estimation_rows import TRACKER_RTOL
 from tests.support.matrix import RTOL
 from torchtitan.config.manager import JobConfig
 from torchtitan.train import run_job

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from dataclasses import dataclass
 
@@ -131,3 +132,35 @@ def train(ngpu: int, dump_folder: str, overrides: list[str]) -> Launch:
 def read_metrics(dump_folder: str) -> list[dict]:
     with open(os.path.join(dump_folder, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def step_losses(folder: str) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(folder) if "loss" in r}
+
+
+def complete_steps(folder: str) -> list[int]:
+    root = os.path.join(folder, "checkpoint")
+    return sorted(int(d[5:]) for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, ".complete")))
+
+
+def tensor_metadata(step_path: str) -> dict[str, object]:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = FileSystemReader(step_path).read_metadata().state_dict_metadata
+    return {k: (v.properties.dtype, tuple(v.size)) for k, v in meta.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def tokenizer_n_words() -> int:
+    from torchtitan.config.manager import JobConfig
+    from torchtitan.datasets.tokenizer import build_tokenizer
+
+    return build_tokenizer(JobConfig.parse_args(trainer_argv([], "/tmp/unused")).model.tokenizer_path).n_words
+
+
+# "error: ..." (the pre-launch check, the script) or "error (rank 1): ..." / "error (ranks 0,1): ..." (the launcher)
+ERROR_LINE = re.compile(r"^error( \(ranks? [\d,]+\))?: ")
+
+
+def error_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if ERROR_LINE.match(line) or "error:" in line]

@@ -149,13 +149,13 @@ def test_planner_floor_counts_nf4_for_the_adapted_base():
     ids=["value", "without-lora", "tp", "pp", "cp", "ddp", "shapes"],
 )
 def test_bad_qlora_input_is_one_line_and_exit_2(extra, world_size, expected, capsys, monkeypatch):
-    from tests.runs.launch.test_bad_input import ROOT, _error_lines
+    from tests.support.runs import ROOT, error_lines
     from torchtitan.preflight.__main__ import main
 
     monkeypatch.chdir(ROOT)
     code = main(["--world_size", str(world_size), *DEBUG, *extra])
     out = capsys.readouterr()
-    lines = _error_lines(out.err + out.out)
+    lines = error_lines(out.err + out.out)
     assert code == 2 and len(lines) == 1 and expected in lines[0], out.err
     assert "Traceback" not in out.err + out.out
 
@@ -163,14 +163,14 @@ def test_bad_qlora_input_is_one_line_and_exit_2(extra, world_size, expected, cap
 def test_qlora_without_torchao_is_one_line(capsys, monkeypatch):
     import importlib.util
 
-    from tests.runs.launch.test_bad_input import ROOT, _error_lines
+    from tests.support.runs import ROOT, error_lines
     from torchtitan.preflight.__main__ import main
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
     monkeypatch.chdir(ROOT)
     code = main(["--world_size", "1", *DEBUG, *QLORA])
-    lines = _error_lines(capsys.readouterr().err)
+    lines = error_lines(capsys.readouterr().err)
     assert code == 2 and len(lines) == 1, lines
     assert (
         "lora.quantize_base = 'nf4' needs torchao, which is not installed; pip install 'torchtitan[lora]'" in lines[0]

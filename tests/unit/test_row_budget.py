@@ -133,7 +133,7 @@ def rank_rows() -> tuple[int, dict[str, int]]:
     for values in _row_lists().values():
         for row in values:
             rows[row.name] = row.ngpu
-    from tests.runs.estimation.test_estimation import RSS_ROWS, TRACKER_ROWS
+    from tests.support.estimation_rows import RSS_ROWS, TRACKER_ROWS
 
     measured = sum(r.ngpu for r in TRACKER_ROWS + RSS_ROWS)
     return sum(rows.values()) + measured, rows

@@ -29,7 +29,7 @@ import pytest
 
 from tests.support.held_marker_train import kill_job, popen_held_marker
 from tests.support.matrix import RTOL, pp_schedule
-from tests.support.runs import COMMON, ROOT, STEPS, check_job, launch_jobs, read_metrics
+from tests.support.runs import COMMON, ROOT, STEPS, check_job, complete_steps, launch_jobs, step_losses
 from tests.support.runs import train as pooled_train
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2, 4)]
@@ -37,20 +37,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2, 4)]
 CKPT = ["--checkpoint.enable_checkpoint"]
 
 
-def losses(folder: str) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(folder) if "loss" in r}
-
-
 def train(ngpu: int, folder: str, args: list[str]) -> str:
     """A checkpointing run in the worker pool (tests/support/pool.py); returns rank 0's log."""
     result = pooled_train(ngpu, folder, [*CKPT, *args])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout + result.stderr
-
-
-def complete_steps(folder: str) -> list[int]:
-    root = os.path.join(folder, "checkpoint")
-    return sorted(int(d[5:]) for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, ".complete")))
 
 
 def assert_close(got: dict[int, float], want: dict[int, float], steps: range) -> None:
@@ -87,7 +78,7 @@ def seeded_fsdp2(tmp_path_factory) -> tuple[str, dict[int, float], str]:
             "async",
         ],
     )
-    return folder, losses(folder), log
+    return folder, step_losses(folder), log
 
 
 def test_fsdp2_seed_async_purge_and_load_step(seeded_fsdp2):
@@ -98,7 +89,7 @@ def test_fsdp2_seed_async_purge_and_load_step(seeded_fsdp2):
     shutil.copy(os.path.join(folder, "metrics.jsonl"), os.path.join(folder, "uninterrupted.jsonl"))
     log = train(2, folder, ["--training.batch_size", "4", "--checkpoint.interval", "2", "--checkpoint.load_step", "4"])
     assert "resumed from step 4" in log
-    resumed = losses(folder)
+    resumed = step_losses(folder)
     assert sorted(resumed) == list(range(1, STEPS + 1))  # metrics.jsonl: steps 1-4 kept, 5-6 appended
     assert [resumed[s] for s in (5, 6)] == [full[s] for s in (5, 6)]
 
@@ -117,7 +108,7 @@ def test_killed_save_resumes_from_previous_complete(seeded_fsdp2, tmp_path):
     assert os.path.isfile(os.path.join(step4, ".metadata")) and not os.path.exists(os.path.join(step4, ".complete"))
     log = train(2, folder, args)
     assert "ignoring incomplete checkpoint" in log and "resumed from step 2" in log
-    got = losses(folder)
+    got = step_losses(folder)
     assert [got[s] for s in range(1, STEPS + 1)] == [seeded[s] for s in range(1, STEPS + 1)]
     assert complete_steps(folder) == [2, 4, 6]
 
@@ -183,7 +174,7 @@ def resumes(tmp_path_factory) -> dict[str, dict]:
     out = {}
     for name, folder in folders.items():
         log = check_job(f"{name} (uninterrupted)", folder, full)
-        out[name] = {"full": losses(folder), "full_log": log}
+        out[name] = {"full": step_losses(folder), "full_log": log}
         other = str(base / f"{name}_other")
         shutil.copytree(os.path.join(folder, "checkpoint", "step-3"), os.path.join(other, "checkpoint", "step-3"))
     jobs = [_job(folders[n], b, lay, "--checkpoint.load_step", "3") for n, (b, lay) in SAME_LAYOUT.items()]
@@ -191,14 +182,14 @@ def resumes(tmp_path_factory) -> dict[str, dict]:
     resumed = launch_jobs(2, jobs, str(base / "resume.json"))
     for name, folder in folders.items():
         check_job(f"{name} (resumed)", folder, resumed)
-        out[name]["resumed"] = losses(folder)
+        out[name]["resumed"] = step_losses(folder)
     for name, (ngpu, batch, layout) in RESHARDED.items():
         other = str(base / f"{name}_other")
         if ngpu == 1:
             log = train(1, other, ["--training.batch_size", str(batch), *layout])
         else:
             log = check_job(f"{name} (resharded)", other, resumed)
-        out[name]["resharded"], out[name]["resharded_log"] = losses(other), log
+        out[name]["resharded"], out[name]["resharded_log"] = step_losses(other), log
     return out
 
 
@@ -220,11 +211,11 @@ def test_background_staging_says_what_it_blocked(resumes):
 def test_resume_fsdp4_checkpoint_as_fsdp2_tp2(tmp_path):
     folder = str(tmp_path)
     train(4, folder, ["--training.batch_size", "2", "--checkpoint.interval", "3"])
-    full = losses(folder)
+    full = step_losses(folder)
     other = str(tmp_path / "fsdp2_tp2")
     shutil.copytree(os.path.join(folder, "checkpoint", "step-3"), os.path.join(other, "checkpoint", "step-3"))
     log = train(4, other, ["--training.batch_size", "4", "--training.tensor_parallel_degree", "2"])
     assert "resumed from step 3" in log
-    assert_close(losses(other), full, range(4, STEPS + 1))
+    assert_close(step_losses(other), full, range(4, STEPS + 1))
     with open(os.path.join(other, "checkpoint", "step-6", ".complete")) as f:
         assert json.load(f)["world_size"] == 4

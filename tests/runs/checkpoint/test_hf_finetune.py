@@ -16,7 +16,6 @@ Checked:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -25,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.support.distributed import run_distributed
+from tests.support.hf import hf_logits, save_random_hf_model
 from tests.support.matrix import RTOL
 from tests.support.runs import ROOT
 from torchtitan.config.manager import JobConfig
@@ -132,26 +132,6 @@ def _hf_start(family: str, folder: str) -> None:
     save_random_hf_model(_base(family), folder)
 
 
-def save_random_hf_model(argv: list[str], folder: str) -> None:
-    """A random-init HF model of the shapes the run ``argv`` builds (its flavor, its tokenizer's vocabulary),
-    saved by transformers in shards (tests/runs/features/test_sft_recipe.py starts from one too)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from torchtitan.build import build_meta_model, build_model_args
-    from torchtitan.estimation.fake_trainer import resolve_vocab
-    from torchtitan.spec import get_model_spec
-
-    config = JobConfig.parse_args(argv)
-    spec = get_model_spec(config.model.name)
-    args = build_model_args(config, spec, resolve_vocab(config)[0])
-    meta = build_meta_model(spec, args).state_dict()
-    hf_config = spec.state_dict_adapter.hf_config(dataclasses.asdict(args), meta, dtype=torch.float32)
-    torch.manual_seed(11)
-    model_type = hf_config.pop("model_type")
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **hf_config))
-    model.save_pretrained(folder, safe_serialization=True, max_shard_size="400KB")
-
-
 def _first_batch(family: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The first global batch (4 sequences) of the runs: data order depends on the global batch only."""
     from torchtitan.train import Trainer
@@ -160,17 +140,6 @@ def _first_batch(family: str) -> tuple[torch.Tensor, torch.Tensor]:
     trainer = Trainer(config, world_size=1, rank=0)
     batch = trainer.next_batches(iter(trainer.data_loader))[0]
     return batch.inputs, batch.labels
-
-
-def hf_logits(folder: str, inputs: torch.Tensor) -> torch.Tensor:
-    """transformers' logits (bs, seq, vocab) for ``inputs`` of the HF folder, which must load with no
-    missing, unexpected or mismatched weight."""
-    from transformers import AutoModelForCausalLM
-
-    model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, dtype=torch.float32)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    with torch.no_grad():
-        return model(inputs).logits
 
 
 def _hf_loss(folder: str, inputs: torch.Tensor, labels: torch.Tensor) -> float:

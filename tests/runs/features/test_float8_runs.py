@@ -15,35 +15,14 @@ import sys
 
 import pytest
 
-from tests.runs.checkpoint.test_checkpoint_runs import losses as step_losses
-from tests.support.matrix import (
-    ASYNC,
-    MOE,
-    RTOL,
-    MatrixLaunches,
-    Row,
-    check_grad_norms,
-    check_row,
-    job_argv,
-    losses_of,
-    pp_schedule,
-)
-from tests.support.runs import GLOBAL_BATCH, ROOT, check_job, launch_jobs, train
+from tests.support.matrix import MOE, RTOL, MatrixLaunches, Row, check_grad_norms, check_row, job_argv, losses_of
+from tests.support.rows import FLOAT8, FLOAT8_ROWS, FSDP_FLOAT8
+from tests.support.runs import GLOBAL_BATCH, ROOT, check_job, launch_jobs, step_losses, tensor_metadata, train
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]
 
-FLOAT8 = ["--float8.enable_float8_linear"]
 ROWWISE = [*FLOAT8, "--float8.recipe_name", "rowwise"]
-# FSDP all-gathers the weights in float8, their scales computed in one all-reduce after each step
-FSDP_FLOAT8 = [*FLOAT8, "--float8.enable_fsdp_float8_all_gather", "--float8.precompute_float8_dynamic_scale_for_fsdp"]
 
-FLOAT8_ROWS = [
-    Row("float8_fsdp2", 2, 4, FSDP_FLOAT8),
-    Row("float8_tp2", 2, 8, FLOAT8, tp=2),
-    Row("float8_fsdp2_tp2", 4, 4, FSDP_FLOAT8, tp=2),
-    Row("float8_async_tp2", 2, 8, [*FLOAT8, *ASYNC], tp=2),
-    Row("float8_pp2", 2, 8, [*FLOAT8, *pp_schedule("1F1B")], pp=2),
-]
 MOE_FLOAT8_ROWS = [Row("moe_float8_fsdp2", 2, 4, [*MOE, *FSDP_FLOAT8])]
 # Tensorwise scales of activations and output gradients come from the tensor a rank holds: its local
 # batch under FSDP (4 of the 8 samples), its micro-batch under PP (2), the whole batch under TP
@@ -119,14 +98,6 @@ def _resume_job(folder: str, *extra: str) -> list[str]:
     return [*job_argv(Row("resume", 2, 4), folder), *RESUME, *extra]
 
 
-def _metadata(step_path: str) -> dict[str, object]:
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    meta = FileSystemReader(step_path).read_metadata().state_dict_metadata
-    return {k: (v.properties.dtype, tuple(v.size)) for k, v in meta.items() if isinstance(v, TensorStorageMetadata)}
-
-
 @pytest.mark.bf16  # one 4-step resume in bf16
 def test_float8_resume_is_bit_exact_and_interchanges_with_bf16(tmp_path):
     """FSDP2 x 2 with the float8 all-gather (FSDP's DTensors hold torchao's float8-cast weight subclasses).
@@ -139,7 +110,9 @@ def test_float8_resume_is_bit_exact_and_interchanges_with_bf16(tmp_path):
     for name in ("float8", "plain"):
         check_job(name, f[name], launch)
     step4 = {n: os.path.join(f[n], "checkpoint", "step-4") for n in ("float8", "plain")}
-    assert _metadata(step4["float8"]) == _metadata(step4["plain"]), "a float8 checkpoint must hold the same keys/dtypes"
+    assert tensor_metadata(step4["float8"]) == tensor_metadata(step4["plain"]), (
+        "a float8 checkpoint must hold the same keys/dtypes"
+    )
     for copy, source in (("float8_again", "float8"), ("float8_in_bf16", "float8"), ("plain_in_float8", "plain")):
         shutil.copytree(f[source], f[copy])
     load4 = ["--checkpoint.load_step", "4"]

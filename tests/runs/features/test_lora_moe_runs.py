@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.runs.features.test_lora_runs import LORA, check_lora_parity
+from tests.support.lora import check_lora_parity
 from tests.support.matrix import MatrixLaunches, Row
 from tests.support.pool import run_in_pool
+from tests.support.rows import LORA
 from tests.support.runs import GLOBAL_BATCH, trainer_argv
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -19,46 +18,17 @@ import shutil
 
 import pytest
 
-from tests.support.matrix import (
-    AC_FULL,
-    AC_OP,
-    GRAD_NORM_RTOL,
-    ROTATE_ALLGATHER,
-    RTOL,
-    MatrixLaunches,
-    Row,
-    check_grad_norms,
-    check_row,
-    pp_schedule,
-)
+from tests.support.lora import check_lora_parity
+from tests.support.matrix import RTOL, MatrixLaunches, Row
 from tests.support.pool import run_in_pool
-from tests.support.runs import GLOBAL_BATCH, ROOT, read_metrics, train, trainer_argv
+from tests.support.rows import LORA, LORA_LLAMA_REFERENCE, LORA_LLAMA_ROWS, LORA_QWEN3_REFERENCE, LORA_QWEN3_ROWS
+from tests.support.runs import GLOBAL_BATCH, read_metrics, tokenizer_n_words, train, trainer_argv
+from tests.support.scripts import script_module
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]
 
-LORA = ["--lora.enable", "--lora.rank", "4", "--lora.alpha", "32"]
-ACCUM2 = ["--training.gradient_accumulation_steps", "2"]
 
-
-def _rows(family: str, ac: list[str]) -> tuple[Row, list[Row]]:
-    """``ac``: an activation-checkpointing mode riding on the FSDP2 row (numerically neutral)."""
-    args = [*LORA, "--model.name", family]
-    reference = Row(f"lora_{family}_1proc", 1, GLOBAL_BATCH, args)
-    return reference, [
-        Row(f"lora_{family}_fsdp2", 2, 4, [*args, *ac]),
-        Row(f"lora_{family}_tp2", 2, 8, args, tp=2),
-        Row(f"lora_{family}_pp2_1f1b", 2, 8, [*args, *pp_schedule("1F1B")], pp=2),
-        Row(f"lora_{family}_fsdp2_accum2", 2, 2, [*args, *ACCUM2]),
-    ]
-
-
-LLAMA_REFERENCE, LLAMA_ROWS = _rows("llama3", AC_FULL)
-QWEN3_REFERENCE, QWEN3_ROWS = _rows("qwen3", AC_OP)
-# context parallel: the adapters see each rank's sequence shard (one family: nothing family-specific in it)
-LLAMA_ROWS.append(Row("lora_llama3_cp2", 2, 8, [*LORA, "--model.name", "llama3", *ROTATE_ALLGATHER], cp=2))
-LORA_REFERENCES = [LLAMA_REFERENCE, QWEN3_REFERENCE]  # counted by the rank-row budget
-LORA_ROWS = [*LLAMA_ROWS, *QWEN3_ROWS]
-PAIRS = [(r, LLAMA_REFERENCE) for r in LLAMA_ROWS] + [(r, QWEN3_REFERENCE) for r in QWEN3_ROWS]
+PAIRS = [(r, LORA_LLAMA_REFERENCE) for r in LORA_LLAMA_ROWS] + [(r, LORA_QWEN3_REFERENCE) for r in LORA_QWEN3_ROWS]
 
 
 @pytest.mark.parametrize(("row", "reference"), PAIRS, ids=[r.name for r, _ in PAIRS])
@@ -66,20 +36,8 @@ def test_lora_loss_parity(row: Row, reference: Row, matrix: MatrixLaunches):
     check_lora_parity(row, reference, matrix)
 
 
-def check_lora_parity(row: Row, reference: Row, matrix: MatrixLaunches) -> dict[str, list[float]]:
-    """The row's losses within RTOL of the one-process LoRA run's, its grad norms within GRAD_NORM_RTOL; the
-    reference's records (also the MoE LoRA rows' check: tests/runs/features/test_lora_moe_runs.py)."""
-    check_row(row)
-    got, want = matrix.losses(row), matrix.losses(reference)
-    gaps = [abs(g - w) / abs(w) for g, w in zip(got["loss"], want["loss"], strict=True)]
-    print(row.name, "gap to one process", [f"{g:.2e}" for g in gaps])
-    assert max(gaps) <= RTOL, f"{row.name}: {got['loss']} vs single-process {want['loss']}"
-    check_grad_norms(row.name, got["grad_norm"], want["grad_norm"], GRAD_NORM_RTOL)
-    return want
-
-
 def test_lora_reference_learns_from_the_base(matrix: MatrixLaunches, reference: dict[str, list[float]]):
-    lora = matrix.losses(LLAMA_REFERENCE)["loss"]
+    lora = matrix.losses(LORA_LLAMA_REFERENCE)["loss"]
     assert lora[0] == reference["loss"][0], "step 1 (B = 0) should be the base model's loss exactly"
     assert lora[-1] < lora[0] - 0.1, f"LoRA loss did not fall: {lora}"
     assert lora[-1] != reference["loss"][-1]  # it trained something else than the full model
@@ -253,7 +211,7 @@ def test_peft_export_loads_in_peft_merges_and_loads_back(lora_run):
 
     from torchtitan.checkpointing.common import load_model_weights
 
-    convert_to_hf, generate = _script("convert_to_hf"), _script("generate")
+    convert_to_hf, generate = script_module("convert_to_hf"), script_module("generate")
 
     peft_dir = os.path.join(lora_run["full"], "hf", "step-6")
     step6 = os.path.join(lora_run["full"], "checkpoint", "step-6")
@@ -265,7 +223,7 @@ def test_peft_export_loads_in_peft_merges_and_loads_back(lora_run):
     )
     cpu = torch.device("cpu")
     tokens = torch.randint(0, 2000, (2, 24), generator=torch.Generator().manual_seed(0))
-    ours = generate.load_model(step6, None, 64, _n_words(), cpu)  # our model: the recorded base + the adapters
+    ours = generate.load_model(step6, None, 64, tokenizer_n_words(), cpu)  # our model: the recorded base + the adapters
     hf = transformers.AutoModelForCausalLM.from_pretrained(lora_run["hf_base"], dtype=torch.float32).eval()
     merged_dir = os.path.join(lora_run["tmp"], "merged")
     assert convert_to_hf.main([step6, merged_dir, "--merge_lora"]) == 0
@@ -274,7 +232,7 @@ def test_peft_export_loads_in_peft_merges_and_loads_back(lora_run):
     with pytest.raises(ValueError, match=r"holds part of a model \(its lora run's trained keys\)"):
         export_to_hf(step6, os.path.join(lora_run["tmp"], "not_written"))
     merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
-    with_adapter = generate.load_model(None, lora_run["hf_base"], 64, _n_words(), cpu, adapter=peft_dir)
+    with_adapter = generate.load_model(None, lora_run["hf_base"], 64, tokenizer_n_words(), cpu, adapter=peft_dir)
     with torch.no_grad():
         want = ours(tokens)
         gaps = {"base": (hf(tokens).logits - want).abs().max().item()}
@@ -301,23 +259,8 @@ def test_peft_export_loads_in_peft_merges_and_loads_back(lora_run):
     assert set(loaded) == set(saved) and all(torch.equal(loaded[k], saved[k]) for k in saved)
 
 
-def _script(name: str):
-    """scripts/<name>.py as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(f"{name}_script", os.path.join(ROOT, "scripts", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _n_words() -> int:
-    from torchtitan.config.manager import JobConfig
-    from torchtitan.datasets.tokenizer import build_tokenizer
-
-    return build_tokenizer(JobConfig.parse_args(trainer_argv([], "/tmp/unused")).model.tokenizer_path).n_words
-
-
 def test_merge_lora_without_adapters_and_a_seeded_base_are_one_line(lora_run, capsys):
-    convert_to_hf = _script("convert_to_hf")
+    convert_to_hf = script_module("convert_to_hf")
     out = os.path.join(lora_run["tmp"], "not_written")
     assert convert_to_hf.main([lora_run["base"], out, "--merge_lora"]) == 2
     err = capsys.readouterr().err.strip()

@@ -18,28 +18,11 @@ import shutil
 
 import pytest
 
-from tests.runs.checkpoint.test_checkpoint_runs import losses as step_losses
-from tests.runs.features.test_float8_runs import _metadata
-from tests.support.matrix import GRAD_NORM_RTOL, RTOL, MatrixLaunches, Row, check_row, job_argv, pp_schedule
-from tests.support.runs import GLOBAL_BATCH, check_job, launch_jobs, read_metrics
+from tests.support.matrix import GRAD_NORM_RTOL, RTOL, MatrixLaunches, Row, check_row, job_argv
+from tests.support.rows import IB, IB_ROWS, NO_CLIP, NO_CLIP_REFERENCE
+from tests.support.runs import check_job, launch_jobs, read_metrics, step_losses, tensor_metadata
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(2)]
-
-NO_CLIP = ["--training.max_norm", "0"]
-IB = [*NO_CLIP, "--optimizer.early_step_in_backward"]
-HSDP_2x2 = ["--training.data_parallel_replicate_degree", "2", "--training.data_parallel_shard_degree", "2"]
-# the regular optimizer on one process: what every in-backward row is compared with
-NO_CLIP_REFERENCE = Row("no_clip", 1, GLOBAL_BATCH, NO_CLIP)
-IB_ROWS = [
-    Row("ib_1proc", 1, GLOBAL_BATCH, IB),
-    Row("ib_fsdp2", 2, 4, IB),
-    Row("ib_fsdp2_cpu_offload", 2, 4, [*IB, "--training.enable_cpu_offload"]),
-    Row("ib_fsdp2_ac_full", 2, 4, [*IB, "--activation_checkpoint.mode", "full"]),
-    Row("ib_pp2_1f1b", 2, 8, [*IB, *pp_schedule("1F1B")], pp=2),  # 4 micro-batches accumulate, then the step
-    Row("ib_hsdp_2x2", 4, 2, [*IB, *HSDP_2x2]),
-    Row("ib_fsdp2_tp2", 4, 4, IB, tp=2),  # SP's norm weights: partial gradients reduced in the hook
-    Row("ib_pp2_fsdp2", 4, 4, [*IB, *pp_schedule("1F1B", 2)], pp=2),  # FSDP's hook after the last micro-batch
-]
 
 
 def _records(matrix: MatrixLaunches, row: Row) -> list[dict]:
@@ -78,7 +61,9 @@ def test_in_backward_resume_is_bit_exact_and_interchanges_with_the_regular_optim
     for name in ("ib", "regular"):
         check_job(name, f[name], launch)
     step4 = {n: os.path.join(f[n], "checkpoint", "step-4") for n in ("ib", "regular")}
-    assert _metadata(step4["ib"]) == _metadata(step4["regular"]), "both modes must write the same checkpoint"
+    assert tensor_metadata(step4["ib"]) == tensor_metadata(step4["regular"]), (
+        "both modes must write the same checkpoint"
+    )
     for copy, source in (("ib_again", "ib"), ("regular_in_ib", "regular"), ("ib_in_regular", "ib")):
         shutil.copytree(f[source], f[copy])
     load4 = ["--checkpoint.load_step", "4"]

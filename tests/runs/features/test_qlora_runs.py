@@ -18,9 +18,9 @@ import shutil
 
 import pytest
 
-from tests.runs.features.test_lora_runs import LORA
 from tests.support.matrix import AC_FULL, GRAD_NORM_RTOL, RTOL, MatrixLaunches, Row, check_grad_norms
 from tests.support.pool import run_in_pool
+from tests.support.rows import LORA
 from tests.support.runs import GLOBAL_BATCH, read_metrics, train, trainer_argv
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]
@@ -167,10 +167,11 @@ def _check_merges(step: str, want, merged_dir: str) -> None:
     import torch
     import transformers
 
-    from tests.runs.features.test_lora_runs import _n_words, _script
+    from tests.support.runs import tokenizer_n_words
+    from tests.support.scripts import script_module
 
-    convert_to_hf, generate = _script("convert_to_hf"), _script("generate")
-    ours = generate.load_model(step, None, 64, _n_words(), torch.device("cpu"))
+    convert_to_hf, generate = script_module("convert_to_hf"), script_module("generate")
+    ours = generate.load_model(step, None, 64, tokenizer_n_words(), torch.device("cpu"))
     assert convert_to_hf.main([step, merged_dir, "--merge_lora"]) == 0
     merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -187,16 +188,19 @@ def _check_peft_export(step: str, base: str, want, tmp: str) -> None:
 
     import torch
 
-    from tests.runs.features.test_lora_runs import _n_words, _script
+    from tests.support.runs import tokenizer_n_words
+    from tests.support.scripts import script_module
     from torchtitan.checkpointing.hf.convert import export_to_hf
 
     peft_dir, hf_base = os.path.join(tmp, "peft"), os.path.join(tmp, "hf_base")
-    assert _script("convert_to_hf").main([step, peft_dir]) == 0
+    assert script_module("convert_to_hf").main([step, peft_dir]) == 0
     with open(os.path.join(peft_dir, "adapter_config.json")) as f:
         config = json.load(f)
     assert config["r"] == 4 and sorted(config["target_modules"]) == ["q_proj", "v_proj"]
     export_to_hf(base, hf_base)
-    model = _script("generate").load_model(None, hf_base, 64, _n_words(), torch.device("cpu"), adapter=peft_dir)
+    model = script_module("generate").load_model(
+        None, hf_base, 64, tokenizer_n_words(), torch.device("cpu"), adapter=peft_dir
+    )
     with torch.no_grad():
         rel = ((model(TOKENS()) - want).norm() / want.norm()).item()
     print(f"generate.py --adapter on the fp32 base vs the trained NF4 model: relative logit gap {rel:.4f}")

@@ -20,6 +20,7 @@ import pytest
 
 from tests.support.matrix import Row
 from tests.support.pool import run_train_job
+from tests.support.rows import RL, RL_STEPS
 from tests.support.runs import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2, 4)]
@@ -29,14 +30,6 @@ RTOL = 1e-5  # the matrix's
 # ~1e-3; its float error is that of the terms, so it is compared at 1e-5 of their size (the matrix compares losses
 # of ~5 at rtol 1e-5, i.e. 5e-5 absolute). The grad norm does not cancel: rtol 1e-5.
 LOSS_ATOL = 1e-5
-STEPS = 3
-RL = [
-    *("--job.config_file", "./train_configs/grpo_arith.toml", "--model.flavor", "debugmodel_nano"),
-    *("--rl.algorithm", "dapo", "--rl.clip_high", "0.28", "--rl.kl_coef", "0.1"),
-    *("--rl.prompts_per_step", "4", "--rl.group_size", "3", "--rl.updates_per_step", "3", "--rl.max_new_tokens", "8"),
-    *("--rl.reward", "tests.support.rl_rewards:digits", "--optimizer.lr", "1e-2", "--training.seq_len", "40"),
-    *("--training.steps", str(STEPS), "--training.warmup_steps", "0", "--metrics.log_freq", "1"),
-]
 CHECKPOINT = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "2"]
 REFERENCE = Row("rl_1proc", 1, 4, CHECKPOINT)
 ROWS = [  # in-process generation unless they read the reference's rollouts
@@ -94,7 +87,7 @@ def reference(tmp_path_factory) -> str:
 
 def test_reference_learns_something_and_records(reference):
     records = _records(reference)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in records] == list(range(1, RL_STEPS + 1))
     for key in (
         "reward_mean",
         "reward_std",
@@ -112,7 +105,7 @@ def test_reference_learns_something_and_records(reference):
     assert 0 < records[0]["kl"] < records[-1]["kl"], [r["kl"] for r in records]
     assert any(r["clip_fraction"] > 0 for r in records), "the later updates of a step move the ratio past the clip"
     assert all(abs(r["loss"]) > 1e-4 for r in records), "token-level weights: the loss is not the advantages' mean 0"
-    assert len(_rollouts(reference)) == STEPS * 12
+    assert len(_rollouts(reference)) == RL_STEPS * 12
     log = open(os.path.join(reference, "rank0.log")).read()
     assert "DAPO, KL to the start's policy x 0.1" in log and "reward tests.support.rl_rewards:digits" in log
 
@@ -207,7 +200,7 @@ def test_outside_engine_drives_the_trainer(reference, tmp_path):
     # a matmul's sums at 2 threads differ in the last bits from 1 thread's (an AMD EPYC with avx512_bf16 read loss
     # -0.10092524 for -0.10092522 at step 2), so "exactly" holds only with the reference's thread count
     engine = subprocess.Popen(
-        [sys.executable, "scripts/rl_engine.py", "--steps", str(STEPS), "--", *flags],
+        [sys.executable, "scripts/rl_engine.py", "--steps", str(RL_STEPS), "--", *flags],
         env=dict(os.environ, OMP_NUM_THREADS="1"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -221,4 +214,4 @@ def test_outside_engine_drives_the_trainer(reference, tmp_path):
     assert engine.returncode == 0, out[-3000:]
     keys = ("loss", "grad_norm", "kl", "reward_mean")
     assert [{k: r[k] for k in keys} for r in _records(folder)] == [{k: r[k] for k in keys} for r in _records(reference)]
-    assert sorted(os.listdir(os.path.join(folder, "policy"))) == ["latest", *(f"step-{s}" for s in range(STEPS + 1))]
+    assert sorted(os.listdir(os.path.join(folder, "policy"))) == ["latest", *(f"step-{s}" for s in range(RL_STEPS + 1))]

@@ -25,10 +25,10 @@ import sys
 import pytest
 import torch
 
-from tests.runs.checkpoint.test_hf_finetune import hf_logits, save_random_hf_model
-from tests.runs.features.test_sft_runs import SFT_TRAIN
-from tests.runs.launch.test_generate_trained import _generate_script
+from tests.support.hf import hf_logits, save_random_hf_model
+from tests.support.rows import SFT_TRAIN
 from tests.support.runs import ROOT, read_metrics, train, trainer_argv
+from tests.support.scripts import generate_script
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1)]
 
@@ -54,7 +54,7 @@ def _ours(checkpoint: str, tokenizer: str) -> tuple[list[int], torch.Tensor, str
 
     chat = ChatTokenizer(tokenizer)
     ids = chat_prompt_ids(chat, QUESTION)
-    model = _generate_script().load_model(
+    model = generate_script().load_model(
         checkpoint, None, len(ids) + NEW_TOKENS, chat.base.n_words, torch.device("cpu")
     )
     with torch.no_grad():

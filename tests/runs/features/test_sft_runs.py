@@ -31,24 +31,11 @@ from tests.support.matrix import (
     pp_schedule,
 )
 from tests.support.pool import run_train_job
+from tests.support.rows import SFT_ASSETS, SFT_TRAIN
 from tests.support.runs import GLOBAL_BATCH, VALIDATION, read_metrics, train, trainer_argv
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]
 
-SFT_ASSETS = "./tests/assets/sft"
-SFT_TRAIN = [
-    "--model.tokenizer_path",
-    f"{SFT_ASSETS}/tokenizer",
-    "--model.attn_mask_type",
-    "block_causal",
-    "--model.positions_per_document",
-    "--training.dataset",
-    "sft_arith",
-    "--training.dataset_format",
-    "chat",
-    "--training.seq_len",
-    "128",
-]
 SFT = [*SFT_TRAIN, "--validation.dataset", "sft_arith_val", *VALIDATION]
 SFT_REFERENCE = Row("sft_1proc", 1, GLOBAL_BATCH, SFT)
 SFT_ROWS = [

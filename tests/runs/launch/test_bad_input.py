@@ -15,10 +15,8 @@ import subprocess
 
 import pytest
 
-from tests.support.runs import ROOT
+from tests.support.runs import ROOT, error_lines
 
-# "error: ..." (the pre-launch check, the script) or "error (rank 1): ..." / "error (ranks 0,1): ..." (the launcher)
-ERROR_LINE = re.compile(r"^error( \(ranks? [\d,]+\))?: ")
 SMALL = ["--training.steps", "2", "--training.seq_len", "64", "--training.batch_size", "2"]
 
 
@@ -35,13 +33,9 @@ def launch(
     )
 
 
-def _error_lines(out: str) -> list[str]:
-    return [line for line in out.splitlines() if ERROR_LINE.match(line) or "error:" in line]
-
-
 def _one_error_line(result: subprocess.CompletedProcess, expected: str, code: int = 2) -> str:
     out = result.stdout + result.stderr
-    lines = _error_lines(out)
+    lines = error_lines(out)
     assert result.returncode == code and len(lines) == 1 and expected in lines[0], out[-3000:]
     assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
     return lines[0]
@@ -143,7 +137,7 @@ def test_prelaunch_check_rejects_bad_input_in_one_line(args, config, expected, t
     code = main(["--world_size", "2", "--job.config_file", config or "./train_configs/debug_model.toml", *args])
     out = capsys.readouterr()
     assert code == 2, out.err
-    lines = _error_lines(out.err + out.out)
+    lines = error_lines(out.err + out.out)
     assert len(lines) == 1 and expected in lines[0], out.err
     assert "Traceback" not in out.err + out.out
 
@@ -192,7 +186,7 @@ def test_launcher_preflight_checks_for_its_world_size_before_any_rank(argv, expe
     monkeypatch.setattr(launcher, "run", lambda args: pytest.fail("torchrun started"))
     assert preflight_launch.main(argv) == 2
     out = capsys.readouterr()
-    lines = _error_lines(out.err + out.out)
+    lines = error_lines(out.err + out.out)
     assert len(lines) == 1 and expected in lines[0], out.err
 
 

@@ -21,10 +21,10 @@ import os
 
 import pytest
 
+from tests.support.hf import write_tokenizer
 from tests.support.matrix import ROWS, MatrixLaunches, losses_of
 from tests.support.pool import run_train_job
 from tests.support.runs import COMMON, PARITY_FLAVOR, ROOT, check_job, read_metrics
-from tests.unit.test_hf_tokenizer import _write_tokenizer
 from torchtitan.config.manager import tomllib
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(2)]
@@ -38,7 +38,7 @@ TWIN = next(r for r in ROWS if r.name == "fsdp2_grad_accum2")  # 2 ranks x local
 def hf_assets(tmp_path_factory) -> str:
     """A folder like upstream's tests/assets/tokenizer: tokenizer.json + tokenizer_config.json (bos and eos)."""
     folder = tmp_path_factory.mktemp("hf_assets")
-    _write_tokenizer(folder, {"bos_token": "<|im_start|>", "eos_token": "<|endoftext|>"})
+    write_tokenizer(folder, {"bos_token": "<|im_start|>", "eos_token": "<|endoftext|>"})
     return str(folder)
 
 

@@ -17,8 +17,6 @@ run itself (~20-35 s) lands on whichever of this file and tests/runs/training/te
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import math
 import os
 import subprocess
@@ -27,8 +25,9 @@ import sys
 import pytest
 import torch
 
-from tests.runs.training.test_golden_loss import ARGS as GOLDEN_ARGS
+from tests.support.golden_run import ARGS as GOLDEN_ARGS
 from tests.support.runs import ROOT, read_metrics
+from tests.support.scripts import generate_script
 from torchtitan.components.generation import generate
 from torchtitan.datasets.tokenizer import build_tokenizer
 
@@ -45,15 +44,6 @@ NEW_TOKENS = 48  # prompt (12 tokens) + 48 stays within the trained seq_len of 6
 LOGITS_ATOL = 1e-4
 
 
-@functools.cache
-def _generate_script():
-    """scripts/generate.py as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("generate_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def trained(golden_run) -> tuple[str, str]:
     """(dump folder, step-100 checkpoint folder) of the golden-loss run."""
@@ -65,7 +55,7 @@ def trained(golden_run) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return build_tokenizer(os.path.join(ROOT, _generate_script().SHIPPED_TOKENIZER))
+    return build_tokenizer(os.path.join(ROOT, generate_script().SHIPPED_TOKENIZER))
 
 
 def test_the_model_learned(trained, tokenizer):
@@ -100,7 +90,7 @@ def test_greedy_with_the_cache_equals_full_forwards(trained, tokenizer):
     (the same shapes on both paths) bit-identical. Greedy tokens are exact all the same because the
     best two logits were at least 0.0081 apart at every step, 1.5e3 times the largest deviation."""
     prompt = tokenizer.encode(PROMPT, bos=True, eos=False)
-    model = _generate_script().load_model(
+    model = generate_script().load_model(
         trained[1], None, len(prompt) + NEW_TOKENS, tokenizer.n_words, torch.device("cpu")
     )
     cached_logits = []  # generate()'s own logits: one (1, n, vocab) output per step
@@ -124,7 +114,7 @@ def test_generate_script_prints_the_greedy_continuation(trained, tokenizer):
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     prompt = tokenizer.encode(PROMPT, bos=True, eos=False)
-    model = _generate_script().load_model(
+    model = generate_script().load_model(
         trained[1], None, len(prompt) + CLI_NEW_TOKENS, tokenizer.n_words, torch.device("cpu")
     )
     out = generate(model, torch.tensor([prompt]), CLI_NEW_TOKENS, stop_token=tokenizer.eos_id)

@@ -13,33 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.matrix import GRAD_NORM_RTOL, RTOL, MatrixLaunches, Row, check_row, pp_schedule
+from tests.support.matrix import GRAD_NORM_RTOL, RTOL, MatrixLaunches, Row, check_row
 from tests.support.pool import run_train_job
-from tests.support.runs import GLOBAL_BATCH, read_metrics
+from tests.support.rows import DSV3_ROWS, FRONTIER_REFERENCES, GPT_OSS_ROWS
+from tests.support.runs import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2, 4)]
 
 
-def _family(name: str, ep: int = 1) -> list[str]:
-    return ["--model.name", name, "--experimental.expert_parallel_degree", str(ep)]
-
-
-def _rows(short: str, name: str) -> list[Row]:
-    return [
-        Row(f"{short}_fsdp2", 2, 4, _family(name)),
-        Row(f"{short}_ep2", 2, 4, _family(name, ep=2)),  # dp_shard 2 = ep 2: 2 of the 4 experts per rank
-        Row(f"{short}_fsdp2xep2", 4, 2, _family(name, ep=2)),  # dp_shard 4 = the experts' FSDP 2 x ep 2
-        Row(f"{short}_tp2_ep2", 2, 8, _family(name, ep=2), tp=2),  # the EP group is the TP group
-        Row(f"{short}_pp2_1f1b", 2, 8, [*_family(name), *pp_schedule("1F1B")], pp=2),
-    ]
-
-
-FRONTIER_REFERENCES = [
-    Row("dsv3_1proc", 1, GLOBAL_BATCH, _family("deepseek_v3")),
-    Row("gpt_oss_1proc", 1, GLOBAL_BATCH, _family("gpt_oss")),
-]
-DSV3_ROWS = _rows("dsv3", "deepseek_v3")
-GPT_OSS_ROWS = [*_rows("gpt_oss", "gpt_oss"), Row("gpt_oss_cp2", 2, 8, _family("gpt_oss"), cp=2)]
 CASES = [(row, FRONTIER_REFERENCES[0]) for row in DSV3_ROWS] + [(row, FRONTIER_REFERENCES[1]) for row in GPT_OSS_ROWS]
 
 
@@ -64,8 +45,8 @@ def test_frontier_checkpoint_converts_to_hf_and_back(name, flavor, tmp_path, cap
     no missing or unexpected weight and the same logits (fp32, 1e-5) -> scripts/convert_from_hf.py gives back
     every weight and buffer exactly."""
     pytest.importorskip("transformers")
-    from tests.runs.models.test_shipped_configs import SHORT, check_export_logits
-    from tests.unit.test_checkpoint_scripts import _script
+    from tests.support.hf import SHORT, check_export_logits
+    from tests.support.scripts import script_main
     from torchtitan.checkpointing.common import load_model_weights
 
     folder = tmp_path / "run"
@@ -73,9 +54,9 @@ def test_frontier_checkpoint_converts_to_hf_and_back(name, flavor, tmp_path, cap
     status = run_train_job(1, [*argv, "--model.name", name, "--model.flavor", flavor])
     assert status["ok"], status["error"]
     step, out, back = str(folder / "checkpoint" / "step-3"), str(tmp_path / "hf"), str(tmp_path / "back" / "step-0")
-    assert _script("convert_to_hf")([step, out]) == 0, capsys.readouterr().err
+    assert script_main("convert_to_hf")([step, out]) == 0, capsys.readouterr().err
     check_export_logits(f"{name} {flavor}", step, out)
-    assert _script("convert_from_hf")([out, back]) == 0, capsys.readouterr().err
+    assert script_main("convert_from_hf")([out, back]) == 0, capsys.readouterr().err
     trained, imported = load_model_weights(step)[0], load_model_weights(back)[0]
     assert trained.keys() == imported.keys()
     assert all(torch.equal(trained[k], imported[k]) for k in trained), [

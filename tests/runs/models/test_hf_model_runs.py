@@ -18,16 +18,12 @@ import pytest
 
 from tests.support.matrix import Row
 from tests.support.pool import run_train_job
+from tests.support.rows import HF, HF_STEPS
 from tests.support.runs import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2, 4)]
 
 RTOL = 1e-5  # the matrix's
-STEPS = 4
-HF = [
-    *("--job.config_file", "./train_configs/hf_debug.toml", "--training.steps", str(STEPS), "--metrics.log_freq", "1"),
-    *("--training.seq_len", "64", "--training.warmup_steps", "0", "--optimizer.lr", "1e-2"),
-]
 CHECKPOINT = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "2", "--checkpoint.last_save_in_hf"]
 FULL_AC = ["--activation_checkpoint.mode", "full"]
 OP_AC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
@@ -97,7 +93,7 @@ def references(tmp_path_factory) -> dict[str, str]:
 def test_references_learn(references):
     for flavor, folder in references.items():
         losses = [r["loss"] for r in _records(folder)]
-        assert len(losses) == STEPS and losses[-1] < losses[0], (flavor, losses)
+        assert len(losses) == HF_STEPS and losses[-1] < losses[0], (flavor, losses)
 
 
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: r.name)
@@ -133,7 +129,7 @@ def _lora_run(row: Row, folder: str, base: str) -> dict:
 @pytest.fixture(scope="module")
 def lora_reference(references, tmp_path_factory) -> tuple[str, str]:
     """(the 1-rank LoRA run's folder, its base: the Mistral reference's HF export)."""
-    base = os.path.join(references[CHECKPOINTED], "hf", f"step-{STEPS}")
+    base = os.path.join(references[CHECKPOINTED], "hf", f"step-{HF_STEPS}")
     folder = str(tmp_path_factory.mktemp("hf_lora") / LORA_REFERENCE[0].name)
     status = _lora_run(LORA_REFERENCE[0], folder, base)
     assert status["ok"], status["error"]
@@ -168,7 +164,7 @@ def _check_peft_export(folder: str, base: str) -> None:
 
     from torchtitan.features.lora.hf_export import export_lora
 
-    adapter = os.path.join(folder, "hf", f"step-{STEPS}")
+    adapter = os.path.join(folder, "hf", f"step-{HF_STEPS}")
     with open(os.path.join(adapter, "adapter_config.json")) as f:
         assert sorted(json.load(f)["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj"] + [
             "q_proj",
@@ -176,7 +172,7 @@ def _check_peft_export(folder: str, base: str) -> None:
             "v_proj",
         ]
     merged = os.path.join(folder, "merged")
-    export_lora(os.path.join(folder, "checkpoint", f"step-{STEPS}"), merged, merge=True, dtype=None)
+    export_lora(os.path.join(folder, "checkpoint", f"step-{HF_STEPS}"), merged, merge=True, dtype=None)
     tokens = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         plain = AutoModelForCausalLM.from_pretrained(base).eval()
@@ -199,8 +195,8 @@ def test_export_loads_in_transformers_with_equal_logits(references):
     from torchtitan.models.hf.spec import SPEC
 
     folder = references[CHECKPOINTED]
-    hf = AutoModelForCausalLM.from_pretrained(os.path.join(folder, "hf", f"step-{STEPS}"))
-    weights, marker = load_model_weights(os.path.join(folder, "checkpoint", f"step-{STEPS}"))
+    hf = AutoModelForCausalLM.from_pretrained(os.path.join(folder, "hf", f"step-{HF_STEPS}"))
+    weights, marker = load_model_weights(os.path.join(folder, "checkpoint", f"step-{HF_STEPS}"))
     args = HFArgs(**marker["model"]["args"])
     ours = SPEC.model_cls(args)
     ours.load_state_dict(weights)
@@ -230,7 +226,7 @@ def test_convert_and_generate_the_runs_checkpoint(references, tmp_path, capsys):
 
     from torchtitan.datasets.tokenizer import build_tokenizer
 
-    checkpoint, out = os.path.join(references[CHECKPOINTED], "checkpoint", f"step-{STEPS}"), str(tmp_path / "hf")
+    checkpoint, out = os.path.join(references[CHECKPOINTED], "checkpoint", f"step-{HF_STEPS}"), str(tmp_path / "hf")
     assert _script("convert_to_hf").main([checkpoint, out]) == 0
     assert capsys.readouterr().out == f"wrote {out}: 2 layers, hidden 64, float32\n"
     prompt, new_tokens = "def main(", 12
@@ -254,7 +250,7 @@ def test_a_local_hf_folder_loads_sharded_and_exports_back_bit_exact(references, 
     import torch
     from safetensors.torch import load_file
 
-    source = os.path.join(references[CHECKPOINTED], "hf", f"step-{STEPS}")
+    source = os.path.join(references[CHECKPOINTED], "hf", f"step-{HF_STEPS}")
     folder = str(tmp_path / "from_hf")
     argv = [*HF, "--model.flavor", "config", "--model.hf_config", source, "--checkpoint.initial_load_path", source]
     argv += ["--checkpoint.initial_load_in_hf", "--checkpoint.enable_checkpoint", "--checkpoint.last_save_in_hf"]

@@ -14,32 +14,17 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.matrix import (
-    GRAD_NORM_RTOL,
-    ROTATE_ALLTOALL,
-    RTOL,
-    MatrixLaunches,
-    Row,
-    check_grad_norms,
-    check_row,
-    pp_schedule,
+from tests.support.matrix import GRAD_NORM_RTOL, RTOL, MatrixLaunches, Row, check_grad_norms, check_row
+from tests.support.rows import (
+    QWEN3_MOE_REFERENCE,
+    QWEN3_MOE_ROWS,
+    QWEN3_REFERENCE,
+    QWEN3_ROWS,
+    TIED_REFERENCE,
+    TIED_ROWS,
 )
-from tests.support.runs import GLOBAL_BATCH
 
 pytestmark = pytest.mark.integration
-
-TIED = ["--model.flavor", "debugmodel_tied_tiny"]
-TIED_REFERENCE = Row("tied_1proc", 1, GLOBAL_BATCH, TIED)
-TIED_ROWS = [
-    Row("tied_fsdp2", 2, 4, TIED),
-    Row("tied_tp2", 2, 8, TIED, tp=2),
-    Row(
-        "tied_ddp2",
-        2,
-        4,
-        [*TIED, "--training.data_parallel_replicate_degree", "2", "--training.data_parallel_shard_degree", "1"],
-    ),
-]
 
 
 @pytest.mark.parametrize(("row", "twin"), [(r, TIED_REFERENCE) for r in TIED_ROWS], ids=[r.name for r in TIED_ROWS])
@@ -53,27 +38,9 @@ def test_tied_embedding_loss_parity(row: Row, twin: Row, matrix: MatrixLaunches)
     check_grad_norms(row.name, got["grad_norm"], want["grad_norm"], GRAD_NORM_RTOL)
 
 
-QWEN3 = ["--model.name", "qwen3"]
-QWEN3_REFERENCE = Row("qwen3_1proc", 1, GLOBAL_BATCH, QWEN3)
-QWEN3_ROWS = [
-    Row("qwen3_fsdp2", 2, 4, QWEN3),
-    Row("qwen3_tp2", 2, 8, QWEN3, tp=2),
-    Row("qwen3_pp2", 2, 8, [*QWEN3, *pp_schedule("1F1B")], pp=2),
-    Row("qwen3_cp2", 2, 8, [*QWEN3, *ROTATE_ALLTOALL], cp=2),
-]
-
-
 @pytest.mark.parametrize(("row", "twin"), [(r, QWEN3_REFERENCE) for r in QWEN3_ROWS], ids=[r.name for r in QWEN3_ROWS])
 def test_qwen3_loss_parity(row: Row, twin: Row, matrix: MatrixLaunches):
     test_tied_embedding_loss_parity(row, twin, matrix)
-
-
-QWEN3_MOE = ["--model.name", "qwen3_moe"]
-QWEN3_MOE_REFERENCE = Row("qwen3_moe_1proc", 1, GLOBAL_BATCH, QWEN3_MOE)
-QWEN3_MOE_ROWS = [
-    Row("qwen3_moe_ep2", 2, 4, [*QWEN3_MOE, "--experimental.expert_parallel_degree", "2"]),
-    Row("qwen3_moe_fsdp2_ep2", 4, 2, [*QWEN3_MOE, "--experimental.expert_parallel_degree", "2"]),
-]
 
 
 @pytest.mark.parametrize(

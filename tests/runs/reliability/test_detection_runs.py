@@ -23,9 +23,8 @@ import time
 
 import pytest
 
-from tests.runs.checkpoint.test_checkpoint_runs import complete_steps
 from tests.support.pool import run_in_pool, train_job
-from tests.support.runs import COMMON, ROOT, read_metrics, trainer_argv
+from tests.support.runs import COMMON, ROOT, complete_steps, read_metrics, trainer_argv
 
 pytestmark = [pytest.mark.distributed, pytest.mark.pool(2)]
 

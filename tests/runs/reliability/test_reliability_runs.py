@@ -18,9 +18,17 @@ import time
 
 import pytest
 
-from tests.runs.checkpoint.test_checkpoint_runs import complete_steps, losses
 from tests.support.held_marker_train import kill_mid_save
-from tests.support.runs import COMMON, ROOT, check_job, launch_jobs, read_metrics, run_train
+from tests.support.runs import (
+    COMMON,
+    ROOT,
+    check_job,
+    complete_steps,
+    launch_jobs,
+    read_metrics,
+    run_train,
+    step_losses,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(2)]
 
@@ -105,7 +113,7 @@ def runs(tmp_path_factory) -> dict:
     out["sigterm_returncode"] = proc.wait(timeout=120)
     out["sigterm_output"] = output(d["sigterm"])
     out["sigterm_steps"] = complete_steps(d["sigterm"])
-    out["sigterm_losses"] = losses(d["sigterm"])
+    out["sigterm_losses"] = step_losses(d["sigterm"])
 
     last = [
         job(d["norm"], "--model.norm_type", "layernorm", expect_error="holds another model"),
@@ -188,6 +196,6 @@ def test_sigterm_saves_the_step_in_flight_and_resumes_bit_exact(runs):
     assert max(runs["sigterm_losses"]) == stopped
     log = check_job("sigterm resume", d["sigterm"], runs["last"])
     assert f"resumed from step {stopped}" in log
-    got, want = losses(d["sigterm"]), losses(d["saved"])
+    got, want = step_losses(d["sigterm"]), step_losses(d["saved"])
     assert sorted(got) == list(range(1, 7))
     assert got == want  # bit-exact: the interrupted-and-resumed run equals the uninterrupted one

@@ -16,12 +16,11 @@ import subprocess
 
 import pytest
 
-from tests.runs.checkpoint.test_checkpoint_runs import complete_steps
 from tests.support.held_marker_train import LAUNCH
 from tests.support.matrix import MOE_ROWS, ROWS, MatrixLaunches, job_argv
 from tests.support.pool import run_in_pool, run_train_job, train_job
 from tests.support.replay_flip import TENSOR, builders
-from tests.support.runs import COMMON, ROOT, read_metrics
+from tests.support.runs import COMMON, ROOT, complete_steps, read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(2)]
 
