@@ -1,6 +1,6 @@
 """Golden values of the loss-parity matrix: each row's and reference's logged numbers, bit for bit.
 
-The matrix (tests/integration_tests.py) compares every layout with one process within a tolerance, so a
+The matrix (tests/runs/training/test_parity_matrix.py) compares every layout with one process within a tolerance, so a
 change that moves all runs alike, or moves one by less than the tolerance, passes it. GOLDEN_FILE pins
 what the code logged in metrics.jsonl before the trainer's refactor: per machine fingerprint (torch
 version, the kernels torch picked, the CPU's ISA flags, the thread count a one-process run gets), each
@@ -14,7 +14,7 @@ anyway. A row is compared:
   reproducible bit for bit from run to run.
 
 A row with no golden values fails: a new row must be recorded. To record, set RECORD_ENV to a path:
-``TORCHTITAN_GOLDEN_RECORD=tests/assets/golden_parity.json python -m pytest tests/integration_tests.py``
+``TORCHTITAN_GOLDEN_RECORD=tests/assets/golden_parity.json python -m pytest tests/runs/training/test_parity_matrix.py``
 writes each row's observed values under this machine's fingerprint into that file, merged into what it
 holds, and still compares against GOLDEN_FILE where it has this fingerprint (it is read once, before any
 row runs). Review the diff and say why in the commit.
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 GOLDEN_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "golden_parity.json")
 RECORD_ENV = "TORCHTITAN_GOLDEN_RECORD"
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # .ci/run's ISA line
-RECORD_HINT = f"{RECORD_ENV}=tests/assets/golden_parity.json python -m pytest tests/integration_tests.py"
+RECORD_HINT = f"{RECORD_ENV}=tests/assets/golden_parity.json python -m pytest tests/runs/training/test_parity_matrix.py"
 
 # A row's values: key ("loss", "grad_norm", "validation_loss") -> step -> value as logged.
 Values = dict[str, dict[int, float]]
@@ -183,7 +183,7 @@ def session_check() -> GoldenCheck:
 
 
 def values_of(losses: dict[str, list[float]], val_freq: int) -> Values:
-    """A row's golden values from its per-step lists (tests/integration_tests.py ``losses_of``): training steps
+    """A row's golden values from its per-step lists (tests/support/matrix.py ``losses_of``): training steps
     count from 1, validation runs every ``val_freq`` steps."""
     return {
         "loss": dict(enumerate(losses["loss"], 1)),

@@ -1,7 +1,7 @@
 """The rank-row budget: what the parity rows cost, so the suite stops growing linearly (docs/testing.md).
 
 A rank-row is one rank training one row (a 2-rank row is 2). Counted: every distinct row (by name) in a
-module-level list of ``Row`` in the test modules (the matrix, the references as 1-rank rows, family,
+module-level list of ``Row`` in the run tests (tests/runs/) and the harness's row modules (tests/support/: the matrix, the references as 1-rank rows, family,
 float8, in-backward, document rows; a list added by a new feature is found without registering it), plus
 the estimator's accuracy rows, which its own measure launch trains again. The 8- and 16-rank rows are
 4-8x oversubscribed on 2 cores: a rank-row there costs as much as one at 2 ranks.
@@ -52,7 +52,7 @@ from tests.support.matrix import Row
 # frozen-base check under EP2 for llama3_moe and qwen3_moe and the estimator check are pool jobs, not rows).
 # Issue 57 (pure bf16 training) raised it by 4 to 380: bf16 parameters with no autocast and the fp32 update written
 # back to bf16 are a path no row takes, and their losses are not mixed precision's: a 1-rank pure-bf16 reference and
-# FSDP2, TP2, PP2 1F1B at 2 ranks (tests/integration_tests.py, PURE_BF16_ROWS), +2 for bf16_pure_fsdp2 in the
+# FSDP2, TP2, PP2 1F1B at 2 ranks (tests/support/matrix.py, PURE_BF16_ROWS), +2 for bf16_pure_fsdp2 in the
 # estimator's launch (the halved bytes); paid in part by merging fsdp2_bf16 into fsdp2_tp2_bf16 and cp2_bf16 (-2)
 # and by no pure CP row (its ring runs as under FSDP's bf16 policy, cp2_bf16).
 # Issue 58 (RL) raised it by 18 to 398: the RL step (generation under each layout, the policy loss with weights over

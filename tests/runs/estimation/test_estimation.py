@@ -1,6 +1,6 @@
 """estimation.py: accuracy against real runs, hand-computed terms for the real flavors, the planner, bad inputs.
 
-Accuracy, on the integration matrix's own rows (tests/integration_tests.py, same arguments):
+Accuracy, on the integration matrix's own rows (tests/support/matrix.py, same arguments):
 (a) every row practical on CPU: the fake-tensor estimate vs. the same tracker on the real step
     (torchrun, gloo, `torchtitan/estimation/measure.py`), per role (each pipeline rank): within 1%.
     This catches fake-mode artefacts (e.g. foreach temporaries overcounted). The rows run at the matrix's

@@ -1,6 +1,6 @@
 """Float8 training runs (torchao, on CPU: ``torch._scaled_mm`` runs there): parity, curve, resume.
 
-* Matrix rows (worker-pool jobs like tests/integration_tests.py's): each float8 layout against the
+* Matrix rows (worker-pool jobs like tests/runs/training/test_parity_matrix.py's): each float8 layout against the
   single-process float8 run with the matrix's settings (fp32 master weights, float8 GEMMs).
 * Resume: float8 (FSDP2, float8 all-gather) 4 steps then to 8 = uninterrupted, bit-exact; a float8
   checkpoint resumes without float8 and the reverse; both checkpoints hold the same keys and dtypes.

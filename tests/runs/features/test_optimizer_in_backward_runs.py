@@ -1,6 +1,6 @@
 """The optimizer step in backward through the trainer: loss parity on every layout it supports, resume.
 
-* Matrix rows (worker-pool jobs like tests/integration_tests.py's): each in-backward layout against the
+* Matrix rows (worker-pool jobs like tests/runs/training/test_parity_matrix.py's): each in-backward layout against the
   single-process run of the regular optimizer, both with ``training.max_norm = 0`` (clipping cannot
   compose with stepping in backward). The update arithmetic is the regular optimizer's on one
   parameter, so the layouts differ only as the regular matrix rows do (RTOL); on one process the

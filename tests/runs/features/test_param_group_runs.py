@@ -1,6 +1,6 @@
 """Parameter groups through the trainer (issue 47): loss parity of FSDP2, TP2 and PP2 (1F1B) with one process.
 
-The rules ride on the matrix's settings (clipping at max_norm 1, FSDP2's row with gradient accumulation 2) (worker-pool jobs like tests/integration_tests.py's): the no-decay
+The rules ride on the matrix's settings (clipping at max_norm 1, FSDP2's row with gradient accumulation 2) (worker-pool jobs like tests/runs/training/test_parity_matrix.py's): the no-decay
 preset, the embedding at half the lr with other betas, Muon for the feed-forward matrices (its full-matrix
 step on FSDP's and TP's shards; on a pipeline stage each stage's own optimizer) and AdamW for the rest. The
 names are canonical, so the same rules give the same groups on every layout and stage; the one-process run is

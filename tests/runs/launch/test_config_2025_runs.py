@@ -12,7 +12,7 @@
   (gpt-oss's, qwen3's MoE one) take the same paths past their config, which tests/unit/test_config_2025.py
   checks for every file: one family's run is enough here.
 * 2025-style flags give per-step losses equal to the same run in our keys: the matrix row
-  ``fsdp2_grad_accum2`` (tests/integration_tests.py), so the twin is shared with the matrix.
+  ``fsdp2_grad_accum2`` (tests/runs/training/test_parity_matrix.py), so the twin is shared with the matrix.
 """
 
 from __future__ import annotations

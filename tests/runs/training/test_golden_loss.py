@@ -1,6 +1,6 @@
 """The regression anchor: the debug model's first 100 steps against losses stored in tests/assets.
 
-The parity matrix (tests/integration_tests.py) compares every layout with the single-process run,
+The parity matrix (tests/runs/training/test_parity_matrix.py) compares every layout with the single-process run,
 so a change that alters that run itself (initialisation, data order, the loss, the optimizer, the
 lr schedule) passes it. This test pins the single-process run: one process, fp32, deterministic,
 100 steps of 4 x 64 tokens, each step's loss checked against GOLDEN_FILE within GOLDEN_RTOL.
@@ -14,7 +14,7 @@ threads 2.2e-7 relative; AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``, ``MKL_ENABL
 A real change to the numerics fails it: a learning rate 0.1% higher from step 5 (4e-3 by the
 end), a different seed at step 1.
 
-The run also saves its step-100 checkpoint (``SAVE``: no effect on the losses): tests/runs/launch/test_generate_trained.py
+The run (tests/support/golden_run.py) also saves its step-100 checkpoint (``SAVE``: no effect on the losses): tests/runs/launch/test_generate_trained.py
 generates from it instead of training the debug model a second time. The run is the session fixture
 ``golden_run`` (tests/conftest.py), made by whichever of the two files runs first.
 
