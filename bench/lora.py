@@ -4,7 +4,7 @@ Builds the model twice through the trainer's build path (``build.build_model``; 
 then times forward + backward + AdamW steps on random tokens, alternating the two models each round, and
 reports medians and the fastest step of each and their ratios (LoRA / full); ``--qlora`` adds a third model, LoRA
 on an NF4 base (``lora.quantize_base = 'nf4'``, quantized as the trainer does after its load). Peak memory is the estimator's
-business (``tests/test_estimation.py`` measures both with torch's tracker on the real step). Prints one JSON
+business (``tests/runs/estimation/test_estimation.py`` measures both with torch's tracker on the real step). Prints one JSON
 object.
 
     python -m bench.lora [--flavor debugmodel] [--rank 16] [--seq_len 256] [--batch_size 4] [--rounds 8] [--qlora]

@@ -10,7 +10,7 @@ Four trainer runs of the same steps, seed and data, one after another (one proce
 Per run: the loss curve's gap to fp32 (mean and max relative over the steps, and over the last 50: the
 smoothed curves' gap), the median step time past the first 10 steps, the process's peak RSS, and the
 estimator's per-rank tensor peak for the same config (estimation.py: equal to the tracker on the real step,
-tests/test_estimation.py). Prints one JSON object; docs/performance.md has the figures.
+tests/runs/estimation/test_estimation.py). Prints one JSON object; docs/performance.md has the figures.
 
     python -m bench.pure_bf16 [--steps 200] [--seq_len 256] [--batch_size 8] [--threads 2] [--curves FILE]
 """

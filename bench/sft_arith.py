@@ -5,7 +5,7 @@ The user's path, in four steps, each through the real entry point:
 1. **An HF model**: a random-init ``LlamaForCausalLM`` built by transformers at the shapes of
    ``--flavor`` (the run's ``model.flavor`` must describe the folder's shapes: the trainer compares the
    args it derives from config.json with the flavor's before reading a weight, so the folder is built
-   from the flavor, as tests/test_hf_finetune.py builds its own), with the shipped tokenizer's
+   from the flavor, as tests/runs/checkpoint/test_hf_finetune.py builds its own), with the shipped tokenizer's
    vocabulary (debugmodel_tiny: dim 64, 4 layers, 4 heads, FFN 256, an untied head; 306k parameters),
    saved by ``save_pretrained`` (safetensors) together with the tokenizer's files.
 2. **Fine-tune**: ``python -m torchtitan.train`` (one process) on train_configs/sft_debug.toml

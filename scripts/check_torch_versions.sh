@@ -21,15 +21,15 @@ VENV_ROOT=${VENV_ROOT:-/tmp/torchtitan-torch-versions}
 # ring and with torch's, whose private names are the likeliest to move), checkpoint resume (TP2, PP2, CP2,
 # MoE EP2, each also resharded), the Hugging Face export, and the estimator.
 SMOKE=(
-  tests/test_golden_loss.py
-  "tests/integration_tests.py::test_loss_parity[fsdp2]"
-  "tests/integration_tests.py::test_loss_parity[tp2]"
-  "tests/integration_tests.py::test_loss_parity[pp2_1f1b]"
-  "tests/integration_tests.py::test_loss_parity[cp2_allgather]"
-  "tests/integration_tests.py::test_loss_parity[cp2_torch]"
-  tests/test_checkpoint_runs.py::test_resume_same_layout_is_bit_exact
-  "tests/test_shipped_configs.py::test_shipped_config_trains_and_exports_with_our_logits[debug_model]"
-  tests/test_estimation.py::test_depth_extrapolation_equals_the_full_depth_run
+  tests/runs/training/test_golden_loss.py
+  "tests/runs/training/test_parity_matrix.py::test_loss_parity[fsdp2]"
+  "tests/runs/training/test_parity_matrix.py::test_loss_parity[tp2]"
+  "tests/runs/training/test_parity_matrix.py::test_loss_parity[pp2_1f1b]"
+  "tests/runs/training/test_parity_matrix.py::test_loss_parity[cp2_allgather]"
+  "tests/runs/training/test_parity_matrix.py::test_loss_parity[cp2_torch]"
+  tests/runs/checkpoint/test_checkpoint_runs.py::test_resume_same_layout_is_bit_exact
+  "tests/runs/models/test_shipped_configs.py::test_shipped_config_trains_and_exports_with_our_logits[debug_model]"
+  tests/runs/estimation/test_estimation.py::test_depth_extrapolation_equals_the_full_depth_run
 )
 
 # This machine's pip configuration may cap torch with a constraints file; PIP_CONSTRAINT=/dev/null lifts it for

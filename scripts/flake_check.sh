@@ -15,10 +15,10 @@ if ! [[ "$rounds" =~ ^[1-9][0-9]*$ ]]; then
 fi
 out=${FLAKE_DIR:-$(mktemp -d /tmp/flake_check.XXXXXX)}
 mkdir -p "$out"
-echo "flake_check: $rounds round(s) of tests/distributed and tests/integration_tests.py; logs in $out"
+echo "flake_check: $rounds round(s) of tests/distributed and tests/runs/training/test_parity_matrix.py; logs in $out"
 for round in $(seq 1 "$rounds"); do
   start=$(date +%s)
-  "$PYTHON" -m pytest -q -p no:cacheprovider tests/distributed tests/integration_tests.py \
+  "$PYTHON" -m pytest -q -p no:cacheprovider tests/distributed tests/runs/training/test_parity_matrix.py \
     --junitxml="$out/round$round.xml" "$@" >"$out/round$round.log" 2>&1 || true
   echo "round $round/$rounds: $(tail -n 1 "$out/round$round.log") ($(($(date +%s) - start)) s)"
 done

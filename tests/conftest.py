@@ -1,5 +1,5 @@
 """Fixtures shared by the integration modules (one single-process reference run per session), the
-worker pools' lifetime (tests/pool.py), and the time report CI prints (docs/testing.md)."""
+worker pools' lifetime (tests/support/pool.py), and the time report CI prints (docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -12,33 +12,27 @@ from collections import defaultdict
 
 import pytest
 
-from tests import pool
-from tests.golden import GoldenCheck, session_check
-from tests.integration_tests import (
+from tests.support import pool
+from tests.support.golden import GoldenCheck, session_check
+from tests.support.matrix import (
     BF16,
     DOCS,
-    GLOBAL_BATCH,
     MOE,
     PURE_BF16,
     PURE_BF16_RTOL,
-    STEPS,
-    VALIDATION,
-    Launch,
     MatrixLaunches,
     Row,
     losses_of,
-    read_metrics,
-    run_train,
     stored_dtypes,
-    train,
 )
+from tests.support.runs import GLOBAL_BATCH, STEPS, VALIDATION, Launch, read_metrics, run_train, train
 
 
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory) -> tuple[str, subprocess.CompletedProcess]:
     """One process, the whole global batch: (dump folder, the launcher's completed process).
 
-    Through run_llama_train.sh (not the pool): tests/test_run_experience.py reads what the launcher printed."""
+    Through run_llama_train.sh (not the pool): tests/runs/launch/test_run_experience.py reads what the launcher printed."""
     folder = str(tmp_path_factory.mktemp("reference"))
     result = run_train(1, folder, ["--training.batch_size", str(GLOBAL_BATCH), *VALIDATION])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -91,9 +85,9 @@ def moe_reference_run(tmp_path_factory) -> tuple[str, Launch]:
 
 @pytest.fixture(scope="session")
 def golden_run(tmp_path_factory) -> tuple[str, list[float]]:
-    """The golden-loss run (tests/test_golden_loss.py: the debug model, 100 steps through run_llama_train.sh, its
-    step-100 checkpoint saved): (dump folder, its 100 losses). tests/test_generate_trained.py generates from it."""
-    from tests.test_golden_loss import train_losses
+    """The golden-loss run (tests/runs/training/test_golden_loss.py: the debug model, 100 steps through run_llama_train.sh, its
+    step-100 checkpoint saved): (dump folder, its 100 losses). tests/runs/launch/test_generate_trained.py generates from it."""
+    from tests.support.golden_run import train_losses
 
     folder = str(tmp_path_factory.mktemp("golden_run"))
     return folder, train_losses(folder)
@@ -101,7 +95,7 @@ def golden_run(tmp_path_factory) -> tuple[str, list[float]]:
 
 @pytest.fixture(scope="session")
 def golden(request) -> GoldenCheck:
-    """The matrix's golden values (tests/golden.py); the terminal summary says how they were compared."""
+    """The matrix's golden values (tests/support/golden.py); the terminal summary says how they were compared."""
     check = session_check()
     request.config.stash[_GOLDEN] = check
     return check
@@ -174,7 +168,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     # Every module the tests import is loaded now and lives as long as the session: kept out of the collector's
-    # full scans from here on (the pool's workers do the same, tests/pool.py)
+    # full scans from here on (the pool's workers do the same, tests/support/pool.py)
     gc.freeze()
     selected = [item for item in session.items if item.path.name == ESTIMATION_FILE]
     if selected and not session.config.option.collectonly:
@@ -202,7 +196,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     pool.close_all()
-    # the estimator's background is in sessions of its own (tests/background_priority.py): a Ctrl-C does not reach it
+    # the estimator's background is in sessions of its own (tests/support/background_priority.py): a Ctrl-C does not reach it
     module = session.config.stash.get(_BACKGROUND_MODULE, None)
     if module is not None:
         module.stop_background()
@@ -264,7 +258,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     write = terminalreporter.write_line
     golden = config.stash.get(_GOLDEN, None)
     if golden is not None:
-        terminalreporter.section("golden parity values (tests/golden.py)")
+        terminalreporter.section("golden parity values (tests/support/golden.py)")
         for line in golden.summary():
             write(line)
     terminalreporter.section("time per test file (setup + call + teardown)")
@@ -276,7 +270,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     stats = pool.STATS
     if not stats.jobs:
         return
-    terminalreporter.section("worker pools (tests/pool.py): jobs and starts per world size")
+    terminalreporter.section("worker pools (tests/support/pool.py): jobs and starts per world size")
     for size in sorted({j.world_size for j in stats.jobs} | set(stats.starts)):
         jobs = [j for j in stats.jobs if j.world_size == size]
         train = [j for j in jobs if j.name.startswith("train ")]

@@ -212,7 +212,7 @@ class Trainer:
 def run_job(config: JobConfig, *, world_size: int, rank: int, builders: Builders | None = None) -> None:
     """Validate, build, train. Joins the process group if none exists and leaves it as it is.
 
-    A launcher that runs several jobs in one set of processes (the tests' worker pool, tests/pool.py) calls this
+    A launcher that runs several jobs in one set of processes (the tests' worker pool, tests/support/pool.py) calls this
     once per job under one process group. ``builders``: the trainer's (default: a real training run).
     """
     set_log_level(config.job.log_level)

@@ -50,7 +50,7 @@ torch (torchao 0.17.0 for torch 2.11; a wheel is a zip file) into an ignored fol
 ``PYTHONPATH=.whl/torchao python -m bench.gpu_check --out OUT --budget_s 560``.
 
 ``--cpu-dry-run``: the same sections and code with tiny shapes (debugmodel_tiny, seq 64-128) on the CPU,
-hiding any GPU; one compile (of the tiny model) instead of two. tests/test_gpu_check.py runs it.
+hiding any GPU; one compile (of the tiny model) instead of two. tests/runs/launch/test_gpu_check.py runs it.
 
 Golden files (bench/gpu_check/golden.py): every run row's tokens/s and peak memory are compared with
 bench/golden/<kind>.json, the kind named from the GPU (h100, h200, ...; ``cpu_dry_run`` for the dry run). Each

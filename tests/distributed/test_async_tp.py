@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.checkpoint import checkpoint
 
-from tests.distributed.harness import run_distributed
+from tests.support.distributed import run_distributed
 from torchtitan.distributed.tensor_parallel.async_tp import record_events
 from torchtitan.distributed.tensor_parallel.plan import async_block_plan, block_plan
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from tests.distributed.harness import run_distributed
+from tests.support.distributed import run_distributed
 from torchtitan.build import build_model
 from torchtitan.components.loss import chunked_cross_entropy
 from torchtitan.config.manager import JobConfig

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import torchtitan.distributed.context_parallel.context_parallel as cp_module
-from tests.distributed.harness import run_distributed
+from tests.support.distributed import run_distributed
 from torchtitan.distributed.context_parallel.context_parallel import (
     RingAttention,
     apply_cp,

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 
-from tests.distributed.harness import run_distributed
+from tests.support.distributed import run_distributed
 from torchtitan.distributed.expert_parallel.experts import ExpertParallel, apply_ep
 from torchtitan.distributed.init import init_model_weights
 from torchtitan.models.moe import MoE, MoEArgs, MoETransformer

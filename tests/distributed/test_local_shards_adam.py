@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from tests.distributed.harness import run_distributed
+from tests.support.distributed import run_distributed
 from torchtitan.components.optim import local_shards
 
 pytestmark = [pytest.mark.distributed, pytest.mark.pool(2)]

@@ -1,4 +1,4 @@
-"""Adding a model family touches only its own folder and one registration: tests/tiny_family.py
+"""Adding a model family touches only its own folder and one registration: tests/support/tiny_family.py
 defines one (own block, flavors and spec) and it trains through the unchanged trainer.
 
 One spawn of 2 ranks runs FSDP2, TP2 and PP2 jobs of the family through ``run_job`` (the trainer's
@@ -14,10 +14,10 @@ import os
 
 import pytest
 
-import tests.tiny_family  # noqa: F401  (registers "tiny_parallel" in this process)
-from tests.distributed.harness import run_distributed
-from tests.integration_tests import RTOL
-from tests.test_estimation import TRACKER_RTOL
+import tests.support.tiny_family  # noqa: F401  (registers "tiny_parallel" in this process)
+from tests.support.distributed import run_distributed
+from tests.support.estimation_rows import TRACKER_RTOL
+from tests.support.matrix import RTOL
 from torchtitan.config.manager import JobConfig
 from torchtitan.train import run_job
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 
-from tests.distributed.harness import run_distributed
+from tests.support.distributed import run_distributed
 from torchtitan.distributed.expert_parallel.moe_balance import GlobalStatsSum, apply_global_balance, switch_aux_layers
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.moe import MoE, MoEArgs

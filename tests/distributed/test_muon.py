@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from tests.distributed.harness import run_distributed
+from tests.support.distributed import run_distributed
 from torchtitan.build import build_model
 from torchtitan.components.optim.muon import MuonAdam
 from torchtitan.components.optim.muon_round_robin import RoundRobin

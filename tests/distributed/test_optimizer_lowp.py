@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor, Shard
 
-from tests.distributed.harness import run_distributed
+from tests.support.distributed import run_distributed
 from torchtitan.build import build_model
 from torchtitan.components.optim.optim_lowp import LowPrecisionAdamW
 from torchtitan.components.optim.optimizer import build_optimizer

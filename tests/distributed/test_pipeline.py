@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from tests.distributed.harness import run_distributed
+from tests.support.distributed import run_distributed
 from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.distributed.init import init_model_weights
 from torchtitan.distributed.pipeline.stages import ShapeInference, build_pipeline, pipeline_step, prune_to_stage

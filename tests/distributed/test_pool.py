@@ -1,4 +1,4 @@
-"""The worker pool every multi-process test runs in (tests/pool.py): reuse, failures, hangs, isolation."""
+"""The worker pool every multi-process test runs in (tests/support/pool.py): reuse, failures, hangs, isolation."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.pool import PoolBroken, run_in_pool
+from tests.support.pool import PoolBroken, run_in_pool
 
 pytestmark = [pytest.mark.distributed, pytest.mark.pool(2)]
 
@@ -100,7 +100,7 @@ def _mesh_of_a_job(rank: int, world: int, also: str = "") -> tuple[bool, int]:
 
 
 def test_a_layout_keeps_its_mesh_until_a_job_fails():
-    """tests/pool_meshes.py: the same mesh object for the next job of a layout, also after a job that made a group
+    """tests/support/pool_meshes.py: the same mesh object for the next job of a layout, also after a job that made a group
     of its own (that group is destroyed, the caches cleared); a failed job drops it."""
     groups = run_in_pool(_state, 2)[0][2]
     run_in_pool(_mesh_of_a_job, 2)

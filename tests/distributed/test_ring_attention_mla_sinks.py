@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from tests.distributed.harness import run_distributed
+from tests.support.distributed import run_distributed
 from torchtitan.distributed.context_parallel.context_parallel import (
     RingAttention,
     RingSinkAttention,

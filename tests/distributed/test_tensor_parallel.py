@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import loss_parallel
 
-from tests.distributed.harness import run_distributed
+from tests.support.distributed import run_distributed
 from torchtitan.build import build_model
 from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.config.manager import JobConfig

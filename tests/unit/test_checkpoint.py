@@ -12,21 +12,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.support.checkpoint import ARGS, tiny_llama, tiny_manager, tiny_train_step
 from torchtitan.checkpointing.common import load_model_weights, save_model_weights
 from torchtitan.checkpointing.files.folders import SaveSchedule, find_resume_checkpoint, list_checkpoints, purge_stale
 from torchtitan.checkpointing.files.marker import EXPORT, FULL, SEED, step_folder, write_marker
 from torchtitan.checkpointing.hf.convert import export_to_hf, import_from_hf
-from torchtitan.checkpointing.manager import CheckpointManager, trim_metrics
+from torchtitan.checkpointing.manager import trim_metrics
 from torchtitan.checkpointing.state import ModelPartsView
-from torchtitan.config.schema import Checkpoint as CheckpointConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models.llama import ModelArgs, Transformer
 from torchtitan.models.llama.hf_adapter import ADAPTER
 from torchtitan.preflight import run_preflight
-
-ARGS = ModelArgs(
-    dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16, rope_theta=500000
-)
 
 
 def make(root, step: int, kind: str | None = FULL) -> str:
@@ -128,64 +123,16 @@ def test_trim_metrics_drops_records_after_the_resume_step(tmp_path):
 # ---- the manager on one process ---------------------------------------------------------------
 
 
-class _Loader:
-    def __init__(self):
-        self.state = {"num_streams": 1, "seq_len": 4, "streams": {"0": {"docs": 3, "windows": 2, "buffer": [1]}}}
-
-    def state_dict(self):
-        return self.state
-
-    def load_state_dict(self, state):
-        self.state = state
-
-
-def _manager(
-    tmp_path, model: torch.nn.Module, clock=None, before_marker=None, optimizer=torch.optim.AdamW, **config
-) -> CheckpointManager:
-    opt = optimizer(model.parameters(), lr=1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
-    cfg = CheckpointConfig(enable_checkpoint=True, folder="ckpt", **{"interval": 2, **config})
-    return CheckpointManager(
-        cfg,
-        dump_folder=str(tmp_path),
-        model_parts=[model],
-        optimizer=opt,
-        lr_scheduler=sched,
-        data_loader=_Loader(),
-        dp_rank=0,
-        rank=0,
-        device=torch.device("cpu"),
-        model_info={"args": dataclasses.asdict(ARGS)},
-        **({"clock": clock} if clock else {}),
-        before_marker=before_marker,
-    )
-
-
-def _model(seed: int, args: ModelArgs = ARGS) -> Transformer:
-    torch.manual_seed(seed)
-    model = Transformer(args)
-    model.init_weights()
-    return model
-
-
-def _train_step(model: Transformer, manager: CheckpointManager) -> None:
-    tokens = torch.arange(16).view(2, 8) % ARGS.vocab_size
-    F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
-    manager.optimizer.step()
-    manager.lr_scheduler.step()
-    manager.optimizer.zero_grad()
-
-
 def test_save_and_load_round_trip(tmp_path):
-    model = _model(0)
-    saver = _manager(tmp_path, model)
-    _train_step(model, saver)
+    model = tiny_llama(0)
+    saver = tiny_manager(tmp_path, model)
+    tiny_train_step(model, saver)
     saver.data_loader.state["streams"]["0"]["windows"] = 7
     saver.maybe_save(1, last=False)  # not due (interval 2)
     saver.maybe_save(2, last=False)
     saver.close()
-    other = _model(1)
-    loader = _manager(tmp_path, other)
+    other = tiny_llama(1)
+    loader = tiny_manager(tmp_path, other)
     assert loader.load() == 2
     for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
         assert torch.equal(a, b), name
@@ -197,41 +144,41 @@ def test_save_and_load_round_trip(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_final_save_as_export(tmp_path, dtype):
-    model = _model(0)
-    manager = _manager(tmp_path, model, model_weights_only=True, export_dtype=dtype)
+    model = tiny_llama(0)
+    manager = tiny_manager(tmp_path, model, model_weights_only=True, export_dtype=dtype)
     manager.maybe_save(3, last=True)
     weights, marker = load_model_weights(step_folder(str(tmp_path / "ckpt"), 3))
     assert marker["kind"] == EXPORT and marker["dtype"] == dtype and set(weights) == set(model.state_dict())
     for name, want in model.state_dict().items():
         assert weights[name].dtype == getattr(torch, dtype) and torch.equal(weights[name], want.to(weights[name].dtype))
     with pytest.raises(ValueError, match="weights-only export"):
-        _manager(tmp_path, _model(0), load_step=3).load()
+        tiny_manager(tmp_path, tiny_llama(0), load_step=3).load()
 
 
 def test_seed_checkpoint_loads_weights_and_keeps_step_0(tmp_path):
-    seed = _model(7)
+    seed = tiny_llama(7)
     save_model_weights(seed.state_dict(), step_folder(str(tmp_path / "ckpt"), 0), {})
-    model = _model(0)
-    assert _manager(tmp_path, model).load() == 0
+    model = tiny_llama(0)
+    assert tiny_manager(tmp_path, model).load() == 0
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), seed.parameters()))
 
 
 def test_other_flavor_fails_with_named_keys_and_shapes(tmp_path):
-    save_model_weights(_model(0).state_dict(), step_folder(str(tmp_path / "ckpt"), 0), {})
+    save_model_weights(tiny_llama(0).state_dict(), step_folder(str(tmp_path / "ckpt"), 0), {})
     wider = dataclasses.replace(ARGS, dim=64)
     with pytest.raises(ValueError, match=r"shape mismatches, e.g. \['tok_embeddings.weight: checkpoint \(64, 32\)"):
-        _manager(tmp_path, _model(0, wider)).load()
+        tiny_manager(tmp_path, tiny_llama(0, wider)).load()
     deeper = dataclasses.replace(ARGS, n_layers=3)
     with pytest.raises(ValueError, match=r"model keys missing from the checkpoint, e.g. \['layers.2"):
-        _manager(tmp_path, _model(0, deeper)).load()
+        tiny_manager(tmp_path, tiny_llama(0, deeper)).load()
     shallower = dataclasses.replace(ARGS, n_layers=1)
     with pytest.raises(ValueError, match=r"checkpoint keys this model does not have, e.g. \['layers.1"):
-        _manager(tmp_path, _model(0, shallower)).load()
+        tiny_manager(tmp_path, tiny_llama(0, shallower)).load()
 
 
 def test_corrupted_checkpoint_is_a_value_error(tmp_path):
-    model = _model(0)
-    manager = _manager(tmp_path, model)
+    model = tiny_llama(0)
+    manager = tiny_manager(tmp_path, model)
     manager.save(2)
     path = step_folder(str(tmp_path / "ckpt"), 2)
     data, metadata = os.path.join(path, "__0_0.distcp"), os.path.join(path, ".metadata")
@@ -241,18 +188,18 @@ def test_corrupted_checkpoint_is_a_value_error(tmp_path):
         f.seek(len(original) // 2)
         f.write(bytes([original[len(original) // 2] ^ 0xFF]))
     with pytest.raises(ValueError, match=r"step-2 is corrupted: .metadata does not match its CRC32"):
-        _manager(tmp_path, _model(1)).load()
+        tiny_manager(tmp_path, tiny_llama(1)).load()
     with open(metadata, "wb") as f:
         f.write(original)
     with open(data, "r+b") as f:
         f.truncate(100)
     with pytest.raises(ValueError, match=r"step-2 is corrupted: __0_0.distcp has 100 bytes, the save wrote \d+"):
-        _manager(tmp_path, _model(1)).load()
+        tiny_manager(tmp_path, tiny_llama(1)).load()
     with pytest.raises(ValueError, match="is corrupted"):
         load_model_weights(path)
     os.remove(data)
     with pytest.raises(ValueError, match=r"__0_0.distcp is missing; resume from another step"):
-        _manager(tmp_path, _model(1)).load()
+        tiny_manager(tmp_path, tiny_llama(1)).load()
     # a marker without the file list (written before the check existed): DCP's own errors, one line
     marker = json.load(open(os.path.join(path, ".complete")))
     del marker["files"]
@@ -260,28 +207,28 @@ def test_corrupted_checkpoint_is_a_value_error(tmp_path):
     with pytest.raises(
         ValueError, match=r"checkpoint .*step-2 \(format 1, written by torchtitan .*\) could not be loaded"
     ):
-        _manager(tmp_path, _model(1)).load()
+        tiny_manager(tmp_path, tiny_llama(1)).load()
     with open(metadata, "wb") as f:
         f.write(b"garbage")
     with pytest.raises(ValueError, match="cannot read its DCP metadata"):
-        _manager(tmp_path, _model(1)).load()
+        tiny_manager(tmp_path, tiny_llama(1)).load()
 
 
 def test_manager_saves_by_seconds_and_at_the_last_step(tmp_path):
     now = [0.0]
-    model = _model(0)
-    manager = _manager(tmp_path, model, interval_type="seconds", interval=10, clock=lambda: now[0])
+    model = tiny_llama(0)
+    manager = tiny_manager(tmp_path, model, interval_type="seconds", interval=10, clock=lambda: now[0])
     for step, seconds in [(1, 4.0), (2, 11.0), (3, 15.0), (4, 22.0), (5, 23.0)]:
         now[0] = seconds
-        _train_step(model, manager)
+        tiny_train_step(model, manager)
         manager.maybe_save(step, last=step == 5)
     manager.close()
     assert [c.step for c in list_checkpoints(str(tmp_path / "ckpt")) if c.complete] == [2, 4, 5]
 
 
 def test_async_save_copies_the_state_before_training_continues(tmp_path):
-    model = _model(0)
-    manager = _manager(tmp_path, model, async_mode="async")
+    model = tiny_llama(0)
+    manager = tiny_manager(tmp_path, model, async_mode="async")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     manager.save(2)
     with torch.no_grad():
@@ -300,10 +247,10 @@ def test_background_staging_holds_the_next_update_until_its_copy_is_done(tmp_pat
     (training.dtype = "bfloat16")."""
     from torchtitan.components.optim.optim_lowp import LowPrecisionAdamW
 
-    model = _model(0).to(dtype)
+    model = tiny_llama(0).to(dtype)
     optimizer = torch.optim.AdamW if dtype == torch.float32 else LowPrecisionAdamW
-    manager = _manager(tmp_path, model, optimizer=optimizer, async_mode="async_with_pinned_mem")
-    _train_step(model, manager)
+    manager = tiny_manager(tmp_path, model, optimizer=optimizer, async_mode="async_with_pinned_mem")
+    tiny_train_step(model, manager)
     gate = threading.Event()
     manager.staging.copier._staging_executor.submit(gate.wait)  # its one staging thread: busy until the gate opens
     manager.save(1)
@@ -321,8 +268,8 @@ def test_background_staging_holds_the_next_update_until_its_copy_is_done(tmp_pat
     saved, _ = load_model_weights(step_folder(str(tmp_path / "ckpt"), 1))
     assert all(torch.equal(saved[k], weights[k]) for k in weights)
     assert manager.blocked_seconds[1] > 0  # the wait is counted as blocked time
-    other = _model(1).to(dtype)
-    loader = _manager(tmp_path, other, optimizer=optimizer, async_mode="async_with_pinned_mem")
+    other = tiny_llama(1).to(dtype)
+    loader = tiny_manager(tmp_path, other, optimizer=optimizer, async_mode="async_with_pinned_mem")
     assert loader.load() == 1
     assert torch.equal(loader.optimizer.state[next(other.parameters())]["exp_avg"], moments)
     loader.close()
@@ -337,7 +284,7 @@ def test_before_marker_runs_once_the_data_is_written_and_before_the_marker(tmp_p
         data, marker = os.path.join(path, ".metadata"), os.path.join(path, ".complete")
         seen.append((step, os.path.isfile(data), os.path.exists(marker)))
 
-    manager = _manager(tmp_path, _model(0), before_marker=before_marker)
+    manager = tiny_manager(tmp_path, tiny_llama(0), before_marker=before_marker)
     for step in (1, 2, 3):
         manager.maybe_save(step, last=step == 3)
     manager.close()
@@ -346,8 +293,8 @@ def test_before_marker_runs_once_the_data_is_written_and_before_the_marker(tmp_p
 
 
 def test_parts_view_names_parameters_with_whole_model_fqns():
-    whole = _model(0)
-    first, last = _model(0), _model(0)
+    whole = tiny_llama(0)
+    first, last = tiny_llama(0), tiny_llama(0)
     del last.layers["0"]
     del first.layers["1"]
     first.norm = first.output = None
@@ -396,7 +343,7 @@ def hf_llama_forward(sd: dict[str, torch.Tensor], cfg: dict, tokens: torch.Tenso
 
 
 def test_hf_round_trip_is_identical():
-    sd = _model(0).state_dict()
+    sd = tiny_llama(0).state_dict()
     args = dataclasses.asdict(ARGS)
     hf = ADAPTER.to_hf_state_dict(sd, args)
     assert "model.layers.1.self_attn.q_proj.weight" in hf and "lm_head.weight" in hf
@@ -407,7 +354,7 @@ def test_hf_round_trip_is_identical():
 def test_hf_export_gives_our_logits(tmp_path):
     from safetensors.torch import load_file
 
-    model = _model(0)
+    model = tiny_llama(0)
     ckpt = step_folder(str(tmp_path / "ckpt"), 0)
     save_model_weights(model.state_dict(), ckpt, {"args": dataclasses.asdict(ARGS)})
     cfg = export_to_hf(ckpt, str(tmp_path / "hf"))
@@ -471,14 +418,14 @@ def test_checkpoint_knobs_without_checkpointing_warn():
 
 def test_exclude_from_loading_keeps_those_parts_fresh(tmp_path):
     """torchtitan's checkpoint.exclude_from_loading: the excluded parts are not restored, the rest is."""
-    model = _model(0)
-    saver = _manager(tmp_path, model)
-    _train_step(model, saver)
+    model = tiny_llama(0)
+    saver = tiny_manager(tmp_path, model)
+    tiny_train_step(model, saver)
     saver.data_loader.state["streams"]["0"]["windows"] = 7
     saver.maybe_save(2, last=False)
     saver.close()
-    other = _model(1)
-    loader = _manager(tmp_path, other, exclude_from_loading=["optimizer", "dataloader"])
+    other = tiny_llama(1)
+    loader = tiny_manager(tmp_path, other, exclude_from_loading=["optimizer", "dataloader"])
     assert loader.load() == 2
     for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
         assert torch.equal(a, b), name

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import torchtitan.checkpointing.files.format as fmt
-from tests.checkpoint_assets import asset_folder
+from tests.support.checkpoint_assets import asset_folder
 from torchtitan.checkpointing.common import load_model_weights
 from torchtitan.checkpointing.files.integrity import read_metadata_file
 from torchtitan.checkpointing.files.marker import FULL, read_marker, write_marker

@@ -9,48 +9,22 @@ import zlib
 
 import pytest
 import torch
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tests.unit.test_checkpoint import _Loader
-from tests.unit.test_checkpoint_scripts import _script
+from tests.support.checkpoint import DATA, Pwn, linear_manager, tiny_linear
+from tests.support.scripts import script_main
 from torchtitan.checkpointing.common import load_model_weights, save_model_weights
 from torchtitan.checkpointing.files import integrity
 from torchtitan.checkpointing.files.folders import list_files
 from torchtitan.checkpointing.files.marker import MARKER, read_marker, step_folder, write_marker
-from torchtitan.checkpointing.manager import CheckpointManager
-from torchtitan.config.schema import Checkpoint as CheckpointConfig
 
-DATA = "__0_0.distcp"
 # one process on purpose: DCP says it assumes one process on every call
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-def _model(seed: int) -> nn.Linear:
-    torch.manual_seed(seed)
-    return nn.Linear(64, 64)  # 16 KiB of weights: most of the data file is tensor bytes
-
-
-def _manager(tmp_path, model: nn.Module, *, folder: str = "ckpt", **config) -> CheckpointManager:
-    """A one-process manager of ``model`` saving to ``<tmp_path>/<folder>`` (a URL folder: there)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return CheckpointManager(
-        CheckpointConfig(enable_checkpoint=True, folder=folder, **config),
-        dump_folder=str(tmp_path),
-        model_parts=[model],
-        optimizer=opt,
-        lr_scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-        data_loader=_Loader(),
-        dp_rank=0,
-        rank=0,
-        device=torch.device("cpu"),
-        model_info={"name": "linear", "flavor": None, "args": {"dim": 64}},
-    )
-
-
 def _seed_checkpoint(tmp_path) -> str:
     path = step_folder(str(tmp_path / "ckpt"), 0)
-    save_model_weights(_model(0).state_dict(), path, {"name": "linear", "flavor": None, "args": {"dim": 64}})
+    save_model_weights(tiny_linear(0).state_dict(), path, {"name": "linear", "flavor": None, "args": {"dim": 64}})
     return path
 
 
@@ -61,16 +35,6 @@ def _flip_middle_byte(path: str) -> None:
         byte = f.read(1)
         f.seek(middle)
         f.write(bytes([byte[0] ^ 0xFF]))
-
-
-class _Pwn:
-    """Unpickling this runs a shell command: what a crafted checkpoint would carry."""
-
-    def __init__(self, target: str):
-        self.target = target
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.target}",)
 
 
 def _assert_crcs_match_the_bytes(path: str) -> None:
@@ -90,33 +54,33 @@ def test_marker_records_the_crc32_taken_while_writing(tmp_path):
 
 
 def test_async_save_records_crc32s_too(tmp_path):
-    manager = _manager(tmp_path, _model(0), async_mode="async")
+    manager = linear_manager(tmp_path, tiny_linear(0), async_mode="async")
     manager.save(2)
     manager.close()
     _assert_crcs_match_the_bytes(step_folder(str(tmp_path / "ckpt"), 2))
 
 
 def test_a_genuine_checkpoint_loads_back_equal_tensors(tmp_path):
-    saved = _model(0)
-    manager = _manager(tmp_path, saved)
+    saved = tiny_linear(0)
+    manager = linear_manager(tmp_path, saved)
     manager.save(2)
     manager.close()
-    loaded = _model(1)
-    assert _manager(tmp_path, loaded).load() == 2
+    loaded = tiny_linear(1)
+    assert linear_manager(tmp_path, loaded).load() == 2
     assert all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(), loaded.state_dict().values()))
 
 
 def test_a_flipped_byte_is_refused_naming_the_file(tmp_path):
-    manager = _manager(tmp_path, _model(0))
+    manager = linear_manager(tmp_path, tiny_linear(0))
     manager.save(2)
     path = step_folder(str(tmp_path / "ckpt"), 2)
     _flip_middle_byte(os.path.join(path, DATA))
     refusal = rf"checkpoint {path} is corrupted: {DATA} does not match its CRC32 .*checkpoint.load_step"
     with pytest.raises(ValueError, match=refusal):
-        _manager(tmp_path, _model(1)).load()
+        linear_manager(tmp_path, tiny_linear(1)).load()
     with pytest.raises(ValueError, match=refusal):
         load_model_weights(path)
-    assert _script("dcp_to_torch")([path, str(tmp_path / "out.pt")]) == 2
+    assert script_main("dcp_to_torch")([path, str(tmp_path / "out.pt")]) == 2
 
 
 def test_without_checksums_the_size_check_stays(tmp_path):
@@ -126,7 +90,7 @@ def test_without_checksums_the_size_check_stays(tmp_path):
     with open(data, "r+b") as f:
         f.truncate(size - 10)
     with pytest.raises(ValueError, match=rf"{DATA} has {size - 10} bytes, the save wrote {size}"):
-        _manager(tmp_path, _model(1), verify_checksums=False).load()
+        linear_manager(tmp_path, tiny_linear(1), verify_checksums=False).load()
     with pytest.raises(ValueError, match=rf"{DATA} has {size - 10} bytes"):
         load_model_weights(path, verify_checksums=False)
 
@@ -139,20 +103,20 @@ def test_markers_without_data_crcs_still_load(tmp_path):
     os.remove(os.path.join(path, DATA + integrity.SIDECAR_SUFFIX))
     write_marker(path, 0, marker.pop("kind"), **{k: v for k, v in marker.items() if k not in ("step", "time")})
     weights, _ = load_model_weights(path)
-    assert torch.equal(weights["weight"], _model(0).weight)
+    assert torch.equal(weights["weight"], tiny_linear(0).weight)
     assert list_files(path)[DATA][1] == -1  # no sidecar: the size alone would be recorded (with a warning)
 
 
 def _plant_foreign_metadata(path: str, target: str) -> None:
     """Replace ``.metadata`` with a code-running pickle and re-mark the folder, as a crafted checkpoint would."""
     with open(os.path.join(path, ".metadata"), "wb") as f:
-        pickle.dump(_Pwn(target), f)
+        pickle.dump(Pwn(target), f)
     marker = read_marker(path)
     write_marker(path, marker["step"], marker["kind"], model=marker["model"], files=list_files(path))
 
 
 def test_a_foreign_pickle_in_metadata_is_refused_without_running_it(tmp_path):
-    manager = _manager(tmp_path, _model(0))
+    manager = linear_manager(tmp_path, tiny_linear(0))
     manager.save(2)
     path = step_folder(str(tmp_path / "ckpt"), 2)
     target = str(tmp_path / "pwned")
@@ -162,23 +126,23 @@ def test_a_foreign_pickle_in_metadata_is_refused_without_running_it(tmp_path):
         r"refusing to load it \(it could run code\)"
     )
     with pytest.raises(ValueError, match=refusal):
-        _manager(tmp_path, _model(1)).load()
+        linear_manager(tmp_path, tiny_linear(1)).load()
     with pytest.raises(ValueError, match=refusal):
         load_model_weights(path)
     # dcp.load's own read (torch 2.11's DCP hides the reader's error: integrity.load raises it itself)
     with pytest.raises(
         (CheckpointException, integrity.ForeignPickleError), match=r"holds a pickle of (posix|nt|os)\.system"
     ):
-        integrity.load({"model": _model(1).state_dict()}, path, no_dist=True)
+        integrity.load({"model": tiny_linear(1).state_dict()}, path, no_dist=True)
     for model_only in ([], ["--model-only"]):
-        assert _script("dcp_to_torch")([path, str(tmp_path / "out.pt"), *model_only]) == 2
+        assert script_main("dcp_to_torch")([path, str(tmp_path / "out.pt"), *model_only]) == 2
     assert not os.path.exists(target)
 
 
 def test_a_foreign_pickle_in_a_non_tensor_entry_is_refused_without_running_it(tmp_path):
     target = str(tmp_path / "pwned")
     path = str(tmp_path / "crafted")
-    integrity.save({"extra": {"note": _Pwn(target)}}, path, no_dist=True)  # pickled at save time, not run
+    integrity.save({"extra": {"note": Pwn(target)}}, path, no_dist=True)  # pickled at save time, not run
     assert os.path.isfile(os.path.join(path, MARKER)) is False and not os.path.exists(target)
     refusal = r"checkpoint entry extra.note is not plain data; refusing to load it .*GLOBAL (posix|nt|os)\.system"
     with pytest.raises(CheckpointException, match=refusal):

@@ -14,26 +14,20 @@ import shutil
 import pytest
 import torch
 
-from tests.unit.test_checkpoint import ARGS, _manager, _model, _train_step
+from tests.support.checkpoint import ARGS, tiny_llama, tiny_manager, tiny_train_step
+from tests.support.scripts import script_main
 from torchtitan.checkpointing.common import load_model_weights
 from torchtitan.checkpointing.files.marker import step_folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
-
-
 @pytest.fixture
 def saved(tmp_path):
     """(step-2 folder of a full checkpoint, the model's state dict at the save)."""
-    model = _model(0)
-    manager = _manager(tmp_path, model)
-    _train_step(model, manager)
+    model = tiny_llama(0)
+    manager = tiny_manager(tmp_path, model)
+    tiny_train_step(model, manager)
     manager.save(2)
     manager.close()
     return step_folder(str(tmp_path / "ckpt"), 2), {k: v.clone() for k, v in model.state_dict().items()}
@@ -42,12 +36,12 @@ def saved(tmp_path):
 def test_hf_scripts_round_trip(saved, tmp_path, capsys):
     folder, state = saved
     hf_dir, back = str(tmp_path / "hf"), str(tmp_path / "seed" / "step-0")
-    assert _script("convert_to_hf")([folder, hf_dir, "--dtype", "bfloat16"]) == 0
+    assert script_main("convert_to_hf")([folder, hf_dir, "--dtype", "bfloat16"]) == 0
     with open(os.path.join(hf_dir, "config.json")) as f:
         config = json.load(f)
     assert config["torch_dtype"] == "bfloat16" and config["num_hidden_layers"] == ARGS.n_layers
     assert config["num_key_value_heads"] == ARGS.n_kv_heads and config["architectures"] == ["LlamaForCausalLM"]
-    assert _script("convert_from_hf")([hf_dir, back]) == 0
+    assert script_main("convert_from_hf")([hf_dir, back]) == 0
     weights, marker = load_model_weights(back)
     assert marker["kind"] == "seed" and set(weights) == set(state)
     for name, want in state.items():
@@ -57,8 +51,8 @@ def test_hf_scripts_round_trip(saved, tmp_path, capsys):
 def test_dcp_to_torch_full_and_model_only(saved, tmp_path):
     folder, state = saved
     full, model_only = str(tmp_path / "full.pt"), str(tmp_path / "model.pt")
-    assert _script("dcp_to_torch")([folder, full]) == 0
-    assert _script("dcp_to_torch")([folder, model_only, "--model-only"]) == 0
+    assert script_main("dcp_to_torch")([folder, full]) == 0
+    assert script_main("dcp_to_torch")([folder, model_only, "--model-only"]) == 0
     weights = torch.load(model_only, weights_only=True)
     assert set(weights) == set(state) and all(torch.equal(weights[k], v) for k, v in state.items())
     everything = torch.load(full, weights_only=True)
@@ -71,8 +65,8 @@ def test_scripts_refuse_missing_and_incomplete_folders(saved, tmp_path, capsys):
     shutil.copytree(folder, incomplete)
     os.remove(os.path.join(incomplete, ".complete"))
     for args in ([str(tmp_path / "nope"), str(tmp_path / "x.pt")], [incomplete, str(tmp_path / "x.pt")]):
-        assert _script("dcp_to_torch")(args) == 2
-    assert _script("convert_to_hf")([incomplete, str(tmp_path / "hf")]) == 2
+        assert script_main("dcp_to_torch")(args) == 2
+    assert script_main("convert_to_hf")([incomplete, str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert "does not exist" in err and "step-9 is incomplete" in err and "step-9 is not a complete checkpoint" in err
 
@@ -81,13 +75,13 @@ def test_hf_export_loads_in_transformers_with_our_logits(saved, tmp_path):
     """The real consumer: transformers' LlamaForCausalLM on the converted folder gives our logits."""
     import transformers
 
-    from tests.unit.test_checkpoint import _model
+    from tests.support.checkpoint import tiny_llama
 
     folder, state = saved
     hf_dir = str(tmp_path / "hf")
-    assert _script("convert_to_hf")([folder, hf_dir]) == 0
+    assert script_main("convert_to_hf")([folder, hf_dir]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    ours = _model(1)
+    ours = tiny_llama(1)
     ours.load_state_dict(state)
     tokens = torch.randint(0, ARGS.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

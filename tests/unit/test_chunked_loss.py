@@ -147,7 +147,7 @@ def test_config_rejects_negative_chunk_and_pipeline_parallel():
 
 def test_compile_loss_is_the_loss_under_torch_compile_and_not_with_chunks():
     """Only the choice: compiling costs ~30 s cold on 2 cores, so its value is checked through the trainer, in the
-    matrix row fsdp2_compile (loss parity with one process, RTOL 1e-5; tests/integration_tests.py)."""
+    matrix row fsdp2_compile (loss parity with one process, RTOL 1e-5; tests/runs/training/test_parity_matrix.py)."""
     from torchtitan.components.loss import build_loss_fn, cross_entropy_loss
     from torchtitan.config.manager import JobConfig
     from torchtitan.preflight import run_preflight

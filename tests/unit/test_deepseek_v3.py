@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from tests.support.published import DSV3_PUBLISHED
 from torchtitan.checkpointing.common import load_model_weights
 from torchtitan.checkpointing.hf.convert import export_to_hf, import_from_hf
 from torchtitan.config.manager import JobConfig
@@ -215,62 +216,14 @@ def test_block_causal_equals_each_document_alone():
         assert (got - model(tokens)).abs().max() > 1e-3  # the masking matters
 
 
-# transformers' DeepseekV3Config fields of each flavor's published config.json
-PUBLISHED = {
-    "671B": {  # deepseek-ai/DeepSeek-V3
-        "vocab_size": 129280,
-        "hidden_size": 7168,
-        "intermediate_size": 18432,
-        "moe_intermediate_size": 2048,
-        "num_hidden_layers": 61,
-        "num_attention_heads": 128,
-        "q_lora_rank": 1536,
-        "n_routed_experts": 256,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 8,
-        "n_group": 8,
-        "topk_group": 4,
-        "first_k_dense_replace": 3,
-    },
-    "kimi_k2": {  # moonshotai/Kimi-K2-Instruct
-        "vocab_size": 163840,
-        "hidden_size": 7168,
-        "intermediate_size": 18432,
-        "moe_intermediate_size": 2048,
-        "num_hidden_layers": 61,
-        "num_attention_heads": 64,
-        "q_lora_rank": 1536,
-        "n_routed_experts": 384,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 8,
-        "n_group": 1,
-        "topk_group": 1,
-        "first_k_dense_replace": 1,
-    },
-    "16B": {  # deepseek-ai/DeepSeek-V2-Lite
-        "vocab_size": 102400,
-        "hidden_size": 2048,
-        "intermediate_size": 10944,
-        "moe_intermediate_size": 1408,
-        "num_hidden_layers": 27,
-        "num_attention_heads": 16,
-        "q_lora_rank": None,
-        "n_routed_experts": 64,
-        "n_shared_experts": 2,
-        "num_experts_per_tok": 6,
-        "n_group": 1,
-        "topk_group": 1,
-        "first_k_dense_replace": 1,
-    },
-}
 EXACT = {"671B": 671_026_404_352, "kimi_k2": 1_026_408_209_408, "16B": 15_706_484_224}
 
 
-@pytest.mark.parametrize("flavor", list(PUBLISHED))
+@pytest.mark.parametrize("flavor", list(DSV3_PUBLISHED))
 def test_flavor_sizes_equal_transformers_models_of_the_published_config(flavor):
     mla = {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
     with torch.device("meta"):
-        hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**PUBLISHED[flavor], **mla))
+        hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**DSV3_PUBLISHED[flavor], **mla))
         ours = DeepSeekV3Transformer(deepseek_v3_configs[flavor])
     total = sum(p.numel() for p in ours.parameters())
     print(f"\n{flavor}: ours {total:,}, transformers {sum(p.numel() for p in hf.parameters()):,}")
@@ -323,10 +276,10 @@ def test_published_config_json_is_the_flavor(flavor):
     """What a fine-tune from the published checkpoint compares before reading a weight (check_hf_matches)."""
     mla = {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
     config = {
-        **PUBLISHED[flavor],
+        **DSV3_PUBLISHED[flavor],
         **mla,
         **PUBLISHED_REST[flavor],
-        "num_key_value_heads": PUBLISHED[flavor]["num_attention_heads"],
+        "num_key_value_heads": DSV3_PUBLISHED[flavor]["num_attention_heads"],
     }
     config |= {"hidden_act": "silu", "rms_norm_eps": 1e-6, "attention_bias": False, "tie_word_embeddings": False}
     theirs = DeepSeekV3Args.from_dict(ADAPTER.model_args_from_hf(config))

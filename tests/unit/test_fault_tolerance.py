@@ -1,7 +1,7 @@
 """Fault tolerance's parts in one process (docs/fault_tolerance.md): the pre-launch check's refusals, every group's
 data position (exchanged through a stand-in for torchft's all-reduce), what a heal moves, the gradient buckets, the
 config fingerprint, the one-line errors, the planner's cross-group time. Through the trainer:
-tests/test_fault_tolerance_runs.py."""
+tests/runs/reliability/test_fault_tolerance_runs.py."""
 
 from __future__ import annotations
 

@@ -245,7 +245,7 @@ def test_every_recipe_trains_under_cpu_autocast(recipe: str):
 
 def test_torchao_import_noise_filters_drop_only_their_own_records():
     """What the filters installed before torchao's import drop, and what still reaches the user (the import
-    itself, in a fresh process: tests/test_float8_runs.py)."""
+    itself, in a fresh process: tests/runs/features/test_float8_runs.py)."""
     import enum
     import logging
 

@@ -1,4 +1,4 @@
-"""The golden-value comparison of the parity matrix (tests/golden.py), on values made up here: no training."""
+"""The golden-value comparison of the parity matrix (tests/support/golden.py), on values made up here: no training."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from tests.golden import Golden, GoldenCheck, load_golden, record, values_of
+from tests.support.golden import Golden, GoldenCheck, load_golden, record, values_of
 
 HERE = "torch 2.13.0+cpu; kernels AVX512; isa avx2 avx512f; 2 threads"
 OTHER = "torch 2.13.0+cpu; kernels AVX2; isa avx2; 2 threads"

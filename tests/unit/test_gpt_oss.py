@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from tests.support.published import GPT_OSS_PUBLISHED
 from torchtitan.checkpointing.common import load_model_weights
 from torchtitan.checkpointing.hf.convert import export_to_hf, import_from_hf
 from torchtitan.config.manager import JobConfig
@@ -170,51 +171,6 @@ def test_grouped_and_looped_experts_agree():
     torch.testing.assert_close(grouped(x, counts), looped(x, counts), rtol=1e-5, atol=1e-5)
 
 
-# openai/gpt-oss-20b and -120b config.json as published (less quantization_config: MXFP4 experts)
-PUBLISHED_20B = {
-    "architectures": ["GptOssForCausalLM"],
-    "model_type": "gpt_oss",
-    "attention_bias": True,
-    "attention_dropout": 0.0,
-    "eos_token_id": 200002,
-    "experts_per_token": 4,
-    "head_dim": 64,
-    "hidden_act": "silu",
-    "hidden_size": 2880,
-    "initial_context_length": 4096,
-    "initializer_range": 0.02,
-    "intermediate_size": 2880,
-    "layer_types": ["sliding_attention", "full_attention"] * 12,
-    "max_position_embeddings": 131072,
-    "num_attention_heads": 64,
-    "num_experts_per_tok": 4,
-    "num_hidden_layers": 24,
-    "num_key_value_heads": 8,
-    "num_local_experts": 32,
-    "output_router_logits": False,
-    "pad_token_id": 199999,
-    "rms_norm_eps": 1e-05,
-    "rope_scaling": {
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "factor": 32.0,
-        "original_max_position_embeddings": 4096,
-        "rope_type": "yarn",
-        "truncate": False,
-    },
-    "rope_theta": 150000,
-    "router_aux_loss_coef": 0.9,
-    "sliding_window": 128,
-    "swiglu_limit": 7.0,
-    "tie_word_embeddings": False,
-    "use_cache": True,
-    "vocab_size": 201088,
-}
-PUBLISHED = {
-    "20B": PUBLISHED_20B,
-    "120B": {**PUBLISHED_20B, "layer_types": ["sliding_attention", "full_attention"] * 18},
-}
-PUBLISHED["120B"] |= {"num_hidden_layers": 36, "num_local_experts": 128}
 EXACT = {"20B": 20_914_757_184, "120B": 116_829_156_672}
 
 
@@ -223,13 +179,13 @@ def test_published_sizes_and_configs_match_transformers(flavor):
     args = gpt_oss_configs[flavor]
     with torch.device("meta"):
         ours = GptOssTransformer(args)
-        hf_config = {k: v for k, v in PUBLISHED[flavor].items() if k not in ("architectures", "model_type")}
+        hf_config = {k: v for k, v in GPT_OSS_PUBLISHED[flavor].items() if k not in ("architectures", "model_type")}
         hf = transformers.GptOssForCausalLM(transformers.GptOssConfig(**hf_config))
     count = sum(p.numel() for p in ours.parameters())
     print(f"\ngpt_oss {flavor}: {count:,} parameters (transformers {sum(p.numel() for p in hf.parameters()):,})")
     assert count == sum(p.numel() for p in hf.parameters()) == EXACT[flavor]
     # the published config.json converts to exactly this flavor (what initial_load_in_hf checks)
-    converted, flavor_dict = ADAPTER.model_args_from_hf(PUBLISHED[flavor]), dataclasses.asdict(args)
+    converted, flavor_dict = ADAPTER.model_args_from_hf(GPT_OSS_PUBLISHED[flavor]), dataclasses.asdict(args)
     assert {k: v for k, v in converted.items() if flavor_dict[k] != v} == {}
 
 

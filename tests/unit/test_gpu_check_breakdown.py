@@ -1,5 +1,5 @@
 """bench/gpu_check's step breakdown (bench/gpu_check/breakdown.py) on names and intervals made up here: no
-profiler, no torch. The dry run profiles real CPU steps (tests/test_gpu_check.py)."""
+profiler, no torch. The dry run profiles real CPU steps (tests/runs/launch/test_gpu_check.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """bench/gpu_check's golden comparison (bench/gpu_check/golden.py) on rows made up here from the stored H100 golden
 file: no training, no torch. The dry run's own comparison against bench/golden/cpu_dry_run.json is checked in
-tests/test_gpu_check.py."""
+tests/runs/launch/test_gpu_check.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Starting a run from a Hugging Face folder (checkpoint.initial_load_in_hf) and writing one
 (checkpoint.last_save_in_hf): the one-process parts. The sharded multi-rank load and the round trip
-through transformers are tests/test_hf_finetune.py.
+through transformers are tests/runs/checkpoint/test_hf_finetune.py.
 """
 
 from __future__ import annotations

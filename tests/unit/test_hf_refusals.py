@@ -11,7 +11,8 @@ import shutil
 import pytest
 import torch
 
-from tests.unit.test_checkpoint_scripts import _script
+from tests.support.hf import LLAMA3_MOE
+from tests.support.scripts import script_main
 from torchtitan.checkpointing.checks import check_checkpoint, check_initial_load
 from torchtitan.checkpointing.common import save_model_weights
 from torchtitan.checkpointing.files.marker import write_marker
@@ -22,12 +23,6 @@ from torchtitan.config.manager import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.spec import get_model_spec
 
-LLAMA3_MOE = (
-    "model.name = 'llama3_moe' has no Hugging Face counterpart: no transformers architecture has its layers "
-    "(Llama's attention with routed experts beside an ungated shared expert, the first layer dense; Mixtral has "
-    "no shared expert, Qwen2-MoE gates it, DeepSeek-V3 has its own attention); train model.name = 'qwen3_moe' "
-    "(flavor debugmodel_aux_loss at the debug size) for a mixture of experts that exports"
-)
 QWEN3_MOE_BIAS = (
     "qwen3_moe weights balanced with an expert bias (load_balance = 'bias') have no Hugging Face counterpart: "
     "Qwen3-MoE's router has no bias, and folding it into the router is not exact (the bias only picks the "
@@ -98,7 +93,7 @@ def _seed(tmp_path, name: str, flavor: str) -> str:
 def test_converter_refuses_in_one_line_before_reading_a_weight(tmp_path, capsys, name, flavor, why):
     seed = _seed(tmp_path, name, flavor)
     out = str(tmp_path / "hf")
-    assert _script("convert_to_hf")([seed, out]) == 2
+    assert script_main("convert_to_hf")([seed, out]) == 2
     assert capsys.readouterr().err == f"error: {why}\n"
     assert not os.path.exists(out)
 
@@ -123,7 +118,7 @@ def test_a_step_folder_that_does_not_exist_is_said_so(tmp_path, capsys):
         f"checkpoint.initial_load_path = '{missing}' does not exist; pass a complete step-N folder of a checkpoint "
         "(<dump_folder>/checkpoint/step-N)"
     )
-    assert _script("convert_to_hf")([missing, str(tmp_path / "hf")]) == 2
+    assert script_main("convert_to_hf")([missing, str(tmp_path / "hf")]) == 2
     assert "step-7 does not exist; pass a complete step-N folder" in capsys.readouterr().err
     # the checkpoint folder itself, not one of its steps: the newest complete one is named
     for step in (2, 4):

@@ -4,16 +4,15 @@ build_tokenizer's choice of format, errors, the download script's layouts, and a
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-import tokenizers
 import torch
 
+from tests.support.hf import SPECIAL, VOCAB_SIZE, corpus_texts, write_tokenizer
 from torchtitan.build import build_model_args
 from torchtitan.config.manager import JobConfig
 from torchtitan.datasets.tokenizer import HFTokenizer, TikTokenizer, Tokenizer, build_tokenizer, find_tokenizer_file
@@ -24,34 +23,6 @@ from torchtitan.train import Trainer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_BPE = REPO_ROOT / "torchtitan/datasets/assets/tokenizer/pydocs_bpe2048.tiktoken"
-SHIPPED_CORPUS = REPO_ROOT / "torchtitan/datasets/assets/pydocs/pydocs.jsonl"
-# Qwen3's special tokens (its tokenizer_config: no bos_token, eos <|im_end|>, pad <|endoftext|>)
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-VOCAB_SIZE = 512
-
-
-def _corpus_texts(n: int) -> list[str]:
-    with SHIPPED_CORPUS.open(encoding="utf-8") as f:
-        return [json.loads(line)["text"][:2000] for _, line in zip(range(n), f)]
-
-
-def _write_tokenizer(folder: Path, config: dict | None) -> Path:
-    """A byte-level BPE like Qwen3's, trained on a few KB of the shipped corpus; config -> tokenizer_config.json."""
-    folder.mkdir(parents=True, exist_ok=True)
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL,
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus_texts(20), trainer=trainer)
-    tok.save(str(folder / "tokenizer.json"))
-    if config is not None:
-        (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder / "tokenizer.json"
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +30,7 @@ def qwen_like(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder laid out as download_tokenizer.py saves Qwen3's: no bos, eos given as a dict."""
     folder = tmp_path_factory.mktemp("qwen_like")
     config = {"bos_token": None, "eos_token": {"content": "<|im_end|>", "special": True}, "pad_token": "<|endoftext|>"}
-    _write_tokenizer(folder, config)
+    write_tokenizer(folder, config)
     return folder
 
 
@@ -71,7 +42,7 @@ def tokenizer(qwen_like: Path) -> HFTokenizer:
 
 
 def test_round_trip_and_eos(tokenizer: HFTokenizer) -> None:
-    texts = _corpus_texts(40) + ["Ünïcödé ✓ 日本語 emoji 🚀 and tabs\t\tand\r\nnewlines", " " * 5000 + "x"]
+    texts = corpus_texts(40) + ["Ünïcödé ✓ 日本語 emoji 🚀 and tabs\t\tand\r\nnewlines", " " * 5000 + "x"]
     for text in texts:
         ids = tokenizer.encode(text, bos=False, eos=True)
         assert ids[-1] == tokenizer.eos_id and all(0 <= i < tokenizer.n_words for i in ids)
@@ -92,7 +63,7 @@ def test_no_bos_token_prepends_nothing(tokenizer: HFTokenizer) -> None:
 
 
 def test_bos_token_when_configured(tmp_path: Path) -> None:
-    file = _write_tokenizer(tmp_path / "with_bos", {"bos_token": "<|im_start|>", "eos_token": "<|endoftext|>"})
+    file = write_tokenizer(tmp_path / "with_bos", {"bos_token": "<|im_start|>", "eos_token": "<|endoftext|>"})
     tok = build_tokenizer(str(file))  # the file itself, not its folder
     assert isinstance(tok, HFTokenizer)
     assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 0, -1)
@@ -233,7 +204,7 @@ def test_debug_run_with_a_tokenizer_folder(qwen_like: Path, tmp_path: Path, monk
         assert int(torch.cat([inputs, labels]).max()) < VOCAB_SIZE  # every id has an embedding row
         # stream i starts at document i, with no bos token in front of it
         tok = build_tokenizer(str(qwen_like))
-        for row, text in zip(inputs.tolist(), _corpus_texts(2)):
+        for row, text in zip(inputs.tolist(), corpus_texts(2)):
             assert row == tok.encode(text, bos=True, eos=False)[:32]
     finally:
         trainer.close()

@@ -4,7 +4,6 @@ byte for byte, whatever --workers is; each side reads the other's files; bad fil
 from __future__ import annotations
 
 import io
-import json
 import os
 import struct
 
@@ -12,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support.indexed import TOKENIZER, write_jsonl
 from torchtitan.datasets.indexed.format import HEADER_BYTES, IndexedFile, check_vocab, dtype_for_vocab, find_prefixes
 from torchtitan.datasets.indexed.tokenize import Progress, tokenize_to_indexed
-from torchtitan.datasets.tokenizer import DEFAULT_TOKENIZER_PATH, build_tokenizer
+from torchtitan.datasets.tokenizer import build_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOKENIZER = os.path.join(ROOT, DEFAULT_TOKENIZER_PATH)
 TEXTS = [
     "def f(x):\n    return x + 1\n",
     "The quick brown fox jumps over the lazy dog. " * 7,
@@ -25,13 +24,6 @@ TEXTS = [
     "Unicode: naïve café, 数据, emoji \U0001f600 and a tab\there.",
     *(f"document {i}: " + "lorem ipsum " * (i % 13) for i in range(600)),  # > 2 chunks of 256 documents
 ]
-
-
-def write_jsonl(path, texts: list[str]) -> str:
-    with open(path, "w", encoding="utf-8") as f:
-        for t in texts:
-            f.write(json.dumps({"text": t}) + "\n")
-    return str(path)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.unit.test_indexed_format import TOKENIZER, write_jsonl
+from tests.support.indexed import TOKENIZER, write_jsonl
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.mix import parse_mix
 from torchtitan.datasets.hf_datasets import compute_stream_groups, merge_data_states

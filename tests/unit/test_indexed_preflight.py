@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 
-from tests.unit.test_indexed_format import ROOT, TOKENIZER, write_jsonl
+from tests.support.indexed import TOKENIZER, write_jsonl
+from tests.support.runs import ROOT
 from torchtitan.datasets.indexed.tokenize import tokenize_to_indexed
 
 

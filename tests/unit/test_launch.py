@@ -353,7 +353,7 @@ def test_the_lost_node_line_names_the_node_and_the_checkpoint(tmp_path):
             (folder / "checkpoint" / f"step-{step}" / ".complete").write_text('{"kind": "full"}')
     resume = resume_hint("torchtitan.train", args)
     assert resume == f"the same command on every node resumes from checkpoint step-3 ({folder}/checkpoint/step-3)"
-    assert resume_hint("tests.held_marker_train", args) == "restart the same command on every node"
+    assert resume_hint("tests.support.held_marker_train", args) == "restart the same command on every node"
     line = lost_node_line(LostNode("n7", 42, hosted_store=True), endpoint="10.0.0.1:29500", resume=resume)
     assert line == (
         "error: lost node n7 (launcher pid 42), which hosted the rendezvous at 10.0.0.1:29500: it stopped answering "

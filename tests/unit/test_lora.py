@@ -1,4 +1,4 @@
-"""LoRA's module, transform, TP styles and pre-launch refusals (single process; runs: tests/test_lora_runs.py)."""
+"""LoRA's module, transform, TP styles and pre-launch refusals (single process; runs: tests/runs/features/test_lora_runs.py)."""
 
 from __future__ import annotations
 
@@ -8,35 +8,20 @@ import pytest
 import torch
 from torch import nn
 
-from torchtitan.build import build_model, build_model_args
+from tests.support.lora import tiny_config, tiny_model
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import JobConfig
-from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.features.lora.linear import LoRALinear
 from torchtitan.features.lora.names import resolve_targets
 from torchtitan.preflight import run_preflight
 from torchtitan.spec import get_model_spec
 
-TINY = ["--job.config_file", "./train_configs/debug_model.toml", "--model.flavor", "debugmodel_tiny"]
-
-
-def _config(*extra: str, world_size: int = 1) -> JobConfig:
-    return JobConfig.parse_args([*TINY, "--training.seed", "7", *extra], world_size=world_size)
-
-
-def _model(*extra: str) -> nn.Module:
-    cfg = _config(*extra)
-    spec = get_model_spec(cfg.model.name)
-    args = build_model_args(cfg, spec, 512, device_type="cpu")
-    dims = ParallelDims.from_sections(training=cfg.training, experimental=cfg.experimental, world_size=1)
-    return build_model(cfg, args, dims, None, torch.device("cpu"))
-
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
 def test_step_zero_logits_equal_the_base_exactly(family: str):
     tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
-    base = _model("--model.name", family)
-    lora = _model("--model.name", family, "--lora.enable", "--lora.rank", "4")
+    base = tiny_model("--model.name", family)
+    lora = tiny_model("--model.name", family, "--lora.enable", "--lora.rank", "4")
     assert isinstance(lora.layers["0"].attention.wq, LoRALinear)
     assert torch.equal(base(tokens), lora(tokens))  # B = 0: the update is exactly 0
     trainable = {n for n, p in lora.named_parameters() if p.requires_grad}
@@ -83,12 +68,14 @@ def test_peft_names_map_onto_ours():
 )
 def test_bad_lora_config_is_one_line(extra: list[str], error: type, match: str):
     with pytest.raises(error, match=match) as e:
-        run_preflight(_config("--lora.enable", *extra), 1, this_machine=False)
+        run_preflight(tiny_config("--lora.enable", *extra), 1, this_machine=False)
     assert "\n" not in str(e.value)
 
 
 def test_lora_under_tp_with_dropout_is_refused():
-    config = _config("--lora.enable", "--lora.dropout", "0.1", "--training.tensor_parallel_degree", "2", world_size=2)
+    config = tiny_config(
+        "--lora.enable", "--lora.dropout", "0.1", "--training.tensor_parallel_degree", "2", world_size=2
+    )
     with pytest.raises(NotImplementedError, match="lora.dropout > 0 under tensor parallel"):
         run_preflight(config, 2, this_machine=False)
 
@@ -115,8 +102,8 @@ def test_planner_floor_counts_gradients_and_adamw_state_for_the_adapters_only():
 
 def test_adapter_init_does_not_depend_on_activation_checkpointing():
     """The adapters are drawn from the seed and their layer's name; AC's wrapper adds a part to the FQN."""
-    plain = _model("--lora.enable", "--activation_checkpoint.mode", "none").state_dict()
-    wrapped = _model("--lora.enable", "--activation_checkpoint.mode", "full").state_dict()
+    plain = tiny_model("--lora.enable", "--activation_checkpoint.mode", "none").state_dict()
+    wrapped = tiny_model("--lora.enable", "--activation_checkpoint.mode", "full").state_dict()
     wrapped = {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in wrapped.items()}
     adapters = [k for k in plain if ".lora_a." in k]
     assert adapters and all(torch.equal(plain[k], wrapped[k]) for k in adapters)

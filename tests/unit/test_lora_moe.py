@@ -1,6 +1,6 @@
 """LoRA on the MoE families, in process: which linears get adapters (attention, dense FFNs, the shared expert;
 never the routed experts or the router), step-0 logits equal the base's, the PEFT folder of a qwen3_moe model
-loads in ``peft`` on transformers' Qwen3-MoE, and the one-line refusals. Runs: tests/test_lora_moe_runs.py."""
+loads in ``peft`` on transformers' Qwen3-MoE, and the one-line refusals. Runs: tests/runs/features/test_lora_moe_runs.py."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ TOKENS = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(
 
 
 def _model(*extra: str):
-    from tests.unit.test_lora import _model as build
+    from tests.support.lora import tiny_model as build
 
     return build(*extra)
 
@@ -80,36 +80,36 @@ def test_step_zero_logits_equal_the_base_exactly_and_experts_router_are_frozen(f
     ],
 )
 def test_moe_refusals_are_one_line(family: str, targets: str, error: type, match: str):
-    from tests.unit.test_lora import _config
+    from tests.support.lora import tiny_config
 
-    config = _config("--model.name", family, "--lora.enable", "--lora.target_modules", targets)
+    config = tiny_config("--model.name", family, "--lora.enable", "--lora.target_modules", targets)
     with pytest.raises(error, match=match) as e:
         run_preflight(config, 1, this_machine=False)
     assert "\n" not in str(e.value)
 
 
 def test_qlora_on_an_moe_family_is_one_line_and_exit_2(capsys, monkeypatch):
-    from tests.test_bad_input import ROOT, _error_lines
-    from tests.unit.test_lora import TINY
+    from tests.support.lora import TINY
+    from tests.support.runs import ROOT, error_lines
     from torchtitan.preflight.__main__ import main
 
     monkeypatch.chdir(ROOT)
     argv = [*TINY, "--model.name", "qwen3_moe", "--lora.enable", "--lora.quantize_base", "nf4"]
     code = main(["--world_size", "1", *argv])
     out = capsys.readouterr()
-    lines = _error_lines(out.err + out.out)
+    lines = error_lines(out.err + out.out)
     assert code == 2 and len(lines) == 1, out.err
     assert "lora.quantize_base = 'nf4' with model.name = 'qwen3_moe': not built" in lines[0]
 
 
 def test_planner_counts_the_moe_layers_adapters():
     """estimation.py --plan's adapter count: llama3_moe's dense layer 0 and its MoE layers' shared experts differ."""
-    from tests.unit.test_lora import _config
+    from tests.support.lora import tiny_config
     from torchtitan.features.lora.estimate import adapter_param_count
 
     model = _model("--model.name", "llama3_moe", "--lora.enable", "--lora.rank", "4")
     real = sum(p.numel() for n, p in model.named_parameters() if is_adapter_key(n))
-    config = _config("--model.name", "llama3_moe", "--lora.enable", "--lora.rank", "4")
+    config = tiny_config("--model.name", "llama3_moe", "--lora.enable", "--lora.rank", "4")
     assert adapter_param_count(config, 4) == real
 
 
@@ -124,7 +124,7 @@ def test_moe_adapter_loads_in_peft_on_transformers(family: str, flavor: str, tar
     model loads into ours with peft's logits."""
     peft = pytest.importorskip("peft")
     pytest.importorskip("transformers")
-    from tests.unit.test_lora_peft import TOL, _hf_base
+    from tests.support.lora import PEFT_TOL, save_hf_base
     from torchtitan.features.lora.peft_io import adapter_config, check_peft_fits, read_peft_folder, save_peft_folder
     from torchtitan.spec import get_model_spec
 
@@ -137,7 +137,7 @@ def test_moe_adapter_loads_in_peft_on_transformers(family: str, flavor: str, tar
                 p.normal_(0, 0.05)
         ours = model(TOKENS)
     args, spec = dataclasses.asdict(model.args), get_model_spec(family)
-    hf_model = _hf_base(model, family, args, str(tmp_path / "base"))
+    hf_model = save_hf_base(model, family, args, str(tmp_path / "base"))
     adapters = {k: v.detach() for k, v in model.state_dict().items() if is_adapter_key(k)}
     lora_info = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": targets.split(",")}
     save_peft_folder(adapters, adapter_config(lora_info, spec, None), str(tmp_path / "ours"), spec, args)
@@ -146,7 +146,7 @@ def test_moe_adapter_loads_in_peft_on_transformers(family: str, flavor: str, tar
         peft_model = peft.PeftModel.from_pretrained(hf_model, str(tmp_path / "ours")).eval()
         gap = (peft_model(TOKENS).logits - ours).abs().max().item()
     print(f"{family}: peft vs ours {gap:.2e} (base without adapters {base_gap:.2e})")
-    assert base_gap > 1e-3 and gap <= TOL, (base_gap, gap)
+    assert base_gap > 1e-3 and gap <= PEFT_TOL, (base_gap, gap)
     peft_model = peft_model.unload()  # transformers' base again, for peft's own adapter
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=adapter_config(lora_info, spec, None)["target_modules"])
     config.init_lora_weights = False  # random B, so the adapter is not a no-op
@@ -159,31 +159,31 @@ def test_moe_adapter_loads_in_peft_on_transformers(family: str, flavor: str, tar
     assert not unexpected and all(not is_adapter_key(k) for k in missing)
     with torch.no_grad():
         gap = (model(TOKENS) - theirs(TOKENS).logits).abs().max().item()
-    assert gap <= TOL, gap
+    assert gap <= PEFT_TOL, gap
 
 
 def test_moe_lora_under_pipeline_parallel_is_refused():
-    from tests.unit.test_lora import _config
+    from tests.support.lora import tiny_config
 
     extra = ["--model.name", "qwen3_moe", "--lora.enable", "--experimental.pipeline_parallel_degree", "2"]
     with pytest.raises(NotImplementedError, match=r"'qwen3_moe' and experimental.pipeline_parallel_degree > 1: not"):
-        run_preflight(_config(*extra, world_size=2), 2, this_machine=False)
+        run_preflight(tiny_config(*extra, world_size=2), 2, this_machine=False)
 
 
 def test_a_peft_folder_for_llama3_moe_is_refused():
-    from tests.unit.test_lora import _config
+    from tests.support.lora import tiny_config
 
     extra = ["--model.name", "llama3_moe", "--lora.enable", "--lora.adapter_path", "somewhere"]
     with pytest.raises(NotImplementedError, match=r"lora.adapter_path = 'somewhere': model.name = 'llama3_moe' has no"):
-        run_preflight(_config(*extra), 1, this_machine=False)
+        run_preflight(tiny_config(*extra), 1, this_machine=False)
 
 
 def test_a_peft_export_of_deepseek_ffn_adapters_is_refused():
-    from tests.unit.test_lora import _config
+    from tests.support.lora import tiny_config
 
     extra = ["--model.name", "deepseek_v3", "--lora.enable", "--checkpoint.enable_checkpoint"]
     with pytest.raises(NotImplementedError, match=r"peft maps gate_proj/up_proj/down_proj of this model type onto"):
-        run_preflight(_config(*extra, "--checkpoint.last_save_in_hf"), 1, this_machine=False)
+        run_preflight(tiny_config(*extra, "--checkpoint.last_save_in_hf"), 1, this_machine=False)
     run_preflight(
-        _config(*extra, "--checkpoint.last_save_in_hf", "--lora.target_modules", "wq,wo"), 1, this_machine=False
+        tiny_config(*extra, "--checkpoint.last_save_in_hf", "--lora.target_modules", "wq,wo"), 1, this_machine=False
     )

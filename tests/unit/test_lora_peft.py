@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from tests.support.lora import PEFT_TOL, save_hf_base
 from torchtitan.checkpointing.hf.convert import save_hf_folder
 from torchtitan.features.lora.linear import is_adapter_key
 from torchtitan.features.lora.peft_io import (
@@ -28,31 +29,22 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]}
-TOL = 1e-5
 
 
 def _ours(family: str, vocab: int = 256) -> tuple[nn.Module, dict]:
     """Our tiny model of ``family`` (``hf:FLAVOR``: that transformers architecture; fp32) with rank-4 adapters on
     every linear LoRA adapts, whose B is random (not the zero init)."""
-    from tests.unit.test_lora import _model
+    from tests.support.lora import tiny_model
 
     family, _, flavor = family.partition(":")
     extra = ("--model.flavor", flavor) if flavor else ()
-    model = _model("--model.name", family, *extra, "--lora.enable", "--lora.rank", "4", "--lora.alpha", "8")
+    model = tiny_model("--model.name", family, *extra, "--lora.enable", "--lora.rank", "4", "--lora.alpha", "8")
     torch.manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".lora_b." in name:
                 p.normal_(0, 0.05)
     return model.eval(), dataclasses.asdict(model.args)
-
-
-def _hf_base(model: nn.Module, family: str, args: dict, folder: str) -> nn.Module:
-    spec = get_model_spec(family)
-    base = {k: v.detach() for k, v in model.state_dict().items() if not is_adapter_key(k)}
-    hf = spec.state_dict_adapter.to_hf_state_dict(base, args)
-    save_hf_folder(hf, spec.state_dict_adapter.hf_config(args, base, dtype=torch.float32), folder)
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 # hf: transformers' own classes, the targets read from their layers (Phi-3's fused qkv_proj and gate_up_proj; Qwen3-MoE's
@@ -68,7 +60,7 @@ def test_our_adapter_loads_in_peft_and_merges(family: str, tmp_path):
     with torch.no_grad():
         ours = model(tokens)
     hf_dir, peft_dir = str(tmp_path / "base"), str(tmp_path / "adapter")
-    hf_model = _hf_base(model, family, args, hf_dir)
+    hf_model = save_hf_base(model, family, args, hf_dir)
     adapters = {k: v.detach() for k, v in model.state_dict().items() if is_adapter_key(k)}
     config = adapter_config(LORA, spec, hf_dir, adapters)
     save_peft_folder(adapters, config, peft_dir, spec, args)
@@ -79,7 +71,7 @@ def test_our_adapter_loads_in_peft_and_merges(family: str, tmp_path):
         peft_model = peft.PeftModel.from_pretrained(hf_model, peft_dir).eval()
         gap = (peft_model(tokens).logits - ours).abs().max().item()
     assert base_gap > 1e-3, "the adapters should change the logits"
-    assert gap <= TOL, f"peft's logits differ from ours by {gap}"
+    assert gap <= PEFT_TOL, f"peft's logits differ from ours by {gap}"
     merged_dir = str(tmp_path / "merged")
     weights = merge_adapters({k: v.detach() for k, v in model.state_dict().items()}, adapters, 8.0 / 4)
     hf = spec.state_dict_adapter.to_hf_state_dict(weights, args)
@@ -87,7 +79,7 @@ def test_our_adapter_loads_in_peft_and_merges(family: str, tmp_path):
     merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         merged_gap = (merged(tokens).logits - ours).abs().max().item()
-    assert merged_gap <= TOL, merged_gap
+    assert merged_gap <= PEFT_TOL, merged_gap
     print(f"{family}: peft vs ours {gap:.2e}, merged vs ours {merged_gap:.2e}")
 
 
@@ -95,7 +87,7 @@ def test_our_adapter_loads_in_peft_and_merges(family: str, tmp_path):
 def test_an_adapter_peft_wrote_loads_into_our_model(family: str, tmp_path):
     model, args = _ours(family)
     spec = get_model_spec(family)
-    hf_model = _hf_base(model, family, args, str(tmp_path / "base"))
+    hf_model = save_hf_base(model, family, args, str(tmp_path / "base"))
     config = peft.LoraConfig(
         r=4,
         lora_alpha=8,
@@ -113,7 +105,7 @@ def test_an_adapter_peft_wrote_loads_into_our_model(family: str, tmp_path):
     tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         gap = (model(tokens) - peft_model(tokens).logits).abs().max().item()
-    assert gap <= TOL, gap
+    assert gap <= PEFT_TOL, gap
 
 
 def test_adapters_for_another_base_rank_or_format_are_refused(tmp_path):

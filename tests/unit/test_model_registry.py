@@ -1,7 +1,7 @@
 """The model-family registry (torchtitan/spec.py): one line per family naming the module that holds its
 spec, imported on first use. Adding a family touches only its folder and that one line: the test below
 writes a family in a temporary folder and takes it through the pre-launch check and the build path.
-(tests/tiny_family.py registers a ready ModelSpec instead and trains it: tests/distributed/test_model_family.py.)
+(tests/support/tiny_family.py registers a ready ModelSpec instead and trains it: tests/distributed/test_model_family.py.)
 """
 
 from __future__ import annotations

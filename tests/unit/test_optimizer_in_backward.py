@@ -1,6 +1,6 @@
 """The optimizer step in backward (features/in_backward/in_backward.py) on one process, and its refusals.
 
-Multi-rank layouts (FSDP2, PP, CPU offload, TP), resume and memory: tests/test_optimizer_in_backward_runs.py.
+Multi-rank layouts (FSDP2, PP, CPU offload, TP), resume and memory: tests/runs/features/test_optimizer_in_backward_runs.py.
 """
 
 from __future__ import annotations

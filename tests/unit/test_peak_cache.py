@@ -1,6 +1,6 @@
 """The CPU peak cache keeps only plausible numbers: a poisoned entry is measured again, with one log line.
 
-(The same through the command a user types: tests/test_peak_cache_runs.py.)
+(The same through the command a user types: tests/runs/launch/test_peak_cache_runs.py.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Pure bf16 training (training.dtype = "bfloat16"): the initial weights, the fp32 update written back to bf16
 weights (to nearest or stochastically), the gradient norm of bf16 gradients, and what the preflight refuses.
-The layouts' loss parity: tests/integration_tests.py (PURE_BF16_ROWS); the estimator: tests/test_estimation.py."""
+The layouts' loss parity: tests/support/matrix.py (PURE_BF16_ROWS); the estimator: tests/runs/estimation/test_estimation.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """QLoRA (``lora.quantize_base = 'nf4'``), single process: NF4's error against its format's bound, the NF4 model
 against the model of its dequantized weights, gradients, the planner's NF4 bytes and the one-line refusals.
-Through the trainer (losses, FSDP2, frozen base, checkpoints, the estimator): tests/test_qlora_runs.py.
+Through the trainer (losses, FSDP2, frozen base, checkpoints, the estimator): tests/runs/features/test_qlora_runs.py.
 
 NF4's error, derived from the format (torchao's NF4Tensor, the QLoRA paper's block sizes): a block of 64 elements
 is scaled by its absmax s and each element rounded to the nearest of 16 levels in [-1, 1], so the code's error is at
@@ -149,13 +149,13 @@ def test_planner_floor_counts_nf4_for_the_adapted_base():
     ids=["value", "without-lora", "tp", "pp", "cp", "ddp", "shapes"],
 )
 def test_bad_qlora_input_is_one_line_and_exit_2(extra, world_size, expected, capsys, monkeypatch):
-    from tests.test_bad_input import ROOT, _error_lines
+    from tests.support.runs import ROOT, error_lines
     from torchtitan.preflight.__main__ import main
 
     monkeypatch.chdir(ROOT)
     code = main(["--world_size", str(world_size), *DEBUG, *extra])
     out = capsys.readouterr()
-    lines = _error_lines(out.err + out.out)
+    lines = error_lines(out.err + out.out)
     assert code == 2 and len(lines) == 1 and expected in lines[0], out.err
     assert "Traceback" not in out.err + out.out
 
@@ -163,14 +163,14 @@ def test_bad_qlora_input_is_one_line_and_exit_2(extra, world_size, expected, cap
 def test_qlora_without_torchao_is_one_line(capsys, monkeypatch):
     import importlib.util
 
-    from tests.test_bad_input import ROOT, _error_lines
+    from tests.support.runs import ROOT, error_lines
     from torchtitan.preflight.__main__ import main
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
     monkeypatch.chdir(ROOT)
     code = main(["--world_size", "1", *DEBUG, *QLORA])
-    lines = _error_lines(capsys.readouterr().err)
+    lines = error_lines(capsys.readouterr().err)
     assert code == 2 and len(lines) == 1, lines
     assert (
         "lora.quantize_base = 'nf4' needs torchao, which is not installed; pip install 'torchtitan[lora]'" in lines[0]

@@ -10,33 +10,14 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from torchtitan.build import build_meta_model
+from tests.support.qwen3_5 import VOCAB, tiny_qwen3_5
 from torchtitan.checkpointing.hf.files import save_hf_folder
-from torchtitan.distributed.init import init_model_weights
 from torchtitan.models.qwen3_5.gated_delta import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from torchtitan.models.qwen3_5.hf_adapter import QWEN3_5, QWEN3_5_MOE
 from torchtitan.spec import get_model_spec
 
 SPEC = get_model_spec("qwen3_5")
 ADAPTERS = {"qwen3_5": QWEN3_5, "qwen3_5_moe": QWEN3_5_MOE}
-VOCAB = 512
-
-
-def _built(seed: int = 0, family: str = "qwen3_5"):
-    """The tiny flavor (4 layers: 3 Gated DeltaNet, 1 full attention), its norms moved off their zero init; the
-    MoE's balanced by the aux loss (as transformers' is: no expert bias)."""
-    spec = get_model_spec(family)
-    args = dataclasses.replace(spec.flavors["debugmodel_tiny"], vocab_size=VOCAB, max_seq_len=128)
-    if family == "qwen3_5_moe":
-        args = dataclasses.replace(args, load_balance="aux_loss")
-    model = build_meta_model(spec, args)
-    model.to_empty(device="cpu")
-    init_model_weights(model, seed, torch.device("cpu"))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(seed))
-    return model.eval(), dataclasses.asdict(args)
 
 
 def _transformers(model, fields, folder, adapter=QWEN3_5):
@@ -51,7 +32,7 @@ def _transformers(model, fields, folder, adapter=QWEN3_5):
 def test_logits_equal_transformers(family, tmp_path):
     """40 tokens: the tiny flavor's chunk of 16 pads the last chunk (transformers' rule runs chunks of 64). The MoE:
     4 experts, top 2, and the gated shared expert."""
-    model, fields = _built(family=family)
+    model, fields = tiny_qwen3_5(family=family)
     theirs = _transformers(model, fields, tmp_path, ADAPTERS[family])
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in theirs.parameters())
     tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
@@ -70,7 +51,7 @@ def test_greedy_generation_equals_transformers(family, tmp_path, monkeypatch):
     from torchtitan.components.generation import generate
     from torchtitan.models.qwen3_5.gated_delta import GatedDeltaNet, RecurrentState
 
-    model, fields = _built(family=family)
+    model, fields = tiny_qwen3_5(family=family)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -130,7 +111,7 @@ def test_compiled_blocks_with_documents_equal_eager():
     read of the document ids would break the graph and fail here) gives eager's logits and gradients. The eager
     backend runs dynamo's graph without code generation (inductor on the two block kinds: ~45 s of CPU, run by
     hand: the same numbers)."""
-    model, _ = _built()
+    model, _ = tiny_qwen3_5()
     lengths = (20, 9, 11)
     tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(2))
     positions = torch.cat([torch.arange(n) for n in lengths])[None].expand(2, -1)
@@ -152,7 +133,7 @@ def test_packed_documents_equal_documents_alone():
     """block_causal: three documents packed in a row (per-document positions) give each document's logits alone:
     no Gated DeltaNet state or convolution history crosses a boundary; without the documents the later ones
     change (the check can fail)."""
-    model, _ = _built()
+    model, _ = tiny_qwen3_5()
     lengths = (20, 9, 11)
     docs = [torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(i)) for i, n in enumerate(lengths)]
     tokens = torch.cat(docs, dim=1)
@@ -171,7 +152,7 @@ def test_packed_documents_equal_documents_alone():
 def test_hf_conversion_round_trips(family):
     """Bit-exact both ways; a published multimodal folder's layout (the language model under
     ``model.language_model.``, a vision tower and an MTP layer beside it) reads as the same weights."""
-    model, fields = _built(family=family)
+    model, fields = tiny_qwen3_5(family=family)
     adapter = ADAPTERS[family]
     ours = model.state_dict()
     hf = adapter.to_hf_state_dict(ours, fields)
@@ -197,7 +178,7 @@ def test_hf_conversion_round_trips(family):
     ],
 )
 def test_hf_configs_we_do_not_build_are_refused_in_one_line(layer_types, expected):
-    _, fields = _built()
+    _, fields = tiny_qwen3_5()
     config = {**QWEN3_5.hf_config(fields, {}, torch.float32), "layer_types": layer_types}
     with pytest.raises(NotImplementedError) as info:
         QWEN3_5.model_args_from_hf(config)
@@ -285,7 +266,7 @@ def test_fla_kernel_gets_the_torch_rules_contract(monkeypatch):
         monkeypatch.setitem(sys.modules, name, module)
     assert resolve_linear_attention_kernel("auto", "cuda") == "fla"
     assert resolve_linear_attention_kernel("auto", "cpu") == "torch"
-    model, _ = _built()
+    model, _ = tiny_qwen3_5()
     tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(tokens)

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModel, Qwen3_5Config, Qwen3_5ForConditionalGeneration
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
 
-from tests.unit.test_qwen3_5 import VOCAB, _built
+from tests.support.qwen3_5 import VOCAB, tiny_qwen3_5
 from torchtitan.models.qwen3_5.hf_adapter import QWEN3_5
 from torchtitan.models.qwen3_5.multimodal import Qwen35VL, Qwen35VLArgs, mrope_positions
 from torchtitan.models.qwen3_5.vision import VisionArgs, VisionTower
@@ -77,7 +77,7 @@ ROWS = [  # two rows of 40: images at the start, in the middle, back to back
 
 
 def _model() -> tuple[Qwen35VL, Qwen3_5ForConditionalGeneration]:
-    text, fields = _built()
+    text, fields = tiny_qwen3_5()
     shared = {f.name: getattr(text.args, f.name) for f in dataclasses.fields(text.args)}
     args = Qwen35VLArgs(**shared, vision=VISION, image_token_id=IMAGE, vision_start_token_id=START)
     ours = Qwen35VL(dataclasses.replace(args, vision_end_token_id=END)).eval()

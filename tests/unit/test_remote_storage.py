@@ -1,9 +1,9 @@
 """Checkpoints in an object store, on one process, against a real S3-compatible server (moto's, on localhost,
-tests/moto_s3.py): the same CRC32s and restricted loading as on disk, the marker written last, retention and
+tests/support/s3_server.py): the same CRC32s and restricted loading as on disk, the marker written last, retention and
 set-aside by copy + delete; the pre-launch check's one-line refusals (exit 2) for what cannot work.
 
 The multi-rank runs (FSDP2 saving to s3://, a crash before the marker, resuming on another layout) are
-tests/test_remote_checkpoint_runs.py.
+tests/runs/checkpoint/test_remote_checkpoint_runs.py.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import sys
 import pytest
 import torch
 
-from tests.moto_s3 import BUCKET, s3_server
-from tests.unit.test_checkpoint_integrity import DATA, _model, _Pwn
-from tests.unit.test_checkpoint_integrity import _manager as _integrity_manager
+from tests.support.checkpoint import DATA, Pwn, tiny_linear
+from tests.support.checkpoint import linear_manager as _integrity_manager
+from tests.support.s3_server import BUCKET, s3_server
 from torchtitan.checkpointing.common import load_model_weights, save_model_weights
 from torchtitan.checkpointing.files import integrity, storage
 from torchtitan.checkpointing.files.folders import SET_ASIDE, list_checkpoints
@@ -63,7 +63,7 @@ def test_which_paths_are_urls():
 def test_a_seed_in_a_bucket_records_crcs_taken_while_writing_and_loads_back(root, tmp_path):
     """What create_seed_checkpoint writes, into a bucket; read back whole, and as a run's initial_load_path."""
     path = step_folder(root, 0)
-    weights = _model(0).state_dict()
+    weights = tiny_linear(0).state_dict()
     save_model_weights(weights, path, INFO)
     assert _objects(path) == [MARKER, ".metadata", DATA, DATA + integrity.SIDECAR_SUFFIX]
     recorded = read_marker(path)["files"]
@@ -72,14 +72,14 @@ def test_a_seed_in_a_bucket_records_crcs_taken_while_writing_and_loads_back(root
     assert recorded[DATA] == [len(data), integrity.zlib.crc32(data)]  # the writer's, not -1
     loaded, _ = load_model_weights(path)
     assert all(torch.equal(loaded[k], v) for k, v in weights.items())
-    started = _model(1)
+    started = tiny_linear(1)
     assert _manager(tmp_path, "checkpoint", started, initial_load_path=path).load() == 0
     assert all(torch.equal(a, b) for a, b in zip(weights.values(), started.state_dict().values()))
 
 
 def test_a_changed_object_and_a_foreign_pickle_are_refused(root, tmp_path):
     path = step_folder(root, 0)
-    save_model_weights(_model(0).state_dict(), path, INFO)
+    save_model_weights(tiny_linear(0).state_dict(), path, INFO)
     fs, key = storage.filesystem(path)
     data = bytearray(fs.cat_file(f"{key}/{DATA}"))
     data[len(data) // 2] ^= 0xFF
@@ -87,7 +87,7 @@ def test_a_changed_object_and_a_foreign_pickle_are_refused(root, tmp_path):
     with pytest.raises(ValueError, match=rf"checkpoint {path} is corrupted: {DATA} does not match its CRC32"):
         load_model_weights(path)
     target = tmp_path / "pwned"
-    fs.pipe_file(f"{key}/.metadata", pickle.dumps(_Pwn(str(target))))
+    fs.pipe_file(f"{key}/.metadata", pickle.dumps(Pwn(str(target))))
     with pytest.raises(integrity.ForeignPickleError, match="posix.system, which is not DCP metadata"):
         integrity.read_metadata_file(f"{path}/.metadata")
     assert not target.exists()
@@ -96,7 +96,7 @@ def test_a_changed_object_and_a_foreign_pickle_are_refused(root, tmp_path):
 def test_the_manager_saves_resumes_purges_and_sets_aside_in_a_bucket(root, tmp_path):
     """Async saves at 2 and 4 with keep_latest_k 1: step-2 is deleted (marker first) once step-4 is complete;
     an unmarked step-6 (a crash before its marker) is never loaded; load_step 2 moves step-4 aside by copy."""
-    saved = _model(0)
+    saved = tiny_linear(0)
     manager = _manager(tmp_path, root, saved, async_mode="async", keep_latest_k=1)
     manager.save(2)
     manager.save(4)
@@ -104,16 +104,16 @@ def test_the_manager_saves_resumes_purges_and_sets_aside_in_a_bucket(root, tmp_p
     assert [(c.step, c.complete) for c in list_checkpoints(root)] == [(4, True)]
     fs, key = storage.filesystem(root)
     fs.pipe_file(f"{key}/step-6/.metadata", b"not loaded")  # data written, no marker
-    loaded = _model(1)
+    loaded = tiny_linear(1)
     assert _manager(tmp_path, root, loaded).load() == 4
     assert all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(), loaded.state_dict().values()))
     with pytest.raises(ValueError, match=r"step-6 is incomplete \(no \.complete marker"):
-        _manager(tmp_path, root, _model(1), load_step=6).load()
+        _manager(tmp_path, root, tiny_linear(1), load_step=6).load()
 
-    manager = _manager(tmp_path, root, _model(0))
+    manager = _manager(tmp_path, root, tiny_linear(0))
     manager.save(2)
     manager.close()
-    assert _manager(tmp_path, root, _model(1), load_step=2).load() == 2
+    assert _manager(tmp_path, root, tiny_linear(1), load_step=2).load() == 2
     assert [(c.step, c.complete) for c in list_checkpoints(root)] == [(2, True), (6, False)]
     (aside,) = [p for p in _objects(root) if p.startswith(SET_ASIDE) and p.endswith(MARKER)]
     assert aside.startswith(f"{SET_ASIDE}/abandoned-after-resume-from-step-2-") and aside.endswith("/step-4/.complete")
@@ -122,7 +122,7 @@ def test_the_manager_saves_resumes_purges_and_sets_aside_in_a_bucket(root, tmp_p
 
 def test_a_marker_the_store_refuses_to_read_is_an_error_not_an_incomplete_checkpoint(root, s3):
     path = step_folder(root, 0)
-    save_model_weights(_model(0).state_dict(), path, INFO)
+    save_model_weights(tiny_linear(0).state_dict(), path, INFO)
     s3.require_auth(True)
     try:
         with pytest.raises(ValueError, match=r"step-0: its \.complete marker could not be read: PermissionError"):

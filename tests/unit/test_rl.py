@@ -85,9 +85,9 @@ def test_bad_reward_names_refused(spec, message):
 
 
 def test_reward_errors_name_function_row_and_value():
-    fn = load_reward("tests.rl_rewards:not_a_number")
+    fn = load_reward("tests.support.rl_rewards:not_a_number")
     with pytest.raises(ValueError) as e:
-        score(fn, "tests.rl_rewards:not_a_number", prompt="p", completion="c", row={}, where="prompt row 7")
+        score(fn, "tests.support.rl_rewards:not_a_number", prompt="p", completion="c", row={}, where="prompt row 7")
     assert "returned 'yes' (str) on prompt row 7" in str(e.value)
     with pytest.raises(ValueError, match=r"raised KeyError: 'answer' on prompt row 2"):
         score(

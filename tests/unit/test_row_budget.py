@@ -1,7 +1,7 @@
 """The rank-row budget: what the parity rows cost, so the suite stops growing linearly (docs/testing.md).
 
 A rank-row is one rank training one row (a 2-rank row is 2). Counted: every distinct row (by name) in a
-module-level list of ``Row`` in the test modules (the matrix, the references as 1-rank rows, family,
+module-level list of ``Row`` in the run tests (tests/runs/) and the harness's row modules (tests/support/: the matrix, the references as 1-rank rows, family,
 float8, in-backward, document rows; a list added by a new feature is found without registering it), plus
 the estimator's accuracy rows, which its own measure launch trains again. The 8- and 16-rank rows are
 4-8x oversubscribed on 2 cores: a rank-row there costs as much as one at 2 ranks.
@@ -11,53 +11,54 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from pathlib import Path
 
 import tests
-from tests.integration_tests import Row
+from tests.support.matrix import Row
 
 # 2026-11 (issue "tests that scale"): 273 rank-rows (74 rows: 229; the estimator's launch: 44) after the
 # option and spelling rows were merged; before, 299 (86 rows: 255; the estimator: 44). The headroom is six
 # 2-rank rows. A feature adds rows only where its code path differs (docs/testing.md); raise this with the
 # rows it adds, in the same commit, and say why there. Issue 35 (fine-tuning) used the headroom: 12 rank-rows
-# (tests/test_sft_runs.py: its masked-loss reference and loss_on='all' at 1 rank, five 2-rank layouts), 285.
+# (tests/runs/features/test_sft_runs.py: its masked-loss reference and loss_on='all' at 1 rank, five 2-rank layouts), 285.
 # Issue 36 (DeepSeek-V3, gpt-oss) raised it by 32 to 317: two new attentions (MLA; sinks with sliding windows)
 # and new expert code (group-limited routing, biased clamped experts) whose TP plans, CP ring and EP paths
 # differ from every existing row: per family a 1-rank reference, FSDP2, EP2, TP2 x EP2, PP2 (gpt-oss also
-# CP2) at 2 ranks and FSDP2 x EP2 at 4 (tests/test_frontier_runs.py, 28), and one estimator row each (4).
+# CP2) at 2 ranks and FSDP2 x EP2 at 4 (tests/runs/models/test_frontier_runs.py, 28), and one estimator row each (4).
 # All at the tiny flavor: the 22 jobs take ~25 s of the suite.
 # Issue 46 (indexed datasets, blends) raised it by 10 to 327: a blend reads through a loader of its own (Megatron's
 # rule, memory-mapped windows), so its parity needs its own reference (1) and the layouts that read it differently:
 # FSDP2, FSDP2 + accumulation 2, PP2 (6); and its resume from the reference's step 3 on the same layout (1) and
-# as FSDP2 (2): tests/test_indexed_runs.py, the 6 jobs ~40 s of the suite.
+# as FSDP2 (2): tests/runs/features/test_indexed_runs.py, the 6 jobs ~40 s of the suite.
 # Issue 45 (item 5, MoE aux loss over the global micro-batch) raised it by 12 to 339: the switch aux loss's new
 # all-reduce runs only in the flavors balanced by it, which no row trained (every tiny MoE flavor balances with
 # the expert bias): gpt-oss debugmodel and qwen3_moe debugmodel_aux_loss, each a 1-rank reference, FSDP2 and EP2
 # at 2 ranks (10), and the per-rank scope kept as an option, whose row must miss one process (2)
-# (tests/test_moe_aux_runs.py).
+# (tests/runs/models/test_moe_aux_runs.py).
 # Issue 47 (parameter groups, Muon) raised it by 7 to 346: the rules resolve per rank and per pipeline stage and
 # Muon's full-matrix step gathers FSDP's and TP's shards, a path no other row takes: a 1-rank reference with the
-# no-decay preset, a multiplier and a Muon rule, and FSDP2, TP2, PP2 1F1B at 2 ranks (tests/test_param_group_runs.py).
+# no-decay preset, a multiplier and a Muon rule, and FSDP2, TP2, PP2 1F1B at 2 ranks (tests/runs/features/test_param_group_runs.py).
 # Issue 48 (LoRA) raised it by 22 to 368 (18, then +2, +2): LoRA's losses are not the full rows' (frozen base, adapters), so no
 # existing row can carry it; per family (llama3, qwen3) a 1-rank LoRA reference and FSDP2, TP2 (the adapter
-# styles of lora/tensor_parallel.py), PP2 1F1B and FSDP2 + accumulation 2 at 2 ranks (tests/test_lora_runs.py);
+# styles of lora/tensor_parallel.py), PP2 1F1B and FSDP2 + accumulation 2 at 2 ranks (tests/runs/features/test_lora_runs.py);
 # +2 for llama3's LoRA CP2 row; +2 for lora_llama3_fsdp2 in the estimator's launch (the frozen base's memory).
 # Issue 48 item 5 (QLoRA) raised it by 3 to 371: the NF4 base is all-gathered by FSDP through torchao's extension and
 # quantized whole per rank, a path no LoRA row takes, and its losses are not LoRA's: a 1-rank QLoRA reference and
-# FSDP2 (+ full AC) at 2 ranks (tests/test_qlora_runs.py; its 30-step run and the estimator check are 1-rank pool
+# FSDP2 (+ full AC) at 2 ranks (tests/runs/features/test_qlora_runs.py; its 30-step run and the estimator check are 1-rank pool
 # jobs, not rows).
 # Issue 48 (LoRA on the MoE families) raised it by 5 to 376: the adapters beside frozen grouped experts, whose EP
 # shards must stay frozen and whose expert bias must not move, are a path no LoRA row takes, and the losses are not
-# the dense rows': a 1-rank qwen3_moe LoRA reference and FSDP2, EP2 at 2 ranks (tests/test_lora_moe_runs.py; its
+# the dense rows': a 1-rank qwen3_moe LoRA reference and FSDP2, EP2 at 2 ranks (tests/runs/features/test_lora_moe_runs.py; its
 # frozen-base check under EP2 for llama3_moe and qwen3_moe and the estimator check are pool jobs, not rows).
 # Issue 57 (pure bf16 training) raised it by 4 to 380: bf16 parameters with no autocast and the fp32 update written
 # back to bf16 are a path no row takes, and their losses are not mixed precision's: a 1-rank pure-bf16 reference and
-# FSDP2, TP2, PP2 1F1B at 2 ranks (tests/integration_tests.py, PURE_BF16_ROWS), +2 for bf16_pure_fsdp2 in the
+# FSDP2, TP2, PP2 1F1B at 2 ranks (tests/support/matrix.py, PURE_BF16_ROWS), +2 for bf16_pure_fsdp2 in the
 # estimator's launch (the halved bytes); paid in part by merging fsdp2_bf16 into fsdp2_tp2_bf16 and cp2_bf16 (-2)
 # and by no pure CP row (its ring runs as under FSDP's bf16 policy, cp2_bf16).
 # Issue 58 (RL) raised it by 18 to 398: the RL step (generation under each layout, the policy loss with weights over
 # the whole update, the reference, the rollouts' file) is a path no row takes, and its losses are not the LM rows':
 # a 1-rank reference and its file-driven twin (2), FSDP2, TP2, FSDP2 + accumulation 2 at 2 ranks and HSDP 2x2 at 4
-# (10), greedy generation at 1 and 2 ranks (3), resume on 1 and 2 ranks (3) (tests/test_rl_runs.py: its 13 jobs take
+# (10), greedy generation at 1 and 2 ranks (3), resume on 1 and 2 ranks (3) (tests/runs/features/test_rl_runs.py: its 13 jobs take
 # ~20 s of the suite on the nano flavor).
 # Issue 58 (the RL step in the memory estimator) raised it by 4 to 402: the estimator's launch trains the RL step (one
 # group generated at full length, the update with its frozen reference) as FSDP2 and DDP at 2 ranks, paths no other
@@ -66,17 +67,17 @@ from tests.integration_tests import Row
 # FSDP, DDP, TP (each model's base_model_tp_plan) and AC are a path no native row takes, and every architecture is
 # its own code: per architecture (Mistral, Gemma 3, OLMo 2, SmolLM3, Phi-3, Qwen3-MoE) a 1-rank reference and a
 # data-parallel row (AC modes and DDP ride on them), and TP2 where built (5), and one resume on FSDP2
-# (tests/test_hf_model_runs.py: its 19 jobs take ~25 s of the suite at 2 layers, seq 64).
+# (tests/runs/models/test_hf_model_runs.py: its 19 jobs take ~25 s of the suite at 2 layers, seq 64).
 # Issue 61 (LoRA on the hf family) raised it by 5 to 437: the adapters on transformers' linears (targets read from its
 # layers, TP's adapter styles over its own plan, the frozen base re-frozen after it) are a path no LoRA or hf row
 # takes, and the losses are not the full rows': a 1-rank LoRA reference on the Mistral export and FSDP2, TP2 at 2
-# ranks (tests/test_hf_model_runs.py). Its fine-tuning data with documents rides on SmolLM3's existing rows.
+# ranks (tests/runs/models/test_hf_model_runs.py). Its fine-tuning data with documents rides on SmolLM3's existing rows.
 # The same issue's estimator row raised it by 2 to 439: hf_mistral_fsdp2 in the estimator's launch (transformers'
-# masks under fake tensors, tests/test_estimation.py).
+# masks under fake tensors, tests/runs/estimation/test_estimation.py).
 # Issue 59 (Qwen3.5) raised it by 11 to 450: Gated DeltaNet (a recurrence, a causal convolution, per-document
 # restarts) is a path no row takes, and the family's losses are its own: a 1-rank reference and FSDP2, FSDP2 +
 # accumulation 2, PP2 1F1B at 2 ranks and HSDP 2x2 at 4, all with block_causal documents on the short-document
-# corpus (tests/test_qwen3_5_runs.py: 5 jobs, ~9 s); +2 to 452 for qwen3_5_fsdp2 in the estimator's launch (the chunked
+# corpus (tests/runs/models/test_qwen3_5_runs.py: 5 jobs, ~9 s); +2 to 452 for qwen3_5_fsdp2 in the estimator's launch (the chunked
 # recurrence's activations).
 # The same issue's MoE (qwen3_5_moe) raised it by 3 to 455: the hybrid with MoE feed-forwards (the gated shared
 # expert, expert parallel beside Gated DeltaNet) has its own losses: a 1-rank reference, FSDP2 + EP2 at 2 ranks, and
@@ -90,22 +91,39 @@ from tests.integration_tests import Row
 # the embedding, per-sample multimodal positions riding on the documents) are a path no row takes, and their losses
 # are their own: a 1-rank reference and FSDP2 + accumulation 2 (the tower its own FSDP unit), TP2 (the embedding left
 # whole until the images are placed, the tower replicated), PP2 1F1B (the tower on the first stage, images split per
-# micro-batch) and FSDP2 with model.freeze_vision at 2 ranks (tests/test_vlm_runs.py: 5 jobs, ~12 s at the tiny flavor);
+# micro-batch) and FSDP2 with model.freeze_vision at 2 ranks (tests/runs/models/test_vlm_runs.py: 5 jobs, ~12 s at the tiny flavor);
 # +2 to 468 for qwen3_5_vl_fsdp2 in the estimator's launch (the tower's activations on its assumed image batches).
 # +2 to 470 for vl_fsdp2_lora: LoRA over image batches (every tower unit frozen under FSDP, the blank image's
 # collectives with no trainable tower parameter) is a path neither the LoRA rows nor freeze_vision's take.
 RANK_ROW_BUDGET = 470
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+
+
+# the estimator's rows are counted as its launch trains them (rank_rows): its file and its rows' module are skipped
+ESTIMATOR_MODULES = ("test_estimation", "estimation_rows")
+
+
+def _row_modules() -> list[str]:
+    """The modules that may hold rows: the run tests (tests/runs) and the harness modules that build ``Row``s."""
+    names = []
+    for info in pkgutil.walk_packages(tests.__path__, "tests."):
+        parts = info.name.split(".")
+        if info.ispkg or parts[-1] in ESTIMATOR_MODULES or parts[1] in ("unit", "distributed"):
+            continue
+        if parts[-1].startswith("test_"):
+            names.append(info.name)
+        elif parts[1] == "support" and "Row(" in (SUPPORT / f"{parts[-1]}.py").read_text():
+            names.append(info.name)  # the others (a script, a model family's registration) are not imported here
+    return names
 
 
 def _row_lists() -> dict[str, list[Row]]:
     found = {}
-    for info in pkgutil.iter_modules(tests.__path__):
-        if not info.name.startswith(("test_", "integration_tests")) or info.name == "test_estimation":
-            continue  # the estimator's rows are counted as its launch trains them, below
-        module = importlib.import_module(f"tests.{info.name}")
+    for module_name in _row_modules():
+        module = importlib.import_module(module_name)
         for name, value in vars(module).items():
             if isinstance(value, (list, tuple)) and value and all(isinstance(r, Row) for r in value):
-                found[f"{info.name}.{name}"] = list(value)
+                found[f"{module_name}.{name}"] = list(value)
     return found
 
 
@@ -115,7 +133,7 @@ def rank_rows() -> tuple[int, dict[str, int]]:
     for values in _row_lists().values():
         for row in values:
             rows[row.name] = row.ngpu
-    from tests.test_estimation import RSS_ROWS, TRACKER_ROWS
+    from tests.support.estimation_rows import RSS_ROWS, TRACKER_ROWS
 
     measured = sum(r.ngpu for r in TRACKER_ROWS + RSS_ROWS)
     return sum(rows.values()) + measured, rows
@@ -132,7 +150,7 @@ def test_rank_rows_stay_within_the_budget():
 
 def test_the_budget_counts_a_new_row_list(monkeypatch):
     """A Row list a new feature adds to a test module is counted, and past the budget the test fails."""
-    import tests.integration_tests as matrix
+    import tests.support.matrix as matrix
 
     before, _ = rank_rows()
     extra = [Row(f"budget_probe_{i}", 8, 1) for i in range(3)]

@@ -1,6 +1,6 @@
 """A run's dump folder (issue 34): one run per folder, a command.txt whose reproduce line reproduces, the
 start and end summaries, and the README's commands that say so. In process; the runs themselves (a second
-run set aside, a resume appending, the pasted reproduce line) are tests/test_run_folder_runs.py."""
+run set aside, a resume appending, the pasted reproduce line) are tests/runs/launch/test_run_folder_runs.py."""
 
 from __future__ import annotations
 
@@ -170,7 +170,7 @@ def test_start_summary_names_the_count_per_token_and_end_summary_this_runs_steps
 
 def test_start_summary_names_the_data_by_kind_and_where_the_weights_come_from(tmp_path):
     """Issue 56, item 5: an indexed corpus is 'indexed', not the dataset name's 'text'; initial weights are not a
-    resume. (The runs: tests/test_indexed_runs.py, tests/test_lora_runs.py, tests/test_launch_runs.py.)"""
+    resume. (The runs: tests/runs/features/test_indexed_runs.py, tests/runs/features/test_lora_runs.py, tests/runs/launch/test_launch_runs.py.)"""
     prefix = str(tmp_path / "corpus")
     assert format_data_source(Training(dataset_path=prefix), indexed=True) == f"indexed: {prefix}"
     assert format_data_source(Training(dataset="pydocs"), indexed=False) == "text: pydocs"

@@ -7,7 +7,7 @@
   ``loop``: the same canonical schedule and the same stages.
 
 (Before: the matrix rows fsdp2_fused_rmsnorm, fsdp2_tp2_fused_rmsnorm and pp2_csv_schedule_multi, each
-trained and compared bit-exactly with its twin. tests/integration_tests.py keeps the one-process
+trained and compared bit-exactly with its twin. tests/runs/training/test_parity_matrix.py keeps the one-process
 fused_rmsnorm run, which also checks the log line naming the kernel.)
 """
 

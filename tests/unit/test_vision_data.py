@@ -146,7 +146,7 @@ def test_bad_input_is_one_line(task):
 
 def test_the_estimator_assumes_the_most_image_tokens_a_window_holds(task):
     """The estimator's image batches (estimation/images.py): square images of the largest size the processor allows,
-    shrunk to fit the window, as many as fit (its accuracy row, tests/test_estimation.py, equals the tracker)."""
+    shrunk to fit the window, as many as fit (its accuracy row, tests/runs/estimation/test_estimation.py, equals the tracker)."""
     from torchtitan.estimation.images import RandomImageBatches, largest_images
 
     vision = qwen3_5_vl_configs["debugmodel"].vision  # 8x8 patches, merged 2x2: 16 pixels a side per image token
@@ -232,7 +232,7 @@ def test_a_micro_batch_without_images_still_runs_the_tower(task):
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_wraps_the_tower_blocks_too(mode):
     """activation_checkpoint.mode wraps the tower's blocks as the language model's (the parity rows that ride on it,
-    tests/test_vlm_runs.py, show it changes no number; this shows it is applied)."""
+    tests/runs/models/test_vlm_runs.py, show it changes no number; this shows it is applied)."""
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.distributed.parallelize import parallelize
 

@@ -225,7 +225,7 @@ class DepthReduction:
     effects (FSDP keeps the last block unsharded, prefetching reaches a few blocks ahead) are the
     same: ``REDUCED_UNITS`` blocks per stage are past them. Two fake runs of a few blocks cost the
     same whatever the real depth, which is what makes the 70B and 405B estimates, and ``--plan``,
-    take seconds. ``--full_depth`` runs the real depth instead (tests/test_estimation.py checks that
+    take seconds. ``--full_depth`` runs the real depth instead (tests/runs/estimation/test_estimation.py checks that
     both agree).
     """
 

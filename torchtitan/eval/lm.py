@@ -2,7 +2,7 @@
 
 Tokenization, the context/continuation split, rolling windows, request order, batching and the post-processing
 of generations follow lm-eval's own ``hf`` backend (its helpers are called, not copied), so on the same weights
-and tokenizer both give the same requests and the same numbers (tests/test_eval_runs.py). Requests are batched
+and tokenizer both give the same requests and the same numbers (tests/runs/features/test_eval_runs.py). Requests are batched
 by length (longest first, as hf does); generation requests of one batch share their context length, so no
 padding enters the KV cache.
 """

@@ -2,7 +2,7 @@
 
 Every ``.complete`` marker records ``format`` (FORMAT_VERSION when it was written) and ``release`` (the
 torchtitan version that wrote it). The promise (docs/checkpoint.md, "Compatibility"): this release resumes every
-checkpoint of a format <= FORMAT_VERSION bit for bit. tests/test_checkpoint_compat.py holds it to that with the
+checkpoint of a format <= FORMAT_VERSION bit for bit. tests/runs/checkpoint/test_checkpoint_compat.py holds it to that with the
 checkpoints in tests/assets/checkpoints/, written by earlier releases.
 
 A change that writes something an earlier format's checkpoints do not hold (a renamed key, a new state) does one of:

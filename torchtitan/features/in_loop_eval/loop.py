@@ -5,7 +5,7 @@ evaluation at the run's INFO level (lm-eval's own output shows at ``job.log_leve
 
 Training goes on as if nothing happened: the model returns to train mode, and the RNG states lm-eval seeds
 (Python's, numpy's, torch's CPU and device generators) are put back, so the losses after an evaluation equal a
-run's without one bit for bit (tests/test_eval_runs.py). The data loader, the optimizer and the gradients are
+run's without one bit for bit (tests/runs/features/test_eval_runs.py). The data loader, the optimizer and the gradients are
 not touched (the forward passes run without grad).
 """
 

@@ -29,7 +29,7 @@ llama3_configs = {
         max_seq_len=2048,
         tie_word_embeddings=True,
     ),
-    # The loss-parity tests' size (tests/integration_tests.py): 4 layers, so 2 pipeline ranks can hold
+    # The loss-parity tests' size (tests/runs/training/test_parity_matrix.py): 4 layers, so 2 pipeline ranks can hold
     # 2 stages each, 4 heads for TP 2 x CP 2; ~20x less compute per step than debugmodel on CPU.
     "debugmodel_tiny": ModelArgs(dim=64, n_layers=4, n_heads=4, rope_theta=500000, max_seq_len=2048),
     # Llama 3.2 1B and 3B: RoPE scaling with factor 32, the output head tied to the embedding.

@@ -1,0 +1,1 @@
+"""The tests' harness: worker pools, matrix rows, golden values, fault injectors, servers, shared builders."""
