@@ -74,6 +74,13 @@ class Rl:
         "with rollouts_path: wait up to this long for a step's rows to appear (0: they must be there)",
         bound=Bound(ge=0),
     )
+    max_nonfinite_logprob_share: float = _f(
+        0.01,
+        "a completion token whose generator log-prob is not finite (NaN, inf; an engine's null) is left out of the "
+        "loss and of its token counts, and counted (nonfinite_logprob_tokens); a step where more than this share of "
+        "its completion tokens are such stops the run before its update (1: never stop)",
+        bound=Bound(ge=0),
+    )
     publish_every: int = _f(
         0,
         "every N steps (and at the start) write the policy as a Hugging Face folder for an outside engine to reload: "
