@@ -18,6 +18,7 @@ from torchtitan.features.rl.losses import Clip, group_advantages, policy_loss, t
 from torchtitan.features.rl.prompts import PromptSource
 from torchtitan.features.rl.rewards import exact_match, format_reward, load_reward, number_match, score
 from torchtitan.features.rl.rollouts import Rollout, count_nonfinite_logprobs, cut_at_stop, update_batch
+from torchtitan.preflight.__main__ import main as preflight
 
 PROMPTS = "tests/assets/rl/arith_prompts.jsonl"
 TOKENIZER = "tests/assets/sft/tokenizer"
@@ -258,3 +259,28 @@ def test_unknown_algorithm_and_reward_refused():
     with pytest.raises(ValueError, match="has no function 'exactly'"):
         check_rl_machine(config, dims)
     assert check_rl(*_config()) == [] and check_rl_machine(*_config()) == []
+
+
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (
+            ["--rl.temperature", "0"],
+            "rl.temperature = 0 is greedy sampling: with rl.group_size = 4 every completion of a group is the same, so "
+            "its rewards are equal, every advantage is 0 and nothing is learned; set rl.temperature > 0 (1.0 is usual)",
+        ),
+        (
+            ["--rl.top_k", "1", "--rl.algorithm", "dapo", "--rl.rollouts_path", "rollouts.jsonl"],
+            "rl.top_k = 1 is greedy sampling by the engine (with rl.rollouts_path these keys describe its sampling): "
+            "with rl.group_size = 4 every completion of a group is the same, so its rewards are equal, every advantage "
+            "is 0 and nothing is learned; set rl.top_k = 0 (every token) or > 1",
+        ),
+    ],
+    ids=["temperature-0", "top_k-1-engine"],
+)
+def test_greedy_sampling_refused_by_the_preflight_command(flags, error, capsys):
+    """``python -m torchtitan.preflight``'s entry, in process: greedy groups cannot learn, in either mode."""
+    args = ["--world_size", "2", "--job.config_file", "train_configs/grpo_arith.toml"]
+    assert preflight([*args, *flags]) == 2
+    assert capsys.readouterr() == ("", f"error: {error}\n")
+    assert preflight([*args, "--rl.top_k", "2", "--rl.temperature", "0.5"]) == 0

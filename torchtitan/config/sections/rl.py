@@ -37,10 +37,15 @@ class Rl:
         16, "generation budget per completion (prompt + budget <= training.seq_len)", bound=POSITIVE
     )
     temperature: float = _f(
-        1.0, "sampling temperature (0: greedy); log-probs are of logits / temperature", bound=Bound(ge=0)
+        1.0,
+        "sampling temperature; log-probs are of logits / temperature (with rollouts_path: the engine's sampling "
+        "temperature). 0 (greedy) is refused: a group's completions would all be the same, so nothing is learned",
+        bound=Bound(ge=0),
     )
     top_p: float = _f(1.0, "nucleus sampling: the best tokens up to this probability mass", bound=Bound(gt=0))
-    top_k: int = _f(0, "sample among the k best tokens (0: all)", bound=Bound(ge=0))
+    top_k: int = _f(
+        0, "sample among the k best tokens (0: all; 1, greedy, is refused as temperature 0 is)", bound=Bound(ge=0)
+    )
     stop_ids: list[int] = _f([], "token ids that end a completion (default: the chat template's end of turn and eos)")
     reward: str = _f(
         "torchtitan.features.rl.rewards:exact_match",
