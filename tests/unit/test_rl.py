@@ -1,5 +1,5 @@
 """RL's parts in process: advantages, token weights, the clipped loss and its KL, rewards and their errors, the
-prompt sampler, top-p sampling, the generator's log-probs, the pre-launch refusals."""
+prompt sampler, top-p sampling, the generator's log-probs, log-probs that are not finite, the pre-launch refusals."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from torchtitan.components.generation import Sampling, generate
+from torchtitan.components.run_control import NonFiniteStep
 from torchtitan.config.manager import JobConfig
 from torchtitan.datasets.sft.chat_template import ChatTokenizer
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -16,7 +17,8 @@ from torchtitan.features.rl.checks import check_rl, check_rl_machine
 from torchtitan.features.rl.losses import Clip, group_advantages, policy_loss, token_weights
 from torchtitan.features.rl.prompts import PromptSource
 from torchtitan.features.rl.rewards import exact_match, format_reward, load_reward, number_match, score
-from torchtitan.features.rl.rollouts import Rollout, cut_at_stop, update_batch
+from torchtitan.features.rl.rollouts import Rollout, count_nonfinite_logprobs, cut_at_stop, update_batch
+from torchtitan.preflight.__main__ import main as preflight
 
 PROMPTS = "tests/assets/rl/arith_prompts.jsonl"
 TOKENIZER = "tests/assets/sft/tokenizer"
@@ -40,6 +42,50 @@ def test_token_weights_sequence_mean_vs_token_level():
     assert torch.allclose(dapo[mask], torch.full((6,), 1 / 6))
     for w in (grpo, dapo):
         assert math.isclose(w.sum().item(), 1.0, rel_tol=1e-6) and w[~mask].eq(0).all()
+
+
+def test_token_weights_leave_nonfinite_logprobs_out_of_every_denominator():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    finite = torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]], dtype=torch.bool)
+    # grpo: sequence 0 averages its 2 finite tokens; sequence 2, left with none, is not one of the sequences averaged
+    grpo = token_weights(mask, algorithm="grpo", finite=finite)
+    assert grpo.tolist() == [[0.25, 0.0, 0.25, 0.0], [0.25, 0.25, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+    assert token_weights(mask, algorithm="dapo", finite=finite)[mask & finite].tolist() == [0.25] * 4
+    random = torch.rand(6, 9, generator=torch.Generator().manual_seed(0)) < 0.6
+    for m in (mask, random):  # every log-prob finite: today's weights, bit for bit
+        for algorithm in ("grpo", "dapo"):
+            want = token_weights(m, algorithm=algorithm)
+            assert torch.equal(token_weights(m, algorithm=algorithm, finite=torch.ones_like(m)), want)
+
+
+def test_nonfinite_engine_logprobs_are_masked_counted_and_stop_past_the_share():
+    nan, inf = float("nan"), float("inf")
+    rows = [  # JSON's NaN, Infinity and null (an engine that could not score a token) for 3 of 6 tokens
+        Rollout(1, 0, 0, [5, 6], [8, 9, 2], [-0.1, nan, None], 1.0),
+        Rollout(1, 0, 0, [5, 6], [7, 9, 2], [-inf, -0.4, -0.5], 0.0),
+    ]
+    batch = update_batch(rows, [1.0, -1.0], seq_len=6, pad_id=2)
+    assert batch.finite[:, 1:4].tolist() == [[True, False, False], [False, True, True]]
+    assert batch.old_logprobs.isfinite().all() and batch.nonfinite_tokens() == (3, 6)
+    weights = token_weights(batch.mask, algorithm="grpo", finite=batch.finite)
+    new = torch.full(batch.labels.shape, -0.3, requires_grad=True)
+    loss, stats = policy_loss(new, batch.old_logprobs, batch.advantages, weights, Clip(0.2, 0.2))
+    loss.backward()
+    assert loss.isfinite() and new.grad.isfinite().all() and all(v.isfinite() for v in stats.values())
+    # the same loss as the batch whose non-finite tokens were never trained: each sequence the mean of its others
+    finite_only = batch.mask & batch.finite
+    want, _ = policy_loss(
+        new, batch.old_logprobs, batch.advantages, token_weights(finite_only, algorithm="grpo"), Clip(0.2, 0.2)
+    )
+    assert torch.equal(loss, want) and new.grad[~finite_only].eq(0).all()
+    assert count_nonfinite_logprobs(batch, 1, max_share=0.5, rollouts_path="r.jsonl") == 3  # 3 of 6 is not > 0.5
+    with pytest.raises(NonFiniteStep) as e:
+        count_nonfinite_logprobs(batch, 7, max_share=0.01, rollouts_path="r.jsonl")
+    assert str(e.value).startswith(
+        "step 7: 3 of its 6 completion tokens (50.0%) have a generator log-prob that is not finite (NaN, inf or null; "
+        "read from rl.rollouts_path r.jsonl), more than rl.max_nonfinite_logprob_share = 0.01; stopped before"
+    )
+    assert "\n" not in str(e.value)
 
 
 def test_policy_loss_clips_each_side_and_k3_kl():
@@ -213,3 +259,28 @@ def test_unknown_algorithm_and_reward_refused():
     with pytest.raises(ValueError, match="has no function 'exactly'"):
         check_rl_machine(config, dims)
     assert check_rl(*_config()) == [] and check_rl_machine(*_config()) == []
+
+
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (
+            ["--rl.temperature", "0"],
+            "rl.temperature = 0 is greedy sampling: with rl.group_size = 4 every completion of a group is the same, so "
+            "its rewards are equal, every advantage is 0 and nothing is learned; set rl.temperature > 0 (1.0 is usual)",
+        ),
+        (
+            ["--rl.top_k", "1", "--rl.algorithm", "dapo", "--rl.rollouts_path", "rollouts.jsonl"],
+            "rl.top_k = 1 is greedy sampling by the engine (with rl.rollouts_path these keys describe its sampling): "
+            "with rl.group_size = 4 every completion of a group is the same, so its rewards are equal, every advantage "
+            "is 0 and nothing is learned; set rl.top_k = 0 (every token) or > 1",
+        ),
+    ],
+    ids=["temperature-0", "top_k-1-engine"],
+)
+def test_greedy_sampling_refused_by_the_preflight_command(flags, error, capsys):
+    """``python -m torchtitan.preflight``'s entry, in process: greedy groups cannot learn, in either mode."""
+    args = ["--world_size", "2", "--job.config_file", "train_configs/grpo_arith.toml"]
+    assert preflight([*args, *flags]) == 2
+    assert capsys.readouterr() == ("", f"error: {error}\n")
+    assert preflight([*args, "--rl.top_k", "2", "--rl.temperature", "0.5"]) == 0

@@ -1,5 +1,6 @@
 """Reinforcement learning through the trainer (worker-pool jobs): layouts at parity, generation equal across
-layouts, rollouts from a file, exact resume, the outside-engine protocol, bad input.
+layouts, rollouts from a file, exact resume, the outside-engine protocol, an engine's log-probs that are not finite,
+bad input.
 
 The runs: DAPO with a KL term (so the reference, the ratio's clipping and the token weights all take part), 4 prompts
 x 3 completions per step in 3 updates of 4 completions, on the nano flavor with a reward that varies between a
@@ -11,6 +12,7 @@ would move the loss, so the rows below fail then.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -40,10 +42,6 @@ ROWS = [  # in-process generation unless they read the reference's rollouts
 ]
 FROM_FILE = Row("rl_1proc_from_file", 1, 4)
 RL_REFERENCES = [REFERENCE, FROM_FILE]  # counted by the rank-row budget
-GREEDY = [
-    Row("rl_1proc_greedy", 1, 4, ["--rl.temperature", "0"]),
-    Row("rl_fsdp2_greedy", 2, 2, ["--rl.temperature", "0"]),
-]
 RESUMED = [Row("rl_resume_1proc", 1, 4, CHECKPOINT), Row("rl_resume_fsdp2", 2, 2, CHECKPOINT)]
 
 
@@ -131,14 +129,36 @@ def test_rollouts_from_file_equal_in_process(reference, tmp_path):
     assert [{k: r[k] for k in keys} for r in _records(folder)] == [{k: r[k] for k in keys} for r in _records(reference)]
 
 
-def test_greedy_generation_under_fsdp2_equals_one_process(tmp_path):
-    folders = [str(tmp_path / row.name) for row in GREEDY]
-    for row, folder in zip(GREEDY, folders):
-        _ok(row, folder, ["--training.steps", "1"])
-    one, fsdp = (_rollouts(f) for f in folders)
-    assert one == fsdp and len(one) == 12  # the first step: the same weights, so the same log-probs too
-    for group in range(4):  # greedy: one completion per prompt, repeated over its group
-        assert len({tuple(r["completion_ids"]) for r in one if r["group"] == group}) == 1
+def test_nonfinite_engine_logprobs_left_out_then_too_many_stop_every_rank(reference, tmp_path):
+    """An engine's rollouts file (the reference's) with a NaN log-prob for one token of step 1, and for the first token
+    of every completion of step 2 NaN, Infinity, -Infinity or null, read under FSDP2: step 1 trains with that token
+    left out of the loss and counted; step 2 stops both ranks in one line before its update."""
+    steps = {s: [r for r in _rollouts(reference) if r["step"] == s] for s in (1, 2)}
+    steps[1][4]["logprobs"][0] = math.nan
+    for i, row in enumerate(steps[2]):
+        row["logprobs"][0] = [math.nan, math.inf, -math.inf, None][i % 4]
+    path = tmp_path / "engine_rollouts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in steps[1] + steps[2]))  # as json writes NaN: NaN
+    tokens = [sum(len(r["completion_ids"]) for r in steps[s]) for s in (1, 2)]
+    assert 1 / tokens[0] <= 0.1 < 12 / tokens[1], tokens  # under the share at step 1, over it at step 2
+    folder = str(tmp_path / "nonfinite")
+    status = _run(
+        Row("rl_fsdp2_nonfinite", 2, 2),
+        folder,
+        ["--rl.rollouts_path", str(path), "--rl.max_nonfinite_logprob_share", "0.1"],
+        expect_error=f"NonFiniteStep: step 2: 12 of its {tokens[1]} completion tokens ({12 / tokens[1]:.1%}) have a "
+        f"generator log-prob that is not finite (NaN, inf or null; read from rl.rollouts_path {path}), more than "
+        "rl.max_nonfinite_logprob_share = 0.1; stopped before the step's update",
+    )
+    assert status["ok"], status["error"]
+    (got,), want = _records(folder), _records(reference)[0]
+    assert got["step"] == 1 and got["nonfinite_logprob_tokens"] == 1 and want["nonfinite_logprob_tokens"] == 0
+    assert all(math.isfinite(got[k]) for k in ("loss", "grad_norm", "kl", "clip_fraction", "offpolicy_gap")), got
+    assert got["loss"] != want["loss"], "the token is out of the loss's denominator: the other tokens weigh more"
+    # out of the weighted sums too: trained against any stand-in for its log-prob (0), the token would add its
+    # |policy log-prob| x its weight to the off-policy gap (0.051 -> 0.096 measured); left out, it moves by ~1%
+    _close(got["offpolicy_gap"], want["offpolicy_gap"], 0.1, "the off-policy gap without the NaN token")
+    assert "  non-finite log-probs 1 (left out)  dropped 0" in open(os.path.join(folder, "rank0.log")).read()
 
 
 @pytest.mark.parametrize("row", RESUMED, ids=lambda r: r.name)

@@ -37,10 +37,15 @@ class Rl:
         16, "generation budget per completion (prompt + budget <= training.seq_len)", bound=POSITIVE
     )
     temperature: float = _f(
-        1.0, "sampling temperature (0: greedy); log-probs are of logits / temperature", bound=Bound(ge=0)
+        1.0,
+        "sampling temperature; log-probs are of logits / temperature (with rollouts_path: the engine's sampling "
+        "temperature). 0 (greedy) is refused: a group's completions would all be the same, so nothing is learned",
+        bound=Bound(ge=0),
     )
     top_p: float = _f(1.0, "nucleus sampling: the best tokens up to this probability mass", bound=Bound(gt=0))
-    top_k: int = _f(0, "sample among the k best tokens (0: all)", bound=Bound(ge=0))
+    top_k: int = _f(
+        0, "sample among the k best tokens (0: all; 1, greedy, is refused as temperature 0 is)", bound=Bound(ge=0)
+    )
     stop_ids: list[int] = _f([], "token ids that end a completion (default: the chat template's end of turn and eos)")
     reward: str = _f(
         "torchtitan.features.rl.rewards:exact_match",
@@ -72,6 +77,13 @@ class Rl:
     rollouts_wait_seconds: float = _f(
         0.0,
         "with rollouts_path: wait up to this long for a step's rows to appear (0: they must be there)",
+        bound=Bound(ge=0),
+    )
+    max_nonfinite_logprob_share: float = _f(
+        0.01,
+        "a completion token whose generator log-prob is not finite (NaN, inf; an engine's null) is left out of the "
+        "loss and of its token counts, and counted (nonfinite_logprob_tokens); a step where more than this share of "
+        "its completion tokens are such stops the run before its update (1: never stop)",
         bound=Bound(ge=0),
     )
     publish_every: int = _f(

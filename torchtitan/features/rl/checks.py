@@ -31,6 +31,7 @@ def check_rl(config: JobConfig, dims: ParallelDims) -> list[str]:
             "rl.enable needs rl.prompts_path: a JSONL of prompts (an outside engine reading rl.rollouts_path samples the "
             "run's prompts from it too)"
         )
+    _check_sampling(config)
     if rl.top_p > 1:
         raise ValueError(f"rl.top_p = {rl.top_p}: a probability mass in (0, 1]")
     if rl.clip_low >= 1:
@@ -53,6 +54,25 @@ def check_rl(config: JobConfig, dims: ParallelDims) -> list[str]:
             )
     _check_shape(config, dims)
     return []
+
+
+def _check_sampling(config: JobConfig) -> None:
+    """Greedy sampling (temperature 0, top_k 1) gives a group ``group_size`` copies of one completion: equal rewards,
+    every advantage 0, nothing learned. GRPO's and DAPO's groups are sampled, so it is refused; with rl.rollouts_path
+    too: the keys then describe the engine's sampling (scripts/rl_engine.py samples with them), and rl.temperature is
+    the temperature at which the update recomputes the log-probs of the ratio."""
+    rl = config.rl
+    engine = " by the engine (with rl.rollouts_path these keys describe its sampling)" if rl.rollouts_path else ""
+    temperature_fix = "set rl.temperature > 0 (1.0 is usual" + ("; the engine's temperature)" if engine else ")")
+    for key, value, greedy, fix in (
+        ("rl.temperature", rl.temperature, rl.temperature == 0, temperature_fix),
+        ("rl.top_k", rl.top_k, rl.top_k == 1, "set rl.top_k = 0 (every token) or > 1"),
+    ):
+        if greedy:
+            raise ValueError(
+                f"{key} = {value:g} is greedy sampling{engine}: with rl.group_size = {rl.group_size} every completion "
+                "of a group is the same, so its rewards are equal, every advantage is 0 and nothing is learned; " + fix
+            )
 
 
 def _section(config: JobConfig, key: str) -> tuple[object, str]:

@@ -23,14 +23,24 @@ def group_advantages(rewards: torch.Tensor, *, std_normalize: bool) -> torch.Ten
     return centered / (rewards.std(dim=1, keepdim=True) + ADVANTAGE_EPS)
 
 
-def token_weights(mask: torch.Tensor, *, algorithm: str) -> torch.Tensor:
-    """mask (sequences, seq_len) of an update's trained tokens -> each token's weight in the update's loss (the
-    weights sum to 1). 'grpo': each sequence's tokens averaged, then the sequences; 'dapo': every token alike."""
+def token_weights(mask: torch.Tensor, *, algorithm: str, finite: torch.Tensor | None = None) -> torch.Tensor:
+    """mask (sequences, seq_len) of an update's completion tokens -> each token's weight in the update's loss (the
+    weights sum to 1). 'grpo': each sequence's tokens averaged, then the sequences; 'dapo': every token alike.
+
+    finite (the same shape): False where the generator's log-prob is not finite. Such a token weighs 0 and counts in
+    no denominator (neither a sequence's length nor the update's token count); nor does a sequence left with no token
+    (in GRPO's mean over the sequences). With every log-prob finite, the weights are those without ``finite``.
+    """
+    sequences: int | torch.Tensor = mask.shape[0]
+    if finite is not None:  # no host sync: the memory estimator runs this on fake tensors
+        kept = mask & finite
+        emptied = (mask.any(dim=1) & ~kept.any(dim=1)).sum()  # sequences whose every completion token is not finite
+        sequences, mask = (sequences - emptied).clamp(min=1), kept  # an int64 scalar: divides as the int did
     mask = mask.float()
     if algorithm == "dapo":
         return mask / mask.sum().clamp(min=1.0)
     lengths = mask.sum(dim=1, keepdim=True).clamp(min=1.0)  # (sequences, 1)
-    return mask / lengths / mask.shape[0]
+    return mask / lengths / sequences
 
 
 @dataclass(frozen=True)

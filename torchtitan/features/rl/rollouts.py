@@ -13,12 +13,15 @@ A rollout row (the file format, and what the run writes to ``<dump_folder>/rollo
      "logprobs": [...], "reward": 1.0}
 
 ``completion_ids`` end with the stop token when one was generated (it is trained: the policy learns to stop);
-``logprobs`` are the generator's log-probabilities of those tokens at the sampling temperature, one per id.
+``logprobs`` are the generator's log-probabilities of those tokens at the sampling temperature, one per id. One that
+is not finite (NaN, Infinity, -Infinity, or null: an engine that could not score a token) leaves its token out of the
+loss (``UpdateBatch.finite``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -29,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan.components.generation import Sampling, generate
+from torchtitan.components.run_control import NonFiniteStep
 from torchtitan.features.rl.prompts import Prompt, PromptSource, mix_seed
 from torchtitan.features.rl.rewards import score
 from torchtitan.models.common.documents import IGNORE_INDEX
@@ -189,19 +193,27 @@ def score_completion(
 @dataclass(frozen=True)
 class UpdateBatch:
     """Sequences as the update trains them: inputs/labels (n, seq_len), the generator's log-probs aligned with the
-    labels, each sequence's advantage."""
+    labels (0 where not finite), each sequence's advantage, and where the generator's log-prob is finite."""
 
     inputs: torch.Tensor
     labels: torch.Tensor
     old_logprobs: torch.Tensor
     advantages: torch.Tensor
+    finite: torch.Tensor  # (n, seq_len) bool: False on a completion token whose generator log-prob is not finite
 
     def rows(self, start: int, stop: int) -> UpdateBatch:
-        return UpdateBatch(*(t[start:stop] for t in (self.inputs, self.labels, self.old_logprobs, self.advantages)))
+        tensors = (self.inputs, self.labels, self.old_logprobs, self.advantages, self.finite)
+        return UpdateBatch(*(t[start:stop] for t in tensors))
 
     @property
     def mask(self) -> torch.Tensor:
+        """The completions' tokens (those with a label), finite log-prob or not."""
         return self.labels != IGNORE_INDEX
+
+    def nonfinite_tokens(self) -> tuple[int, int]:
+        """(completion tokens whose generator log-prob is not finite, completion tokens)."""
+        mask = self.mask
+        return int((mask & ~self.finite).sum()), int(mask.sum())
 
 
 def update_batch(rollouts: list[Rollout], advantages: list[float], seq_len: int, pad_id: int) -> UpdateBatch:
@@ -211,10 +223,40 @@ def update_batch(rollouts: list[Rollout], advantages: list[float], seq_len: int,
     inputs = torch.full((n, seq_len), pad_id, dtype=torch.long)
     labels = torch.full((n, seq_len), IGNORE_INDEX, dtype=torch.long)
     old = torch.zeros((n, seq_len), dtype=torch.float32)
+    finite = torch.ones((n, seq_len), dtype=torch.bool)
     for i, r in enumerate(rollouts):
         ids = r.prompt_ids + r.completion_ids
         p, c = len(r.prompt_ids), len(r.completion_ids)
         inputs[i, : len(ids) - 1] = torch.tensor(ids[:-1])
         labels[i, p - 1 : p - 1 + c] = torch.tensor(r.completion_ids)
-        old[i, p - 1 : p - 1 + c] = torch.tensor(r.logprobs, dtype=torch.float32)
-    return UpdateBatch(inputs, labels, old, torch.tensor(advantages, dtype=torch.float32))
+        # an engine's null (a token it could not score) is NaN; checked in float32, where the ratio is computed
+        logprobs = torch.tensor([math.nan if x is None else x for x in r.logprobs], dtype=torch.float32)
+        ok = logprobs.isfinite()
+        old[i, p - 1 : p - 1 + c] = torch.where(ok, logprobs, 0.0)  # no NaN reaches the loss, even times 0
+        finite[i, p - 1 : p - 1 + c] = ok
+    return UpdateBatch(inputs, labels, old, torch.tensor(advantages, dtype=torch.float32), finite)
+
+
+def count_nonfinite_logprobs(batch: UpdateBatch, step: int, *, max_share: float, rollouts_path: str) -> int:
+    """The step's completion tokens whose generator log-prob is not finite (the token weights leave them out of the
+    loss). Every rank holds the whole step's rollouts (gathered, or read from the same file): every rank counts the
+    same, and stops together.
+
+    Raises:
+        NonFiniteStep: more than ``max_share`` (rl.max_nonfinite_logprob_share) of them, before the step's update.
+    """
+    bad, tokens = batch.nonfinite_tokens()
+    if bad and bad / tokens > max_share:
+        where = f"read from rl.rollouts_path {rollouts_path}" if rollouts_path else "from the in-process generator"
+        fix = (
+            "fix the engine's log-probs"
+            if rollouts_path
+            else "resume from the last good checkpoint with a lower optimizer.lr (the policy's logits overflowed)"
+        )
+        raise NonFiniteStep(
+            f"step {step}: {bad} of its {tokens} completion tokens ({bad / tokens:.1%}) have a generator log-prob that "
+            f"is not finite (NaN, inf or null; {where}), more than rl.max_nonfinite_logprob_share = {max_share:g}; "
+            f"stopped before the step's update, so no checkpoint holds it. {fix[0].upper()}{fix[1:]}, or raise "
+            "rl.max_nonfinite_logprob_share (such tokens are left out of the loss)"
+        )
+    return bad

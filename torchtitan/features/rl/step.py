@@ -38,6 +38,7 @@ from torchtitan.features.rl.rollouts import (
     RolloutFile,
     UpdateBatch,
     agree_all_done,
+    count_nonfinite_logprobs,
     generate_group,
     group_seed,
     score_completion,
@@ -220,8 +221,12 @@ class RLStep:
 
     # -- the update ----------------------------------------------------------------------------------------
     def _update(self, step: int, rollouts: list[Rollout]) -> StepResult:
-        result, sums = self.train_update(step, self.update_batch(rollouts))
-        self.stats.update(self._reduce_stats(sums))
+        batch, rl = self.update_batch(rollouts), self.rl
+        nonfinite = count_nonfinite_logprobs(
+            batch, step, max_share=rl.max_nonfinite_logprob_share, rollouts_path=rl.rollouts_path
+        )
+        result, sums = self.train_update(step, batch)
+        self.stats.update(self._reduce_stats(sums), nonfinite_logprob_tokens=float(nonfinite))
         return result
 
     def update_batch(self, rollouts: list[Rollout]) -> UpdateBatch:
@@ -244,7 +249,7 @@ class RLStep:
         stop = False
         for u in range(rl.updates_per_step):
             update = batch.rows(u * per_update, (u + 1) * per_update)
-            weights = token_weights(update.mask, algorithm=rl.algorithm)
+            weights = token_weights(update.mask, algorithm=rl.algorithm, finite=update.finite)
             mine = update.rows(dp_rank * per_rank, (dp_rank + 1) * per_rank)
             my_weights = weights[dp_rank * per_rank : (dp_rank + 1) * per_rank]
             update_loss = torch.zeros((), device=self.device)
@@ -346,9 +351,11 @@ def format_rl_line(step: int, stats: dict[str, float]) -> str:
     """The console's RL line under each step line."""
     s = stats
     kl = f"  kl {s['kl']:.2e}" if "kl" in s else ""
+    bad = s.get("nonfinite_logprob_tokens", 0.0)
+    masked = f"  non-finite log-probs {bad:.0f} (left out)" if bad else ""
     return (
         f"rl   {step}  reward {s['reward_mean']:.3f} (std {s['reward_std']:.3f})  accuracy {s['accuracy']:.3f}  length "
-        f"{s['completion_length']:.1f}  clipped {s['clip_fraction']:.3f}{kl}  off-policy {s['offpolicy_gap']:.1e}  dropped "
+        f"{s['completion_length']:.1f}  clipped {s['clip_fraction']:.3f}{kl}  off-policy {s['offpolicy_gap']:.1e}{masked}  dropped "
         f"{s['dropped_groups']:.0f}  generation {s['generation_tps']:,.0f} tok/s  update {s['update_tps']:,.0f} tok/s"
     )
 
