@@ -10,10 +10,8 @@ from tests.support.runs import ROOT
 
 
 def script_main(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    """scripts/<name>.py's ``main``."""
+    return script_module(name).main
 
 
 def script_module(name: str):

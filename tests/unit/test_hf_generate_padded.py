@@ -4,13 +4,12 @@ tokenizer is read (as transformers' AutoTokenizer reads it), and an embedding pa
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.support.scripts import generate_script
 from torchtitan.datasets.tokenizer import build_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -18,15 +17,6 @@ transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = str(ROOT / "tests" / "assets" / "sft" / "tokenizer")
 PADDING = 13  # rows past the tokenizer's words
-
-
-@functools.cache
-def _script():
-    """scripts/generate.py as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("generate_script", ROOT / "scripts" / "generate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _qwen3_folder(folder: Path) -> int:
@@ -50,10 +40,10 @@ def _qwen3_folder(folder: Path) -> int:
 
 def test_generate_answers_from_a_transformers_folder_padded_past_its_tokenizer(tmp_path, capsys):
     words = _qwen3_folder(tmp_path / "qwen3")
-    assert _script().main(["--hf", str(tmp_path / "qwen3"), "--prompt", "Hello", "--max_new_tokens", "6"]) == 0
+    assert generate_script().main(["--hf", str(tmp_path / "qwen3"), "--prompt", "Hello", "--max_new_tokens", "6"]) == 0
     assert capsys.readouterr().out.strip()
-    assert _script().default_tokenizer(str(tmp_path / "qwen3"), None) == str(tmp_path / "qwen3")
-    model = _script().load_model(None, str(tmp_path / "qwen3"), 16, words, torch.device("cpu"))
+    assert generate_script().default_tokenizer(str(tmp_path / "qwen3"), None) == str(tmp_path / "qwen3")
+    model = generate_script().load_model(None, str(tmp_path / "qwen3"), 16, words, torch.device("cpu"))
     assert model.tok_embeddings.weight.shape[0] == words + PADDING  # the folder's rows, all of them loaded
     assert model(torch.tensor([[1, 2, 3]])).shape[-1] == words  # the padding rows are never sampled
 
@@ -61,4 +51,4 @@ def test_generate_answers_from_a_transformers_folder_padded_past_its_tokenizer(t
 def test_a_table_smaller_than_the_tokenizer_is_refused(tmp_path):
     words = _qwen3_folder(tmp_path / "qwen3")
     with pytest.raises(ValueError, match=f"vocabulary of {words + PADDING} and the tokenizer {words + 100} words"):
-        _script().load_model(None, str(tmp_path / "qwen3"), 16, words + 100, torch.device("cpu"))
+        generate_script().load_model(None, str(tmp_path / "qwen3"), 16, words + 100, torch.device("cpu"))

@@ -9,8 +9,6 @@ transformers' greedy ``generate`` text; the lm-eval backend's ``tok_encode`` and
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -18,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.scripts import generate_script
 from torchtitan.datasets.tokenizer import build_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -28,15 +27,6 @@ BOS = "<|reserved_0|>"  # an added special token of the shipped tokenizer, named
 PROMPT = "What is 12 plus 7?"
 NEW_TOKENS = 8
 KINDS = ("adds_bos", "names_bos_adds_none", "config_add_bos_token", "no_bos")
-
-
-@functools.cache
-def _script():
-    """scripts/generate.py as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("generate_script", ROOT / "scripts" / "generate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _tokenizer_files(folder: Path, kind: str) -> None:
@@ -104,7 +94,7 @@ def test_generate_prints_transformers_greedy_text(folders, kind, capsys):
     ids = transformers.AutoTokenizer.from_pretrained(folder)(PROMPT).input_ids
     bos_id = build_tokenizer(str(TOKENIZER)).model.token_to_id(BOS)
     assert (ids[0] == bos_id) == (kind == "adds_bos")  # the folder is the kind its name says
-    assert _script().main(["--hf", str(folder), "--prompt", PROMPT, "--max_new_tokens", str(NEW_TOKENS)]) == 0
+    assert generate_script().main(["--hf", str(folder), "--prompt", PROMPT, "--max_new_tokens", str(NEW_TOKENS)]) == 0
     want = _transformers_greedy(folder, ids)
     assert capsys.readouterr().out == want + "\n"
     assert build_tokenizer(str(folder)).encode_prompt(PROMPT) == ids

@@ -20,6 +20,7 @@ from tests.support.matrix import Row
 from tests.support.pool import run_train_job
 from tests.support.rows import HF, HF_STEPS
 from tests.support.runs import read_metrics
+from tests.support.scripts import script_main
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2, 4)]
 
@@ -205,16 +206,6 @@ def test_export_loads_in_transformers_with_equal_logits(references):
         assert torch.equal(ours(tokens), hf(input_ids=tokens).logits)
 
 
-def _script(name: str):
-    """scripts/<name>.py as a module (scripts/ is not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"{name}_script", os.path.join("scripts", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_convert_and_generate_the_runs_checkpoint(references, tmp_path, capsys):
     """The documented path after a run (docs/models.md): ``scripts/convert_to_hf.py`` on the Mistral reference's last
     checkpoint prints its one line (transformers 5 writes ``dtype``, not ``torch_dtype``), and ``scripts/generate.py
@@ -227,10 +218,10 @@ def test_convert_and_generate_the_runs_checkpoint(references, tmp_path, capsys):
     from torchtitan.datasets.tokenizer import build_tokenizer
 
     checkpoint, out = os.path.join(references[CHECKPOINTED], "checkpoint", f"step-{HF_STEPS}"), str(tmp_path / "hf")
-    assert _script("convert_to_hf").main([checkpoint, out]) == 0
+    assert script_main("convert_to_hf")([checkpoint, out]) == 0
     assert capsys.readouterr().out == f"wrote {out}: 2 layers, hidden 64, float32\n"
     prompt, new_tokens = "def main(", 12
-    assert _script("generate").main(["--hf", out, "--prompt", prompt, "--max_new_tokens", str(new_tokens)]) == 0
+    assert script_main("generate")(["--hf", out, "--prompt", prompt, "--max_new_tokens", str(new_tokens)]) == 0
     tokenizer = build_tokenizer("./torchtitan/datasets/assets/tokenizer/pydocs_bpe2048.tiktoken")
     ids = tokenizer.encode(prompt, bos=True, eos=False)
     with torch.no_grad():
