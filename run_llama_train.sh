@@ -5,6 +5,8 @@
 #   LOG_RANK     ranks whose output is shown, comma-separated (default 0)
 #   CONFIG_FILE  TOML config (default ./train_configs/debug_model.toml); a --job.config_file argument
 #                wins over it (one line says so when both are given and differ)
+#   MODULE, CONFIG  instead of a TOML: function CONFIG of module MODULE returns the config (as --module M --config F,
+#                which win over them); not with CONFIG_FILE (pick one)
 #   PREFLIGHT    1 (default): check the config once, in the launcher's process, before starting NGPU; 0 skips that
 #                (every rank checks it again anyway)
 # Any further arguments are config overrides, e.g. --training.steps 20 --training.batch_size=4
@@ -39,7 +41,8 @@ for arg in "$@"; do
   fi
 done
 
-# The config file: the user's --job.config_file, else CONFIG_FILE, else the debug model's.
+# The config: the user's --job.config_file, else --module/--config or MODULE/CONFIG, else CONFIG_FILE, else the
+# debug model's TOML.
 source "$(dirname "$0")/scripts/config_args.sh"
 config_args ./train_configs/debug_model.toml "$@"
 

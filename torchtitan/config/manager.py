@@ -6,14 +6,17 @@ launchers run it before starting any process); the checks themselves live beside
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
 import os
 import sys
 import typing
+from collections.abc import Iterator
 from typing import Any
 
+from torchtitan.config.as_code import ConfigFunction, call_function, config_table, function_flags
 from torchtitan.config.compat.keys_2025 import RULES, SECTIONS_2025
 from torchtitan.config.compat.resolve_2025 import resolve
 from torchtitan.config.compat.spellings import Alias, Given, describe, translate
@@ -171,6 +174,17 @@ def _resolve_aliases(pairs: list[tuple[str, Any]], *, from_cli: bool) -> list[tu
     return out
 
 
+@contextlib.contextmanager
+def _naming(where: str | None) -> Iterator[None]:
+    """A ConfigError raised inside names ``where`` (the function whose values are being read) first."""
+    try:
+        yield
+    except ConfigError as e:
+        if where is None:
+            raise
+        raise ConfigError(f"{where}: {e}") from None
+
+
 def load_toml(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as f, parsing(path, "valid TOML", fix="fix that line"):
@@ -184,33 +198,56 @@ def load_toml(path: str) -> dict[str, Any]:
 class JobConfig(JobConfigTree):
     """The resolved config of one run. Build with ``JobConfig.parse_args(argv)``."""
 
+    built_by: ConfigFunction | None = None
+    """The function that built this config (``--module M --config F``), as the run records it; None: a TOML or the
+    defaults. Not a config value: the dumped config.toml holds the values, not where they came from."""
+
     @classmethod
     def parse_args(cls, argv: list[str] | None = None, *, world_size: int | None = None) -> JobConfig:
-        """Defaults < the TOML file < the flags, in this schema's keys or torchtitan 2025's (config/compat/keys_2025.py).
+        """Defaults < the TOML file (or the function of ``--module M --config F``) < the flags, in this schema's keys
+        or torchtitan 2025's (config/compat/keys_2025.py).
 
         ``world_size``: the number of processes of the run; only ``training.global_batch_size`` (2025) needs it,
         to find the data-parallel degree when ``data_parallel_shard_degree = -1``.
         """
         argv = list(sys.argv[1:] if argv is None else argv)
-        cli = _negated_flags(_split_cli(argv))
+        function, cli = function_flags(_negated_flags(_split_cli(argv)))
         config = cls()
         given = Given()
         config_file = _config_file(cli)
-        sources = [(cli, True)]
-        if config_file is not None:
-            file_pairs = _toml_pairs(load_toml(config_file))
-            given.file_keys = [key for key, _ in file_pairs]
-            sources.insert(0, (file_pairs, False))
-        for pairs, from_cli in sources:
-            pairs = _resolve_aliases(pairs, from_cli=from_cli)
-            for key, value, as_text in translate(
-                pairs, from_cli=from_cli, rules=RULES, field_type=_field_type, given=given
-            ):
-                config.set(key, value, from_cli=as_text)
-        resolve(config, given, world_size=world_size, config_file=config_file)
+        base = config._base_pairs(config_file, function)
+        given.file_keys = [key for key, _ in base]
+        where = config.built_by.describe() if config.built_by else None
+        for pairs, from_cli, named in ((base, False, where), (cli, True, None)):
+            with _naming(named):
+                pairs = _resolve_aliases(pairs, from_cli=from_cli)
+                for key, value, as_text in translate(
+                    pairs, from_cli=from_cli, rules=RULES, field_type=_field_type, given=given
+                ):
+                    config.set(key, value, from_cli=as_text)
+        resolve(config, given, world_size=world_size, config_file=config_file or where)
         if config.optimizer.state_dtype is None:  # the moments follow the parameters unless set
             config.optimizer.state_dtype = config.training.dtype
         return config
+
+    def _base_pairs(self, config_file: str | None, function: tuple[str, str] | None) -> list[tuple[str, Any]]:
+        """What the flags apply on top of, as (key, value) pairs: the TOML file's, or the values of the function
+        ``--module M --config F`` returned (config/as_code.py; then ``built_by`` names it), or none."""
+        if config_file is not None and function is not None:
+            raise ConfigError(
+                f"--module {function[0]} --config {function[1]} and --job.config_file {config_file} both given: pick "
+                "one (run_llama_train.sh: MODULE=M CONFIG=F, or CONFIG_FILE=FILE)"
+            )
+        if config_file is not None:
+            return _toml_pairs(load_toml(config_file))
+        if function is None:
+            return []
+        built, self.built_by = call_function(*function)
+        table = config_table(built, type(self), self.built_by, records=("built_by",))
+        if table.get("optimizer", {}).get("state_dtype") == built.training.dtype:
+            del table["optimizer"]["state_dtype"]  # the moments following the parameters (parse_args): unset
+        with _naming(self.built_by.describe()):  # an attribute that is no section: an unknown key
+            return _toml_pairs(table)
 
     def set(self, dotted_key: str, value: Any, *, from_cli: bool) -> None:
         """Set one canonical key; ``from_cli`` values are strings to parse, others are checked as they are."""
@@ -276,9 +313,12 @@ def format_help() -> str:
         if isinstance(rule, Alias):
             spelled_as.setdefault(rule.target, []).append((key, rule))
     out = [
-        "usage: python -m torchtitan.train [--job.config_file FILE] [--section.key VALUE ...]",
+        "usage: python -m torchtitan.train [--job.config_file FILE | --module M --config F] [--section.key VALUE ...]",
         "",
-        "Precedence: defaults < TOML file < command-line flags. A boolean key may be given as a bare flag.",
+        "Precedence: defaults < TOML file (or function) < command-line flags. A boolean key may be a bare flag.",
+        "--module M --config F: the config is what function F of module M returns (a JobConfig: from torchtitan.config",
+        "  import JobConfig), read as a TOML file's values are; M is a dotted module importable from the current",
+        "  directory or installed (train_configs.recipes), or a .py file. Not with --job.config_file: pick one.",
     ]
     for section, cls in _sections().items():
         out += ["", f"[{section}]"]

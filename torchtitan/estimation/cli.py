@@ -14,6 +14,7 @@ from torchtitan.estimation.report import format_table, to_json
 USAGE = """usage: estimation.py --job.config_file FILE [--world_size N] [--json] [--full_depth] [--section.key VALUE ...]
        estimation.py --plan --memory_gib M --job.config_file FILE [--world_size N] [--json]
                      [--gpu NAME] [--gpus_per_node G] [--top K] [--section.key VALUE ...]
+       (or --module MOD --config F instead of --job.config_file FILE: the config that function F of MOD returns)
 
 Estimates per-rank peak memory of one training step of the config (world size from --world_size,
 else NGPU as in run_llama_train.sh, else 1) with the trainer's own build and step on fake tensors.

@@ -36,7 +36,8 @@ class TorchtitanLM(TemplateLM):
     """An lm-eval model over our model.
 
     Args (``--model_args`` on the command line, comma-separated ``key=value``):
-        config: the training TOML (or a JobConfig): family, flavor, tokenizer and layout.
+        config: the training TOML (or a JobConfig): family, flavor, tokenizer and layout; with ``module``, the
+            function of that module that returns it (``module=M,config=F``: ``--module M --config F``).
         checkpoint: a complete ``step-N`` DCP folder; hf: a Hugging Face folder instead; neither: seeded init.
         batch_size: requests per forward pass. max_length: longest input (default the config's seq_len).
         max_gen_toks: default generation budget. seed: seeds sampled generation.
@@ -54,6 +55,7 @@ class TorchtitanLM(TemplateLM):
         max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
         seed: int = 1234,
         overrides: str | None = None,
+        module: str | None = None,
         model: EvalModel | None = None,
         **unused: Any,
     ):
@@ -63,8 +65,11 @@ class TorchtitanLM(TemplateLM):
             raise ValueError(f"--model_args {sorted(unused)}: not a torchtitan model argument; see docs/evaluation.md")
         if model is None:
             if config is None:
-                raise ValueError("--model_args needs config=TRAIN_TOML (and checkpoint=STEP_FOLDER or hf=HF_FOLDER)")
-            job = load_config(config, overrides.split() if overrides else None)
+                raise ValueError(
+                    "--model_args needs config=TRAIN_TOML, or module=M,config=F (and checkpoint=STEP_FOLDER or "
+                    "hf=HF_FOLDER)"
+                )
+            job = load_config(config, overrides.split() if overrides else None, module=module)
             told = any(o.startswith("--model.tokenizer_path") for o in (overrides or "").split())
             model = build_eval_model(job, checkpoint=checkpoint, hf=hf, tokenizer_from_config=told)
         if str(batch_size).startswith("auto"):

@@ -38,10 +38,13 @@ class EvalModel:
     """What every forward runs inside (the trainer's block_causal feed: plain causal attention per request)."""
 
 
-def load_config(config: str | JobConfig, overrides: list[str] | None = None) -> JobConfig:
-    """A JobConfig from a TOML file (and ``--section.key value`` overrides), or the one given."""
+def load_config(config: str | JobConfig, overrides: list[str] | None = None, *, module: str | None = None) -> JobConfig:
+    """A JobConfig from a TOML file, or from function ``config`` of ``module`` (``--module M --config F``), and
+    ``--section.key value`` overrides; or the one given."""
     if isinstance(config, JobConfig):
         return config
+    if module is not None:
+        return JobConfig.parse_args(["--module", module, "--config", config, *(overrides or [])])
     if not os.path.isfile(config):
         raise FileNotFoundError(f"config={config!r}: no such TOML file; pass the training config of the checkpoint")
     return JobConfig.parse_args(["--job.config_file", config, *(overrides or [])])

@@ -4,13 +4,15 @@
 it when pasted into a shell: the same number of processes (``NGPU``), the same interpreter
 (``PYTHON``), the same working directory (the config's relative paths), and the resolved
 ``config.toml`` (``CONFIG_FILE``), through ``run_llama_train.sh`` (or, outside a checkout, our
-launcher). A resumed run appends its own command; ``config.toml`` and ``run_info.json`` describe
-the latest launch. Which records a run owns (``run_record_names``) is what a new run in the same
-folder sets aside first (launch/run_folder.py).
+launcher); a config built by a function (``--module M --config F``) is named in a comment above it, and in
+run_info.json with its module's file, so the run reproduces without the module. A resumed run appends its own
+command; ``config.toml`` and ``run_info.json`` describe the latest launch. Which records a run owns
+(``run_record_names``) is what a new run in the same folder sets aside first (launch/run_folder.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -57,6 +59,8 @@ def run_info(config: JobConfig, world_size: int, resumed_from: int | None = None
         "layout": dims.degrees(),
         "resumed_from_step": resumed_from,
         "data": describe_sources(t.dataset, t.dataset_path, t.dataset_mix),  # a blend's sources and weights
+        # --module/--config: the function that built the config (its module's file and the file's sha256); null: a TOML
+        "config_function": None if config.built_by is None else dataclasses.asdict(config.built_by),
     }
 
 
@@ -121,6 +125,9 @@ def write_run_records(
         if resumed_from is not None:
             f.write(f"# resumed from checkpoint step-{resumed_from} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         f.write(f"# started by {_started_by()}\n")
+        if config.built_by is not None:  # the line below trains config.toml: the function's values, resolved
+            fn = config.built_by
+            f.write(f"# config built by {fn.describe()} ({fn.file or 'no file'}); config.toml holds its values\n")
         f.write(f"# reproduce ({processes}; into {os.path.basename(os.path.abspath(folder))}{REPRODUCED}/):\n")
         f.write(reproduce_command(folder, world_size, nodes=nodes) + "\n")
     with open(os.path.join(folder, "run_info.json"), "w") as f:

@@ -60,7 +60,8 @@ def _ok_line(config: JobConfig, world_size: int, target: str | None, device_type
     this_machine = target is None
     passed = sum(not skips(c, this_machine=this_machine, device_type=device_type) for c in CHECKS)
     where = "this machine" if this_machine else "--target"
-    line = f"ok: {config.job.config_file or 'the default config'}, world_size {world_size}, device {device_type} "
+    source = config.built_by.describe() if config.built_by else config.job.config_file
+    line = f"ok: {source or 'the default config'}, world_size {world_size}, device {device_type} "
     line += f"({where}): {passed} checks passed"
     line += f", {num_warnings} warning{'s' * (num_warnings != 1)}" if num_warnings else ""
     if not this_machine:

@@ -3,7 +3,8 @@
 The commands are read from README.md, docs/*.md, the train_configs headers and scripts/ (lines that run
 ``run_llama_train.sh`` or ``python -m torchtitan.preflight``); each is resolved the way run_llama_train.sh
 resolves it (scripts/config_args.sh: the command's ``--job.config_file`` wins over ``CONFIG_FILE``, else the
-debug config; ``NGPU`` processes, 2 on a machine without a GPU) and checked in process with
+debug config; ``--module``/``--config`` or ``MODULE``/``CONFIG``: a function's config, no file; ``NGPU`` processes,
+2 on a machine without a GPU) and checked in process with
 ``torchtitan.preflight``'s entry point. A doc that shows a command training another config than it says, or
 a flag that no longer exists, fails here by file and line. tests/runs/launch/test_launch_runs.py runs the script itself.
 The blocks a user runs line by line (``SEQUENCES``) run in order, each line as typed but for the training lines that
@@ -91,12 +92,21 @@ def _preflight_argv(command: str) -> list[str]:
     if words[0] in ("python", "python3"):
         return words[3:]  # python -m torchtitan.preflight ARGS
     args = words[words.index(next(w for w in words if w.endswith("run_llama_train.sh"))) + 1 :]
-    given = [
-        a
-        for i, a in enumerate(args)
-        if a.startswith("--job.config_file=") or (i and args[i - 1] == "--job.config_file")
+
+    def given(flag: str) -> bool:
+        return any(a.startswith(f"{flag}=") or (i and args[i - 1] == flag) for i, a in enumerate(args))
+
+    # a function's config (--module/--config, or MODULE/CONFIG where the arguments lack them) takes no TOML file
+    function = [
+        f
+        for flag, var in (("--module", "MODULE"), ("--config", "CONFIG"))
+        if not given(flag) and var in env
+        for f in (flag, env[var])
     ]
-    config = [] if given else ["--job.config_file", env.get("CONFIG_FILE", DEFAULT_CONFIG)]
+    if given("--job.config_file") or given("--module") or given("--config"):
+        config = function if not given("--job.config_file") else []
+    else:
+        config = function or ["--job.config_file", env.get("CONFIG_FILE", DEFAULT_CONFIG)]
     return ["--world_size", env.get("NGPU", "2"), *config, *args]
 
 

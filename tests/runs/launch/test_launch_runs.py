@@ -2,7 +2,8 @@
 a second run on a live dump folder is refused, and killing the launcher stops its ranks.
 
 The first two launch ``tests/support/failing_worker.py`` (ranks that do not import torch) through
-``python -m torchtitan.launch``; the last runs the trainer through run_llama_train.sh.
+``python -m torchtitan.launch``; the others run the trainer through run_llama_train.sh: the run lock, which config
+a launch trains (a TOML argument over CONFIG_FILE, two TOMLs refused, a config function's run at 2 ranks).
 """
 
 from __future__ import annotations
@@ -11,15 +12,18 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
 import time
 
 import pytest
+import tomllib
 
 from tests.support.held_marker_train import LAUNCH  # run_llama_train.sh's launch: NGPU=2, the user watches rank 0
 from tests.support.runs import ROOT
+from torchtitan.config import JobConfig
 
 
 def _launch_failing(mode: str) -> tuple[int, str]:
@@ -187,3 +191,48 @@ def test_two_different_config_files_are_one_line_and_exit_2():
         "'train_configs/debug_model.toml'; pass one (run_llama_train.sh: --job.config_file FILE, or CONFIG_FILE=FILE)"
     ]
     assert result.stdout == ""
+
+
+def test_a_config_function_trains_at_2_ranks_and_its_run_reproduces_without_it(tmp_path):
+    """Issue 88 item 1: `MODULE=train_configs.recipes CONFIG=debug_model ./run_llama_train.sh` (upstream's launcher's
+    variables; the --module/--config flags resolve to the same arguments, tests/unit/test_config_as_code.py) at 2
+    ranks: the launcher's check names the function, --training.steps wins over its 30 steps, config.toml is what the
+    TOML route writes for the same settings, and the run folder names the function while command.txt's last line
+    trains config.toml, with no module."""
+    folder = str(tmp_path / "fn")
+    env = {k: v for k, v in os.environ.items() if k != "CONFIG_FILE"}
+    env.update(NGPU="2", MODULE="train_configs.recipes", CONFIG="debug_model")
+    flags = ["--training.steps", "2", "--training.seq_len", "32", "--training.batch_size", "1"]
+    flags += ["--model.flavor", "debugmodel_tiny", "--metrics.log_freq", "1", "--job.dump_folder", folder]
+    result = subprocess.run(
+        ["bash", "./run_llama_train.sh", *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    assert [line for line in result.stdout.splitlines() if line.startswith("ok: ")][0].startswith(
+        "ok: debug_model() of train_configs.recipes, world_size 2, "
+    ), out[-3000:]
+    records = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    as_toml = JobConfig.parse_args(["--job.config_file", "train_configs/debug_model.toml", *flags])
+    with open(os.path.join(folder, "config.toml"), "rb") as f:
+        dumped = tomllib.load(f)
+    expected = tomllib.loads(as_toml.to_toml())
+    assert expected["job"].pop("config_file") == "train_configs/debug_model.toml"
+    assert dumped == expected
+    recipes = os.path.join(ROOT, "train_configs", "recipes.py")
+    info = json.load(open(os.path.join(folder, "run_info.json")))["config_function"]
+    assert (info["module"], info["function"], info["file"]) == ("train_configs.recipes", "debug_model", recipes)
+    command = open(os.path.join(folder, "command.txt")).read().splitlines()
+    assert command[1] == (
+        f"# config built by debug_model() of train_configs.recipes ({recipes}); config.toml holds its values"
+    )
+    # the reproduce line: the run's config.toml through the script, no module; its config is the run's
+    words = shlex.split(command[-1].partition(" && ")[2])
+    assigned = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=.*", w))
+    args = words[[i for i, w in enumerate(words) if w.endswith("run_llama_train.sh")][0] + 1 :]
+    assert assigned["CONFIG_FILE"] == os.path.join(folder, "config.toml") and "--module" not in args, command[-1]
+    again = tomllib.loads(JobConfig.parse_args(["--job.config_file", assigned["CONFIG_FILE"], *args]).to_toml())
+    assert again["job"].pop("config_file") == assigned["CONFIG_FILE"]
+    assert again["job"].pop("dump_folder") == folder + "-reproduced" and expected["job"].pop("dump_folder") == folder
+    assert again == expected
