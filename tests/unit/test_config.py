@@ -461,7 +461,6 @@ MOE = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_le
             NotImplementedError,
             r"expert_parallel_degree = 2 with experimental.context_parallel_degree = 2",
         ),
-        (["--training.compile"], 1, NotImplementedError, r"training.compile = true with model.name = 'llama3_moe'"),
         (
             ["--model.flavor", "debugmodel_aux_loss", "--experimental.pipeline_parallel_degree", "2"],
             2,

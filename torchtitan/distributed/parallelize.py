@@ -28,6 +28,7 @@ from torchtitan.distributed.tensor_parallel.module_styles import with_module_sty
 from torchtitan.distributed.tensor_parallel.plan import apply_tp, frozen_names, refreeze
 from torchtitan.distributed.tensor_parallel.replicated import inputs_replicated, outputs_local, replicate_own
 from torchtitan.dtypes import to_dtype
+from torchtitan.models.moe.moe import GroupedExperts
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -38,9 +39,21 @@ logger = logging.getLogger(__name__)
 
 
 def apply_compile(model: nn.Module, *, tp_enabled: bool) -> None:
-    """Compile each block separately: blocks are identical, so one compiled graph is reused by all."""
+    """Compile each block separately: blocks are identical, so one compiled graph is reused by all.
+
+    A dense block compiles whole (``fullgraph``: any graph break is an error). An MoE block compiles around its
+    routed experts: each MoE's ``routed_experts`` (the token permutation, the grouped matmul and, under expert
+    parallel, the all-to-all) runs in eager mode (``torch.compiler.disable``), a clean break before and after it;
+    the router, the aux loss, the shared expert, attention and the norms compile. The grouped matmul has no fp32
+    kernel under fake tensors, and EP's splits are data-dependent.
+    """
     for name, block in list(model.layers.items()):
-        model.layers[name] = torch.compile(block, fullgraph=True)
+        moes = [m for m in block.modules() if isinstance(getattr(m, "experts", None), GroupedExperts)]
+        for moe in moes:
+            moe.routed_experts = torch.compiler.disable(moe.routed_experts)
+        model.layers[name] = torch.compile(block, fullgraph=not moes)
+    # An image model's vision tower stays eager: its blocks take each batch's image lengths (a list of ints), and a
+    # compiled block recompiled at every step (9 recompiles in 3 steps on the tiny flavor, losses equal).
     if tp_enabled and model.tok_embeddings is not None:
         # A compiled block whose input is a view of a DTensor's local tensor (the TP embedding's
         # output) gets a plain-tensor gradient back and DTensor's backward fails (torch 2.13);

@@ -271,6 +271,14 @@ FEATURES: tuple[Feature, ...] = (  # declarative table
         builds={"after_step": _d("torchtitan.features.in_loop_eval.loop:build_in_loop_eval")},
         what="the in-loop evaluation",
     ),
+    Feature(
+        "compile_report",
+        enabled=lambda c: c.training.compile,
+        switch="training.compile",
+        builds={"after_step": _d("torchtitan.observability.compile_report:build_compile_report")},
+        estimate={},
+        what="the compile report",
+    ),
     Feature("profiling", (_c("torchtitan.observability.profiling:check_profiling"),)),
     Feature("metrics", (_c("torchtitan.observability.metrics:check_metrics"),)),
     Feature(
@@ -300,7 +308,8 @@ def enabled_builders(config: JobConfig, slot: Slot, *, estimate: bool = False) -
         builds = feature.estimate if estimate else feature.builds
         if builds is None:
             raise NotImplementedError(unmodeled(feature))
-        found.append((feature, builds[slot]))
+        if slot in builds:  # an estimate's builders may leave a slot out: nothing of it is in the step
+            found.append((feature, builds[slot]))
     return found
 
 

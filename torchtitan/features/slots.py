@@ -89,6 +89,8 @@ class Feature:
     """The config key that turns it on (for messages)."""
     builds: Mapping[Slot, Deferred] = field(default_factory=dict)
     estimate: Mapping[Slot, Deferred] | None = None
+    """The memory estimator's builders of the same slots (a slot left out: nothing of it is in the estimated step);
+    None: the estimator refuses the feature in one line."""
     what: str = ""
     """How a message names it (default: its name)."""
     plan: Deferred | None = None

@@ -215,11 +215,6 @@ def check_hf(args: HFArgs, *, model, training, experimental) -> list[str]:
         )
     if training.tensor_parallel_degree > 1:
         _check_tp(config)
-        if training.compile:
-            raise NotImplementedError(
-                "model.name = 'hf' with training.compile and TP: not built (transformers' layers over TP's local "
-                "shards are not traced here); use one of them"
-            )
     text = config.get_text_config()
     transforms = [k for k in LOGIT_TRANSFORMS if getattr(text, k, None) not in (None, 1, 1.0)]
     if training.loss_chunk_size > 0 and transforms:

@@ -258,12 +258,7 @@ class MoE(nn.Module):
             if torch._C._current_graph_task_id() == -1:
                 self.aux_loss = aux_loss
 
-        # Permute the T * k routing slots so each expert's tokens are contiguous.
-        order = torch.argsort(experts.flatten(), stable=True)  # (T*k,)
-        token_of_slot = order // self.top_k  # (T*k,) the token each sorted slot came from
-        routed = self.experts(x[token_of_slot], counts)  # (T*k, dim)
-        routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
-        out = torch.zeros_like(x).index_add(0, token_of_slot, routed)  # (T, dim): sum over the top-k
+        out = self.routed_experts(x, weights, experts, counts)  # (T, dim)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
@@ -271,11 +266,32 @@ class MoE(nn.Module):
             out = out + shared
         return out.view(bs, seqlen, dim)
 
+    def routed_experts(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """x (T, dim) through each token's top-k experts (T, k), weighted (T, k) and summed -> (T, dim).
+
+        The one part of the layer whose shapes depend on the routing (each expert's group of tokens), so a compiler
+        may leave it to eager mode whole (distributed/parallelize.py ``apply_compile``).
+        """
+        # Permute the T * k routing slots so each expert's tokens are contiguous.
+        order = torch.argsort(experts.flatten(), stable=True)  # (T*k,)
+        token_of_slot = order // self.top_k  # (T*k,) the token each sorted slot came from
+        routed = self.experts(x[token_of_slot], counts)  # (T*k, dim)
+        routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
+        return torch.zeros_like(x).index_add(0, token_of_slot, routed)  # (T, dim): sum over the top-k
+
     def count_tokens(self, experts: torch.Tensor) -> torch.Tensor:
-        """(T, top_k) chosen experts -> (E,) int64 routing slots per expert (balanced: see MoEArgs)."""
+        """(T, top_k) chosen experts -> (E,) int64 routing slots per expert (balanced: see MoEArgs).
+
+        A scatter-add, not ``bincount``: the same integers, and an output whose shape does not depend on the data.
+        """
         if self.experts.balanced_routing:
             return torch.tensor(balanced_split(experts.numel(), self.num_experts), device=experts.device)
-        return torch.bincount(experts.flatten(), minlength=self.num_experts)
+        slots = experts.flatten()  # (T*k,)
+        return torch.zeros(self.num_experts, dtype=torch.int64, device=slots.device).scatter_add_(
+            0, slots, torch.ones_like(slots)
+        )
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:

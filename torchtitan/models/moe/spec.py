@@ -104,11 +104,6 @@ def check_moe_config(args: Any, *, model: Model, training: Training, experimenta
             "CP ranks yet; set one of them to 1",
         ),
         (
-            t.compile,
-            f"training.compile = true with {named}: the routed experts' fp32 grouped matmul and the EP "
-            "all-to-all (data-dependent splits) do not compile under fullgraph; turn training.compile off",
-        ),
-        (
             exp.enable_async_tensor_parallel,
             f"experimental.enable_async_tensor_parallel with {named}: the async TP "
             "plan has no MoE block; turn async TP off",
