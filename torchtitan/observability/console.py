@@ -75,6 +75,7 @@ def format_validation_line(step: int, total: int, record: dict[str, float], c: P
         f"{c.step}validation at step {step:>{width}}/{total}{c.reset}  "
         f"loss {c.loss}{record['validation_loss']:8.4f}{c.reset}  "
         f"perplexity {c.value}{record['validation_perplexity']:10.3f}{c.reset}"
+        + (f"  over {int(record['validation_tokens']):,} tokens" if "validation_tokens" in record else "")
     )
 
 
