@@ -110,13 +110,11 @@ class StepFunction:
         self.pipeline_loss = pipeline_loss
         self.feed = feed
 
-    def count_tokens(
-        self, batches: list[Batch], *, record: bool = True, outer_sum: OuterSum | None = None
-    ) -> float | None:
+    def count_tokens(self, batches: list[Batch], *, outer_sum: OuterSum | None = None) -> float | None:
         """block_causal: the token weight that weighs each token equally over the global batch, for
         ``forward_backward`` / ``forward_loss`` of these batches; None without a feed (the plain mean).
-        With ``record``, also adds the batches' document statistics to the feed's, which the step
-        metrics read (validation's are not recorded). ``outer_sum``: fault tolerance's replica groups
+        Also adds the batches' document statistics to the feed's, which the step metrics read
+        (validation counts its tokens itself: ``forward_loss_sum``). ``outer_sum``: fault tolerance's replica groups
         hold the rest of the global batch; their counts are added and each group's share weighs alike.
 
         Ignored labels (one per document) make the local batches' counted tokens differ, so the mean
@@ -127,8 +125,7 @@ class StepFunction:
         """
         if self.feed is None:
             return None
-        if record:
-            self.feed.record(batches)
+        self.feed.record(batches)
         count = sum((batch.labels != IGNORE_INDEX).sum() for batch in batches).float()
         group = self.world.group("dp_cp")
         if group is not None:
