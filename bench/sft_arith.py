@@ -54,6 +54,7 @@ from torchtitan.checkpointing.files.folders import FULL, SEED, list_checkpoints
 from torchtitan.components.generation import generate
 from torchtitan.datasets.sft.chat_template import ChatTokenizer
 from torchtitan.datasets.sft.prompting import chat_prompt_ids, chat_stop_ids, decode_answer
+from torchtitan.observability.logging import quiet_torchao_import
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -76,7 +77,10 @@ def generate_script():
 def save_hf_start(folder: Path, flavor: str, seed: int) -> None:
     """A random-init LlamaForCausalLM of ``flavor``'s shapes and the shipped tokenizer, saved as the
     user's HF folder (``save_pretrained``: config.json, model.safetensors, tokenizer files)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig
+
+    with quiet_torchao_import():  # transformers' model classes import torchao, whose import notes say nothing here
+        from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Writing model shards" of one small file: the trainer's lines follow
