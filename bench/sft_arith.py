@@ -21,7 +21,14 @@ The user's path, in four steps, each through the real entry point:
 4. **The CLI**: ``scripts/generate.py --hf OUT --tokenizer IN --chat --prompt "What is 7 plus 5?"`` once,
    as a subprocess; its printed answer is in the JSON.
 
-Prints one JSON object (train time = the trainer subprocess's wall time, start-up included).
+Prints one JSON object on stdout (train time = the trainer subprocess's wall time, start-up included); the
+trainer's output goes to stderr as it runs (a step line every steps/10 steps, at most every 50) and to
+``<dump_folder>/bench.log``, which the first line names.
+
+Ctrl-C (or SIGTERM) stops the trainer at the step in flight with a checkpoint; the same command resumes from it:
+a dump folder that holds a complete checkpoint written with the same trainer flags is kept (and the HF start in it
+reused), one with a checkpoint of other flags is refused in one line, anything else is emptied first. The trainer
+also saves every steps/10 steps, so a killed run resumes from the last of those.
 
     python -m bench.sft_arith [--steps 3000] [--seed 0] [--flavor debugmodel_tiny] [--lr 1e-3]
         [--batch_size 8] [--dump_folder /tmp/torchtitan_bench_sft_arith] [-- trainer flags]
@@ -35,6 +42,7 @@ import importlib.util
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -42,9 +50,11 @@ from pathlib import Path
 
 import torch
 
+from torchtitan.checkpointing.files.folders import FULL, SEED, list_checkpoints
 from torchtitan.components.generation import generate
 from torchtitan.datasets.sft.chat_template import ChatTokenizer
 from torchtitan.datasets.sft.prompting import chat_prompt_ids, chat_stop_ids, decode_answer
+from torchtitan.observability.logging import quiet_torchao_import
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -52,6 +62,8 @@ ASSETS = REPO / "tests" / "assets" / "sft"
 CONFIG = "train_configs/sft_debug.toml"
 CLI_QUESTION = "What is 7 plus 5?"
 MAX_NEW_TOKENS = 16  # the longest answer, "19 plus 19 is 38.", is 12 tokens with its end of turn
+FLAGS_FILE = "bench_flags.json"  # in the dump folder: the trainer flags its run was started with
+EXIT_STOPPED = 3  # the trainer's exit code after a stop signal, its checkpoint saved
 
 
 def generate_script():
@@ -62,10 +74,16 @@ def generate_script():
     return module
 
 
-def save_hf_start(folder: Path, flavor: str, seed: int) -> dict:
+def save_hf_start(folder: Path, flavor: str, seed: int) -> None:
     """A random-init LlamaForCausalLM of ``flavor``'s shapes and the shipped tokenizer, saved as the
-    user's HF folder (``save_pretrained``: config.json, model.safetensors, tokenizer files); its config."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    user's HF folder (``save_pretrained``: config.json, model.safetensors, tokenizer files)."""
+    from transformers import AutoTokenizer, LlamaConfig
+
+    with quiet_torchao_import():  # transformers' model classes import torchao, whose import notes say nothing here
+        from transformers import LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Writing model shards" of one small file: the trainer's lines follow
 
     from torchtitan.build import build_meta_model
     from torchtitan.spec import get_model_spec
@@ -80,7 +98,6 @@ def save_hf_start(folder: Path, flavor: str, seed: int) -> dict:
     model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"}, **special))
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
-    return config
 
 
 def train_flags(args: argparse.Namespace, hf_in: Path, dump_folder: Path) -> list[str]:
@@ -90,27 +107,96 @@ def train_flags(args: argparse.Namespace, hf_in: Path, dump_folder: Path) -> lis
         *("--model.flavor", args.flavor, "--model.tokenizer_path", str(hf_in)),
         *("--training.steps", str(args.steps), "--training.seed", str(args.seed)),
         *("--training.batch_size", str(args.batch_size), "--training.warmup_steps", str(args.warmup)),
-        *("--optimizer.lr", str(args.lr), "--metrics.log_freq", str(max(args.steps // 10, 1))),
+        *("--optimizer.lr", str(args.lr), "--metrics.log_freq", str(min(max(args.steps // 10, 1), 50))),
         *("--validation.freq", str(args.steps), "--validation.steps", "3"),  # 12 of the 14 held-out windows
-        *("--checkpoint.enable_checkpoint", "--checkpoint.interval", str(args.steps)),
+        *("--checkpoint.enable_checkpoint", "--checkpoint.interval", str(max(args.steps // 10, 1))),
+        *("--checkpoint.keep_latest_k", "1"),
         *("--checkpoint.initial_load_path", str(hf_in), "--checkpoint.initial_load_in_hf"),
         "--checkpoint.last_save_in_hf",
         *args.overrides,
     ]
 
 
-def fine_tune(args: argparse.Namespace, hf_in: Path, dump_folder: Path) -> float:
-    """Run the trainer (log in bench.log); its wall time in seconds."""
+def prepare_folder(base: Path, flags: list[str]) -> int | None:
+    """``base`` ready for the run: the step its checkpoint resumes from when it holds a complete one written with
+    the same trainer ``flags`` (kept as it is), else None after emptying it; exits 2 (one line) when its
+    checkpoint was written with other flags."""
+    run = base / "run"
+    saved = [c.step for c in list_checkpoints(str(run / "checkpoint")) if c.complete and c.kind in (FULL, SEED)]
+    if saved:
+        try:
+            recorded = json.loads((base / FLAGS_FILE).read_text())
+        except (OSError, ValueError):
+            recorded = None
+        if recorded == flags:
+            return saved[-1]
+        print(
+            f"error: {base} holds a checkpoint (step-{saved[-1]}) of another bench run "
+            f"({_flag_change(recorded, flags)}); run the command that wrote it to resume, or choose another "
+            "--dump_folder (or delete the folder) to start over",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    shutil.rmtree(base, ignore_errors=True)
+    run.mkdir(parents=True)
+    (base / FLAGS_FILE).write_text(json.dumps(flags) + "\n")
+    return None
+
+
+def _flag_change(recorded: list[str] | None, flags: list[str]) -> str:
+    """The first trainer flag whose value differs, as 'flag: then -> now'."""
+    if not isinstance(recorded, list):
+        return f"no readable {FLAGS_FILE}"
+
+    def pairs(argv: list[str]) -> dict[str, str]:
+        out, key = {}, None
+        for arg in argv:
+            if arg.startswith("--"):
+                key = arg
+                out[key] = "(set)"
+            elif key is not None:
+                out[key] = arg
+        return out
+
+    then, now = pairs(recorded), pairs(flags)
+    key = next((k for k in [*now, *then] if then.get(k) != now.get(k)), None)
+    return "the same flags in another order" if key is None else f"{key}: {then.get(key)} -> {now.get(key)}"
+
+
+def fine_tune(args: argparse.Namespace, hf_in: Path, dump_folder: Path, log: Path) -> float:
+    """Run the trainer, its output shown on stderr and appended to ``log``; its wall time in seconds.
+
+    A SIGINT/SIGTERM to this process (Ctrl-C reaches the trainer too) is passed on to the trainer, which saves the
+    step in flight and stops; this process then exits with its code, saying how to resume.
+    """
     cmd = [sys.executable, "-m", "torchtitan.train", *train_flags(args, hf_in, dump_folder)]
-    log = dump_folder.parent / "bench.log"
     start = time.perf_counter()
-    with open(log, "w") as f:
-        rc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode
+    with (
+        open(log, "a") as f,
+        subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc,
+    ):
+        previous = {sig: signal.signal(sig, lambda signum, _: proc.send_signal(signum)) for sig in _STOP}
+        try:
+            for line in proc.stdout:
+                f.write(line)
+                sys.stderr.write(line)
+            rc = proc.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     seconds = time.perf_counter() - start
+    if rc == EXIT_STOPPED:
+        print(
+            f"bench.sft_arith: the trainer stopped at a checkpoint in {dump_folder}; run the same command to resume",
+            file=sys.stderr,
+        )
+        sys.exit(EXIT_STOPPED)
     if rc != 0:
-        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
-        sys.exit(f"fine-tuning failed (exit {rc}): {' '.join(cmd)}\n--- last lines of {log} ---\n{tail}")
+        sys.exit(f"fine-tuning failed (exit {rc}): {' '.join(cmd)}\n(its output above, and in {log})")
     return seconds
+
+
+_STOP = (signal.SIGINT, signal.SIGTERM)
 
 
 def first_questions(path: Path, limit: int | None = None) -> list[tuple[str | None, str, str]]:
@@ -193,7 +279,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=50, help="training.warmup_steps")
     p.add_argument("--batch_size", type=int, default=8, help="128-token windows per step (3-4 examples each)")
     p.add_argument("--train_questions", type=int, default=40, help="training rows asked, for contrast")
-    p.add_argument("--dump_folder", default="/tmp/torchtitan_bench_sft_arith", help="emptied first")
+    p.add_argument(
+        "--dump_folder",
+        default="/tmp/torchtitan_bench_sft_arith",
+        help="emptied first, unless it holds a checkpoint: of the same trainer flags, the run resumes from it; "
+        "of others, refused",
+    )
     p.add_argument("overrides", nargs=argparse.REMAINDER, help="after --: trainer flags")
     args = p.parse_args()
     args.overrides = args.overrides[1:] if args.overrides[:1] == ["--"] else args.overrides
@@ -205,12 +296,20 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     start = time.perf_counter()
-    base = Path(args.dump_folder)
-    shutil.rmtree(base, ignore_errors=True)
-    hf_in, run = base / "hf_in", base / "run"
-    run.mkdir(parents=True)
-    hf_config = save_hf_start(hf_in, args.flavor, args.seed)
-    train_s = fine_tune(args, hf_in, run)
+    base = Path(args.dump_folder).resolve()
+    hf_in, run, log = base / "hf_in", base / "run", base / "bench.log"
+    resumed_from = prepare_folder(base, train_flags(args, hf_in, run))
+    start_line = f"from a new HF start ({hf_in})" if resumed_from is None else f"resuming after step {resumed_from}"
+    print(
+        f"bench.sft_arith: fine-tuning {args.steps} steps {start_line} in {run}; the trainer's output follows "
+        f"(also in {log}); Ctrl-C stops it at a checkpoint, the same command resumes",
+        file=sys.stderr,
+        flush=True,
+    )
+    if resumed_from is None:
+        save_hf_start(hf_in, args.flavor, args.seed)
+    hf_config = json.loads((hf_in / "config.json").read_text())
+    train_s = fine_tune(args, hf_in, run, log)
     hf_out = run / "hf" / f"step-{args.steps}"
     tokenizer = ChatTokenizer(str(hf_in))
     held_out = first_questions(ASSETS / "arith_val.jsonl")
@@ -235,6 +334,7 @@ def main() -> int:
         "parameters": sum(p.numel() for p in model.parameters()),
         "settings": {k: v for k, v in vars(args).items() if k != "dump_folder"},
         "train_s": round(train_s, 1),
+        "resumed_from": resumed_from,
         **losses(run),
         "held_out": held_out_score,
         "train_questions": train_score,

@@ -21,8 +21,8 @@ import sys
 import tempfile
 
 from tests.support.golden import cpu_model, fingerprint
-from tests.support.pool import close_all
-from tests.support.runs import ROOT, read_metrics, train, trainer_argv
+from tests.support.pool import close_all, run_train_job
+from tests.support.runs import ROOT, read_metrics
 
 ASSETS_DIR = os.path.join(ROOT, "tests", "assets", "checkpoints")
 INDEX = os.path.join(ASSETS_DIR, "assets.json")
@@ -30,22 +30,16 @@ STEPS, RESUME_STEP = 4, 2
 DATA = "tests/assets/checkpoints/data"  # indexed corpora, tokenized with the assets' tokenizer
 TOKENIZER = "tests/assets/sft/tokenizer"  # 336 words: the embedding stays small
 
+# Every argument the writing run had, the config file first: assets.json records them, and they alone resume an asset
+# to its recorded losses (docs/checkpoint.md shows the command). fp32, deterministic, seeded, every step logged.
 BASE = [
-    "--model.flavor",
-    "debugmodel_nano",
-    "--model.tokenizer_path",
-    TOKENIZER,
-    "--training.steps",
-    str(STEPS),
-    "--training.seq_len",
-    "32",
-    "--training.batch_size",
-    "2",
-    "--optimizer.lr",
-    "3e-3",
-    "--checkpoint.enable_checkpoint",
-    "--checkpoint.interval",
-    str(RESUME_STEP),
+    *("--job.config_file", "./train_configs/debug_model.toml"),
+    *("--model.flavor", "debugmodel_nano", "--model.tokenizer_path", TOKENIZER),
+    *("--training.steps", str(STEPS), "--training.seq_len", "32", "--training.batch_size", "2"),
+    *("--training.warmup_steps", "2", "--optimizer.lr", "3e-3"),
+    *("--training.mixed_precision_param", "float32", "--training.seed", "42", "--training.deterministic"),
+    *("--activation_checkpoint.mode", "none", "--metrics.log_freq", "1"),
+    *("--checkpoint.enable_checkpoint", "--checkpoint.interval", str(RESUME_STEP)),
 ]
 FT = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "1", "--fault_tolerance.replica_id", "0"]
 # name -> (what it holds, the arguments after BASE)
@@ -73,6 +67,7 @@ def asset_folder(name: str) -> str:
 
 
 def argv(name: str) -> list[str]:
+    """The trainer's complete arguments for asset ``name``, but the dump folder."""
     return [*BASE, *ASSETS[name][1]]
 
 
@@ -90,12 +85,12 @@ def run(name: str, folder: str) -> str | None:
     """Asset ``name``'s run in dump folder ``folder`` (the worker pool; the ft one beside a lighthouse of its own);
     None, or its error."""
     if name != "ft":
-        result = train(1, folder, argv(name))
-        return None if result.returncode == 0 else result.stderr[-3000:]
+        status = run_train_job(1, [*argv(name), "--job.dump_folder", folder])
+        return None if status["ok"] else status["error"][-3000:]
     from tests.support.ft_groups import FtJob
 
     with FtJob(1, 1, min_replicas=1) as job:
-        failed = [r.error for r in job.run([trainer_argv(argv(name), folder)])[0] if r is not None]
+        failed = [r.error for r in job.run([[*argv(name), "--job.dump_folder", folder]])[0] if r is not None]
     return failed[0] if failed else None
 
 

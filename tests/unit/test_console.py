@@ -117,3 +117,22 @@ def test_third_party_output_is_the_runs_debug_detail(level, capsys, _levels):
         sys.stderr.write("what led to it\n")
         raise RuntimeError("task failed")
     assert "what led to it" in capsys.readouterr().err
+
+
+def test_torchao_import_notes_are_dropped_only_inside_and_only_those(caplog):
+    """Issue 84, item 11: importing transformers' model classes imports torchao, which logs its optional kernels
+    that did not load and torch's pytree deprecation of its enums before generate.py's answer or the pre-launch
+    check's line; ``quiet_torchao_import`` drops exactly those two notes while it is open, nothing else."""
+    from torchtitan.observability.logging import quiet_torchao_import
+
+    so_note = "Failed to load /venv/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: Could not load this library"
+    pytree_note = "<enum 'KernelPreference'> ... Calling register_constant() on Enum subclasses is deprecated"
+    other = "torchao: something that matters"
+    caplog.set_level(logging.WARNING)
+    ao, pytree = logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")
+    with quiet_torchao_import():
+        ao.warning(so_note)
+        pytree.warning(pytree_note)
+        ao.warning(other)
+    ao.warning(so_note)  # outside: as torchao says it
+    assert [r.getMessage() for r in caplog.records] == [other, so_note]

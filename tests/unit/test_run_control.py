@@ -14,6 +14,7 @@ from torchtitan.checkpointing.files.marker import write_marker
 from torchtitan.components.optim.optimizer import apply_optimizer_config, build_lr_scheduler, build_optimizer
 from torchtitan.components.run_control import NonFiniteStep, StepGuard, StopSignals
 from torchtitan.config.schema import Optimizer, Training
+from torchtitan.datasets.tokenizer import tokenizer_digest
 
 NAN, ONE = torch.tensor(float("nan")), torch.tensor(1.0)
 
@@ -96,11 +97,33 @@ def test_model_defining_args_are_compared():
     assert warn_if_data_changed({"dataset": "c4"}, {"dataset": "pydocs"}, "ckpt") == [
         "training.dataset: checkpoint 'c4', config 'pydocs'"
     ]
-    # an older marker without the tokenizer's record is no change; a recorded other tokenizer is, under its key
+    # an older marker without the tokenizer's record is no change
     assert warn_if_data_changed({"dataset": "c4"}, {"dataset": "c4", "tokenizer": "/t"}, "ckpt") == []
-    assert warn_if_data_changed({"tokenizer": "/a"}, {"tokenizer": "/t"}, "ckpt") == [
-        "model.tokenizer_path: checkpoint '/a', config '/t'"
+
+
+def test_the_tokenizer_is_compared_by_content_not_by_where_it_lies(tmp_path):
+    """A checkpoint records its tokenizer's path and digest; a resume says 'other data' only for other content:
+    the same files in another checkout are the same tokenizer. A marker from before digests (the shipped assets')
+    is compared through its recorded path where that exists here, and not at all where it does not."""
+    files = {"tokenizer.json": '{"model": "x"}', "tokenizer_config.json": '{"eos_token": "<e>"}'}
+    here, moved, other = tmp_path / "here", tmp_path / "moved", tmp_path / "other"
+    for folder, edit in ((here, {}), (moved, {}), (other, {"tokenizer_config.json": '{"eos_token": "<f>"}'})):
+        folder.mkdir()
+        for name, text in {**files, **edit}.items():
+            (folder / name).write_text(text)
+
+    def record(path) -> dict:
+        return {"tokenizer": str(path), "tokenizer_sha256": tokenizer_digest(str(path))}
+
+    assert tokenizer_digest(str(here)) == tokenizer_digest(str(moved)) != tokenizer_digest(str(other))
+    assert warn_if_data_changed(record(here), record(moved), "ckpt") == []
+    assert warn_if_data_changed(record(other), record(moved), "ckpt") == [
+        f"model.tokenizer_path: checkpoint '{other}', config '{moved}'"
     ]
+    # markers from before digests: the recorded path read where it exists, else nothing to compare
+    assert warn_if_data_changed({"tokenizer": str(here)}, record(moved), "ckpt") == []
+    assert len(warn_if_data_changed({"tokenizer": str(other)}, record(moved), "ckpt")) == 1
+    assert warn_if_data_changed({"tokenizer": "/nowhere/tokenizer"}, record(moved), "ckpt") == []
 
 
 def test_set_aside_branch_is_never_resumed(tmp_path):

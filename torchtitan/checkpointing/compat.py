@@ -9,7 +9,10 @@ compared. Args that only size buffers or steer training (below) may change on re
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
+
+from torchtitan.datasets.tokenizer import tokenizer_digest
 
 logger = logging.getLogger(__name__)
 
@@ -68,17 +71,21 @@ def _canonical(value: Any) -> Any:
 
 
 _DATA_KEYS = {"tokenizer": "model.tokenizer_path"}  # a marker's data record -> the config key it came from
+_BY_CONTENT = ("tokenizer", "tokenizer_sha256")  # compared by _tokenizer_changed, not as recorded
 
 
 def warn_if_data_changed(saved: dict[str, Any] | None, current: dict[str, Any], path: str) -> list[str]:
-    """A different dataset on resume is allowed (curricula do it) but said; returns the warnings."""
+    """A different dataset or tokenizer on resume is allowed (curricula do it) but said; returns the warnings."""
     if not saved:
         return []
     changed = [
         f"{_DATA_KEYS.get(key, f'training.{key}')}: checkpoint {saved[key]!r}, config {current.get(key)!r}"
         for key in sorted(current)
-        if key in saved and saved[key] != current.get(key)  # a record an older checkpoint lacks is no change
+        # a record an older checkpoint lacks is no change
+        if key not in _BY_CONTENT and key in saved and saved[key] != current.get(key)
     ]
+    if _tokenizer_changed(saved, current):
+        changed.append(f"model.tokenizer_path: checkpoint {saved['tokenizer']!r}, config {current.get('tokenizer')!r}")
     if changed:
         logger.warning(
             "resuming from %s with other data than it was trained on (%s); the data loader's position "
@@ -87,3 +94,16 @@ def warn_if_data_changed(saved: dict[str, Any] | None, current: dict[str, Any], 
             "; ".join(changed),
         )
     return changed
+
+
+def _tokenizer_changed(saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether the checkpoint's tokenizer differs from the config's by content, not by where it lies: the marker's
+    digest, or (a marker from before digests, which records only the path) the digest of the recorded path where
+    it exists here. A recorded path that is not on this machine cannot be compared: no change is said (a checkout
+    moved, or the checkpoint shipped from elsewhere, as tests/assets/checkpoints are)."""
+    if "tokenizer" not in saved or "tokenizer_sha256" not in current:
+        return False
+    theirs = saved.get("tokenizer_sha256")
+    if theirs is None and isinstance(saved["tokenizer"], str) and os.path.exists(saved["tokenizer"]):
+        theirs = tokenizer_digest(saved["tokenizer"])
+    return theirs is not None and theirs != current["tokenizer_sha256"]

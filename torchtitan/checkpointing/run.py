@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from torchtitan.checkpointing.common import model_info
 from torchtitan.checkpointing.manager import CheckpointManager
 from torchtitan.checkpointing.scope import WHOLE_MODEL, ModelScope
+from torchtitan.datasets.tokenizer import tokenizer_digest
 
 if TYPE_CHECKING:
     from torchtitan.config.manager import JobConfig
@@ -29,6 +30,8 @@ def build_run_checkpointer(
             "dataset": cfg.training.dataset,
             "dataset_path": cfg.training.dataset_path,
             "tokenizer": os.path.abspath(cfg.model.tokenizer_path),  # what generate.py and eval read it with
+            # what a resume compares: the tokenizer's content, wherever the checkout or the tokenizer now lies
+            "tokenizer_sha256": tokenizer_digest(cfg.model.tokenizer_path),
         },
         scope=scope,
         **parts,

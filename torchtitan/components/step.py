@@ -110,13 +110,11 @@ class StepFunction:
         self.pipeline_loss = pipeline_loss
         self.feed = feed
 
-    def count_tokens(
-        self, batches: list[Batch], *, record: bool = True, outer_sum: OuterSum | None = None
-    ) -> float | None:
+    def count_tokens(self, batches: list[Batch], *, outer_sum: OuterSum | None = None) -> float | None:
         """block_causal: the token weight that weighs each token equally over the global batch, for
         ``forward_backward`` / ``forward_loss`` of these batches; None without a feed (the plain mean).
-        With ``record``, also adds the batches' document statistics to the feed's, which the step
-        metrics read (validation's are not recorded). ``outer_sum``: fault tolerance's replica groups
+        Also adds the batches' document statistics to the feed's, which the step metrics read
+        (validation counts its tokens itself: ``forward_loss_sum``). ``outer_sum``: fault tolerance's replica groups
         hold the rest of the global batch; their counts are added and each group's share weighs alike.
 
         Ignored labels (one per document) make the local batches' counted tokens differ, so the mean
@@ -127,8 +125,7 @@ class StepFunction:
         """
         if self.feed is None:
             return None
-        if record:
-            self.feed.record(batches)
+        self.feed.record(batches)
         count = sum((batch.labels != IGNORE_INDEX).sum() for batch in batches).float()
         group = self.world.group("dp_cp")
         if group is not None:
@@ -190,6 +187,18 @@ class StepFunction:
                     loss = pipeline_eval(self.pipeline, batch.inputs, batch.labels)
                 return torch.zeros((), device=self.device) if loss is None else _plain(loss)
             return _plain(self._loss(batch, token_weight))
+
+    @torch.no_grad()
+    def forward_loss_sum(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Evaluate one batch: (its summed token loss, its counted tokens: labels not ignored), both on this rank's
+        part of the batch; on a pipeline rank without the last stage, both 0 (the loss and its count live together).
+        """
+        # The schedule averages its micro-batches' losses: weighing each by their number gives their sum.
+        weight = float(self.pipeline.n_microbatches) if self.pipeline is not None else 1.0
+        counted = (batch.labels != IGNORE_INDEX).sum()
+        if self.pipeline is not None and not self.pipeline.has_last_stage:
+            counted = torch.zeros_like(counted)
+        return self.forward_loss(batch, token_weight=weight).float(), counted
 
     def _loss(self, batch: Batch, token_weight: float | None) -> torch.Tensor:
         """The micro-batch's mean loss, or with a ``token_weight`` its summed loss times the weight."""
@@ -261,6 +270,16 @@ class StepFunction:
         if with_max:
             dist.all_reduce(both[1:], op=dist.ReduceOp.MAX, group=loss_group)
         return both[0].item() / dist.get_world_size(loss_group), both[1].item()
+
+    def reduce_sums(self, loss_sum: torch.Tensor, counted: torch.Tensor) -> tuple[float, int]:
+        """(summed loss, counted tokens) over every rank of the global batch, from each rank's
+        ``forward_loss_sum`` totals; every rank gets them. Summed over the pp axis (only the last stage's
+        ranks hold them) and the data-parallel and CP ranks (each holds its part of the batch)."""
+        both = torch.stack([loss_sum.detach().double(), counted.double()])
+        for group in (self.world.group("pp"), self.world.group("dp_cp")):
+            if group is not None:
+                dist.all_reduce(both, group=group)
+        return both[0].item(), round(both[1].item())
 
 
 def _plain(loss: torch.Tensor) -> torch.Tensor:

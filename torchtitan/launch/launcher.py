@@ -9,7 +9,8 @@ traceback, a failed run prints, on the launcher's stderr (which the user sees wh
 (``failures.summarize``), and exits with the ranks' exit code: 2 for a user error, 1 for a crash
 (whose traceback is shown once), 128 + N for a rank killed by signal N. A SIGTERM/SIGINT to the
 launcher is passed on to the ranks by torchrun; what they then report (a stop, a checkpoint
-saved) is printed the same way.
+saved) is printed the same way. Once the ranks are gone, a further signal (a second Ctrl-C) is
+ignored: the summary line and exit code, no torchelastic traceback.
 
 Each node's launcher sees its own ranks only: on several nodes, the node whose rank failed first
 prints the root cause; the others print what their ranks saw. A node that dies (SIGKILL, power,
@@ -22,6 +23,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -65,12 +67,18 @@ _NOISY_LOGGERS = (
     "torch.distributed.elastic.multiprocessing.api",
     "torch.distributed.elastic.agent.server.api",
     "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+    "torch.distributed.elastic.multiprocessing.tail_log",
 )
+# The signals torchelastic turns into a SignalException in the launcher (its TORCHELASTIC_SIGNALS_TO_HANDLE default).
+_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
 class _DropNoise(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not any(noise in str(record.msg) for noise in _NOISE)
+        # A second Ctrl-C while torchelastic waits for the ranks' output to drain: it logs the SignalException's
+        # traceback as "error in log tailer"; the stop it asks for is under way already.
+        second_signal = record.exc_info is not None and isinstance(record.exc_info[1], SignalException)
+        return not second_signal and not any(noise in str(record.msg) for noise in _NOISE)
 
 
 def main(argv: list[str], before_ranks: Callable[[Namespace], int] | None = None) -> int:
@@ -90,7 +98,7 @@ def main(argv: list[str], before_ranks: Callable[[Namespace], int] | None = None
     watch = NodeWatch(args.rdzv_endpoint, args.rdzv_id, int(args.nnodes)).start() if watch_applies(args) else None
     how = "failed"
     try:
-        run(args)
+        _run_then_ignore_signals(args)
         how = "done"
     except ChildFailedError as e:
         failures = [read_failure(r, pf.error_file, pf.exitcode, pf.timestamp) for r, pf in e.failures.items()]
@@ -113,6 +121,22 @@ def main(argv: list[str], before_ranks: Callable[[Namespace], int] | None = None
         if watch is not None:
             watch.stop(how)
     return 0
+
+
+def _run_then_ignore_signals(args: Namespace) -> None:
+    """torchrun's ``run``; once it has returned or raised, its ranks are gone and a further stop signal is ignored.
+
+    torchelastic's handler raises a SignalException at every SIGINT/SIGTERM: one that arrives after the ranks
+    have stopped (a second Ctrl-C, or a terminal's Ctrl-C and its repeat) would interrupt the launcher's report
+    with a traceback, or, at interpreter exit, kill it. There is nothing left to pass it on to: the launcher
+    tells what the ranks did, in one line, and exits with their code.
+    """
+    try:
+        run(args)
+    finally:
+        for name in _STOP_SIGNALS:
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def _lost_node(watch: NodeWatch | None, failures: list[Failure]) -> LostNode | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from torchtitan.config.schema import Training
 
@@ -75,6 +76,7 @@ def format_validation_line(step: int, total: int, record: dict[str, float], c: P
         f"{c.step}validation at step {step:>{width}}/{total}{c.reset}  "
         f"loss {c.loss}{record['validation_loss']:8.4f}{c.reset}  "
         f"perplexity {c.value}{record['validation_perplexity']:10.3f}{c.reset}"
+        + (f"  over {int(record['validation_tokens']):,} tokens" if "validation_tokens" in record else "")
     )
 
 
@@ -132,6 +134,25 @@ def format_start_summary(
     return "\n".join(f"{key:<12}{text}" for key, text in block)
 
 
+@dataclass(frozen=True)
+class SummaryMetric:
+    """A record field the end summary names at its best value."""
+
+    key: str
+    label: str
+    higher_is_better: bool
+
+
+LOSS = SummaryMetric("loss", "best logged loss", higher_is_better=False)
+# The first of these a step's record holds is the one the end summary names. An RL record holds a loss too: the policy
+# loss, ~0 by construction (the advantages' mean), whose lowest value says nothing; its reward is what the run raises.
+SUMMARY_METRICS = (SummaryMetric("reward_mean", "best reward", higher_is_better=True), LOSS)
+
+
+def summary_metric(record: dict[str, Any]) -> SummaryMetric:
+    return next(m for m in SUMMARY_METRICS if m.key in record)
+
+
 def format_end_summary(
     *,
     steps: int,
@@ -142,9 +163,11 @@ def format_end_summary(
     best_step: int | None,
     last_validation: float | None,
     checkpoint: str,
+    best_label: str = LOSS.label,
 ) -> str:
     """``steps``: the run's last step; ``start_step``: the step a resumed run continued after (its time, tokens/s
-    and best loss are this run's)."""
+    and best value are this run's); ``best_loss`` / ``best_step``: the best value of the record field ``best_label``
+    names (``SUMMARY_METRICS``: the loss, or an RL run's reward) and its step."""
     best = "n/a" if best_loss is None else f"{best_loss:.4f} (step {best_step})"
     val = "" if last_validation is None else f", last validation loss {last_validation:.4f}"
     done = f"{steps} steps"
@@ -152,5 +175,5 @@ def format_end_summary(
         done += f" ({steps - start_step} this run, resumed after step {start_step})"
     return (
         f"done: {done} in {format_duration(wall_s)}, mean {mean_tps:,.0f} tokens/s per rank, "
-        f"best logged loss {best}{val}; checkpoint: {checkpoint}"
+        f"{best_label} {best}{val}; checkpoint: {checkpoint}"
     )

@@ -34,6 +34,46 @@ def init_logger() -> None:
 IMPORT_NOTES = ("torchao", "torch.utils._pytree", "botocore", "aiobotocore")
 
 
+# What importing torchao prints that says nothing about the run (transformers imports it with any of its model classes,
+# for its quantizer): its optional kernels' .so files that did not load on this machine, and torch's note that
+# registering torchao's enums as pytree constants is deprecated. logger -> the texts a dropped message holds, all.
+_TORCHAO_IMPORT_NOISE = {
+    "torchao": ("Failed to load ", ".so"),
+    "torch.utils._pytree": ("register_constant()", "deprecated"),
+}
+
+
+class _DropTorchaoImportNoise(logging.Filter):
+    def __init__(self, texts: tuple[str, ...]):
+        super().__init__()
+        self.texts = texts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not all(text in message for text in self.texts)
+
+
+@contextlib.contextmanager
+def quiet_torchao_import() -> Iterator[None]:
+    """Inside, importing torchao (itself or through transformers' model classes) prints none of its import notes
+    above (the .so files that did not load, the pytree deprecation of its enums); anything else those loggers say
+    passes, and a run at ``job.log_level = 'debug'`` sees them all (``IMPORT_NOTES``). For the entry points that
+    import transformers' models before (or without) a run's log level: the pre-launch check, scripts/generate.py."""
+    if logging.getLogger().isEnabledFor(logging.DEBUG):
+        yield
+        return
+    filters = [
+        (logging.getLogger(name), _DropTorchaoImportNoise(texts)) for name, texts in _TORCHAO_IMPORT_NOISE.items()
+    ]
+    for logger, drop in filters:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        for logger, drop in filters:
+            logger.removeFilter(drop)
+
+
 def set_log_level(level: str) -> None:
     """The run's log level (``job.log_level``: 'debug', 'info', 'warning') on the root logger; below 'debug' the
     ``IMPORT_NOTES`` loggers say only their errors."""

@@ -16,7 +16,15 @@ import torch
 from torchtitan.distributed.backend.device import synchronize
 from torchtitan.dtypes import to_dtype
 from torchtitan.features.stragglers.stragglers import build_straggler_watch
-from torchtitan.observability.console import build_palette, format_end_summary, format_step_line, format_validation_line
+from torchtitan.observability.console import (
+    LOSS,
+    SummaryMetric,
+    build_palette,
+    format_end_summary,
+    format_step_line,
+    format_validation_line,
+    summary_metric,
+)
 from torchtitan.observability.flops import LinearShape, PeakFlops, get_peak_flops
 from torchtitan.observability.metrics import (
     build_device_memory_monitor,
@@ -87,7 +95,7 @@ class StepMetrics:
         self.palette = build_palette(metrics.enable_color_printing)
         self.run_start = time.perf_counter()
         self.tps_history: list[float] = []
-        self.best: tuple[float, int] | None = None
+        self.best: tuple[float, int, SummaryMetric] | None = None  # (value, step, what) for the end summary
         self.last_validation: float | None = None
         self.stragglers = build_straggler_watch(metrics, log=enabled)  # None unless metrics.straggler_factor
         self.document_steps = 0  # steps in the document statistics: a validation restarts the window, not them
@@ -160,8 +168,7 @@ class StepMetrics:
             record.update(fields)
             tb_extra.update(scalars)
         self.tps_history.append(tps)
-        if self.best is None or loss_avg < self.best[0]:
-            self.best = (loss_avg, step)
+        self._track_best(step, record)
         if self.enabled:
             eta = (self.total_steps - step) * record["step_time_s"]
             logger.info(format_step_line(step, self.total_steps, record, eta, self.palette))
@@ -170,6 +177,13 @@ class StepMetrics:
         self._reset_window()
         self.document_steps = 0
         return record
+
+    def _track_best(self, step: int, record: dict[str, Any]) -> None:
+        """The best value so far of the record field the end summary names (``summary_metric``)."""
+        metric = summary_metric(record)
+        value = record[metric.key]
+        if self.best is None or (value > self.best[0] if metric.higher_is_better else value < self.best[0]):
+            self.best = (value, step, metric)
 
     def _flops_per_token(self, docs: DocumentStats | None) -> float:
         if docs is None:
@@ -234,6 +248,7 @@ class StepMetrics:
             mean_tps=mean_tps,
             best_loss=self.best[0] if self.best else None,
             best_step=self.best[1] if self.best else None,
+            best_label=self.best[2].label if self.best else LOSS.label,
             last_validation=self.last_validation,
             checkpoint=checkpoint,
         )

@@ -106,6 +106,11 @@ def test_reference_learns_something_and_records(reference):
     assert len(_rollouts(reference)) == RL_STEPS * 12
     log = open(os.path.join(reference, "rank0.log")).read()
     assert "DAPO, KL to the start's policy x 0.1" in log and "reward tests.support.rl_rewards:digits" in log
+    # the end summary names the best reward (the policy loss's lowest value says nothing), at its step
+    best = max(records, key=lambda r: r["reward_mean"])
+    (done,) = [line for line in log.splitlines() if "INFO done: " in line]
+    assert f"best reward {best['reward_mean']:.4f} (step {best['step']})" in done and "loss" not in done, done
+    assert "  generation " in log and " tok/s" in log  # generated here: its rate
 
 
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: r.name)
@@ -127,6 +132,11 @@ def test_rollouts_from_file_equal_in_process(reference, tmp_path):
     _ok(FROM_FILE, folder, ["--rl.rollouts_path", os.path.join(reference, "rollouts.jsonl")])
     keys = ("loss", "grad_norm", "kl", "clip_fraction", "reward_mean", "offpolicy_gap")
     assert [{k: r[k] for k in keys} for r in _records(folder)] == [{k: r[k] for k in keys} for r in _records(reference)]
+    # reading rows is no generation: no generation rate in the records or on the console
+    assert not any("generation_tps" in r for r in _records(folder))
+    rl_lines = [line for line in open(os.path.join(folder, "rank0.log")).read().splitlines() if "INFO rl   " in line]
+    assert len(rl_lines) == RL_STEPS and all("rollouts read from the file" in line for line in rl_lines), rl_lines
+    assert not any("generation" in line for line in rl_lines), rl_lines
 
 
 def test_nonfinite_engine_logprobs_left_out_then_too_many_stop_every_rank(reference, tmp_path):

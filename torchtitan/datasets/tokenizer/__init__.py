@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
-from torchtitan.datasets.tokenizer.hf_tokenizer import HFTokenizer, find_hf_tokenizer_file, is_hf_tokenizer_path
+from torchtitan.datasets.tokenizer.hf_tokenizer import (
+    CONFIG_FILE,
+    HFTokenizer,
+    find_hf_tokenizer_file,
+    is_hf_tokenizer_path,
+)
 from torchtitan.datasets.tokenizer.tiktoken import DEFAULT_TOKENIZER_PATH, TikTokenizer
 from torchtitan.datasets.tokenizer.tokenizer import Tokenizer
 
@@ -15,7 +21,12 @@ __all__ = [
     "Tokenizer",
     "build_tokenizer",
     "find_tokenizer_file",
+    "tokenizer_digest",
 ]
+
+# Beside a Hugging Face tokenizer.json, the files that change what it encodes: its special tokens (and chat
+# template) in the config, transformers 5's template file.
+_HF_COMPANIONS = (CONFIG_FILE, "chat_template.jinja")
 
 
 def build_tokenizer(tokenizer_path: str) -> Tokenizer:
@@ -41,3 +52,19 @@ def find_tokenizer_file(tokenizer_path: str) -> Path | None:
         return find_hf_tokenizer_file(tokenizer_path)
     p = Path(tokenizer_path)
     return p if p.is_file() else None
+
+
+def tokenizer_digest(tokenizer_path: str) -> str | None:
+    """SHA-256 of what ``build_tokenizer(tokenizer_path)`` reads (the BPE file; a Hugging Face ``tokenizer.json``
+    with its config and chat template beside it), None when the file is not there: the same tokenizer in another
+    folder or on another machine has the same digest."""
+    file = find_tokenizer_file(tokenizer_path)
+    if file is None:
+        return None
+    files = [file]
+    if is_hf_tokenizer_path(tokenizer_path):
+        files += [file.with_name(name) for name in _HF_COMPANIONS if file.with_name(name).is_file()]
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return digest.hexdigest()

@@ -339,9 +339,10 @@ class RLStep:
             accuracy=float((rewards >= self.rl.correct_reward).double().mean()),
             completion_length=float(lengths.mean()),
             dropped_groups=float(dropped),
-            generation_tps=generated / max(generation_s, 1e-9),
             update_tps=self.step_tokens() / max(update_s, 1e-9),
         )
+        if not self.rl.rollouts_path:  # reading an engine's rows generates nothing: no generation rate
+            self.stats["generation_tps"] = generated / max(generation_s, 1e-9)
 
     def _publish(self, step: int) -> None:
         publish_policy(self.model_parts[0], self.core, self.publish_root, step)
@@ -353,10 +354,11 @@ def format_rl_line(step: int, stats: dict[str, float]) -> str:
     kl = f"  kl {s['kl']:.2e}" if "kl" in s else ""
     bad = s.get("nonfinite_logprob_tokens", 0.0)
     masked = f"  non-finite log-probs {bad:.0f} (left out)" if bad else ""
+    source = f"generation {s['generation_tps']:,.0f} tok/s" if "generation_tps" in s else "rollouts read from the file"
     return (
         f"rl   {step}  reward {s['reward_mean']:.3f} (std {s['reward_std']:.3f})  accuracy {s['accuracy']:.3f}  length "
         f"{s['completion_length']:.1f}  clipped {s['clip_fraction']:.3f}{kl}  off-policy {s['offpolicy_gap']:.1e}{masked}  dropped "
-        f"{s['dropped_groups']:.0f}  generation {s['generation_tps']:,.0f} tok/s  update {s['update_tps']:,.0f} tok/s"
+        f"{s['dropped_groups']:.0f}  {source}  update {s['update_tps']:,.0f} tok/s"
     )
 
 

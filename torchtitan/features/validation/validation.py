@@ -73,24 +73,36 @@ class Validator:
 
     @torch.no_grad()
     def run(self) -> dict[str, float]:
-        """Mean loss over ``steps`` global batches (and its perplexity); every rank gets the same numbers."""
+        """Mean token loss over ``steps`` global batches (and its perplexity, and the tokens it counted); every
+        rank gets the same numbers.
+
+        Each token counts alike over the whole set (the summed loss over the counted tokens of every step), not
+        each step: fine-tuning's steps hold very different numbers of trained tokens, and a mean of step means
+        would not be the loss over the held-out set.
+        """
         self.loader.load_state_dict(self.initial_state)
         data = iter(self.loader)
         parts, device = self.step_fn.model_parts, self.step_fn.device
         for part in parts:
             part.eval()
-        total = torch.zeros((), device=device)
+        loss_sum = torch.zeros((), device=device)
+        counted = torch.zeros((), device=device, dtype=torch.long)
         for _ in range(self.steps):
-            # fine-tuning's with its PackedDocs
-            batches = [self.shard_batch(*(t.to(device) for t in next(data))) for _ in range(self.microbatches)]
-            token_weight = self.step_fn.count_tokens(batches, record=False)  # block_causal: as in training
-            for batch in batches:
-                total += self.step_fn.forward_loss(batch, token_weight=token_weight).float()
+            for _ in range(self.microbatches):
+                batch = self.shard_batch(*(t.to(device) for t in next(data)))  # fine-tuning's with its PackedDocs
+                batch_loss, batch_counted = self.step_fn.forward_loss_sum(batch)
+                loss_sum += batch_loss
+                counted += batch_counted
         for part in parts:
             part.train()
-        mean, _ = self.step_fn.reduce_loss(total, with_max=False)
-        loss = mean / (self.steps * self.microbatches)
-        return {"validation_loss": loss, "validation_perplexity": math.exp(min(loss, 700.0))}
+        total, tokens = self.step_fn.reduce_sums(loss_sum, counted)
+        # divided in the loss's precision, as a mean reduction divides: one batch's number is its training loss exactly
+        loss = (torch.tensor(total, dtype=torch.float32) / max(tokens, 1)).item()
+        return {
+            "validation_loss": loss,
+            "validation_perplexity": math.exp(min(loss, 700.0)),
+            "validation_tokens": tokens,
+        }
 
 
 class PeriodicValidation:

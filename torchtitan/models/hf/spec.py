@@ -20,6 +20,7 @@ from torch import nn
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.parse_errors import parsing
 from torchtitan.models.hf.model import LOGIT_TRANSFORMS, HFArgs, HFCausalLM, unbuilt_tp_styles
+from torchtitan.observability.logging import quiet_torchao_import
 from torchtitan.spec import AdapterLayout, Deferred, ModelSpec
 
 
@@ -71,7 +72,8 @@ def causal_lm_class(config) -> type[nn.Module]:
             f"model.hf_config: model_type {config.model_type!r} is not a causal language model in transformers (no "
             "AutoModelForCausalLM class); model.name = 'hf' trains causal LMs only"
         )
-    return AutoModelForCausalLM._model_mapping[type(config)]
+    with quiet_torchao_import():  # the model class's module is where transformers first imports torchao
+        return AutoModelForCausalLM._model_mapping[type(config)]
 
 
 def build_transformers(fields: dict[str, Any], vocab_size: int) -> nn.Module:
