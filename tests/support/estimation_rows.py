@@ -24,6 +24,7 @@ from tests.support.rows import (
 TRACKER_RTOL, RSS_RTOL = 0.01, 0.10
 NOT_PRACTICAL = {
     "fsdp2_compile": "training.compile is not modeled (NotImplementedError)",
+    "moe_ep2_compile": "training.compile is not modeled (NotImplementedError)",
     "fsdp2_async_tp2_cpu_offload": "CPU offload is not modeled (NotImplementedError)",
     "ib_fsdp2_cpu_offload": "CPU offload is not modeled (NotImplementedError)",
 }
@@ -140,7 +141,7 @@ ALL_RSS_ROWS = CI_RSS_ROWS | {
     "fsdp2_ac_full",
     "fsdp2_tp2",
     "cp2_alltoall",
-    "moe_ep2",
+    "moe_fsdp2_ep2",
 }
 RSS_ROWS = [
     dataclasses.replace(

@@ -148,7 +148,9 @@ def ep(degree: int) -> list[str]:
 
 MOE_ROWS = [
     Row("moe_fsdp2", 2, 4, MOE),
-    Row("moe_ep2", 2, 4, ep(2)),  # dp_shard 2 = ep 2: each rank owns 4 experts; experts' FSDP axis has 1 rank
+    # dp_shard 2 = ep 2: each rank owns 4 experts; experts' FSDP axis has 1 rank. Compiled: each block around its
+    # routed experts (eager: the grouped matmul and EP's all-to-all), the one-process eager reference within RTOL
+    Row("moe_ep2_compile", 2, 4, [*ep(2), "--training.compile"]),
     Row("moe_fsdp2_ep2", 4, 2, ep(2)),  # dp_shard 4 = dp_shard_mod_ep 2 x ep 2
     Row("moe_ep2_tp2", 4, 4, ep(2), tp=2),  # dp_shard 2 x tp 2; the EP group is the TP group
     Row("moe_fsdp_ep_tp", 8, 2, ep(4), tp=2),  # dp_shard 4 x tp 2; ep 4 = dp_shard_in_ep 2 x tp 2

@@ -476,7 +476,6 @@ MOE = ["--job.config_file", "train_configs/debug_model.toml", "--training.seq_le
         "ep-over-tp-not-dividing-dp-shard",
         "moe-tp-without-ep",
         "ep-with-cp",
-        "moe-compile",
         "aux-loss-with-pp",
     ],
 )

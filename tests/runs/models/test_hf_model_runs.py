@@ -51,8 +51,14 @@ SFT = [
 ]
 DATA = {"smollm3_tiny": SFT}
 REFERENCES = [Row(f"hf_{f}_1proc", 1, 4) for f in ARCHITECTURES]
+# Mistral's TP2 row compiles each layer (transformers' layers over TP's DTensor shards)
+TP_COMPILED = "mistral_tiny"
 ROWS = [Row(f"hf_{f}_{dp[0]}", 2, 2, dp[1]) for f, (dp, _) in ARCHITECTURES.items()] + [
-    Row(f"hf_{f}_tp2", 2, 4, tp=2) for f, (_, tp) in ARCHITECTURES.items() if tp
+    Row(f"hf_{f}_tp2_compile", 2, 4, ["--training.compile"], tp=2)
+    if f == TP_COMPILED
+    else Row(f"hf_{f}_tp2", 2, 4, tp=2)
+    for f, (_, tp) in ARCHITECTURES.items()
+    if tp
 ]
 RESUMED = [Row(f"hf_{CHECKPOINTED}_resume_fsdp2", 2, 2, CHECKPOINT)]
 # LoRA on the Mistral reference's export (its HF folder as the frozen base; the targets read from transformers'

@@ -43,7 +43,8 @@ ROWS = [
         ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
         tp=2,
     ),
-    Row("qwen3_5_moe_fsdp2_ep2", 2, 2, [*MOE, *EP2]),
+    # compiled: Gated DeltaNet's chunked rule and the MoE around its routed experts (eager), against eager
+    Row("qwen3_5_moe_fsdp2_ep2_compile", 2, 2, [*MOE, *EP2, "--training.compile"]),
     Row("qwen3_5_moe_tp2_ep2", 2, 4, [*MOE, *EP2], tp=2),
     Row(
         "qwen3_5_moe_hsdp_2x2_ep2",
@@ -57,7 +58,7 @@ REFERENCES = [REFERENCE, MOE_REFERENCE]
 
 def _run(row: Row, folder: str) -> dict:
     argv = [*QWEN3_5, "--training.batch_size", str(row.local_batch), *row.args(), "--job.dump_folder", folder]
-    return run_train_job(row.ngpu, argv)
+    return run_train_job(row.ngpu, argv, restart_after="--training.compile" in argv)  # as the matrix's
 
 
 def _records(folder: str) -> list[dict]:
