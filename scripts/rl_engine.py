@@ -3,8 +3,14 @@
 Reads the trainer's flags (after ``--``), then for each step: waits until the trainer has published a policy new
 enough (``<publish_folder>/latest`` names ``step-K`` with K >= step - 1 - lag), reloads that Hugging Face folder,
 generates the step's groups (the trainer's prompts and seeds: rl/prompts.py, rl/rollouts.py), scores them with
-``rl.reward`` and appends the step's rows to ``rl.rollouts_path`` in one write. The trainer, run with the same flags,
-reads them (``rl.rollouts_wait_seconds``) and publishes the next policy (``rl.publish_every``).
+``rl.reward`` and appends the step's rows to ``rl.rollouts_path`` in one write, each naming the run whose policy made
+it. The trainer, run with the same flags, reads them (``rl.rollouts_wait_seconds``) and publishes the next policy
+(``rl.publish_every``).
+
+It serves one run: the first whose ``latest`` is written after the engine started (start the engine, then the trainer,
+as docs/rl.md does; a policy folder an earlier run left is not served), or the one ``--run`` names (a trainer started
+first: its id is in ``latest``). A ``latest`` of another run later (a new trainer in the same folder) ends the engine
+in one line.
 
     python scripts/rl_engine.py --steps 20 [--lag 0] [--timeout 600] -- --job.config_file train_configs/grpo_arith.toml \\
         --rl.rollouts_path /tmp/rollouts.jsonl --rl.rollouts_wait_seconds 600 --rl.publish_every 1
@@ -12,12 +18,15 @@ reads them (``rl.rollouts_wait_seconds``) and publishes the next policy (``rl.pu
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import json
-import os
-import sys
 import time
+
+STARTED = time.time()  # before the imports below (seconds): a trainer launched right after may publish meanwhile
+
+import argparse  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
@@ -27,6 +36,7 @@ from torchtitan.components.generation import Sampling  # noqa: E402
 from torchtitan.config.manager import JobConfig  # noqa: E402
 from torchtitan.datasets.sft.chat_template import ChatTokenizer  # noqa: E402
 from torchtitan.features.rl.prompts import PromptSource  # noqa: E402
+from torchtitan.features.rl.publish import LATEST, read_latest  # noqa: E402
 from torchtitan.features.rl.rewards import load_reward  # noqa: E402
 from torchtitan.features.rl.rollouts import Rollout, generate_group, group_seed, score_completion  # noqa: E402
 
@@ -39,17 +49,34 @@ def _load_model_fn():
     return module.load_model
 
 
-def wait_for_policy(root: str, at_least: int, timeout: float) -> int:
-    """The step of the newest published policy once it is >= ``at_least``."""
+def _written_after(root: str, since: float) -> bool:
+    try:
+        return os.path.getmtime(os.path.join(root, LATEST)) >= since
+    except FileNotFoundError:
+        return False
+
+
+def wait_for_policy(root: str, at_least: int, timeout: float, run: str | None, since: float) -> tuple[int, str]:
+    """(step, run) of the newest published policy once it is >= ``at_least`` and of run ``run`` (None: the first run
+    whose ``latest`` is written at or after ``since``)."""
     deadline = time.monotonic() + timeout
-    latest = os.path.join(root, "latest")
     while True:
-        if os.path.isfile(latest):
-            step = int(open(latest).read().strip().removeprefix("step-"))
+        found = read_latest(root)
+        if found is not None and (run is not None or _written_after(root, since)):
+            step, its_run = found
+            if run is not None and its_run != run:
+                sys.exit(
+                    f"rl_engine: {root}/latest names run {its_run}'s policy, not run {run}'s that this engine serves: "
+                    "another trainer publishes there now; restart the engine for it"
+                )
             if step >= at_least:
-                return step
+                return step, its_run
         if time.monotonic() > deadline:
-            sys.exit(f"rl_engine: no policy of step >= {at_least} in {root} after {timeout:g} s")
+            stale = (
+                "" if found is None else f"; its latest names run {found[1]} (step-{found[0]}), written before this "
+            )
+            stale += "engine started: start the engine before the trainer, or pass --run with that id" if stale else ""
+            sys.exit(f"rl_engine: no policy of step >= {at_least} in {root} after {timeout:g} s{stale}")
         time.sleep(0.2)
 
 
@@ -58,6 +85,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, required=True, help="steps to write rollouts for, from 1")
     p.add_argument("--lag", type=int, default=0, help="policy staleness allowed: step s uses a policy >= s - 1 - lag")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for each policy")
+    p.add_argument(
+        "--run",
+        default=None,
+        help="the run to serve (its id in the policy folder's latest); default: the "
+        "first run that publishes after the engine starts",
+    )
     p.add_argument("flags", nargs=argparse.REMAINDER, help="after --: the trainer's flags")
     args = p.parse_args()
     flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
@@ -73,8 +106,12 @@ def main() -> int:
     root = rl.publish_folder or os.path.join(config.job.dump_folder, "policy")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     load_model, loaded, model = _load_model_fn(), None, None
+    run, since = args.run, STARTED
     for step in range(1, args.steps + 1):
-        policy = wait_for_policy(root, step - 1 - args.lag, args.timeout)
+        policy, found = wait_for_policy(root, step - 1 - args.lag, args.timeout, run, since)
+        if run is None:
+            run = found
+            print(f"rl_engine: serving run {run} (policy folder {root})", flush=True)
         if policy != loaded:
             model = load_model(None, os.path.join(root, f"step-{policy}"), t.seq_len, tokenizer.base.n_words, device)
             loaded = policy
@@ -92,7 +129,7 @@ def main() -> int:
             )
             for ids, logprobs in completions:
                 value = score_completion(reward, rl.reward, prompts, prompt, ids, stop_ids)
-                rows.append(Rollout(step, position, prompt.index, prompt.ids, ids, logprobs, value).record())
+                rows.append(Rollout(step, position, prompt.index, prompt.ids, ids, logprobs, value).record(run))
         with open(rl.rollouts_path, "a", encoding="utf-8") as f:  # the step's rows in one write
             f.write("".join(json.dumps(row) + "\n" for row in rows))
         print(f"rl_engine: step {step}: {len(rows)} rollouts from policy step-{policy}", flush=True)

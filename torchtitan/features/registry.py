@@ -57,7 +57,7 @@ _FREEZE_VISION = {"model_transform": _d("torchtitan.components.transforms:build_
 _DOCUMENTS = {"batch_feed": _d("torchtitan.features.documents.feed:build_document_feed")}
 _REPLAY = {"step_pass": _d("torchtitan.features.replay.replay:build_step_replay")}
 _IN_BACKWARD = {"optimizer_step": _d("torchtitan.features.in_backward.in_backward:build_in_backward_step")}
-_RL_MODULES = _d("torchtitan.features.rl.step:build_reference")
+_RL_MODULES = _d("torchtitan.features.rl.build:build_reference")
 
 # Optional features not built to run together, and why: the refusal of a pair lives here, so neither feature's
 # folder names the other.
@@ -217,9 +217,9 @@ FEATURES: tuple[Feature, ...] = (  # declarative table
         enabled=lambda c: c.rl.enable,
         switch="rl.enable",
         builds={
-            "data_loader": _d("torchtitan.features.rl.step:build_prompt_source"),
+            "data_loader": _d("torchtitan.features.rl.build:build_prompt_source"),
             "step_modules": _RL_MODULES,
-            "step_runner": _d("torchtitan.features.rl.step:build_rl_step"),
+            "step_runner": _d("torchtitan.features.rl.build:build_rl_step"),
         },
         estimate={
             "data_loader": _d("torchtitan.features.rl.estimate:build_no_prompts"),

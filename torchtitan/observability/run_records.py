@@ -76,7 +76,14 @@ def run_record_names(config: JobConfig) -> list[str]:
         config.profiling.save_memory_snapshot_folder,
         config.checkpoint.folder,
         "hf",  # checkpoint.last_save_in_hf's exports
+        # what a config section's feature writes there too (its ``run_records()``: RL's rollouts and policy folders)
+        *(n for f in dataclasses.fields(config) for n in _section_records(getattr(config, f.name))),
     ]
+
+
+def _section_records(section: object) -> list[str]:
+    method = getattr(type(section), "run_records", None)
+    return method(section) if method is not None else []
 
 
 def reproduce_command(folder: str, world_size: int, *, nodes: int = 1) -> str:

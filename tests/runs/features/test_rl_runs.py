@@ -11,6 +11,7 @@ would move the loss, so the rows below fail then.
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -59,9 +60,11 @@ def _records(folder: str) -> list[dict]:
     return [r for r in read_metrics(folder) if "loss" in r]
 
 
-def _rollouts(folder: str) -> list[dict]:
+def _rollouts(folder: str, *, keep_run: bool = False) -> list[dict]:
+    """The run's rollouts.jsonl rows; without the run's id (each run draws its own) unless ``keep_run``."""
     with open(os.path.join(folder, "rollouts.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        rows = [json.loads(line) for line in f]
+    return rows if keep_run else [{k: v for k, v in r.items() if k != "run"} for r in rows]
 
 
 def _same_rollouts(got: list[dict], want: list[dict]) -> None:
@@ -209,9 +212,34 @@ def test_prompt_longer_than_the_budget_fails_at_launch(tmp_path):
     assert status["ok"], status["error"]
 
 
+def _engine_pair(flags: list[str], steps: int) -> tuple[dict, str]:
+    """scripts/rl_engine.py started first, then the trainer on one rank with the same ``flags``: (the trainer's
+    status, the engine's output); the engine must end well."""
+    # one thread, as the pool's ranks (tests/support/pool.py): the engine's log-probs enter the loss, and on AVX-512
+    # kernels a matmul's sums at 2 threads differ in the last bits from 1 thread's (an AMD EPYC with avx512_bf16 read
+    # loss -0.10092524 for -0.10092522 at step 2), so "exactly" holds only with the reference's thread count
+    engine = subprocess.Popen(
+        [sys.executable, "scripts/rl_engine.py", "--steps", str(steps), "--", *flags],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        status = run_train_job(1, flags)
+    finally:
+        out = engine.communicate(timeout=120)[0]
+    assert status["ok"], status["error"] + out[-2000:]
+    assert engine.returncode == 0, out[-3000:]
+    return status, out
+
+
 def test_outside_engine_drives_the_trainer(reference, tmp_path):
     """scripts/rl_engine.py plays vLLM: it reloads each published policy and writes the next step's rollouts; the
-    trainer reads them (waiting) and publishes again. Same seeds, same weights: the reference's run, exactly."""
+    trainer reads them (waiting) and publishes again. Same seeds, same weights: the reference's run, exactly. The pair
+    runs after an earlier pair (another seed, 2 steps) in the same folder and rollouts file, as a user repeats the
+    documented commands: the new trainer sets the earlier policy folder and rollouts aside, takes none of the earlier
+    run's rows (told once), and the engine serves the new run's policy, not the earlier one it finds at its start."""
     folder, rollouts = str(tmp_path / "engine_driven"), str(tmp_path / "engine_rollouts.jsonl")
     flags = [
         *RL,
@@ -226,22 +254,24 @@ def test_outside_engine_drives_the_trainer(reference, tmp_path):
         "--rl.publish_every",
         "1",
     ]
-    # one thread, as the pool's ranks (tests/support/pool.py): the engine's log-probs enter the loss, and on AVX-512 kernels
-    # a matmul's sums at 2 threads differ in the last bits from 1 thread's (an AMD EPYC with avx512_bf16 read loss
-    # -0.10092524 for -0.10092522 at step 2), so "exactly" holds only with the reference's thread count
-    engine = subprocess.Popen(
-        [sys.executable, "scripts/rl_engine.py", "--steps", str(RL_STEPS), "--", *flags],
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        status = run_train_job(1, flags)
-    finally:
-        out = engine.communicate(timeout=120)[0]
-    assert status["ok"], status["error"] + out[-2000:]
-    assert engine.returncode == 0, out[-3000:]
+    _, earlier_out = _engine_pair([*flags, "--training.steps", "2", "--training.seed", "7"], 2)
+    earlier_run = _served(earlier_out)
+    _, out = _engine_pair(flags, RL_STEPS)
+    run = _served(out)
+    assert run != earlier_run and f"from policy step-{RL_STEPS - 1}" in out
     keys = ("loss", "grad_norm", "kl", "reward_mean")
     assert [{k: r[k] for k in keys} for r in _records(folder)] == [{k: r[k] for k in keys} for r in _records(reference)]
     assert sorted(os.listdir(os.path.join(folder, "policy"))) == ["latest", *(f"step-{s}" for s in range(RL_STEPS + 1))]
+    assert open(os.path.join(folder, "policy", "latest")).read() == f"step-{RL_STEPS}\nrun {run}\n"
+    (earlier,) = glob.glob(os.path.join(folder, "earlier_runs", "*"))  # the earlier pair's records, set aside whole
+    assert {"policy", "rollouts.jsonl"} <= set(os.listdir(earlier)), os.listdir(earlier)
+    assert {r["run"] for r in _rollouts(folder, keep_run=True)} == {run}
+    assert {r["run"] for r in _rollouts(earlier, keep_run=True)} == {earlier_run}
+    told = [line for line in open(os.path.join(folder, "rank0.log")) if "are left aside" in line]
+    assert len(told) == 1 and f"rows made from run {earlier_run}'s policy are left aside" in told[0], told
+
+
+def _served(engine_out: str) -> str:
+    """The run id an engine said it serves."""
+    (line,) = [line for line in engine_out.splitlines() if line.startswith("rl_engine: serving run ")]
+    return line.split()[3]

@@ -93,3 +93,10 @@ class Rl:
         bound=Bound(ge=0),
     )
     publish_folder: str = _f("", "where the policy is published (default <dump_folder>/policy)")
+
+    def run_records(self) -> list[str]:
+        """What an RL run writes in its dump folder besides the common records: its rollouts and, when published
+        there, its policy folders; a new run sets an earlier run's aside (launch/run_folder.py)."""
+        if not self.enable:
+            return []
+        return ["rollouts.jsonl", *([] if self.publish_folder else ["policy"])]

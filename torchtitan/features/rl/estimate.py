@@ -29,8 +29,9 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from torchtitan.components.generation import generate
 from torchtitan.components.seams import StepResult
+from torchtitan.features.rl.build import REFERENCE
 from torchtitan.features.rl.rollouts import Rollout
-from torchtitan.features.rl.step import REFERENCE, RLStep
+from torchtitan.features.rl.step import RLStep
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

@@ -21,6 +21,7 @@ loss (``UpdateBatch.finite``).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -37,6 +38,8 @@ from torchtitan.features.rl.prompts import Prompt, PromptSource, mix_seed
 from torchtitan.features.rl.rewards import score
 from torchtitan.models.common.documents import IGNORE_INDEX
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Rollout:
@@ -48,8 +51,9 @@ class Rollout:
     logprobs: list[float]
     reward: float
 
-    def record(self) -> dict:
-        return asdict(self)
+    def record(self, run: str | None = None) -> dict:
+        """The row written for it; ``run``: the id of the run whose policy made it (publish.py)."""
+        return asdict(self) if run is None else {**asdict(self), "run": run}
 
 
 def cut_at_stop(ids: list[int], logprobs: list[float], stops: set[int]) -> tuple[list[int], list[float]]:
@@ -116,11 +120,17 @@ def group_seed(seed: int, step: int, round: int, position: int) -> int:
 
 class RolloutFile:
     """An outside engine's rollouts file (``rl.rollouts_path``), read forward: each complete line once (the file
-    grows by a step's rows per write), its rows kept by step until the trainer takes them."""
+    grows by a step's rows per write), its rows kept by step until the trainer takes them.
 
-    def __init__(self, path: str):
-        self.path, self.offset = path, 0
+    ``run``: the id of the run that publishes the policy the engine generates with (publish.py): a row made from
+    another run's policy (an engine that read an earlier run's folder, or a file an earlier pair appended to) is
+    never taken, and is told once; None (a file read back, nothing published): every row is taken.
+    """
+
+    def __init__(self, path: str, run: str | None = None):
+        self.path, self.offset, self.run = path, 0, run
         self.rows: dict[int, list[dict]] = {}
+        self.foreign: dict[str, int] = {}  # another run (or "none") -> rows of it left aside
 
     def _read_new(self) -> bool:
         """Read the lines written since the last call; False while the file does not exist."""
@@ -134,8 +144,22 @@ class RolloutFile:
                 except json.JSONDecodeError:  # a line still being written: read it again next time
                     break
                 self.offset += len(line)
+                if self.run is not None and row.get("run") != self.run:
+                    self._left_aside(str(row.get("run", "none")))
+                    continue
                 self.rows.setdefault(row.get("step"), []).append(row)
         return True
+
+    def _left_aside(self, run: str) -> None:
+        if run not in self.foreign:
+            logger.warning(
+                "rl.rollouts_path %s: rows made from run %s's policy are left aside: this run (%s) takes only the rows "
+                "made from the policy it publishes; restart the engine after this run has published (docs/rl.md)",
+                self.path,
+                run,
+                self.run,
+            )
+        self.foreign[run] = self.foreign.get(run, 0) + 1
 
     def take(self, step: int, expected: int, wait_s: float) -> list[Rollout]:
         """The ``expected`` rows of ``step``, waiting up to ``wait_s`` for them.
@@ -151,10 +175,12 @@ class RolloutFile:
                 break
             if time.monotonic() >= deadline:
                 have = f"it has {len(rows)}" if exists else "the file does not exist"
+                aside = "".join(f"; {n} rows of run {r} left aside" for r, n in sorted(self.foreign.items()))
                 raise ValueError(
                     f"rl.rollouts_path {self.path}: step {step} needs {expected} rollouts (rl.prompts_per_step x "
-                    f"rl.group_size) and {have} after {wait_s:g} s (rl.rollouts_wait_seconds); the engine writes a "
-                    'step\'s rows with "step": N (docs/rl.md)'
+                    f"rl.group_size) of this run ({self.run or 'any'}) and {have} after {wait_s:g} s "
+                    f'(rl.rollouts_wait_seconds){aside}; the engine writes a step\'s rows with "step": N and "run": '
+                    "the id in the policy folder's latest (docs/rl.md)"
                 )
             time.sleep(0.2)
         for old in [s for s in self.rows if not isinstance(s, int) or s <= step]:

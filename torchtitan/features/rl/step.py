@@ -16,8 +16,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -25,13 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from torchtitan.build import finish_model_part
 from torchtitan.components.generation import Sampling
 from torchtitan.components.seams import StepResult
-from torchtitan.datasets.sft.chat_template import ChatTokenizer
 from torchtitan.features.rl.losses import Clip, group_advantages, policy_loss, token_weights
 from torchtitan.features.rl.prompts import PromptSource
-from torchtitan.features.rl.publish import publish_policy
+from torchtitan.features.rl.publish import publish_policy, run_identity
 from torchtitan.features.rl.rewards import load_reward
 from torchtitan.features.rl.rollouts import (
     Rollout,
@@ -50,10 +48,6 @@ if TYPE_CHECKING:
     from torchtitan.components.group_seams import GradientSync, StepAgreement
     from torchtitan.components.parts import CoreParts
     from torchtitan.components.run_control import Guard
-    from torchtitan.config.manager import JobConfig
-
-REFERENCE = "rl_reference"
-"""The frozen reference's name among the step's modules (and its key in the checkpoints)."""
 
 logger = logging.getLogger(__name__)
 
@@ -85,11 +79,22 @@ class RLStep:
 
     def open_outside(self) -> None:
         """What the step reads and writes outside the process: the reward function, an engine's rollouts file, the
-        published policy (the memory estimator's step has none of them)."""
+        published policy (the memory estimator's step has none of them), and the run's id they carry (rank 0's)."""
+        self.run = self._agreed(run_identity(self.publish_root, resumed=self.start_step > 0))
         self.reward_fn = load_reward(self.rl.reward) if not self.rl.rollouts_path else None
-        self.rollout_file = RolloutFile(self.rl.rollouts_path) if self.rl.rollouts_path else None
-        if self.rl.publish_every > 0:
+        live = self.rl.publish_every > 0  # an engine generates from the policy this run publishes: only its rows
+        path = self.rl.rollouts_path
+        self.rollout_file = RolloutFile(path, run=self.run if live else None) if path else None
+        if live:
             self._publish(self.start_step)
+
+    def _agreed(self, value: str) -> str:
+        """Rank 0's ``value`` on every rank."""
+        if not dist.is_initialized():
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def summary_lines(self) -> dict[str, str]:
         """The start summary's batch and data lines, saying what an RL step does, and its own line."""
@@ -217,7 +222,7 @@ class RLStep:
         with open(os.path.join(self.core.run_folder, "rollouts.jsonl"), "a", encoding="utf-8") as f:
             for group in groups:
                 for r in group:
-                    f.write(json.dumps(r.record()) + "\n")
+                    f.write(json.dumps(r.record(self.run)) + "\n")
 
     # -- the update ----------------------------------------------------------------------------------------
     def _update(self, step: int, rollouts: list[Rollout]) -> StepResult:
@@ -345,7 +350,7 @@ class RLStep:
             self.stats["generation_tps"] = generated / max(generation_s, 1e-9)
 
     def _publish(self, step: int) -> None:
-        publish_policy(self.model_parts[0], self.core, self.publish_root, step)
+        publish_policy(self.model_parts[0], self.core, self.publish_root, step, self.run)
 
 
 def format_rl_line(step: int, stats: dict[str, float]) -> str:
@@ -360,38 +365,3 @@ def format_rl_line(step: int, stats: dict[str, float]) -> str:
         f"{s['completion_length']:.1f}  clipped {s['clip_fraction']:.3f}{kl}  off-policy {s['offpolicy_gap']:.1e}{masked}  dropped "
         f"{s['dropped_groups']:.0f}  {source}  update {s['update_tps']:,.0f} tok/s"
     )
-
-
-def build_prompt_source(config: JobConfig, tokenizer: Any, shard: Any, model_args: Any = None) -> PromptSource:
-    """The ``data_loader`` slot with ``rl.enable``: the prompts file, read through the chat template."""
-    chat = ChatTokenizer(config.model.tokenizer_path, base=tokenizer)
-    return PromptSource.of_run(config.rl, config.training, chat)
-
-
-def build_reference(core: CoreParts, *, meta_model: Callable[[Any, Any], nn.Module]) -> dict[str, nn.Module]:
-    """The ``step_modules`` slot: with ``rl.kl_coef`` > 0, a second copy of the model under the same layout and
-    transforms, frozen (filled from the policy at a fresh start, from the checkpoint on a resume); ``meta_model``:
-    the run's builder of a meta model (the estimator's builds it outside fake mode)."""
-    if core.config.rl.kl_coef <= 0:
-        return {}
-    reference = meta_model(core.spec, core.model_args)
-    finish_model_part(
-        reference, core.spec, core.config, core.world, core.device, transforms=core.transforms, frozen=True
-    )
-    return {REFERENCE: reference}
-
-
-def build_rl_step(core: CoreParts, *, modules: Mapping[str, nn.Module], start_step: int, **seams: Any) -> RLStep:
-    """The ``step_runner`` slot with ``rl.enable`` (``seams``: the agreement, gradients and guard)."""
-    reference = modules.get(REFERENCE)
-    if reference is not None and start_step == 0:  # the policy as the run starts, frozen
-        _copy_weights(core.model_parts[0], reference)
-    step = RLStep(core, reference=reference, start_step=start_step, **seams)
-    step.open_outside()
-    return step
-
-
-@torch.no_grad()
-def _copy_weights(source: nn.Module, target: nn.Module) -> None:
-    for a, b in zip(source.state_dict().values(), target.state_dict().values(), strict=True):
-        b.copy_(a)
