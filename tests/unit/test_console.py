@@ -128,7 +128,10 @@ def test_torchao_import_notes_are_dropped_only_inside_and_only_those(caplog):
     so_note = "Failed to load /venv/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: Could not load this library"
     pytree_note = "<enum 'KernelPreference'> ... Calling register_constant() on Enum subclasses is deprecated"
     other = "torchao: something that matters"
-    caplog.set_level(logging.WARNING)
+    # The loggers' own levels too (restored after): an earlier test in this process may have run
+    # set_log_level('info'), which leaves them at ERROR.
+    for name in ("", "torchao", "torch.utils._pytree"):
+        caplog.set_level(logging.WARNING, logger=name or None)
     ao, pytree = logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")
     with quiet_torchao_import():
         ao.warning(so_note)
