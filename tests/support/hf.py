@@ -39,6 +39,24 @@ def save_random_hf_model(argv: list[str], folder: str) -> None:
     model.save_pretrained(folder, safe_serialization=True, max_shard_size="400KB")
 
 
+def tiny_qwen3(vocab_size: int, **overrides):
+    """A random-init transformers Qwen3ForCausalLM of two tiny layers (hidden 32, 4 heads of 8, 2 key/value heads)
+    over ``vocab_size`` rows, seeded: the same weights every call. ``overrides``: other Qwen3Config fields."""
+    import transformers
+
+    shape = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(vocab_size=vocab_size, **shape | overrides))
+
+
 def hf_logits(folder: str, inputs: torch.Tensor) -> torch.Tensor:
     """transformers' logits (bs, seq, vocab) for ``inputs`` of the HF folder, which must load with no
     missing, unexpected or mismatched weight."""

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.hf import tiny_qwen3
 from tests.support.scripts import generate_script
 from torchtitan.datasets.tokenizer import build_tokenizer
 
@@ -22,18 +23,7 @@ PADDING = 13  # rows past the tokenizer's words
 def _qwen3_folder(folder: Path) -> int:
     """A tiny random Qwen3 saved by transformers with its tokenizer; returns the tokenizer's word count."""
     words = build_tokenizer(TOKENIZER).n_words
-    config = transformers.Qwen3Config(
-        vocab_size=words + PADDING,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(config).save_pretrained(folder)
+    tiny_qwen3(words + PADDING).save_pretrained(folder)
     transformers.AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(folder)
     return words
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.hf import tiny_qwen3
 from tests.support.scripts import generate_script
 from torchtitan.datasets.tokenizer import build_tokenizer
 
@@ -56,19 +57,7 @@ def _tokenizer_files(folder: Path, kind: str) -> None:
 def folders(tmp_path_factory) -> dict[str, Path]:
     """kind -> a folder with the same tiny random Qwen3 and that kind of tokenizer."""
     words = build_tokenizer(str(TOKENIZER)).n_words
-    config = transformers.Qwen3Config(
-        vocab_size=words,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=64,
-        initializer_range=0.5,  # logits spread well apart: greedy steps far from ties
-    )
-    torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(config)
+    model = tiny_qwen3(words, initializer_range=0.5)  # logits spread well apart: greedy steps far from ties
     out = {}
     for kind in KINDS:
         folder = tmp_path_factory.mktemp(kind)
