@@ -6,6 +6,8 @@ they are built from; the rest of a feature's rows stay in its run test (tests/ru
 
 from __future__ import annotations
 
+import dataclasses
+
 from tests.support.matrix import AC_FULL, AC_OP, ASYNC, ROTATE_ALLGATHER, ROTATE_ALLTOALL, HSDP_2x2, Row, pp_schedule
 from tests.support.runs import GLOBAL_BATCH
 
@@ -29,13 +31,21 @@ def frontier_family(name: str, ep: int = 1) -> list[str]:
     return ["--model.name", name, "--experimental.expert_parallel_degree", str(ep)]
 
 
-def _frontier_rows(short: str, name: str) -> list[Row]:
-    return [
+def _frontier_rows(short: str, name: str, compiled: str) -> list[Row]:
+    """The family's layouts; the one named ``compiled`` runs with training.compile (its MoE blocks compiled around the
+    routed experts) against the same eager one-process run, as the matrix's moe_ep2_compile does."""
+    rows = [
         Row(f"{short}_fsdp2", 2, 4, frontier_family(name)),
         Row(f"{short}_ep2", 2, 4, frontier_family(name, ep=2)),  # dp_shard 2 = ep 2: 2 of the 4 experts per rank
         Row(f"{short}_fsdp2xep2", 4, 2, frontier_family(name, ep=2)),  # dp_shard 4 = the experts' FSDP 2 x ep 2
         Row(f"{short}_tp2_ep2", 2, 8, frontier_family(name, ep=2), tp=2),  # the EP group is the TP group
         Row(f"{short}_pp2_1f1b", 2, 8, [*frontier_family(name), *pp_schedule("1F1B")], pp=2),
+    ]
+    return [
+        dataclasses.replace(row, name=f"{row.name}_compile", overrides=[*row.overrides, "--training.compile"])
+        if row.name == f"{short}_{compiled}"
+        else row
+        for row in rows
     ]
 
 
@@ -43,8 +53,11 @@ FRONTIER_REFERENCES = [
     Row("dsv3_1proc", 1, GLOBAL_BATCH, frontier_family("deepseek_v3")),
     Row("gpt_oss_1proc", 1, GLOBAL_BATCH, frontier_family("gpt_oss")),
 ]
-DSV3_ROWS = _frontier_rows("dsv3", "deepseek_v3")
-GPT_OSS_ROWS = [*_frontier_rows("gpt_oss", "gpt_oss"), Row("gpt_oss_cp2", 2, 8, frontier_family("gpt_oss"), cp=2)]
+DSV3_ROWS = _frontier_rows("dsv3", "deepseek_v3", compiled="ep2")
+GPT_OSS_ROWS = [
+    *_frontier_rows("gpt_oss", "gpt_oss", compiled="tp2_ep2"),
+    Row("gpt_oss_cp2", 2, 8, frontier_family("gpt_oss"), cp=2),
+]
 # ---- tied embeddings, Qwen3, Qwen3-MoE (tests/runs/models/test_model_family_runs.py)
 TIED = ["--model.flavor", "debugmodel_tied_tiny"]
 TIED_REFERENCE = Row("tied_1proc", 1, GLOBAL_BATCH, TIED)

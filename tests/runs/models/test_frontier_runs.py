@@ -5,7 +5,8 @@ run: per-step loss within RTOL, grad norm within GRAD_NORM_RTOL, and the exact p
 (both balance with the expert bias, which follows the global counts). Layouts: FSDP2, EP2 (the experts
 split over the two FSDP ranks), FSDP2 x EP2 (4 ranks: each expert sharded by FSDP over 2), TP2 with EP2 (MLA's latent projections replicated, its
 per-head projections and gpt-oss's sinks sharded over heads), PP2 1F1B; gpt-oss also CP2 (the ring
-with its sliding window and sinks).
+with its sliding window and sinks). DeepSeek-V3's EP2 row and gpt-oss's TP2 x EP2 row compile (training.compile: the
+MoE blocks around their routed experts, gpt-oss's sinks as TP shards in the graph) against the same eager reference.
 """
 
 from __future__ import annotations

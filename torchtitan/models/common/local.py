@@ -11,4 +11,6 @@ import torch
 
 
 def local_part(weight: torch.Tensor) -> torch.Tensor:
-    return weight.to_local() if hasattr(weight, "to_local") else weight
+    # The type's attribute, not the tensor's: dynamo answers hasattr on a traced DTensor with False (a TP-sharded
+    # sink then met the local scores in the compiled graph: "got mixed torch.Tensor and DTensor").
+    return weight.to_local() if hasattr(type(weight), "to_local") else weight
