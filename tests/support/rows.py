@@ -133,6 +133,9 @@ RL = [
     *("--rl.reward", "tests.support.rl_rewards:digits", "--optimizer.lr", "1e-2", "--training.seq_len", "40"),
     *("--training.steps", str(RL_STEPS), "--training.warmup_steps", "0", "--metrics.log_freq", "1"),
 ]
+# an MoE policy (train_configs/grpo_arith_moe.toml: Qwen3-MoE's tiny flavor, expert parallel 2) under the same run
+# (the config file and its flavor in place of RL's first four arguments: grpo_arith.toml's, the nano flavor)
+RL_MOE = ["--job.config_file", "./train_configs/grpo_arith_moe.toml", *RL[4:]]
 HF_STEPS = 4
 HF = [
     *("--job.config_file", "./train_configs/hf_debug.toml", "--training.steps", str(HF_STEPS)),
