@@ -202,6 +202,7 @@ class Trainer:
 
     def close(self) -> None:
         try:
+            self.parts.runner.close()  # RL's asynchronous generator
             self.checkpointer.close()  # waits for an async save in flight
             self.metrics.close()
             self.parts.agreement.close()

@@ -243,6 +243,12 @@ def _config(*flags: str) -> tuple[JobConfig, ParallelDims]:
         (["--rl.prompts_per_step", "3"], ValueError, "rl.prompts_per_step = 3 is not a multiple of the data-parallel"),
         (["--training.batch_size", "8"], ValueError, "= 16 per rank, and training.batch_size x"),
         (["--model.attn_mask_type", "block_causal"], NotImplementedError, "model.attn_mask_type = 'block_causal'"),
+        (
+            ["--rl.max_staleness", "1", "--rl.rollouts_path", "/tmp/r.jsonl"],
+            ValueError,
+            "an outside engine already generates the rollouts, and its staleness is its own",
+        ),
+        (["--rl.max_staleness", "2", "--rl.publish_every", "3"], ValueError, "so it is published every step"),
     ],
 )
 def test_refused_before_launch(flags, error, message):
@@ -284,3 +290,45 @@ def test_greedy_sampling_refused_by_the_preflight_command(flags, error, capsys):
     assert preflight([*args, *flags]) == 2
     assert capsys.readouterr() == ("", f"error: {error}\n")
     assert preflight([*args, "--rl.top_k", "2", "--rl.temperature", "0.5"]) == 0
+
+
+def test_a_negative_staleness_is_one_line(capsys):
+    args = ["--world_size", "2", "--job.config_file", "train_configs/grpo_arith.toml", "--rl.max_staleness", "-1"]
+    assert preflight(args) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "rl.max_staleness" in err and "-1" in err and ">= 0" in err, err
+
+
+def test_the_generator_uses_the_policy_exactly_k_steps_before():
+    from torchtitan.features.rl.generator import policy_for
+
+    assert [policy_for(s, 0, 1) for s in range(1, 6)] == [0, 0, 1, 2, 3]
+    assert [policy_for(s, 0, 2) for s in range(1, 6)] == [0, 0, 0, 1, 2]
+    assert [policy_for(s, 4, 1) for s in range(5, 9)] == [4, 4, 5, 6]  # resumed at step 4: its policy first
+
+
+def test_a_generator_that_dies_stops_the_step_at_once_with_its_log(tmp_path):
+    """The trainer's wait for a step's rows ends as soon as the generator process has failed, with its exit and its
+    log's last lines, instead of waiting out rl.rollouts_wait_seconds."""
+    import subprocess
+    import sys
+    import time
+
+    from torchtitan.features.rl.generator import LOG, Generator
+    from torchtitan.features.rl.rollouts import RolloutFile
+
+    with open(tmp_path / LOG, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-c", "import sys; print('KeyError: model.tokenizer_path'); sys.exit(3)"], stdout=log
+        )
+    process.wait()
+    rows = RolloutFile(str(tmp_path / "rollouts.jsonl"), run="abc", producer=Generator(process, str(tmp_path)).error)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as e:
+        rows.take(1, 12, 600.0)
+    assert time.monotonic() - start < 5
+    assert str(e.value) == (
+        "step 1: the rollout generator (rl.max_staleness) exited 3: KeyError: model.tokenizer_path "
+        f"(its log: {tmp_path}/{LOG})"
+    )

@@ -144,6 +144,9 @@ class StepRunner(Protocol):
     def after_commit(self, step: int, *, logged: bool) -> None:
         """After a committed step's records and saves (``logged``: the step was a log step)."""
 
+    def close(self) -> None:
+        """At the run's end, however it ends: what the runner started outside the process (RL's generator)."""
+
 
 class ModelTransform:
     """A change to the model around its parallelisms: ``convert`` on the meta model (or a pipeline stage) before

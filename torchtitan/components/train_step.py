@@ -80,3 +80,6 @@ class PretrainStep:
 
     def after_commit(self, step: int, *, logged: bool) -> None:
         pass
+
+    def close(self) -> None:
+        pass

@@ -47,6 +47,7 @@ FROM_FILE = Row("rl_1proc_from_file", 1, 4)
 MOE_REFERENCE = Row("rl_moe_1proc", 1, 4, ["--experimental.expert_parallel_degree", "1"])
 MOE_ROWS = [Row("rl_moe_fsdp2_ep2", 4, 1)]
 RL_REFERENCES = [REFERENCE, FROM_FILE, MOE_REFERENCE]  # counted by the rank-row budget
+ASYNC_ROWS = [Row("rl_async_1proc", 1, 4, ["--rl.max_staleness", "1"])]  # the generator is a process of its own
 RESUMED = [Row("rl_resume_1proc", 1, 4, CHECKPOINT), Row("rl_resume_fsdp2", 2, 2, CHECKPOINT)]
 
 
@@ -155,6 +156,30 @@ def test_moe_policy_under_expert_parallel_at_parity(tmp_path):
     _same_rollouts(_rollouts(folders[moe_row.name]), _rollouts(folders[MOE_REFERENCE.name]), relative=True)
     log = open(os.path.join(folders[moe_row.name], "rank0.log")).read()
     assert "qwen3_moe" in log and "ep 2" in log, "the run is the MoE policy under expert parallel"
+
+
+def test_one_step_stale_rollouts_train_from_the_generator_process(reference, tmp_path):
+    """Issue 87, item 1: rl.max_staleness 1 trains on rollouts its generator process made from the policy published
+    one step before the synchronous run's: step 1 (the start's policy either way) equals the reference exactly; steps
+    2 and 3 come from the policies of steps 0 and 1 (staleness 1, logged), and train."""
+    (row,) = ASYNC_ROWS
+    folder = str(tmp_path / row.name)
+    _ok(row, folder)
+    got, want = _records(folder), _records(reference)
+    assert [r["staleness_mean"] for r in got] == [r["staleness_max"] for r in got] == [0.0, 1.0, 1.0]
+    assert {k: got[0][k] for k in ("loss", "grad_norm", "kl")} == {k: want[0][k] for k in ("loss", "grad_norm", "kl")}
+    assert all(math.isfinite(r["loss"]) and r["loss"] != w["loss"] for r, w in zip(got[1:], want[1:])), (got, want)
+    for r in got:
+        assert r["generation_s"] > 0 and r["update_s"] > 0 and 0 <= r["overlap"] <= 1 and "generation_tps" not in r
+    assert [r["policy_step"] for r in _rollouts(folder)] == [0] * 12 + [0] * 12 + [1] * 12
+    generated = [{k: v for k, v in r.items() if k not in ("policy_step", "generation_s")} for r in _rollouts(folder)]
+    assert generated[:12] == _rollouts(reference)[:12]  # step 1: the same policy, prompts and seeds, bit for bit
+    log = open(os.path.join(folder, "generator", "generator.log")).read().splitlines()
+    assert [line.split(" in ")[0] for line in log] == [
+        f"generator: step {s}: 12 rollouts from policy step-{p}" for s, p in ((1, 0), (2, 0), (3, 1))
+    ], log
+    rank0 = open(os.path.join(folder, "rank0.log")).read()
+    assert "staleness 1.0 (max 1)" in rank0 and "rl.max_staleness" in rank0
 
 
 def test_rollouts_from_file_equal_in_process(reference, tmp_path):

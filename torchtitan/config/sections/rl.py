@@ -93,10 +93,22 @@ class Rl:
         bound=Bound(ge=0),
     )
     publish_folder: str = _f("", "where the policy is published (default <dump_folder>/policy)")
+    max_staleness: int = _f(
+        0,
+        "asynchronous rollouts: a generator process (rank 0's child) makes step s's completions from the policy "
+        "published after step max(start, s - 1 - max_staleness), overlapping the updates of the steps between; the "
+        "policy is published every step; the trainer waits for a step's rows up to rl.rollouts_wait_seconds (0: 1800 s); "
+        "0: generated in process right before each update",
+        bound=Bound(ge=0),
+    )
+
+    def generates_in_process(self) -> bool:
+        """The ranks generate each step's rollouts themselves (not an outside engine, not the asynchronous generator)."""
+        return not self.rollouts_path and self.max_staleness == 0
 
     def run_records(self) -> list[str]:
         """What an RL run writes in its dump folder besides the common records: its rollouts and, when published
         there, its policy folders; a new run sets an earlier run's aside (launch/run_folder.py)."""
         if not self.enable:
             return []
-        return ["rollouts.jsonl", *([] if self.publish_folder else ["policy"])]
+        return ["rollouts.jsonl", "generator", *([] if self.publish_folder else ["policy"])]

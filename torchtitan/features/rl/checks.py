@@ -32,6 +32,7 @@ def check_rl(config: JobConfig, dims: ParallelDims) -> list[str]:
             "run's prompts from it too)"
         )
     _check_sampling(config)
+    _check_staleness(config)
     if rl.top_p > 1:
         raise ValueError(f"rl.top_p = {rl.top_p}: a probability mass in (0, 1]")
     if rl.clip_low >= 1:
@@ -73,6 +74,23 @@ def _check_sampling(config: JobConfig) -> None:
                 f"{key} = {value:g} is greedy sampling{engine}: with rl.group_size = {rl.group_size} every completion "
                 "of a group is the same, so its rewards are equal, every advantage is 0 and nothing is learned; " + fix
             )
+
+
+def _check_staleness(config: JobConfig) -> None:
+    """Asynchronous rollouts come from the run's own generator process, which reloads every step's policy."""
+    rl = config.rl
+    if rl.max_staleness == 0:
+        return
+    if rl.rollouts_path:
+        raise ValueError(
+            f"rl.max_staleness = {rl.max_staleness} with rl.rollouts_path = {rl.rollouts_path!r}: an outside engine "
+            "already generates the rollouts, and its staleness is its own (scripts/rl_engine.py --lag); unset one"
+        )
+    if rl.publish_every > 1:
+        raise ValueError(
+            f"rl.max_staleness = {rl.max_staleness} with rl.publish_every = {rl.publish_every}: the generator reloads "
+            "the policy of every step, so it is published every step; unset rl.publish_every (or set it to 1)"
+        )
 
 
 def _section(config: JobConfig, key: str) -> tuple[object, str]:

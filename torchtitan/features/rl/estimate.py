@@ -3,7 +3,7 @@ shapes, on fake tensors (the estimate) or real ones (the accuracy tests' tracker
 
 What a real step holds, phase by phase:
 
-- **generation** (in process; not with ``rl.rollouts_path``): the policy, one group at a time (``rl.group_size``
+- **generation** (in process; not with ``rl.rollouts_path`` or ``rl.max_staleness``): the policy, one group at a time (``rl.group_size``
   rows), its KV cache for the longest prompt the prompts file may hold (``training.seq_len - rl.max_new_tokens``)
   plus every new token, and the sampling's temporaries over the vocabulary. Here that group is generated for all
   ``rl.max_new_tokens`` tokens (no stop id ends it early), with the run's sampling; its tokens are random.
@@ -69,7 +69,7 @@ class EstimatedRLStep:
         return []  # the step builds its sequences itself, after generation (as the RL step does)
 
     def train(self, step: int, data: list, *, phase_done: Callable[[str], None] | None = None) -> StepResult:
-        if not self.rl.rl.rollouts_path:
+        if self.rl.rl.generates_in_process():
             self._generate_longest_group()
             if phase_done is not None:
                 phase_done(GENERATION)
@@ -88,6 +88,9 @@ class EstimatedRLStep:
         return self.rl.summary_lines()
 
     def after_commit(self, step: int, *, logged: bool) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
     @property

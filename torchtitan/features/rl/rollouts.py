@@ -50,10 +50,17 @@ class Rollout:
     completion_ids: list[int]
     logprobs: list[float]
     reward: float
+    # the asynchronous generator's (generator.py): the published step whose policy made it, its step's seconds
+    policy_step: int | None = None
+    generation_s: float | None = None
 
     def record(self, run: str | None = None) -> dict:
         """The row written for it; ``run``: the id of the run whose policy made it (publish.py)."""
-        return asdict(self) if run is None else {**asdict(self), "run": run}
+        row = {k: v for k, v in asdict(self).items() if v is not None or k not in OPTIONAL_FIELDS}
+        return row if run is None else {**row, "run": run}
+
+
+OPTIONAL_FIELDS = ("policy_step", "generation_s")
 
 
 def cut_at_stop(ids: list[int], logprobs: list[float], stops: set[int]) -> tuple[list[int], list[float]]:
@@ -127,8 +134,8 @@ class RolloutFile:
     never taken, and is told once; None (a file read back, nothing published): every row is taken.
     """
 
-    def __init__(self, path: str, run: str | None = None):
-        self.path, self.offset, self.run = path, 0, run
+    def __init__(self, path: str, run: str | None = None, producer: Callable[[], str | None] | None = None):
+        self.path, self.offset, self.run, self.producer = path, 0, run, producer  # producer: why it stopped, or None
         self.rows: dict[int, list[dict]] = {}
         self.foreign: dict[str, int] = {}  # another run (or "none") -> rows of it left aside
 
@@ -173,6 +180,9 @@ class RolloutFile:
             rows = self.rows.get(step, [])
             if len(rows) >= expected:
                 break
+            stopped = self.producer() if self.producer is not None else None
+            if stopped:
+                raise RuntimeError(f"step {step}: {stopped}")
             if time.monotonic() >= deadline:
                 have = f"it has {len(rows)}" if exists else "the file does not exist"
                 aside = "".join(f"; {n} rows of run {r} left aside" for r, n in sorted(self.foreign.items()))
@@ -187,9 +197,9 @@ class RolloutFile:
             del self.rows[old]  # this step's are taken; earlier ones (before a resume's step) are never read
         if len(rows) > expected:
             raise ValueError(f"rl.rollouts_path {self.path}: step {step} has {len(rows)} rollouts, expected {expected}")
-        fields = Rollout.__dataclass_fields__
+        fields = [k for k in Rollout.__dataclass_fields__ if k not in OPTIONAL_FIELDS]
         try:
-            return [Rollout(**{k: row[k] for k in fields}) for row in rows]
+            return [Rollout(**{k: row[k] for k in fields}, **{k: row.get(k) for k in OPTIONAL_FIELDS}) for row in rows]
         except KeyError as e:
             raise ValueError(
                 f"rl.rollouts_path {self.path}: a row of step {step} lacks {e}; rows have {sorted(fields)}"
