@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 def apply_compile(model: nn.Module, *, tp_enabled: bool) -> None:
     """Compile each block separately: blocks are identical, so one compiled graph is reused by all.
 
-    A dense block compiles whole (``fullgraph``: any graph break is an error). An MoE block compiles around its
+    A dense block compiles whole (``fullgraph``: any graph break is an error); so does an image model's tower block
+    around its per-frame attention, eager like the experts. An MoE block compiles around its
     routed experts: each MoE's ``routed_experts`` (the token permutation, the grouped matmul and, under expert
     parallel, the all-to-all) runs in eager mode (``torch.compiler.disable``), a clean break before and after it;
     the router, the aux loss, the shared expert, attention and the norms compile. The grouped matmul has no fp32
@@ -52,13 +53,22 @@ def apply_compile(model: nn.Module, *, tp_enabled: bool) -> None:
         for moe in moes:
             moe.routed_experts = torch.compiler.disable(moe.routed_experts)
         model.layers[name] = torch.compile(block, fullgraph=not moes)
-    # An image model's vision tower stays eager: its blocks take each batch's image lengths (a list of ints), and a
-    # compiled block recompiled at every step (9 recompiles in 3 steps on the tiny flavor, losses equal).
+    if getattr(model, "visual", None) is not None:
+        compile_tower_blocks(model.visual)
     if tp_enabled and model.tok_embeddings is not None:
         # A compiled block whose input is a view of a DTensor's local tensor (the TP embedding's
         # output) gets a plain-tensor gradient back and DTensor's backward fails (torch 2.13);
         # a copy makes the compiled region's input a non-view. Cheap: one activation per step.
         model.tok_embeddings.register_forward_hook(lambda mod, inputs, out: out.clone())
+
+
+def compile_tower_blocks(tower: nn.Module) -> None:
+    """An image model's tower blocks compile around their per-frame attention (one call a frame: the calls follow the
+    batch's images), which runs eagerly; the patches' and frames' counts are dynamic dimensions, so batches of other
+    images reuse the graph."""
+    for i, block in enumerate(tower.blocks):
+        block.attn.per_image = torch.compiler.disable(block.attn.per_image)
+        tower.blocks[i] = torch.compile(block, dynamic=True)
 
 
 def pass_positions(model: nn.Module, positions: torch.Tensor) -> None:
