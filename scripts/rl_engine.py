@@ -38,7 +38,7 @@ from torchtitan.datasets.sft.chat_template import ChatTokenizer  # noqa: E402
 from torchtitan.features.rl.prompts import PromptSource  # noqa: E402
 from torchtitan.features.rl.publish import LATEST, read_latest  # noqa: E402
 from torchtitan.features.rl.rewards import load_reward  # noqa: E402
-from torchtitan.features.rl.rollouts import Rollout, generate_group, group_seed, score_completion  # noqa: E402
+from torchtitan.features.rl.rollouts import generate_step  # noqa: E402
 
 
 def _load_model_fn():
@@ -115,23 +115,19 @@ def main() -> int:
         if policy != loaded:
             model = load_model(None, os.path.join(root, f"step-{policy}"), t.seq_len, tokenizer.base.n_words, device)
             loaded = policy
-        rows = []
-        for position, prompt in enumerate(prompts.sample(step)):
-            completions = generate_group(
-                model,
-                prompt,
-                group_size=rl.group_size,
-                sampling=sampling,
-                max_new_tokens=rl.max_new_tokens,
-                stop_ids=stop_ids,
-                seed=group_seed(t.seed, step, 0, position),
-                device=device,
-            )
-            for ids, logprobs in completions:
-                value = score_completion(reward, rl.reward, prompts, prompt, ids, stop_ids)
-                rows.append(Rollout(step, position, prompt.index, prompt.ids, ids, logprobs, value).record(run))
+        rows = generate_step(
+            model,
+            prompts,
+            step,
+            rl=rl,
+            seed=t.seed,
+            reward_fn=reward,
+            stop_ids=stop_ids,
+            sampling=sampling,
+            device=device,
+        )
         with open(rl.rollouts_path, "a", encoding="utf-8") as f:  # the step's rows in one write
-            f.write("".join(json.dumps(row) + "\n" for row in rows))
+            f.write("".join(json.dumps(row.record(run)) + "\n" for row in rows))
         print(f"rl_engine: step {step}: {len(rows)} rollouts from policy step-{policy}", flush=True)
     return 0
 

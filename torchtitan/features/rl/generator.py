@@ -122,7 +122,7 @@ def serve(config: JobConfig, out: str, *, run: str, first_step: int, steps: int,
     from torchtitan.datasets.sft.chat_template import ChatTokenizer
     from torchtitan.features.rl.prompts import PromptSource
     from torchtitan.features.rl.rewards import load_reward
-    from torchtitan.features.rl.rollouts import Rollout, generate_group, group_seed, score_completion
+    from torchtitan.features.rl.rollouts import generate_step
 
     rl, t = config.rl, config.training
     torch.manual_seed(t.seed)
@@ -139,21 +139,18 @@ def serve(config: JobConfig, out: str, *, run: str, first_step: int, steps: int,
         _wait_for(root, policy, run, parent)
         if policy != loaded:
             model, loaded = _load_policy(config, os.path.join(root, f"step-{policy}"), device), policy
-        start, rows = time.perf_counter(), []
-        for position, prompt in enumerate(prompts.sample(step)):
-            completions = generate_group(
-                model,
-                prompt,
-                group_size=rl.group_size,
-                sampling=sampling,
-                max_new_tokens=rl.max_new_tokens,
-                stop_ids=stop_ids,
-                seed=group_seed(t.seed, step, 0, position),
-                device=device,
-            )
-            for ids, logprobs in completions:
-                value = score_completion(reward, rl.reward, prompts, prompt, ids, stop_ids)
-                rows.append(Rollout(step, position, prompt.index, prompt.ids, ids, logprobs, value))
+        start = time.perf_counter()
+        rows = generate_step(
+            model,
+            prompts,
+            step,
+            rl=rl,
+            seed=t.seed,
+            reward_fn=reward,
+            stop_ids=stop_ids,
+            sampling=sampling,
+            device=device,
+        )
         seconds = time.perf_counter() - start
         rows = [dataclasses.replace(row, policy_step=policy, generation_s=seconds) for row in rows]
         with open(out, "a", encoding="utf-8") as f:  # the step's rows in one write

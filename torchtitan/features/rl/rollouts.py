@@ -27,6 +27,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -204,6 +205,38 @@ class RolloutFile:
             raise ValueError(
                 f"rl.rollouts_path {self.path}: a row of step {step} lacks {e}; rows have {sorted(fields)}"
             ) from e
+
+
+def generate_step(
+    model: nn.Module,
+    prompts: PromptSource,
+    step: int,
+    *,
+    rl: Any,
+    seed: int,
+    reward_fn: Callable[..., float],
+    stop_ids: tuple[int, ...],
+    sampling: Sampling,
+    device: torch.device,
+) -> list[Rollout]:
+    """A whole step's groups generated and scored by one process (an engine, the asynchronous generator): the step's
+    prompts with the trainer's seeds, so its rows equal those the ranks generate in process."""
+    rows = []
+    for position, prompt in enumerate(prompts.sample(step)):
+        completions = generate_group(
+            model,
+            prompt,
+            group_size=rl.group_size,
+            sampling=sampling,
+            max_new_tokens=rl.max_new_tokens,
+            stop_ids=stop_ids,
+            seed=group_seed(seed, step, 0, position),
+            device=device,
+        )
+        for ids, logprobs in completions:
+            value = score_completion(reward_fn, rl.reward, prompts, prompt, ids, stop_ids)
+            rows.append(Rollout(step, position, prompt.index, prompt.ids, ids, logprobs, value))
+    return rows
 
 
 def score_completion(
