@@ -219,10 +219,12 @@ def image_prompt_and_model(args: argparse.Namespace, device: torch.device) -> tu
     from torchtitan.datasets.sft.prompting import chat_stop_ids, decode_answer
     from torchtitan.datasets.vision.prompting import image_prompt
     from torchtitan.models.qwen3_5.multimodal import ImagePrompt
+    from torchtitan.observability.logging import quiet_torchao_import
 
     tokenizer = ChatTokenizer(args.tokenizer)
     weights, spec, model_args = _weights_and_model(args.checkpoint, args.hf, 1)
-    ids, pixels, grids = image_prompt(tokenizer, model_args, args.image, args.prompt, system=args.system)
+    with quiet_torchao_import():  # transformers' image processor is the first import of transformers (and torchao)
+        ids, pixels, grids = image_prompt(tokenizer, model_args, args.image, args.prompt, system=args.system)
     model_args = dataclasses.replace(model_args, max_seq_len=len(ids) + args.max_new_tokens)
     model = build_loaded(weights, spec, model_args, tokenizer.base.n_words, device, args.adapter)
     stop_ids = chat_stop_ids(tokenizer)

@@ -3,6 +3,8 @@ prompt sampler, top-p sampling, the generator's log-probs, log-probs that are no
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 
 import pytest
@@ -17,7 +19,7 @@ from torchtitan.features.rl.checks import check_rl, check_rl_machine
 from torchtitan.features.rl.losses import Clip, group_advantages, policy_loss, token_weights
 from torchtitan.features.rl.prompts import PromptSource
 from torchtitan.features.rl.rewards import exact_match, format_reward, load_reward, number_match, score
-from torchtitan.features.rl.rollouts import Rollout, count_nonfinite_logprobs, cut_at_stop, update_batch
+from torchtitan.features.rl.rollouts import Rollout, RolloutFile, count_nonfinite_logprobs, cut_at_stop, update_batch
 from torchtitan.preflight.__main__ import main as preflight
 
 PROMPTS = "tests/assets/rl/arith_prompts.jsonl"
@@ -86,6 +88,25 @@ def test_nonfinite_engine_logprobs_are_masked_counted_and_stop_past_the_share():
         "read from rl.rollouts_path r.jsonl), more than rl.max_nonfinite_logprob_share = 0.01; stopped before"
     )
     assert "\n" not in str(e.value)
+
+
+def test_rollout_file_takes_its_own_runs_rows_and_says_why_once(tmp_path, caplog):
+    # the second engine/trainer pair of docs/rl.md in one file: the earlier run's rows come first
+    path = tmp_path / "rollouts.jsonl"
+    rows = [Rollout(1, 0, 0, [5], [7, 2], [-0.5, -0.1], float(i)).record(run) for run in ("old", "new") for i in (0, 1)]
+    rows.append(Rollout(2, 0, 0, [5], [8, 2], [-0.5, -0.1], 0.0).record("old"))
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    file = RolloutFile(str(path), run="new")
+    with caplog.at_level(logging.WARNING, logger="torchtitan"):
+        taken = file.take(1, 2, wait_s=0)
+    assert [(r.step, r.reward) for r in taken] == [(1, 0.0), (1, 1.0)] and file.foreign == {"old": 3}
+    told = [r.getMessage() for r in caplog.records if "left aside" in r.getMessage()]
+    assert len(told) == 1 and "rows made from run old's policy are left aside (an earlier run's rows" in told[0]
+    assert "or with --run new" in told[0] and "restart the engine" not in told[0]  # nothing is wrong with the engine
+    with pytest.raises(
+        ValueError, match=r"step 2 needs 2 rollouts .* of this run \(new\) and it has 0 .*3 rows of run old"
+    ):
+        file.take(2, 2, wait_s=0)
 
 
 def test_policy_loss_clips_each_side_and_k3_kl():

@@ -161,10 +161,13 @@ class RolloutFile:
     def _left_aside(self, run: str) -> None:
         if run not in self.foreign:
             logger.warning(
-                "rl.rollouts_path %s: rows made from run %s's policy are left aside: this run (%s) takes only the rows "
-                "made from the policy it publishes; restart the engine after this run has published (docs/rl.md)",
+                "rl.rollouts_path %s: rows made from run %s's policy are left aside (an earlier run's rows in the same "
+                "file, or an engine serving another run): this run (%s) takes only the rows made from the policy it "
+                "publishes; if its rows never come, start the engine after this run has published, or with --run %s "
+                "(docs/rl.md)",
                 self.path,
                 run,
+                self.run,
                 self.run,
             )
         self.foreign[run] = self.foreign.get(run, 0) + 1
