@@ -85,6 +85,7 @@ def rl(args: argparse.Namespace, algorithm: str, hf_in: Path, folder: Path) -> t
         *args.overrides,
     ]
     start = time.perf_counter()
+    print(f"rl_arith: {algorithm}: {args.steps} steps; its log: {folder.parent / f'{algorithm}.log'}", file=sys.stderr)
     with open(folder.parent / f"{algorithm}.log", "w") as log:
         rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
     seconds = time.perf_counter() - start
