@@ -95,6 +95,9 @@ from tests.support.matrix import Row
 # +2 to 468 for qwen3_5_vl_fsdp2 in the estimator's launch (the tower's activations on its assumed image batches).
 # +2 to 470 for vl_fsdp2_lora: LoRA over image batches (every tower unit frozen under FSDP, the blank image's
 # collectives with no trainable tower parameter) is a path neither the LoRA rows nor freeze_vision's take.
+# Issue 85 (activation_checkpoint.mode = "memory_budget") used 2 of the headroom, 465: fsdp2_memory_budget in the
+# estimator's launch (compiled blocks under FSDP's tracker, their partitioned graphs run op by op); its losses are a
+# 1-rank pool job's (tests/runs/training/test_memory_options.py), not a row.
 RANK_ROW_BUDGET = 470
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 

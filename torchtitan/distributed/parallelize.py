@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,7 +17,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.activation_checkpoint import apply_ac, compile_backend
 from torchtitan.distributed.context_parallel.context_parallel import apply_cp, compute_cp_positions
 from torchtitan.distributed.context_parallel.torch_context_parallel import apply_torch_cp
 from torchtitan.distributed.expert_parallel.experts import apply_ep
@@ -38,8 +39,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def apply_compile(model: nn.Module, *, tp_enabled: bool) -> None:
-    """Compile each block separately: blocks are identical, so one compiled graph is reused by all.
+def apply_compile(model: nn.Module, *, tp_enabled: bool, backend: str | Callable = "inductor") -> None:
+    """Compile each block separately (with ``backend``: activation_checkpoint.py's ``compile_backend``): blocks are
+    identical, so one compiled graph is reused by all.
 
     A dense block compiles whole (``fullgraph``: any graph break is an error). An MoE block compiles around its
     routed experts: each MoE's ``routed_experts`` (the token permutation, the grouped matmul and, under expert
@@ -51,7 +53,7 @@ def apply_compile(model: nn.Module, *, tp_enabled: bool) -> None:
         moes = [m for m in block.modules() if isinstance(getattr(m, "experts", None), GroupedExperts)]
         for moe in moes:
             moe.routed_experts = torch.compiler.disable(moe.routed_experts)
-        model.layers[name] = torch.compile(block, fullgraph=not moes)
+        model.layers[name] = torch.compile(block, fullgraph=not moes, backend=backend)
     # An image model's vision tower stays eager: its blocks take each batch's image lengths (a list of ints), and a
     # compiled block recompiled at every step (9 recompiles in 3 steps on the tiny flavor, losses equal).
     if tp_enabled and model.tok_embeddings is not None:
@@ -138,7 +140,12 @@ def parallelize(
     if getattr(model, "visual", None) is not None:  # an image model's tower blocks, by the same mode
         apply_ac(model, activation_checkpoint, blocks=model.visual.blocks)
     if training.compile:
-        apply_compile(model, tp_enabled=parallel_dims.tp_enabled)
+        apply_compile(model, tp_enabled=parallel_dims.tp_enabled, backend=compile_backend(activation_checkpoint))
+        if getattr(model, "visual", None) is not None and activation_checkpoint.mode == "memory_budget":
+            logger.warning(
+                "activation_checkpoint.mode = 'memory_budget': the vision tower's blocks run eagerly (not compiled), "
+                "so they keep every activation; the budget applies to the language blocks"
+            )
     if parallel_dims.fsdp_enabled:
         _apply_fsdp(model, world_mesh, parallel_dims, training=training, blocks=_units(model))
     elif parallel_dims.dp_replicate_enabled:
@@ -307,8 +314,9 @@ def parallelize_hf(
     layers = model.decoder_layers
     apply_ac(model, activation_checkpoint, blocks=layers)
     if training.compile:
+        backend = compile_backend(activation_checkpoint)
         for layer in layers:
-            layer.compile()  # in place: the layer keeps its name (no _orig_mod in checkpoints)
+            layer.compile(backend=backend)  # in place: the layer keeps its name (no _orig_mod in checkpoints)
     if parallel_dims.fsdp_enabled:
         _apply_fsdp(model, world_mesh, parallel_dims, training=training, blocks=list(layers))
     elif parallel_dims.dp_replicate_enabled:
