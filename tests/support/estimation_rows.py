@@ -9,7 +9,17 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from tests.support.matrix import AC_FULL, DOC_ROWS, MOE_ROWS, PURE_BF16_ROWS, ROTATE_ALLTOALL, ROWS, HSDP_2x2, Row
+from tests.support.matrix import (
+    AC_FULL,
+    AC_MEMORY_BUDGET,
+    DOC_ROWS,
+    MOE_ROWS,
+    PURE_BF16_ROWS,
+    ROTATE_ALLTOALL,
+    ROWS,
+    HSDP_2x2,
+    Row,
+)
 from tests.support.rows import (
     DSV3_ROWS,
     FLOAT8_ROWS,
@@ -34,6 +44,7 @@ FRONTIER = DSV3_ROWS + GPT_OSS_ROWS
 # or a CP rotate method rides on another layout there): measured here only, never trained by the matrix.
 ESTIMATOR_ROWS = [
     Row("fsdp2_ac_full", 2, 4, AC_FULL),
+    Row("fsdp2_memory_budget", 2, 4, AC_MEMORY_BUDGET),
     Row("cp2_alltoall", 2, 8, ROTATE_ALLTOALL, cp=2),
     Row("hsdp_2x2", 4, 2, HSDP_2x2),
 ]
@@ -92,6 +103,9 @@ CI_ROWS = {
     "ddp2",
     "fsdp2_grad_accum2",
     "fsdp2_ac_full",
+    # compiled blocks, the partitioner's choice within the budget: their graphs run op by op under the tracker
+    # (estimation/fake_trainer.py, compile_patches); test_memory_budget_peaks_below_no_ac too
+    "fsdp2_memory_budget",
     "tp2",
     "fsdp2_tp2",
     "cp2_alltoall",

@@ -71,6 +71,11 @@ HSDP_2x2 = ["--training.data_parallel_replicate_degree", "2", "--training.data_p
 AC_FULL = ["--activation_checkpoint.mode", "full"]
 AC_EVERY_2ND = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"]
 AC_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
+# compile's partitioner chooses what each compiled block saves, within half of what it would keep for speed
+AC_MEMORY_BUDGET = [
+    "--training.compile",
+    *("--activation_checkpoint.mode", "memory_budget", "--activation_checkpoint.memory_budget", "0.5"),
+]
 CHUNKED_LOSS = ["--training.loss_chunk_size", "16"]  # the output projection + loss, 16 positions per chunk
 
 # Each row is a layout; a numerically neutral option (an AC mode, an FSDP reshard/prefetch/offload knob,

@@ -202,6 +202,21 @@ def test_2025_compile_components(tmp_path):
     _one_line(e)
 
 
+def test_2025_memory_budget_mode(tmp_path):
+    """Upstream's memory-budget AC is ours under the same keys; without compile it is refused in one line, as here."""
+    toml = '[activation_checkpoint]\nmode = "memory_budget"\nmemory_budget = 0.3\n[compile]\nenable = true\n'
+    c = _parse(tmp_path, toml)
+    assert (c.activation_checkpoint.mode, c.activation_checkpoint.memory_budget, c.training.compile) == (
+        "memory_budget",
+        0.3,
+        True,
+    )
+    run_preflight(c, 1, this_machine=False)
+    with pytest.raises(ConfigError, match="needs training.compile = true") as e:
+        run_preflight(_parse(tmp_path, toml, "--compile.no_enable"), 1, this_machine=False)
+    _one_line(e)
+
+
 def test_inert_quantize_sections_load_with_no_effect(tmp_path, caplog):
     """A section upstream reads only when model.converters names its converter (refused here) loads at any value."""
     toml = '[quantize.grouped_mm.float8]\nfqns = ["experts"]\n[quantize.linear.mx]\nrecipe_name = "mxfp8_cutlass"\n'
@@ -263,7 +278,6 @@ def test_a_2025_file_gets_upstreams_defaults_and_flags_do_not(tmp_path):
         (["--checkpoint.no_initial_load_model_only"], NotImplementedError, "initial_load_model_only = false"),
         (["--debug.deterministic_warn_only"], NotImplementedError, "deterministic_warn_only"),
         (["--validation.enable", "--validation.seq_len", "512"], NotImplementedError, "validation.seq_len = 512"),
-        (["--activation_checkpoint.memory_budget", "0.3"], NotImplementedError, "only with mode = 'memory_budget'"),
     ],
     ids=lambda v: v[0] if isinstance(v, list) else None,
 )

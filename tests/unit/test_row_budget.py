@@ -95,7 +95,10 @@ from tests.support.matrix import Row
 # +2 to 468 for qwen3_5_vl_fsdp2 in the estimator's launch (the tower's activations on its assumed image batches).
 # +2 to 470 for vl_fsdp2_lora: LoRA over image batches (every tower unit frozen under FSDP, the blank image's
 # collectives with no trainable tower parameter) is a path neither the LoRA rows nor freeze_vision's take.
-# Issue 87 (MoE policies under RL) took 5 of the 7 left, to 468: an MoE policy's generation (the experts' all-to-all in
+# Issue 85 (activation_checkpoint.mode = "memory_budget") used 2 of the headroom, to 465: fsdp2_memory_budget in the
+# estimator's launch (compiled blocks under FSDP's tracker, their partitioned graphs run op by op); its losses are a
+# 1-rank pool job's (tests/runs/training/test_memory_options.py), not a row.
+# Issue 87 (MoE policies under RL) took the 5 left, to 470: an MoE policy's generation (the experts' all-to-all in
 # every decoding step, each rank's batch of prompts) and its update under expert parallel are a path no RL or MoE row
 # takes: a 1-rank reference and grpo_arith_moe.toml's layout, FSDP over 4 with expert parallel 2
 # (tests/runs/features/test_rl_runs.py: 2 jobs, ~20 s on the tiny flavor).

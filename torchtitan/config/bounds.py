@@ -17,7 +17,7 @@ from torchtitan.config.errors import ConfigError
 
 @dataclass(frozen=True)
 class Bound:
-    """A numeric range of one field: ``>= ge`` and/or ``> gt``; None values pass (an unset optional key).
+    """A numeric range of one field: ``>= ge`` and/or ``> gt``, and ``<= le``; None values pass (an unset optional key).
 
     ``text`` replaces the generated ``>= ge`` in messages and ``--help``; it may name the section's other
     fields as ``{field}`` (``checkpoint.interval``'s unit is ``{interval_type}``).
@@ -25,18 +25,21 @@ class Bound:
 
     ge: float | None = None
     gt: float | None = None
+    le: float | None = None
     text: str | None = None
 
     def allows(self, value: float | None) -> bool:
         if value is None:
             return True
-        return (self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+        lower = (self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+        return lower and (self.le is None or value <= self.le)
 
     def describe(self, section: Any = None) -> str:
         if self.text is not None:
             # --help has no values: ``{interval_type}`` reads as the field's name there.
             return self.text.format(**vars(section)) if section is not None else re.sub(r"\{(\w+)\}", r"\1", self.text)
         parts = ([f">= {self.ge}"] if self.ge is not None else []) + ([f"> {self.gt}"] if self.gt is not None else [])
+        parts += [f"<= {self.le}"] if self.le is not None else []
         return " and ".join(parts)
 
 

@@ -194,8 +194,20 @@ class Experimental:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: Literal["none", "selective", "full"] = _f("selective", "activation checkpointing mode")
+    mode: Literal["none", "selective", "full", "memory_budget"] = _f(
+        "selective",
+        "activation checkpointing mode: 'full' (every block recomputes its forward), 'selective' (selective_ac_option), "
+        "'memory_budget' (torch.compile's min-cut partitioner picks what each compiled block recomputes, within "
+        "memory_budget; needs training.compile)",
+    )
     selective_ac_option: str = _f("2", "'N' = checkpoint every N-th block, 'op' = save selected ops' outputs")
+    memory_budget: float = _f(
+        0.5,
+        "mode 'memory_budget': the activations each compiled block keeps, as a fraction of what the partitioner keeps "
+        "for speed (1); 0 keeps the least it can, as full AC of the block (torch._functorch.config."
+        "activation_memory_budget, set while the blocks compile)",
+        bound=Bound(ge=0, le=1),
+    )
 
 
 @dataclass

@@ -1,8 +1,9 @@
-"""Activation checkpointing of transformer blocks: full, every N-th block, or selective by op."""
+"""Activation checkpointing of transformer blocks: full, every N-th block, selective by op, or by memory budget."""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -72,9 +73,10 @@ def apply_ac(
     none is a no-op.
 
     full: every block recomputes its forward in backward. selective 'N': every N-th block does.
-    selective 'op': every block keeps only the outputs of the ops in the save policy.
+    selective 'op': every block keeps only the outputs of the ops in the save policy. memory_budget: no wrapper;
+    compile's partitioner chooses within each compiled block (``compile_backend``).
     """
-    if config.mode == "none":
+    if config.mode in ("none", "memory_budget"):
         return
     op_selective = config.mode == "selective" and config.selective_ac_option == "op"
     if op_selective:
@@ -87,13 +89,47 @@ def apply_ac(
             blocks[key] = wrap_block(blocks[key], op_selective=op_selective)
 
 
+def compile_backend(config: ActivationCheckpoint) -> str | Callable:
+    """torch.compile's backend for the blocks: inductor; with mode 'memory_budget', inductor under the budget.
+
+    The min-cut partitioner reads ``torch._functorch.config.activation_memory_budget`` when it splits a block's joint
+    graph into forward and backward, which happens inside inductor's compile of the block (its first call, and any
+    recompile). The budget is set for that compile only (``config.patch``): nothing else compiled in the process
+    (the loss, flex attention, another model) sees it.
+    """
+    if config.mode != "memory_budget":
+        return "inductor"
+    budget = config.memory_budget
+
+    def inductor_within_budget(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        # inductor's entry read at each compile, as torch's "inductor" backend reads it: the memory estimator runs
+        # the partitioned graphs op by op instead (estimation/fake_trainer.py, compile_patches)
+        from torch._inductor import compile_fx
+
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return compile_fx.compile_fx(gm, example_inputs)
+
+    return inductor_within_budget
+
+
 def check_activation_checkpoint(config: JobConfig, dims: ParallelDims) -> list[str]:
-    """Pre-launch: ``selective_ac_option`` is 'op' or a positive integer N (checkpoint every N-th block)."""
+    """Pre-launch: ``selective_ac_option`` is 'op' or a positive integer N (checkpoint every N-th block); mode
+    'memory_budget' compiles (its partitioner is compile's); a budget set for another mode is said to do nothing."""
     ac = config.activation_checkpoint
+    if ac.mode == "memory_budget" and not config.training.compile:
+        raise ConfigError(
+            "activation_checkpoint.mode = 'memory_budget' needs training.compile = true (torch.compile's partitioner "
+            "chooses what each block recomputes); turn compile on, or use mode 'full' or 'selective'"
+        )
     if ac.mode == "selective" and ac.selective_ac_option != "op":
         if not ac.selective_ac_option.isdigit() or int(ac.selective_ac_option) < 1:
             raise ConfigError(
                 f"activation_checkpoint.selective_ac_option = {ac.selective_ac_option!r}: "
                 "allowed are 'op' or a positive integer N (checkpoint every N-th block)"
             )
+    if ac.mode != "memory_budget" and ac.memory_budget != ActivationCheckpoint.memory_budget:
+        return [
+            f"activation_checkpoint.memory_budget = {ac.memory_budget} has no effect with mode = {ac.mode!r} "
+            "(it acts with mode = 'memory_budget')"
+        ]
     return []

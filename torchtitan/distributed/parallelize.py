@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,7 +17,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.activation_checkpoint import apply_ac, compile_backend
 from torchtitan.distributed.context_parallel.context_parallel import apply_cp, compute_cp_positions
 from torchtitan.distributed.context_parallel.torch_context_parallel import apply_torch_cp
 from torchtitan.distributed.expert_parallel.experts import apply_ep
@@ -38,8 +39,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def apply_compile(model: nn.Module, *, tp_enabled: bool) -> None:
-    """Compile each block separately: blocks are identical, so one compiled graph is reused by all.
+def apply_compile(model: nn.Module, *, tp_enabled: bool, backend: str | Callable = "inductor") -> None:
+    """Compile each block separately (with ``backend``: activation_checkpoint.py's ``compile_backend``): blocks are
+    identical, so one compiled graph is reused by all.
 
     A dense block compiles whole (``fullgraph``: any graph break is an error); so does an image model's tower block
     around its per-frame attention, eager like the experts. An MoE block compiles around its
@@ -52,9 +54,9 @@ def apply_compile(model: nn.Module, *, tp_enabled: bool) -> None:
         moes = [m for m in block.modules() if isinstance(getattr(m, "experts", None), GroupedExperts)]
         for moe in moes:
             moe.routed_experts = torch.compiler.disable(moe.routed_experts)
-        model.layers[name] = torch.compile(block, fullgraph=not moes)
+        model.layers[name] = torch.compile(block, fullgraph=not moes, backend=backend)
     if getattr(model, "visual", None) is not None:
-        compile_tower_blocks(model.visual)
+        compile_tower_blocks(model.visual, backend=backend)
     if tp_enabled and model.tok_embeddings is not None:
         # A compiled block whose input is a view of a DTensor's local tensor (the TP embedding's
         # output) gets a plain-tensor gradient back and DTensor's backward fails (torch 2.13);
@@ -62,13 +64,13 @@ def apply_compile(model: nn.Module, *, tp_enabled: bool) -> None:
         model.tok_embeddings.register_forward_hook(lambda mod, inputs, out: out.clone())
 
 
-def compile_tower_blocks(tower: nn.Module) -> None:
+def compile_tower_blocks(tower: nn.Module, backend: str | Callable = "inductor") -> None:
     """An image model's tower blocks compile around their per-frame attention (one call a frame: the calls follow the
     batch's images), which runs eagerly; the patches' and frames' counts are dynamic dimensions, so batches of other
     images reuse the graph."""
     for i, block in enumerate(tower.blocks):
         block.attn.per_image = torch.compiler.disable(block.attn.per_image)
-        tower.blocks[i] = torch.compile(block, dynamic=True)
+        tower.blocks[i] = torch.compile(block, dynamic=True, backend=backend)
 
 
 def pass_positions(model: nn.Module, positions: torch.Tensor) -> None:
@@ -148,7 +150,7 @@ def parallelize(
     if getattr(model, "visual", None) is not None:  # an image model's tower blocks, by the same mode
         apply_ac(model, activation_checkpoint, blocks=model.visual.blocks)
     if training.compile:
-        apply_compile(model, tp_enabled=parallel_dims.tp_enabled)
+        apply_compile(model, tp_enabled=parallel_dims.tp_enabled, backend=compile_backend(activation_checkpoint))
     if parallel_dims.fsdp_enabled:
         _apply_fsdp(model, world_mesh, parallel_dims, training=training, blocks=_units(model))
     elif parallel_dims.dp_replicate_enabled:
@@ -317,8 +319,9 @@ def parallelize_hf(
     layers = model.decoder_layers
     apply_ac(model, activation_checkpoint, blocks=layers)
     if training.compile:
+        backend = compile_backend(activation_checkpoint)
         for layer in layers:
-            layer.compile()  # in place: the layer keeps its name (no _orig_mod in checkpoints)
+            layer.compile(backend=backend)  # in place: the layer keeps its name (no _orig_mod in checkpoints)
     if parallel_dims.fsdp_enabled:
         _apply_fsdp(model, world_mesh, parallel_dims, training=training, blocks=list(layers))
     elif parallel_dims.dp_replicate_enabled:

@@ -20,6 +20,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline.layout import resolve_stage_layout, stage_ids_for_rank
 from torchtitan.dtypes import to_dtype
 from torchtitan.estimation.fake_trainer import (
+    compile_patches,
     ddp_bucket_bytes,
     estimation_builders,
     fake_mode_patches,
@@ -61,7 +62,8 @@ _UNMODELED = (
         "training.compile",
         False,
         "torch.compile under FakeTensorMode traces other graphs than the real run "
-        "(fused kernels, different temporaries); estimate with compile off and expect less memory with it",
+        "(fused kernels, different temporaries); estimate with compile off and expect less memory with it "
+        "(activation_checkpoint.mode = 'memory_budget', which compiles, is modeled: the partitioner's saved activations)",
     ),
     (
         "training.compile_loss",
@@ -110,6 +112,8 @@ def check_estimable(config, world_size: int) -> None:
     for key, fine, why in _UNMODELED:
         section, _, name = key.partition(".")
         value = getattr(getattr(config, section), name)
+        if key == "training.compile" and config.activation_checkpoint.mode == "memory_budget":
+            continue  # the blocks' partitioned graphs run op by op (fake_trainer.compile_patches)
         if value != fine:
             raise NotImplementedError(f"estimation.py: {key} = {value!r} is not modeled: {why}; set {key} = {fine!r}")
     check_estimable_features(config)  # features outside the step (validation, evaluation): the registry says which
@@ -152,12 +156,14 @@ def estimate_rank(
     try:
         builders = estimation_builders(vocab, n_layers=n_layers, tokenizer_path=config.model.tokenizer_path)
         if not fake:  # the accuracy tests' real run: same builders (and routing assumption), real tensors
-            with gloo_frees_in_order() if get_device_info().backend == "gloo" else contextlib.nullcontext():
+            gloo = gloo_frees_in_order() if get_device_info().backend == "gloo" else contextlib.nullcontext()
+            with gloo, _compile_patches(config):
                 trainer = Trainer(config, world_size=world_size, rank=rank, builders=builders)
                 return track_steps(trainer)
         # allow_non_fake_inputs: the meta model (see estimation_builders) is plain meta tensors.
         with (
             FakeTensorMode(allow_non_fake_inputs=True),
+            _compile_patches(config),
             fake_mode_patches(),
             grouped_mm_patches(),
             _pipeline_patches(config, world_size, vocab),
@@ -197,6 +203,11 @@ def _backend_patches():
         if get_device_info().backend == "gloo":
             stack.enter_context(gloo_patches())
         yield
+
+
+def _compile_patches(config):
+    """With compile (activation_checkpoint.mode = 'memory_budget'): the blocks' partitioned graphs run op by op."""
+    return compile_patches() if config.training.compile else contextlib.nullcontext()
 
 
 def _pipeline_patches(config, world_size: int, vocab: int):

@@ -357,3 +357,42 @@ def gloo_patches() -> Iterator[None]:
 
     with unittest.mock.patch.object(dist, REDUCE_SCATTER, reduce_scatter_single):
         yield
+
+
+@contextlib.contextmanager
+def compile_patches() -> Iterator[None]:
+    """A compiled block (activation_checkpoint.mode = 'memory_budget') as its partitioned graphs, run op by op.
+
+    Inductor's kernels cannot run on fake tensors, and the buffers its generated code allocates bypass the dispatcher,
+    where the trackers look. Inductor's entry (``compile_fx``, which torch's "inductor" backend and the budget's
+    backend call at each compile) becomes AOTAutograd with inductor's own decompositions and partition (its
+    joint-graph passes, then the min-cut partitioner), under the same memory budget, so each block's forward saves
+    the activations inductor's would, and the graphs' ops run one by one, each seen by the tracker. Inductor's fused
+    kernels hold fewer temporaries inside a graph than these ops do; what lives between forward and backward is the
+    same. Every compile of the estimate starts from an empty dynamo cache: each build's blocks are new, and a cache
+    kept across builds (the depth reduction's two, the planner's many) would hit dynamo's recompile limit and run
+    the later ones eagerly.
+    """
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._inductor import compile_fx
+    from torch._inductor.decomposition import select_decomp_table
+
+    def partitioned_graphs(gm, example_inputs, **kwargs):
+        # inductor's own AOTAutograd settings (compile_fx._compile_fx_main): its decompositions, and its partition
+        # (its joint-graph passes, then the min-cut partitioner); only the graphs' compilers differ
+        with torch._functorch.config.patch(unlift_effect_tokens=True):
+            return aot_autograd(
+                fw_compiler=boxed_nop,
+                bw_compiler=boxed_nop,
+                decompositions=select_decomp_table(),
+                partition_fn=compile_fx.partition_fn,
+                keep_inference_input_mutations=True,
+            )(gm, example_inputs)
+
+    torch._dynamo.reset()
+    try:
+        with unittest.mock.patch.object(compile_fx, "compile_fx", partitioned_graphs):
+            yield
+    finally:
+        torch._dynamo.reset()

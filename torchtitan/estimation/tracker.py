@@ -13,11 +13,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed._tools import FSDPMemTracker, MemTracker
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed._tools import FSDPMemTracker
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from torchtitan.components.batch import Batch
+from torchtitan.estimation.torch_trackers import build_tracker
 
 # Tracker category -> report row. FSDPMemTracker and MemTracker name the same things differently.
 CATEGORIES = {
@@ -171,48 +171,6 @@ def _total(snapshot: dict) -> int:
     return sum(stats.get("Total", 0) for stats in snapshot.values())
 
 
-class _FSDPRootsMemTracker(FSDPMemTracker):
-    """``FSDPMemTracker`` over the model and the FSDP modules the step runs besides it (RL's frozen reference), each
-    root's FSDP states instrumented alike (torch's tracker instruments its one root only)."""
-
-    def __init__(self, roots: list, optimizer):
-        super().__init__(mod=roots[0], optm=optimizer)
-        self._roots = roots
-
-    def _instrument_fsdp_module(self) -> None:
-        model = self._root_mod
-        try:
-            for root in self._roots:
-                self._root_mod = root
-                super()._instrument_fsdp_module()
-        finally:
-            self._root_mod = model
-
-
-def _build_tracker(model_parts, optimizer, step_modules=()):
-    modules = [*model_parts, *step_modules]
-    if len(model_parts) == 1 and all(isinstance(m, FSDPModule) for m in modules):
-        return _skip_frozen(_FSDPRootsMemTracker(modules, optimizer), modules)
-    tracker = _skip_frozen(MemTracker(), modules)
-    tracker.track_external(*modules, optimizer)
-    return tracker
-
-
-class _NoHook:
-    def remove(self) -> None:
-        pass
-
-
-def _skip_frozen(tracker, model_parts):
-    """torch's trackers hook every parameter's gradient and refuse a frozen one (LoRA's base: no gradient to
-    count); its hook entry is filled with no-ops, so the parameter itself is still counted."""
-    for part in model_parts:
-        for p in part.parameters():
-            if not p.requires_grad:
-                tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
-    return tracker
-
-
 def _label_in_backward_states(tracker, trainer) -> list:
     """With the optimizer step in backward, the state is created by one-parameter optimizers FSDP's
     tracker does not watch (torch's plain MemTracker watches every optimizer): label it as optimizer
@@ -243,6 +201,10 @@ def _one_tracked_forward_per_call(tracker, roots) -> Iterator[None]:
     ids = {id(m) for m in roots}
 
     def reset(module, args):
+        if torch.compiler.is_compiling():
+            # a module inside a compiled block (never a root): tracing this hook's test would guard each compiled
+            # block on its submodules' identity, one recompile per block
+            return
         if id(module) in ids and module in tracker.memory_tracking and torch._C._current_graph_task_id() == -1:
             del tracker.memory_tracking[module]
 
@@ -288,10 +250,11 @@ def track_steps(trainer, *, foreach_temp: int = 0, steps: int = 2) -> StepMemory
     ``foreach_temp``: bytes of foreach temporaries the tracked step does not allocate (see
     ``use_per_parameter_step``); the optimizer-step peak is then the memory live when the step
     starts plus these, and the reported peak is the larger of that and the tracked peak.
+    Compiled blocks (``training.compile``) run compiled under the tracker.
     """
     step_modules = list(trainer.parts.modules.values())
     runner = trainer.parts.runner
-    tracker = _build_tracker(trainer.model_parts, trainer.optimizer, step_modules)
+    tracker = build_tracker(trainer, step_modules)
     at_opt_step: list[dict] = []
     snap = tracker.get_tracker_snapshot
     hooks = [trainer.optimizer.register_step_pre_hook(lambda *_: at_opt_step.append(snap("current")))]
@@ -318,6 +281,8 @@ def track_steps(trainer, *, foreach_temp: int = 0, steps: int = 2) -> StepMemory
             # torch's module tracker runs each forward's end-of-backward callback at the next backward: modules run
             # without autograd and dropped before it (the RL generation's cache kernels) are gone then
             warnings.filterwarnings("ignore", message="Module is None. Skipping POST_BW hook")
+            # the trackers' global hooks fire for a compiled block's wrapper too: no tensor of its own, the totals alike
+            warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
             for i in range(steps):
                 data = runner.data(trainer.step, iter(trainer.data_loader))
                 if isinstance(tracker, FSDPMemTracker):

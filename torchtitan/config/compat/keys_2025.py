@@ -228,10 +228,9 @@ RULES: dict[str, Rule] = {
         list[str], [], "op-level AC here saves every other matmul, with no shapes forced to recompute"
     ),
     "activation_checkpoint.early_stop": Fixed(bool, False, "early-stopped recomputation is not built"),
-    "activation_checkpoint.memory_budget": Fixed(
-        float, 0.5, "it acts only with mode = 'memory_budget', which is not built"
+    "activation_checkpoint.visualize_memory_budget_pareto": Fixed(
+        bool, False, "the partitioner's memory/runtime Pareto plot is not built"
     ),
-    "activation_checkpoint.visualize_memory_budget_pareto": Fixed(bool, False, "mode 'memory_budget' is not built"),
     "activation_checkpoint.preserve_rng_state": Fixed(bool, False, "AC here does not stash RNG states (no dropout)"),
     "activation_checkpoint.determinism_check": Fixed(str, "default", "AC here runs torch's default check"),
     "activation_checkpoint.debug": Fixed(bool, False, "AC debug capture is not built"),
@@ -305,7 +304,8 @@ SHARED: frozenset[str] = frozenset(
     + [f"training.{k}" for k in ("dtype", "mixed_precision_param", "mixed_precision_reduce", "gc_freq")]
     + [f"checkpoint.{k}" for k in ("folder", "interval", "initial_load_path", "initial_load_in_hf", "last_save_in_hf")]
     + [f"checkpoint.{k}" for k in ("export_dtype", "async_mode", "keep_latest_k", "load_step", "exclude_from_loading")]
-    + ["checkpoint.create_seed_checkpoint", "activation_checkpoint.mode", "activation_checkpoint.selective_ac_option"]
+    + ["checkpoint.create_seed_checkpoint"]
+    + [f"activation_checkpoint.{k}" for k in ("mode", "selective_ac_option", "memory_budget")]
     + [f"comm.{k}" for k in ("init_timeout_seconds", "train_timeout_seconds", "trace_buf_size")]
     + [f"validation.{k}" for k in ("dataset", "dataset_path", "freq", "steps")]
     + [f"{section}.{key}" for section, cls in _SECTIONS for key in getattr(cls, "SHARED_2025", ())]
