@@ -98,10 +98,10 @@ from tests.support.matrix import Row
 # Issue 85 (activation_checkpoint.mode = "memory_budget") used 2 of the headroom, to 465: fsdp2_memory_budget in the
 # estimator's launch (compiled blocks under FSDP's tracker, their partitioned graphs run op by op); its losses are a
 # 1-rank pool job's (tests/runs/training/test_memory_options.py), not a row.
-# Issue 87 (MoE policies under RL) took the 5 left, to 470: an MoE policy's generation (the experts' all-to-all in
-# every decoding step, each rank's batch of prompts) and its update under expert parallel are a path no RL or MoE row
-# takes: a 1-rank reference and grpo_arith_moe.toml's layout, FSDP over 4 with expert parallel 2
-# (tests/runs/features/test_rl_runs.py: 2 jobs, ~20 s on the tiny flavor).
+# Issue 87 took 4 of the 5 left, to 469: an MoE policy's generation (the experts' all-to-all in every decoding step,
+# each rank's batch of prompts) and its update under expert parallel are a path no RL or MoE row takes: a 1-rank
+# reference and grpo_arith_moe.toml's layout, FSDP over 2 with expert parallel 2 (3); and asynchronous rollouts, whose
+# generator is a process beside the ranks, one 1-rank run (1) (tests/runs/features/test_rl_runs.py: ~40 s).
 RANK_ROW_BUDGET = 470
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 
