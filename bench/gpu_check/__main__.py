@@ -1,5 +1,6 @@
 """One command that checks the trainer on one GPU: numerics, throughput, float8, attention, the memory
-estimator and the model families, within a time budget, and reports what it saw.
+estimator, the model families, the compiled rows, RL and the asynchronous checkpoint, within a time budget, and
+reports what it saw.
 
     cd <repo> && python -m bench.gpu_check --out OUT [--budget_s 420]
     python -m bench.gpu_check --section levers --out OUT [--budget_s 540]     # the MFU levers, on and off (9)
@@ -23,12 +24,21 @@ left, else it is recorded as skipped for the time budget):
 5. attention: block_causal with 'auto' (FlexAttention on CUDA) vs causal SDPA vs block_causal 'sdpa', same
    tokens (documents of 256-2048 tokens): tokens/s and the step-by-step loss differences.
 6. float8: tensorwise and rowwise vs bf16, compiled; skipped with a note where torchao is not installed.
-7. families: gpt_oss and deepseek_v3 debug flavors, 10 steps each, finite losses.
+7. families: gpt_oss and deepseek_v3 debug flavors, 10 steps each; qwen3_5_vl's with random images (packed samples,
+   block_causal); transformers' Llama (``model.name = "hf"``, llama_tiny): finite losses.
 7b. linear_attention: Qwen3.5 (0.8B shape, seq 4096) with Gated DeltaNet's torch chunked rule, then with
-   flash-linear-attention's kernel where installed (``pip install -e '.[fla]'``; else skipped with a note):
+   flash-linear-attention's kernel where installed (``pip install -e '.[fla]'``; else skipped with the kernel key's
+   one-line refusal):
    tokens/s and the step-by-step loss difference.
 8. features: Muon with the no-decay preset, step replay every 2nd step (deterministic), LoRA rank 16 with full
    AC: finite losses, and a replay that finds the same numbers twice (a mismatch stops the run: an error).
+8a. compile: the 1B compiled row with ``training.cuda_graphs`` against it; Qwen3-MoE and DeepSeek-V3 (debug flavors,
+   seq 2048) compiled against eager; Qwen3.5 0.8B compiled against the linear_attention section's torch row. A row
+   the pre-launch check refuses here (CUDA graphs off CUDA) is skipped with its one line.
+8b. rl: a GRPO step of train_configs/grpo_arith.toml (its tokenizer and prompts): generation and update tokens/s as
+   the trainer logs them.
+8c. checkpoint: the 1B eager row saving asynchronously into pinned memory (checkpoint.async_mode =
+   'async_with_pinned_mem') against the same row without: tokens/s ratio, seconds each save blocked training.
 9. levers (``--section levers``: run with the environment alone, its own budget; the dry run always runs it): the 1B
    compiled seq-2048 row, then pure bf16 (``training.dtype = "bfloat16"``) with the chunked loss (512 positions
    a chunk), fused AdamW with the chunked loss (pure bf16 refuses fused), then each alone: tokens/s, MFU, peak
@@ -217,6 +227,9 @@ def run_check(ctx, golden: goldens.Golden, hard_limit_s: float, *, only: str | N
         ("families", features.families),
         ("linear_attention", features.linear_attention),
         ("features", features.features),
+        ("compile", features.compiled),
+        ("rl", features.rl),
+        ("checkpoint", features.checkpoint),
         *((name, getattr(sections, name) if ctx.dry_run else _apart(name)) for name in APART),
         ("throughput", lambda c: sections.more_throughput(c, report.sections["throughput"])),
     ]

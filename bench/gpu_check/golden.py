@@ -19,11 +19,24 @@ from typing import Any
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden"
 # The sections whose runs are training rows with tokens/s and peak memory (sanity and the estimator are not).
-RUN_SECTIONS = ("throughput", "float8", "attention", "families", "linear_attention", "features", "levers", "width_8b")
+RUN_SECTIONS = (
+    "throughput",
+    "float8",
+    "attention",
+    "families",
+    "linear_attention",
+    "features",
+    "compile",
+    "rl",
+    "checkpoint",
+    "levers",
+    "width_8b",
+)
 DRY_RUN_KIND = "cpu_dry_run"
 
 OK, REGRESSED, IMPROVED = "ok", "REGRESSED", "improved"
-NEW, CHANGED, NOT_MEASURED, MISSING = "new row", "config changed", "not measured", "missing"
+# NEW: a measured row the golden file has no figures for (added since the file was recorded): shown, never a failure
+NEW, CHANGED, NOT_MEASURED, MISSING = "no golden value yet", "config changed", "not measured", "missing"
 
 # GPU name -> kind, first match wins (as torchtitan/observability/flops.py's peak table): a name that contains
 # another comes first. Form factors are kinds of their own: an H100 PCIe's bf16 peak is 76% of the SXM's, so
@@ -255,7 +268,7 @@ def summary_line(record: dict[str, Any]) -> str:
     parts = [head]
     labels = (
         (IMPROVED, "improved"),
-        (NEW, "new rows (not in the golden file)"),
+        (NEW, "no golden value yet (not compared; --record-golden records them)"),
         (CHANGED, "config changed since the golden (not compared)"),
     )
     labels += ((NOT_MEASURED, "not measured"), (MISSING, "missing (in the golden file, not in this run)"))

@@ -23,6 +23,9 @@ SECTIONS = (
     "families",
     "linear_attention",
     "features",
+    "compile",
+    "rl",
+    "checkpoint",
     "levers",
     "width_8b",
     "golden",
@@ -129,6 +132,7 @@ def _rows(name: str, record: dict[str, Any]) -> list[tuple]:
         rows += [_comparison_row(c) for c in record.get("vs_base", []) if c]
     if name == "linear_attention" and record.get("fla_vs_torch"):
         rows.append(_comparison_row(record["fla_vs_torch"]))
+    rows += [_comparison_row(c) for c in record.get("vs", [])]  # compile, checkpoint
     return rows
 
 
@@ -159,6 +163,12 @@ def _run_row(r: dict[str, Any]) -> tuple:
         detail += f", loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}"
     if r.get("breakdown"):
         detail += f"; step: {describe(r['breakdown'])}"
+    if r.get("trainer_logged"):  # an RL step's rates, as the trainer logs them
+        detail += "; logged: " + ", ".join(f"{k} {v:,.0f}" for k, v in r["trainer_logged"].items())
+    if r.get("checkpoint"):
+        ck = r["checkpoint"]
+        blocked = ", ".join(f"step {step} {s} s" for step, s in ck["blocked_s"].items()) or "none"
+        detail += f"; {ck['async_mode']} saves blocked training: {blocked}; the write's wait at the end {ck['close_wait_s']} s"
     if r.get("reused"):
         detail += " (same run as above)"
     return (r["name"], "ok", r["tokens_per_s"], r["mfu_pct"], r["peak_memory_gib"], detail, _golden_cell(r))

@@ -4,14 +4,20 @@ Every run is ``torchtitan.train.Trainer`` built through its public ``Builders`` 
 estimator builds it: model, parallelisms, optimizer, compile, float8 and the step are the trainer's own. Only
 the outside world is swapped: the tokenizer is its vocabulary size (``resolve_vocab``, as the estimator reads
 it: the tokenizer file if it exists, else the flavor's), the data are seeded random tokens (so ``datasets`` and
-``torchdata`` need not be installed), and no metrics or checkpoint files are written. One process, world size
-1: the trainer builds no mesh and applies no FSDP there (``ParallelDims.fsdp_enabled`` needs dp_shard > 1);
-bf16 is autocast over fp32 weights, as in any one-device run of ours.
+``torchdata`` need not be installed; an image family: the memory estimator's random image batches,
+estimation/images.py), and no metrics or checkpoint files are written. Two kinds of row keep more of the
+real run: an RL row (``rl.enable``) reads its tokenizer and prompts as the trainer does, and a row with
+``checkpoint.enable_checkpoint`` saves through the trainer's checkpointer (into its run's folder, removed after).
+One process, world size 1: the trainer builds no mesh and applies no FSDP there (``ParallelDims.fsdp_enabled``
+needs dp_shard > 1); bf16 is autocast over fp32 weights, as in any one-device run of ours.
 """
 
 from __future__ import annotations
 
 import gc
+import re
+import shutil
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields, replace
@@ -25,6 +31,7 @@ from torchtitan.config.manager import JobConfig
 from torchtitan.distributed.backend.device import synchronize
 from torchtitan.engine.builders import Builders
 from torchtitan.estimation.fake_trainer import FlavorVocabTokenizer, resolve_vocab
+from torchtitan.estimation.images import RandomImageBatches
 from torchtitan.observability.metrics import compute_mfu, compute_num_flops_per_token
 from torchtitan.observability.step_metrics import build_peak_flops
 from torchtitan.preflight import run_preflight
@@ -35,6 +42,8 @@ GIB = 2**30
 SHIPPED_TOKENIZER = "./torchtitan/datasets/assets/tokenizer/pydocs_bpe2048.tiktoken"
 # No such file: resolve_vocab then takes the flavor's vocabulary (Llama 3's 128,256 for 1B and 3B).
 FLAVOR_VOCAB = "no-tokenizer-file:use-the-flavor-vocabulary"
+# Rates the trainer logs per step (an RL step's generation and update), kept as their median over the timed steps.
+LOGGED_RATES = ("generation_tps", "update_tps")
 
 
 @dataclass(frozen=True)
@@ -86,11 +95,17 @@ _NOT_DESCRIBED = ("cost_s", "tokenizer")  # the budget's guess; the tokenizer is
 SPEC_KEYS = (*(f.name for f in fields(RunSpec) if f.name not in (*_NOT_DESCRIBED, "name")), "vocab")
 
 
-def build_config(spec: RunSpec, dump_folder: Path) -> JobConfig:
-    """The run's JobConfig, checked as the estimator checks one (no file checks: there is no data)."""
+def build_config(spec: RunSpec, dump_folder: Path, *, device_type: str | None = None) -> JobConfig:
+    """The run's JobConfig, checked as the estimator checks one (no file checks: there is no data), and for
+    ``device_type``'s device where given (its one-line refusals: CUDA graphs off CUDA)."""
     config = JobConfig.parse_args(spec.flags(dump_folder), world_size=1)
-    run_preflight(config, 1, this_machine=False)
+    run_preflight(config, 1, this_machine=False, device_type=device_type)
     return config
+
+
+def run_folder(spec: RunSpec, dump_folder: Path) -> Path:
+    """The run's own folder under ``dump_folder`` (a checkpoint or an RL run writes there), from its name."""
+    return dump_folder / re.sub(r"[^a-z0-9]+", "_", spec.name.lower()).strip("_")
 
 
 class SyntheticTokens:
@@ -116,12 +131,20 @@ class SyntheticTokens:
                         end += int(torch.randint(lo, hi + 1, (), generator=g))
             yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
+    def state_dict(self) -> dict[str, Any]:  # a checkpointing row saves the data position: there is none to keep
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
 
 class LossLog:
-    """The trainer's metrics stand-in: keeps every step's loss on the device (no sync), writes no file."""
+    """The trainer's metrics stand-in: keeps every step's loss on the device (no sync) and the record fields the
+    step adds (an RL step's rates), writes no file."""
 
     def __init__(self) -> None:
         self.losses: list[torch.Tensor] = []
+        self.fields: list[dict[str, Any]] = []
 
     def add_data_time(self, seconds: float) -> None:
         pass
@@ -131,6 +154,7 @@ class LossLog:
 
     def log(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, *, lr: float, extra: Any = None) -> None:
         self.losses.append(loss.detach())
+        self.fields.append(dict(extra[0]) if extra else {})
 
     def close(self) -> None:
         pass
@@ -156,21 +180,26 @@ class NoCheckpoint:
 
 
 def build_trainer(config: JobConfig, spec: RunSpec, vocab: int) -> Trainer:
-    tokenizer = FlavorVocabTokenizer(vocab)
+    """The trainer of ``spec`` on synthetic data (an RL row: its own prompts; a checkpointing row: its checkpointer)."""
     defaults = Builders()
 
     def model_args(config, model_spec, vocab_size, *, device_type=None):  # the flavor, at spec.n_layers blocks
         args = defaults.model_args(config, model_spec, vocab_size, device_type=device_type)
         return args if spec.n_layers is None else replace(args, n_layers=spec.n_layers)
 
+    def data(training, tok, shard, args=None):  # RL's prompts come from its own slot, not from here
+        if getattr(args, "vision", None) is not None:  # an image family: windows of images and text
+            return RandomImageBatches(training.batch_size, training.seq_len, tok.n_words, args, None)
+        return SyntheticTokens(training.batch_size, training.seq_len, tok.eos_id, spec.doc_len)
+
+    swapped: dict[str, Any] = {}
+    if not config.rl.enable:  # the prompts are text: the tokenizer is read
+        tokenizer = FlavorVocabTokenizer(vocab)
+        swapped["tokenizer"] = lambda model: tokenizer
+    if not config.checkpoint.enable_checkpoint:
+        swapped["checkpointer"] = lambda core, share, modules: NoCheckpoint()
     builders = Builders(
-        model_args=model_args,
-        tokenizer=lambda model: tokenizer,
-        data_loader=lambda training, tok, shard, *_: SyntheticTokens(
-            training.batch_size, training.seq_len, tok.eos_id, spec.doc_len
-        ),
-        metrics=lambda core, gradients, *, start_step: LossLog(),
-        checkpointer=lambda core, share, modules: NoCheckpoint(),
+        model_args=model_args, data_loader=data, metrics=lambda core, gradients, *, start_step: LossLog(), **swapped
     )
     return Trainer(config, world_size=1, rank=0, builders=builders)
 
@@ -210,7 +239,10 @@ def run(
     free_device_memory(device)
     start = time.perf_counter()
     at_start = device_memory_allocated(device, peak=False)
-    config = build_config(spec, dump_folder)
+    folder = run_folder(spec, dump_folder)
+    shutil.rmtree(folder, ignore_errors=True)  # a checkpoint left by an earlier check would be resumed
+    folder.mkdir(parents=True)  # as run_job makes it: an RL step writes its rollouts there
+    config = build_config(spec, folder, device_type=device.type)
     vocab, vocab_source = resolve_vocab(config)
     trainer = build_trainer(config, spec, vocab)
     try:
@@ -222,9 +254,14 @@ def run(
         if profile:
             result["breakdown"] = profile_steps(trainer)
     finally:
-        trainer.close()
+        closing = time.perf_counter()
+        trainer.close()  # waits for an asynchronous checkpoint's write
+        close_s = time.perf_counter() - closing
         trainer = None  # an exception's traceback must not keep the model alive
         free_device_memory(device)
+        shutil.rmtree(folder / "checkpoint", ignore_errors=True)  # the 1B's is ~15 GB
+    if "checkpoint" in result:
+        result["checkpoint"]["close_wait_s"] = round(close_s, 3)
     result.update(
         build_s=round(build_s, 2),
         wall_s=round(time.perf_counter() - start, 2),
@@ -268,7 +305,7 @@ def _train(trainer: Trainer, spec: RunSpec) -> _Timing:
 def _measure(trainer: Trainer, config: JobConfig, spec: RunSpec, timing: _Timing) -> dict[str, Any]:
     """Tokens/s and MFU as the trainer's metrics compute them (same FLOPs per token and peak), peak memory."""
     args, device = trainer.model_args, trainer.device
-    tokens_per_step = spec.batch_size * spec.seq_len  # world size 1: one rank holds the whole step
+    tokens_per_step = trainer.parts.runner.step_tokens()  # world size 1: one rank holds the whole step
     tps = tokens_per_step * spec.steps / timing.timed_s if spec.steps else None
     peak = build_peak_flops(
         device, args, training=config.training, metrics=config.metrics, float8=config.float8, cp_degree=1
@@ -295,4 +332,27 @@ def _measure(trainer: Trainer, config: JobConfig, spec: RunSpec, timing: _Timing
         "peak_memory_gib": None if peak_bytes is None else round(peak_bytes / GIB, 3),
         "peak_memory_bytes": peak_bytes,
         "losses": [float(loss) for loss in trainer.metrics.losses],
+        **_logged(trainer, config, spec),
     }
+
+
+def _logged(trainer: Trainer, config: JobConfig, spec: RunSpec) -> dict[str, Any]:
+    """What the trainer itself logged or counted beyond the loss: the median of each ``LOGGED_RATES`` over the timed
+    steps (an RL step's generation and update tokens/s), an image row's images per window, and a checkpointing row's
+    saves (seconds each blocked training: the manager's own count; the write's wait at the end is added by ``run``)."""
+    extra: dict[str, Any] = {}
+    timed = trainer.metrics.fields[spec.warmup :]
+    rates = {k: statistics.median(f[k] for f in timed) for k in LOGGED_RATES if timed and all(k in f for f in timed)}
+    if rates:
+        extra["trainer_logged"] = {k: round(v, 1) for k, v in rates.items()}
+    if isinstance(trainer.data_loader, RandomImageBatches):  # an image family's row: the images each window held
+        extra["images_per_row"] = len(trainer.data_loader.grids)
+    ck = config.checkpoint
+    if ck.enable_checkpoint:
+        blocked = trainer.checkpointer.blocked_seconds
+        extra["checkpoint"] = {
+            "async_mode": ck.async_mode,
+            "interval": ck.interval,
+            "blocked_s": {str(step): round(s, 3) for step, s in sorted(blocked.items())},
+        }
+    return extra

@@ -62,6 +62,15 @@ def skipped(name: str, reason: str) -> dict[str, Any]:
     return {"name": name, "status": "skipped", "reason": reason}
 
 
+def refusal(spec: RunSpec, device: torch.device, dump_folder: Path) -> str | None:
+    """The pre-launch check's one line refusing ``spec`` on ``device`` (e.g. CUDA graphs off CUDA), or None."""
+    try:
+        build_config(spec, dump_folder, device_type=device.type)
+    except (ValueError, NotImplementedError) as e:  # ConfigError is a ValueError
+        return str(e)
+    return None
+
+
 @dataclass
 class Context:
     device: torch.device

@@ -39,22 +39,28 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def apply_compile(model: nn.Module, *, tp_enabled: bool, backend: str | Callable = "inductor") -> None:
+def apply_compile(
+    model: nn.Module, *, tp_enabled: bool, backend: str | Callable = "inductor", cuda_graphs: bool = False
+) -> None:
     """Compile each block separately (with ``backend``: activation_checkpoint.py's ``compile_backend``): blocks are
     identical, so one compiled graph is reused by all.
 
-    A dense block compiles whole (``fullgraph``: any graph break is an error); so does an image model's tower block
-    around its per-frame attention, eager like the experts. An MoE block compiles around its
-    routed experts: each MoE's ``routed_experts`` (the token permutation, the grouped matmul and, under expert
-    parallel, the all-to-all) runs in eager mode (``torch.compiler.disable``), a clean break before and after it;
-    the router, the aux loss, the shared expert, attention and the norms compile. The grouped matmul has no fp32
-    kernel under fake tensors, and EP's splits are data-dependent.
+    A dense block compiles whole (``fullgraph``: any graph break is an error); with ``cuda_graphs``
+    (``training.cuda_graphs``) in ``mode="reduce-overhead"``, its kernels recorded as CUDA graphs and replayed each
+    step (features/cuda_graphs/checks.py: where that is built). An image model's tower block compiles around its
+    per-frame attention, eager like the experts, never with CUDA graphs (its shapes follow the images). An MoE block
+    compiles around its routed experts: each MoE's ``routed_experts`` (the token permutation, the grouped matmul
+    and, under expert parallel, the all-to-all) runs in eager mode (``torch.compiler.disable``), a clean break before
+    and after it; the router, the aux loss, the shared expert, attention and the norms compile. The grouped matmul has
+    no fp32 kernel under fake tensors, and EP's splits are data-dependent.
     """
     for name, block in list(model.layers.items()):
         moes = [m for m in block.modules() if isinstance(getattr(m, "experts", None), GroupedExperts)]
         for moe in moes:
             moe.routed_experts = torch.compiler.disable(moe.routed_experts)
-        model.layers[name] = torch.compile(block, fullgraph=not moes, backend=backend)
+        # the preflight refuses CUDA graphs with MoE and with a memory budget (a backend of its own)
+        mode = {"mode": "reduce-overhead"} if cuda_graphs and not moes else {}
+        model.layers[name] = torch.compile(block, fullgraph=not moes, backend=backend, **mode)
     if getattr(model, "visual", None) is not None:
         compile_tower_blocks(model.visual, backend=backend)
     if tp_enabled and model.tok_embeddings is not None:
@@ -150,7 +156,12 @@ def parallelize(
     if getattr(model, "visual", None) is not None:  # an image model's tower blocks, by the same mode
         apply_ac(model, activation_checkpoint, blocks=model.visual.blocks)
     if training.compile:
-        apply_compile(model, tp_enabled=parallel_dims.tp_enabled, backend=compile_backend(activation_checkpoint))
+        apply_compile(
+            model,
+            tp_enabled=parallel_dims.tp_enabled,
+            backend=compile_backend(activation_checkpoint),
+            cuda_graphs=training.cuda_graphs,
+        )
     if parallel_dims.fsdp_enabled:
         _apply_fsdp(model, world_mesh, parallel_dims, training=training, blocks=_units(model))
     elif parallel_dims.dp_replicate_enabled:

@@ -154,6 +154,14 @@ FEATURES: tuple[Feature, ...] = (  # declarative table
     ),
     # The family and flavor exist; the flavor's shapes under TP and PP; the family's own check (FFN width, experts).
     Feature("model", (_c("torchtitan.spec:check_model"),)),
+    # CUDA graphs of the compiled blocks: after the model check (it reads the flavor), beside its device
+    Feature(
+        "cuda_graphs",
+        (
+            _c("torchtitan.features.cuda_graphs.checks:check_cuda_graphs"),
+            _c("torchtitan.features.cuda_graphs.checks:check_cuda_graphs_device", "device"),
+        ),
+    ),
     Feature(
         "linear_attention_kernel",  # Gated DeltaNet's kernel; a model without such layers is left alone
         enabled=lambda c: True,

@@ -3,7 +3,7 @@
 
 The dry run is the command a user types (``python -m bench.gpu_check --cpu-dry-run --out DIR``, from the repository root), in a process
 of its own: it hides any GPU and sets its thread count before torch starts, and its sanity section starts a
-CPU-only child. The same sections and code as on a GPU, at tiny shapes (bench/gpu_check/plan.py); ~45 s on 2
+CPU-only child. The same sections and code as on a GPU, at tiny shapes (bench/gpu_check/plan.py); ~55 s on 2
 shared cores. The budget and error paths are checked in process.
 """
 
@@ -22,6 +22,7 @@ import torch
 
 from bench.gpu_check import golden as goldens
 from bench.gpu_check import runs as gpu_runs
+from bench.gpu_check.features import DRY_RUN_NO_COMPILE
 from bench.gpu_check.plan import Plan, dry_run_plan, gpu_plan
 from bench.gpu_check.report import SECTIONS, format_markdown
 from bench.gpu_check.runs import SPEC_KEYS, RunSpec
@@ -30,9 +31,16 @@ from bench.gpu_check.sections import Budget, Context, runs_section, throughput
 REPO = Path(__file__).resolve().parents[3]
 
 # The only skips an honest dry run has: float8 without torchao; a block_causal twin whose kernel 'auto'
-# already ran on the CPU (auto = sdpa there).
+# already ran on the CPU (auto = sdpa there); flash-linear-attention's kernel and CUDA graphs, refused off CUDA in the
+# keys' own lines; the compiled rows (the dry run compiles nothing).
 TORCHAO = importlib.util.find_spec("torchao") is not None
-ALLOWED_RUN_SKIPS = ("same kernel as", "not CUDA")  # a twin kernel on the CPU; flash-linear-attention's (CUDA only)
+CUDA_GRAPHS_REFUSED = "training.cuda_graphs needs a CUDA device; this run's device is cpu"
+ALLOWED_RUN_SKIPS = (
+    "same kernel as",
+    "model.linear_attention_kernel = 'fla' needs CUDA",
+    CUDA_GRAPHS_REFUSED,
+    DRY_RUN_NO_COMPILE,
+)
 
 
 @pytest.fixture(scope="module")
@@ -137,11 +145,38 @@ def test_dry_run_measures(dry_run):
     assert 0 < wide["runs"][0]["flops_per_token"] < full_depth["flops_per_token"], (wide["runs"][0], full_depth)
     if TORCHAO:
         assert [c["runs"] for c in wide["vs_bf16"]] == [[s.name, plan.width_8b[0].name] for s in plan.width_8b[1:]]
+    _new_sections_measure(report, plan)
     markdown = (out / "gpu_check.md").read_text()
     assert markdown == format_markdown(report)
     for name in SECTIONS[:-1]:
         assert f"| {name} |" in markdown, name
     assert markdown.rstrip("\n").splitlines()[-1].strip("*") == report["golden"]["summary"]
+
+
+def _new_sections_measure(report: dict, plan: Plan) -> None:
+    """The sections issue 85 added, at tiny shapes: each row fed and recorded what its GPU twin measures."""
+    # compile: CUDA graphs refused in the key's own line, the compiled rows not run, each eager twin trained
+    compiled = {run["name"]: run for run in report["compile"]["runs"]}
+    assert [run["name"] for run in report["compile"]["runs"]] == [s.name for pair in plan.compiled for s in pair]
+    for row, base in plan.compiled:
+        reason = CUDA_GRAPHS_REFUSED if "--training.cuda_graphs" in row.extra else DRY_RUN_NO_COMPILE
+        assert compiled[row.name]["reason"] == reason, compiled[row.name]
+        assert compiled[base.name]["status"] == ("skipped" if base.compile else "ok"), compiled[base.name]
+    # the image family trained on windows with images (the estimator's batches), transformers' Llama trained
+    families = {run["name"]: run for run in report["families"]["runs"]}
+    image_row = next(spec.name for spec in plan.families if spec.model == "qwen3_5_vl")
+    assert families[image_row]["images_per_row"] >= 1 and families[image_row]["finite"], families[image_row]
+    assert families["hf llama_tiny"]["finite"] and families["hf llama_tiny"]["model"] == "hf"
+    # RL: the rates the trainer logs, and a step's tokens = every completion at seq_len
+    (rl,) = report["rl"]["runs"]
+    assert rl["trainer_logged"]["generation_tps"] > 0 and rl["trainer_logged"]["update_tps"] > 0, rl
+    assert rl["tokens_per_step"] == rl["batch_size"] * rl["seq_len"], rl
+    # the pinned asynchronous checkpoint: one save (step 4 of 7, interval 4) inside the timed steps, its blocked
+    # seconds the manager's, compared with the same row without checkpoints
+    saving, plain = report["checkpoint"]["runs"]
+    assert saving["checkpoint"]["async_mode"] == "async_with_pinned_mem", saving
+    assert list(saving["checkpoint"]["blocked_s"]) == ["4"] and saving["checkpoint"]["close_wait_s"] >= 0, saving
+    assert [c["runs"] for c in report["checkpoint"]["vs"]] == [[saving["name"], plain["name"]]]
 
 
 def test_dry_run_compares_every_row_with_its_golden_file(dry_run):
@@ -183,6 +218,9 @@ def _run_rows(plan: Plan) -> list[RunSpec]:
         *plan.families,
         *plan.linear_attention,
         *plan.features,
+        *(spec for pair in plan.compiled for spec in pair),
+        *plan.rl,
+        *(spec for pair in plan.checkpoint for spec in pair),
         *plan.levers,
         *plan.width_8b,
     ]
@@ -202,12 +240,20 @@ def test_golden_rows_are_the_plans_rows(kind, plan):
     it is resolved at run time)."""
     rows = goldens.load_golden(kind).rows
     specs = {spec.name: spec for spec in _run_rows(plan)}
-    # 'auto' is sdpa on the CPU: the dry run skips its twin; flash-linear-attention runs on CUDA only
+    # 'auto' is sdpa on the CPU: the dry run skips its twin; flash-linear-attention runs on CUDA only; the dry run
+    # compiles nothing
     skipped_on_cpu = {"tiny block_causal sdpa seq 128", "qwen3_5 tiny fla rule seq 64"}
+    skipped_on_cpu |= {spec.name for pair in dry_run_plan().compiled for spec in pair if spec.compile}
     # rows added since the last GPU session recorded its golden file (issue 59): recorded at the next one
     not_yet_on_gpu = {"qwen3_5 0.8B torch rule seq 4096", "qwen3_5 0.8B fla rule seq 4096"}
     not_yet_on_gpu |= {spec.name for spec in gpu_plan().levers[1:]}  # issue 57's levers: the base row is recorded
     not_yet_on_gpu |= {spec.name for spec in gpu_plan().width_8b}  # issue 57's 8B width
+    # issue 85: CUDA graphs, compiled MoE and Qwen3.5 (their eager twins too), the image family, hf, RL, the pinned
+    # checkpoint (the compiled 1B row they are compared with is recorded)
+    gpu = gpu_plan()
+    issue_85 = {spec.name for pair in [*gpu.compiled, *gpu.checkpoint] for spec in pair} | {s.name for s in gpu.rl}
+    issue_85 |= {spec.name for spec in gpu.families if spec.model in ("qwen3_5_vl", "hf")}
+    not_yet_on_gpu |= issue_85 - {spec.name for spec in gpu.throughput}
     fix = f"re-record it: {goldens.record_command(goldens.load_golden(kind))} (docs/performance.md)"
     assert set(rows) == set(specs) - (skipped_on_cpu if kind == "cpu_dry_run" else not_yet_on_gpu), fix
     for name, row in rows.items():

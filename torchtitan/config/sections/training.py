@@ -133,6 +133,13 @@ class Training:
         "torch.compile the cross-entropy loss (its fp32 upcast and log-softmax fuse, so the fp32 logits' copies are "
         "not all held); not with loss_chunk_size > 0, whose chunks are recomputed in backward",
     )
+    cuda_graphs: bool = _f(
+        False,
+        "with compile on CUDA: each compiled dense block's kernels are recorded as CUDA graphs and replayed every step "
+        "(torch.compile mode 'reduce-overhead': no per-kernel launch from the host; more memory, the graphs' pool). "
+        "Built for one process or DDP; refused off CUDA, without compile, for MoE families and model.name 'hf', with "
+        "FSDP, TP, CP, PP or gradient accumulation (docs/parallelisms.md, Compile)",
+    )
     gc_freq: int = _f(
         50, "run Python garbage collection every N steps (automatic GC is off while training)", bound=_POSITIVE
     )
