@@ -13,6 +13,7 @@ another test already launches (``LAUNCHED_ELSEWHERE``): those are checked and tr
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -34,7 +35,8 @@ DEFAULT_CONFIG = "./train_configs/debug_model.toml"
 SHIPPED_TOKENIZER = "./torchtitan/datasets/assets/tokenizer/pydocs_bpe2048.tiktoken"
 # a chat run's tokenizer the user builds first (docs/vision.md: scripts/build_vlm_assets.py) -> the shipped chat one
 SHIPPED_CHAT_TOKENIZER = "./tests/assets/sft/tokenizer"
-# a running torchft lighthouse (docs/fault_tolerance.md) -> its address in the environment (nothing connects to it).
+# a running torchft lighthouse (docs/fault_tolerance.md) -> its address in the environment (nothing connects to it);
+# a local S3 server with the doc's bucket (docs/checkpoint.md) -> the tests' moto server (``local_s3``).
 LIGHTHOUSE = "http://localhost:29510"
 SOURCES = ["README.md", "docs/*.md", "train_configs/*.toml", "scripts/*.sh", "scripts/*.slurm"]
 # a command as typed: environment assignments, then ./run_llama_train.sh (or bash run_llama_train.sh), or the
@@ -180,14 +182,41 @@ def _stand_in_tokenizer(argv: list[str]) -> str | None:
     return SHIPPED_CHAT_TOKENIZER if config.training.dataset_format == "chat" else SHIPPED_TOKENIZER
 
 
+@pytest.fixture(scope="module")
+def local_s3():
+    """docs/checkpoint.md's local S3 server (moto's, which the doc starts before its s3:// lines): the tests' own."""
+    from tests.support.s3_server import s3_server
+
+    with s3_server() as s3:
+        yield s3
+
+
+def _s3_stand_in(command: str, request) -> contextlib.AbstractContextManager:
+    """For a command writing to ``s3://BUCKET/...``: the local server's environment, with that bucket made (the
+    doc's setup lines before it); else nothing."""
+    buckets = sorted(set(re.findall(r"s3://([^/\s]+)", command)))
+    if not buckets:
+        return contextlib.nullcontext()
+    s3 = request.getfixturevalue("local_s3")
+    with s3.env():
+        import s3fs
+
+        fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        for bucket in buckets:
+            if not fs.exists(bucket):
+                fs.mkdir(bucket)
+    return s3.env()
+
+
 @pytest.mark.parametrize("where,command", COMMANDS, ids=[where for where, _ in COMMANDS])
-def test_documented_command_passes_the_prelaunch_check(where, command, capsys, monkeypatch):
+def test_documented_command_passes_the_prelaunch_check(where, command, capsys, monkeypatch, request):
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", LIGHTHOUSE)
     argv = _preflight_argv(command)
     if (stand_in := _stand_in_tokenizer(argv)) is not None:
         argv += ["--model.tokenizer_path", stand_in]
-    code = preflight_main(argv)
+    with _s3_stand_in(command, request):
+        code = preflight_main(argv)
     err = capsys.readouterr().err
     assert code == 0, f"{where}: `{command}` -> preflight {argv}: {err}"
 
