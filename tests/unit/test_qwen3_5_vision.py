@@ -316,11 +316,10 @@ def test_mfu_counts_the_towers_flops_from_its_weights():
 
 
 def test_compiled_tower_equals_eager_over_other_images_without_recompiling():
-    """training.compile's tower (distributed/parallelize.py ``compile_tower_blocks``): each block compiled around its
-    per-frame attention, the patches' and frames' counts dynamic. Batches of other images (4, 4, 1 and 1 frames; 32
-    to 112 patches): outputs and the weights' gradients equal eager's (fp32, 1e-5); a batch of other multi-frame
-    images reuses the graphs, a batch of one frame compiles once more (dynamo specializes a dimension of size 1) and
-    the next single frame reuses that. (A block that guarded on the frame lengths recompiled at every step.)"""
+    """training.compile's tower (distributed/parallelize.py ``compile_tower_blocks``): each block's steps before and
+    after its per-frame attention compiled, the patches' count dynamic. Batches of other images (4, 4, 1 and 1
+    frames; 32 to 112 patches): outputs and the weights' gradients equal eager's (fp32, 1e-5), and every batch after
+    the first reuses its graphs (a block that took the frame lengths into its graph recompiled at every step)."""
     from torch._dynamo.utils import counters
 
     from torchtitan.distributed.parallelize import compile_tower_blocks
@@ -340,4 +339,4 @@ def test_compiled_tower_equals_eager_over_other_images_without_recompiling():
         for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
             assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7), name
         graphs.append(int(counters["stats"]["unique_graphs"]))
-    assert graphs[0] > 0 and graphs[1] == graphs[0] and graphs[2] > graphs[1] and graphs[3] == graphs[2], graphs
+    assert graphs[0] > 0 and graphs[1:] == [graphs[0]] * 3, graphs

@@ -72,11 +72,13 @@ def apply_compile(
 
 def compile_tower_blocks(tower: nn.Module, backend: str | Callable = "inductor") -> None:
     """An image model's tower blocks compile around their per-frame attention (one call a frame: the calls follow the
-    batch's images), which runs eagerly; the patches' and frames' counts are dynamic dimensions, so batches of other
-    images reuse the graph."""
-    for i, block in enumerate(tower.blocks):
-        block.attn.per_image = torch.compiler.disable(block.attn.per_image)
-        tower.blocks[i] = torch.compile(block, dynamic=True, backend=backend)
+    batch's images), which runs eagerly: each block's tensor-only steps before it (``attend_inputs``: the norm, q/k/v,
+    RoPE) and after it (``finish``: the projection, the residuals, the MLP) compile, the patches' count dynamic, so
+    batches of other images reuse the graphs; no frame length enters a graph (no guard on it)."""
+    for block in tower.blocks:
+        inner = getattr(block, "_checkpoint_wrapped_module", block)  # under activation checkpointing's wrapper
+        inner.attend_inputs = torch.compile(inner.attend_inputs, dynamic=True, backend=backend)
+        inner.finish = torch.compile(inner.finish, dynamic=True, backend=backend)
 
 
 def pass_positions(model: nn.Module, positions: torch.Tensor) -> None:

@@ -65,22 +65,25 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(args.dim, 3 * args.dim)
         self.proj = nn.Linear(args.dim, args.dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, image_lengths: torch.Tensor) -> torch.Tensor:
-        """x (patches, dim); rope (patches, head_dim) [cos | sin] angles, each of head_dim / 2; image_lengths (frames,)
-        on the host: each frame's patches."""
-        q, k, v = self.qkv(x).unflatten(-1, (3, self.n_heads, -1)).unbind(1)  # (patches, heads, head_dim)
-        q, k = _rotate(q, rope), _rotate(k, rope)
-        return self.proj(self.per_image(q, k, v, image_lengths).flatten(1))
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, image_lengths: list[int]) -> torch.Tensor:
+        """x (patches, dim); rope (patches, head_dim) [cos | sin] angles, each of head_dim / 2; image_lengths: each
+        frame's patches."""
+        return self.proj(per_image(*self.project(x, rope), image_lengths).flatten(1))
 
-    def per_image(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image_lengths: torch.Tensor) -> torch.Tensor:
-        """Attention within each frame: one call a frame, on its rows (shapes follow the batch's images, so a compiled
-        block runs this part eagerly: distributed/parallelize.py)."""
-        lengths = image_lengths.tolist()
-        outs = [
-            F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1)).transpose(0, 1)
-            for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))
-        ]
-        return torch.cat(outs)
+    def project(self, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (rotated) and v, each (patches, heads, head_dim)."""
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.n_heads, -1)).unbind(1)
+        return _rotate(q, rope), _rotate(k, rope), v
+
+
+def per_image(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image_lengths: list[int]) -> torch.Tensor:
+    """Attention within each frame: one call a frame, on its rows (the calls follow the batch's images: a compiled
+    tower compiles around this part, distributed/parallelize.py)."""
+    outs = [
+        F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1)).transpose(0, 1)
+        for qi, ki, vi in zip(q.split(image_lengths), k.split(image_lengths), v.split(image_lengths))
+    ]
+    return torch.cat(outs)
 
 
 def _rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -111,8 +114,16 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(args)
         self.mlp = VisionMLP(args)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, image_lengths: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope, image_lengths)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, image_lengths: list[int]) -> torch.Tensor:
+        # attention's inputs and everything after the per-frame attention are tensor-only steps (training.compile
+        # compiles them: they take no frame lengths); the per-frame attention between them
+        return self.finish(x, per_image(*self.attend_inputs(x, rope), image_lengths))
+
+    def attend_inputs(self, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.attn.project(self.norm1(x), rope)
+
+    def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn.proj(attended.flatten(1))
         return x + self.mlp(self.norm2(x))
 
 
@@ -186,8 +197,7 @@ class VisionTower(nn.Module):
         x = self.patch_embed(pixel_values)  # (patches, dim)
         positions, rope = self._positions(grid_thw, x.device)
         x = x + positions.to(x.dtype)
-        # each frame attends to itself (transformers'); a host tensor, so a compiled block takes it as a dynamic input
-        lengths = torch.tensor([h * w for t, h, w in grid_thw for _ in range(t)], dtype=torch.long)
+        lengths = [h * w for t, h, w in grid_thw for _ in range(t)]  # each frame attends to itself (transformers')
         for block in self.blocks:
             x = block(x, rope, lengths)
         return self.merger(x)
