@@ -9,27 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.gpu_check.breakdown import describe
-from bench.gpu_check.golden import Golden, annotate, summarize, verdict_detail
+from bench.gpu_check.golden import RUN_SECTIONS, Golden, annotate, summarize, verdict_detail
 
 # The JSON's top-level sections (issue 44), in this order; the check runs them in order of value. The last,
 # ``golden``, is not run: it is the run rows' comparison with the device kind's golden file (golden.py).
-SECTIONS = (
-    "environment",
-    "sanity",
-    "throughput",
-    "float8",
-    "attention",
-    "estimator",
-    "families",
-    "linear_attention",
-    "features",
-    "compile",
-    "rl",
-    "checkpoint",
-    "levers",
-    "width_8b",
-    "golden",
-)
+SECTIONS = ("environment", "sanity", *RUN_SECTIONS[:3], "estimator", *RUN_SECTIONS[3:], "golden")
 JSON_FILE, MARKDOWN_FILE = "gpu_check.json", "gpu_check.md"
 
 
