@@ -45,7 +45,7 @@ from torchtitan.datasets.sft.chat_template import ChatTokenizer  # noqa: E402
 from torchtitan.features.rl.prompts import PromptSource  # noqa: E402
 from torchtitan.features.rl.publish import LATEST, read_latest  # noqa: E402
 from torchtitan.features.rl.rewards import load_reward  # noqa: E402
-from torchtitan.features.rl.rollouts import Rollout, generate_group, group_seed, score_completion  # noqa: E402
+from torchtitan.features.rl.rollouts import generate_group, group_seed, scored_rollouts  # noqa: E402
 
 
 def _load_model_fn():
@@ -210,15 +210,13 @@ def main() -> int:
                 loaded = policy
             chosen = prompts.sample(step)
             seeds = [group_seed(t.seed, step, 0, position) for position in range(len(chosen))]
-            started, rows = time.perf_counter(), []
+            started = time.perf_counter()
             groups = generator.groups(chosen, seeds)
             seconds = time.perf_counter() - started
-            for position, (prompt, group) in enumerate(zip(chosen, groups)):
-                for ids, logprobs in group:
-                    value = score_completion(reward, rl.reward, prompts, prompt, ids, stop_ids)
-                    rows.append(Rollout(step, position, prompt.index, prompt.ids, ids, logprobs, value).record(run))
+            scored = dict(prompts=prompts, reward_fn=reward, spec=rl.reward, stop_ids=stop_ids)
+            rows = scored_rollouts(step, chosen, groups, **scored)
             with open(rl.rollouts_path, "a", encoding="utf-8") as f:  # the step's rows in one write
-                f.write("".join(json.dumps(row) + "\n" for row in rows))
+                f.write("".join(json.dumps(row.record(run)) + "\n" for row in rows))
             print(
                 f"rl_engine: step {step}: {len(rows)} rollouts from policy step-{policy} ({seconds:.2f} s)", flush=True
             )

@@ -120,6 +120,7 @@ def serve(config: JobConfig, out: str, *, run: str, first_step: int, steps: int,
 
     from torchtitan.components.generation import Sampling
     from torchtitan.datasets.sft.chat_template import ChatTokenizer
+    from torchtitan.distributed.backend.device import get_device_info
     from torchtitan.features.rl.prompts import PromptSource
     from torchtitan.features.rl.rewards import load_reward
     from torchtitan.features.rl.rollouts import generate_step
@@ -132,7 +133,8 @@ def serve(config: JobConfig, out: str, *, run: str, first_step: int, steps: int,
     stop_ids = tuple(rl.stop_ids) or prompts.stop_ids
     sampling = Sampling(temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p)
     root = rl.publish_folder or os.path.join(config.job.dump_folder, "policy")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = get_device_info(0).device  # the run's device choice, as rank 0's
+
     loaded, model = None, None
     for step in range(first_step, steps + 1):
         policy = policy_for(step, first_step - 1, rl.max_staleness)

@@ -222,24 +222,43 @@ def generate_step(
     sampling: Sampling,
     device: torch.device,
 ) -> list[Rollout]:
-    """A whole step's groups generated and scored by one process (an engine, the asynchronous generator): the step's
-    prompts with the trainer's seeds, so its rows equal those the ranks generate in process."""
-    rows = []
-    for position, prompt in enumerate(prompts.sample(step)):
-        completions = generate_group(
-            model,
-            prompt,
-            group_size=rl.group_size,
-            sampling=sampling,
-            max_new_tokens=rl.max_new_tokens,
-            stop_ids=stop_ids,
-            seed=group_seed(seed, step, 0, position),
-            device=device,
+    """A whole step's groups generated and scored by one process (the asynchronous generator): the step's prompts
+    with the trainer's seeds, so its rows equal those the ranks generate in process."""
+    chosen = prompts.sample(step)
+    kwargs = dict(group_size=rl.group_size, sampling=sampling, max_new_tokens=rl.max_new_tokens, stop_ids=stop_ids)
+    groups = [
+        generate_group(model, prompt, **kwargs, seed=group_seed(seed, step, 0, position), device=device)
+        for position, prompt in enumerate(chosen)
+    ]
+    return scored_rollouts(
+        step, chosen, groups, prompts=prompts, reward_fn=reward_fn, spec=rl.reward, stop_ids=stop_ids
+    )
+
+
+def scored_rollouts(
+    step: int,
+    chosen: list[Prompt],
+    groups: list[list[tuple[list[int], list[float]]]],
+    *,
+    prompts: PromptSource,
+    reward_fn: Callable[..., float],
+    spec: str,
+    stop_ids: tuple[int, ...],
+) -> list[Rollout]:
+    """The step's rows: each prompt's group of completions (ids, log-probs) scored with ``rl.reward`` (``spec``)."""
+    return [
+        Rollout(
+            step,
+            position,
+            prompt.index,
+            prompt.ids,
+            ids,
+            logprobs,
+            score_completion(reward_fn, spec, prompts, prompt, ids, stop_ids),
         )
-        for ids, logprobs in completions:
-            value = score_completion(reward_fn, rl.reward, prompts, prompt, ids, stop_ids)
-            rows.append(Rollout(step, position, prompt.index, prompt.ids, ids, logprobs, value))
-    return rows
+        for position, (prompt, group) in enumerate(zip(chosen, groups, strict=True))
+        for ids, logprobs in group
+    ]
 
 
 def score_completion(
