@@ -138,7 +138,8 @@ class Training:
         "with compile on CUDA: each compiled dense block's kernels are recorded as CUDA graphs and replayed every step "
         "(torch.compile mode 'reduce-overhead': no per-kernel launch from the host; more memory, the graphs' pool). "
         "Built for one process or DDP; refused off CUDA, without compile, for MoE families and model.name 'hf', with "
-        "FSDP, TP, CP, PP or gradient accumulation (docs/parallelisms.md, Compile)",
+        "FSDP, TP, CP, PP, gradient accumulation or activation_checkpoint.mode 'memory_budget' (docs/parallelisms.md, "
+        "Compile)",
     )
     gc_freq: int = _f(
         50, "run Python garbage collection every N steps (automatic GC is off while training)", bound=_POSITIVE
