@@ -120,24 +120,55 @@ def test_third_party_output_is_the_runs_debug_detail(level, capsys, _levels):
 
 
 def test_torchao_import_notes_are_dropped_only_inside_and_only_those(caplog, monkeypatch):
-    """Issue 84, item 11: importing transformers' model classes imports torchao, which logs its optional kernels
-    that did not load and torch's pytree deprecation of its enums before generate.py's answer or the pre-launch
-    check's line; ``quiet_torchao_import`` drops exactly those two notes while it is open, nothing else."""
+    """Issue 84, item 11: importing torchao (float8, QLoRA, or transformers' model classes) logs its optional kernels
+    that did not load, "no triton" and torch's pytree deprecation of its enums before generate.py's answer or the
+    pre-launch check's line; ``quiet_torchao_import`` (their one home) drops exactly those notes while it is open:
+    not another library's enum, not torchao's other messages, not another logger's, nothing outside it."""
+    import enum
+
     from torchtitan.observability.logging import quiet_torchao_import
 
+    class Theirs(enum.Enum):  # torchao's enum, as torch's pytree names it
+        A = 1
+
+    class Ours(enum.Enum):
+        A = 1
+
+    Theirs.__module__ = "torchao.float8.config"
     so_note = "Failed to load /venv/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: Could not load this library"
-    pytree_note = "<enum 'KernelPreference'> ... Calling register_constant() on Enum subclasses is deprecated"
+    triton_note = "Warning: Detected no triton, on systems without Triton certain kernels will not work"
+    deprecated = "%s is an Enum subclass ... Calling register_constant() on Enum subclasses is deprecated and ..."
     other = "torchao: something that matters"
+    names = ("", "torchao", "torchao.kernel.intmm", "torch.utils._pytree", "torchtitan.train")
     # The loggers' own levels too (restored after): an earlier test in this process may have run
     # set_log_level('info'), which leaves them at ERROR.
-    for name in ("", "torchao", "torch.utils._pytree"):
+    for name in names:
         caplog.set_level(logging.WARNING, logger=name or None)
-    ao, pytree = logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")
-    for logger in (ao, pytree):  # and their filters: float8's check installs its own for the process's life
+    ao, intmm, pytree, ours = (logging.getLogger(name) for name in names[1:])
+    for logger in (ao, intmm, pytree):
         monkeypatch.setattr(logger, "filters", [])
     with quiet_torchao_import():
         ao.warning(so_note)
-        pytree.warning(pytree_note)
+        intmm.warning(triton_note)
+        pytree.warning(deprecated, Theirs)
+        pytree.warning(deprecated, Ours)  # another library's enum: not ours to hide
         ao.warning(other)
+        ours.warning(so_note)  # another logger entirely
     ao.warning(so_note)  # outside: as torchao says it
-    assert [r.getMessage() for r in caplog.records] == [other, so_note]
+    assert [r.getMessage() for r in caplog.records] == [deprecated % Ours, other, so_note, so_note]
+    assert all(not logger.filters for logger in (ao, intmm, pytree))  # nothing left installed
+
+
+def test_torchao_notes_quieted_for_the_process_once(monkeypatch):
+    """float8's and QLoRA's runs import torchao in several places: ``quiet_torchao_notes`` installs the same
+    filters as ``quiet_torchao_import`` for the process, one per note however often it is called."""
+    from torchtitan.observability import logging as tlog
+
+    loggers = {note.logger: logging.getLogger(note.logger) for note in tlog._TORCHAO_IMPORT_NOTES}
+    for logger in loggers.values():
+        monkeypatch.setattr(logger, "filters", [])
+    tlog.quiet_torchao_notes()
+    tlog.quiet_torchao_notes()
+    assert {name: len(logger.filters) for name, logger in loggers.items()} == dict.fromkeys(loggers, 1)
+    record = logging.LogRecord("torchao", logging.WARNING, __file__, 1, "Failed to load /x/_C.so: no", None, None)
+    assert not loggers["torchao"].filter(record)

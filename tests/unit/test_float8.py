@@ -241,33 +241,3 @@ def test_every_recipe_trains_under_cpu_autocast(recipe: str):
         out = model(torch.randn(8, 64))
     out.float().sum().backward()  # rowwise_with_gw_hp's high-precision weight grad mixed bf16 and fp32 before
     assert out.dtype == torch.bfloat16 and all(p.grad is not None for p in model.parameters())
-
-
-def test_torchao_import_noise_filters_drop_only_their_own_records():
-    """What the filters installed before torchao's import drop, and what still reaches the user (the import
-    itself, in a fresh process: tests/runs/features/test_float8_runs.py)."""
-    import enum
-    import logging
-
-    class Ours(enum.Enum):
-        A = 1
-
-    class Theirs(enum.Enum):
-        A = 1
-
-    Theirs.__module__ = "torchao.float8.config"
-
-    def passes(name: str, msg: str, *args) -> bool:
-        record = logging.LogRecord(name, logging.WARNING, __file__, 1, msg, args, None)
-        return all(f.filter(record) for f in f8.TORCHAO_IMPORT_NOISE)
-
-    deprecated = "%s is an Enum subclass ... Calling register_constant() on Enum subclasses is deprecated and ..."
-    assert not passes("torchao", "Failed to load /x/torchao/_C_mxfp8.so: Could not load this library")
-    assert not passes("torchao.kernel.intmm", "Warning: Detected no triton, on systems without Triton ...")
-    assert not passes("torch.utils._pytree", deprecated, Theirs)
-    assert passes("torch.utils._pytree", deprecated, Ours)  # another library's enum: not ours to hide
-    assert passes("torchao", "Skipping import of cpp extensions due to incompatible torch version")
-    assert passes("torchtitan.train", "Failed to load the tokenizer")  # another logger entirely
-    f8.quiet_torchao_import()
-    f8.quiet_torchao_import()  # idempotent: one filter per logger
-    assert sum(isinstance(f, type(f8.TORCHAO_IMPORT_NOISE[0])) for f in logging.getLogger("torchao").filters) == 1

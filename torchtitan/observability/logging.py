@@ -13,6 +13,7 @@ import io
 import logging
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 
 def init_logger() -> None:
@@ -35,36 +36,49 @@ IMPORT_NOTES = ("torchao", "torch.utils._pytree", "botocore", "aiobotocore")
 
 
 # What importing torchao prints that says nothing about the run (transformers imports it with any of its model classes,
-# for its quantizer): its optional kernels' .so files that did not load on this machine, and torch's note that
-# registering torchao's enums as pytree constants is deprecated. logger -> the texts a dropped message holds, all.
-_TORCHAO_IMPORT_NOISE = {
-    "torchao": ("Failed to load ", ".so"),
-    "torch.utils._pytree": ("register_constant()", "deprecated"),
-}
+# for its quantizer; float8 and QLoRA import it themselves): its optional kernels' .so files that did not load on this
+# machine, "no triton" (a CPU machine), and torch's note that registering torchao's enums as pytree constants is
+# deprecated (dropped only when the enum is torchao's: torch says the same of other libraries' classes, theirs to hear).
+@dataclass(frozen=True)
+class _ImportNote:
+    logger: str
+    texts: tuple[str, ...]  # a dropped message holds them all
+    about_torchao_class: bool = False  # and its first argument is a torchao class
 
 
-class _DropTorchaoImportNoise(logging.Filter):
-    def __init__(self, texts: tuple[str, ...]):
+_TORCHAO_IMPORT_NOTES = (
+    _ImportNote("torchao", ("Failed to load ", ".so")),
+    _ImportNote("torchao.kernel.intmm", ("Detected no triton",)),
+    _ImportNote("torch.utils._pytree", ("register_constant()", "deprecated"), about_torchao_class=True),
+)
+
+
+class _DropImportNote(logging.Filter):
+    def __init__(self, note: _ImportNote):
         super().__init__()
-        self.texts = texts
+        self.note = note
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not all(text in message for text in self.texts)
+        if not all(text in message for text in self.note.texts):
+            return True
+        if self.note.about_torchao_class:
+            subject = record.args[0] if isinstance(record.args, tuple) and record.args else None
+            return not str(getattr(subject, "__module__", "")).startswith("torchao")
+        return False
 
 
 @contextlib.contextmanager
 def quiet_torchao_import() -> Iterator[None]:
     """Inside, importing torchao (itself or through transformers' model classes) prints none of its import notes
-    above (the .so files that did not load, the pytree deprecation of its enums); anything else those loggers say
-    passes, and a run at ``job.log_level = 'debug'`` sees them all (``IMPORT_NOTES``). For the entry points that
-    import transformers' models before (or without) a run's log level: the pre-launch check, scripts/generate.py."""
+    above (the .so files that did not load, no triton, the pytree deprecation of its enums); anything else those
+    loggers say passes, and a run at ``job.log_level = 'debug'`` sees them all (``IMPORT_NOTES``). The one home for
+    this: float8's and QLoRA's imports of torchao, and the entry points that import transformers' models before (or
+    without) a run's log level (the pre-launch check, scripts/generate.py)."""
     if logging.getLogger().isEnabledFor(logging.DEBUG):
         yield
         return
-    filters = [
-        (logging.getLogger(name), _DropTorchaoImportNoise(texts)) for name, texts in _TORCHAO_IMPORT_NOISE.items()
-    ]
+    filters = [(logging.getLogger(note.logger), _DropImportNote(note)) for note in _TORCHAO_IMPORT_NOTES]
     for logger, drop in filters:
         logger.addFilter(drop)
     try:
@@ -72,6 +86,16 @@ def quiet_torchao_import() -> Iterator[None]:
     finally:
         for logger, drop in filters:
             logger.removeFilter(drop)
+
+
+def quiet_torchao_notes() -> None:
+    """``quiet_torchao_import`` for the rest of the process (idempotent): for float8 and QLoRA, whose torchao
+    imports are spread over the run (its float8 TP styles, async TP's kernels, NF4), each a first import that may
+    register more of torchao's enums."""
+    for note in _TORCHAO_IMPORT_NOTES:
+        logger = logging.getLogger(note.logger)
+        if not any(isinstance(f, _DropImportNote) and f.note == note for f in logger.filters):
+            logger.addFilter(_DropImportNote(note))
 
 
 def set_log_level(level: str) -> None:

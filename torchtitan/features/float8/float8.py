@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from torchtitan.features.float8.checks import TORCHAO_PIN
+from torchtitan.observability.logging import quiet_torchao_notes
 
 if TYPE_CHECKING:
     from torchtitan.config.schema import Float8
@@ -45,47 +46,9 @@ MIN_CUDA_CAPABILITY = (8, 9)
 ROWWISE_CPU_TORCH = "2.12"
 
 
-class _TorchaoImportNoise(logging.Filter):
-    """Drops, on the one logger that emits each, what importing torchao 0.18 logs about optional parts
-    that float8 training does not use: its prebuilt MX / CUTLASS kernels failing to load (CUDA builds of
-    another Python), "no triton" (a CPU machine), and torch's deprecation of ``register_constant`` on
-    torchao's own enums. Anything else those loggers say still reaches the user."""
-
-    def __init__(self, logger_name: str, text: str, *, about_torchao_class: bool = False):
-        """``about_torchao_class``: drop the record only when its first argument is a torchao class (torch's
-        logger says the same of other libraries' classes, which is theirs to hear)."""
-        super().__init__()
-        self.logger_name, self.text, self.about_torchao_class = logger_name, text, about_torchao_class
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.name != self.logger_name or self.text not in str(record.msg):
-            return True
-        if self.about_torchao_class:
-            subject = record.args[0] if isinstance(record.args, tuple) and record.args else None
-            return not str(getattr(subject, "__module__", "")).startswith("torchao")
-        return False
-
-
-TORCHAO_IMPORT_NOISE = (
-    _TorchaoImportNoise("torchao", "Failed to load "),
-    _TorchaoImportNoise("torchao.kernel.intmm", "Detected no triton"),
-    _TorchaoImportNoise(
-        "torch.utils._pytree", "register_constant() on Enum subclasses is deprecated", about_torchao_class=True
-    ),
-)
-
-
-def quiet_torchao_import() -> None:
-    """Install ``TORCHAO_IMPORT_NOISE`` before torchao is first imported (idempotent)."""
-    for noise in TORCHAO_IMPORT_NOISE:
-        target = logging.getLogger(noise.logger_name)
-        if noise not in target.filters:
-            target.addFilter(noise)
-
-
 def check_float8_runs(device: torch.device, recipe_name: str = "tensorwise") -> None:
     """Raise NotImplementedError naming what is missing when this process cannot train ``recipe_name`` in float8."""
-    quiet_torchao_import()
+    quiet_torchao_notes()
     try:
         import torchao.float8  # noqa: F401
     except ImportError as e:
@@ -202,7 +165,7 @@ def turn_off_onednn(reason: str) -> None:
 
 def float8_linear_config(cfg: Float8):
     """torchao's ``Float8LinearConfig`` for the recipe and the FSDP/recompute keys."""
-    quiet_torchao_import()
+    quiet_torchao_notes()
     from torchao.float8 import Float8LinearConfig
 
     if cfg.recipe_name == "tensorwise":

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.observability.logging import quiet_torchao_notes
 
 # torchao's (and the QLoRA paper's) defaults: 64 elements share a scale, 256 scales share an fp32 factor
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
@@ -62,6 +63,7 @@ def check_nf4_shapes(shapes: dict[str, tuple[int, int]], shards: int) -> None:
 
 def to_nf4(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` (a whole 2-D tensor) as torchao's NF4Tensor, with the QLoRA paper's block sizes."""
+    quiet_torchao_notes()
     from torchao.quantization import to_nf4 as _to_nf4
 
     return _to_nf4(weight.detach().contiguous(), block_size=NF4_BLOCK, scaler_block_size=NF4_SCALER_BLOCK)
