@@ -70,9 +70,12 @@ def _tensor_parallel(world: int, tokens, labels, lp: bool) -> None:
     _compare(f"TP{world} loss_parallel={lp}", loss, model, *_reference(ref, tokens, labels))
 
 
-def _fsdp(rank: int, world: int, tokens, labels) -> None:
-    """Two steps: the second forward re-gathers what the first post-backward resharded."""
-    model, ref = _build(["--training.data_parallel_shard_degree", str(world)], world)
+def _fsdp(rank: int, world: int, tokens, labels, reshard: str) -> None:
+    """Two steps: the second forward re-gathers what the first post-backward resharded. ``reshard``:
+    training.fsdp_reshard_after_forward ('default' keeps the root's parameters from forward to backward,
+    'always' frees them, and the loss gathers them again as Trainer's step does)."""
+    flags = ["--training.data_parallel_shard_degree", str(world), "--training.fsdp_reshard_after_forward", reshard]
+    model, ref = _build(flags, world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     labels = labels.clone()
@@ -81,9 +84,9 @@ def _fsdp(rank: int, world: int, tokens, labels) -> None:
     for step in range(2):
         opt.zero_grad()
         hidden = model(tokens[rows], return_hidden=True)
-        # The root was resharded after forward (reshard_after_forward=True): output.weight is a Shard(0)
-        # DTensor over dp until gathered again, as Trainer._forward_backward does.
-        assert isinstance(model.output.weight, DTensor)
+        # 'always': the root resharded after forward, output.weight is a Shard(0) DTensor over dp until
+        # gathered again, as the trainer's step does; 'default': it was kept (torch's rule for the root)
+        assert isinstance(model.output.weight, DTensor) == (reshard == "always"), reshard
         model.unshard()
         assert not isinstance(model.output.weight, DTensor)
         loss = chunked_cross_entropy(hidden, model.output, labels[rows], chunk_size=CHUNK)
@@ -91,7 +94,7 @@ def _fsdp(rank: int, world: int, tokens, labels) -> None:
         global_loss = loss.detach().clone()
         torch.distributed.all_reduce(global_loss)
         ref_loss, ref_grads = _reference(ref, tokens, labels)
-        _compare(f"FSDP{world} step {step}", global_loss / world, model, ref_loss, ref_grads)
+        _compare(f"FSDP{world} {reshard} step {step}", global_loss / world, model, ref_loss, ref_grads)
         opt.step()
         ref_opt.step()
 
@@ -100,7 +103,8 @@ def _check(rank: int, world: int) -> str:
     tokens, labels = _data()
     _tensor_parallel(world, tokens, labels, lp=True)
     _tensor_parallel(world, tokens, labels, lp=False)
-    _fsdp(rank, world, tokens, labels)
+    _fsdp(rank, world, tokens, labels, "default")
+    _fsdp(rank, world, tokens, labels, "always")
     return "ok"
 
 

@@ -209,8 +209,9 @@ class StepFunction:
             with self.autocast():
                 hidden = model(inputs, return_hidden=True)  # (bs, seqlen, dim); Shard(1) DTensor under SP
             if isinstance(model, FSDPModule):
-                # The root FSDP unit (which owns ``output``) resharded after forward; gather it again for
-                # the loss. Its gradient is reduce-scattered by the root's post-backward, as usual.
+                # The root FSDP unit (which owns ``output``) resharded after forward under
+                # training.fsdp_reshard_after_forward = "always" (a no-op otherwise: it kept them); gather it
+                # again for the loss. Its gradient is reduce-scattered by the root's post-backward, as usual.
                 model.unshard()
             # The output projection runs per chunk inside the loss, under the forward's autocast
             # (checkpoint replays that autocast state when it recomputes a chunk in backward).

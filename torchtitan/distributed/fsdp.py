@@ -34,7 +34,7 @@ def apply_fsdp(
     reshard_after_forward: "always" frees every block's gathered parameters after its forward
     (backward gathers them again); "never" keeps them until backward (one all-gather per block
     per step less, at the cost of holding the whole unsharded model); "default" is "always"
-    except for the last block, whose parameters backward needs at once.
+    except for the last block and the root, whose parameters backward needs at once.
     prefetch_depth: how many blocks ahead FSDP all-gathers while the current block computes
     (forward: the next blocks; backward: the previous ones). 1 is FSDP's own implicit prefetch.
     cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory; the
@@ -64,7 +64,11 @@ def apply_fsdp(
                     **offload,
                 )
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard, **offload)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward != "never", **offload)
+    # the root (embedding, norm, output): by default torch's own rule for it (None), which keeps its gathered
+    # parameters from forward to backward, whose first step needs the norm and output again: one all-gather per
+    # step less than resharding it (issue 85: the CPU FSDP2 step against torchtitan 2024, which resharded it)
+    root = {"default": None, "always": True, "never": False}[reshard_after_forward]
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=root, **offload)
     if prefetch_depth > 1:
         _set_explicit_prefetch(blocks, prefetch_depth)
 

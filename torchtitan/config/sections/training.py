@@ -104,7 +104,7 @@ class Training:
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = _f(
         "default",
         "free each block's gathered parameters after forward: always; never (keep them for backward: fewer "
-        "all-gathers, more memory); default = always except the last block",
+        "all-gathers, more memory); default = always except the last block and the root (embedding, norm, output)",
     )
     fsdp_prefetch_depth: int = _f(
         1, "blocks FSDP all-gathers ahead of the one computing (forward and backward)", bound=_POSITIVE
