@@ -244,7 +244,7 @@ class JobConfig(JobConfigTree):
             return []
         built, self.built_by = call_function(*function)
         table = config_table(built, type(self), self.built_by, records=("built_by",))
-        if table.get("optimizer", {}).get("state_dtype") == built.training.dtype:
+        if isinstance(built, type(self)) and table.get("optimizer", {}).get("state_dtype") == built.training.dtype:
             del table["optimizer"]["state_dtype"]  # the moments following the parameters (parse_args): unset
         with _naming(self.built_by.describe()):  # an attribute that is no section: an unknown key
             return _toml_pairs(table)
