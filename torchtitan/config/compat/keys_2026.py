@@ -17,14 +17,12 @@ one rule here (``RULES``, by its dotted path; the docs' "2026 configurations" ta
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torchtitan.config.compat.spellings import Fixed
-from torchtitan.config.compat.upstream_2026 import classes as c
+from torchtitan.config.compat.spellings import Fixed, describe
 from torchtitan.config.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -121,7 +119,9 @@ RULES: dict[str, Rule2026] = {
     "activation_checkpoint.determinism_check": Fixed(str, "default", "AC here runs torch's default check"),
     "activation_checkpoint.debug": Fixed(bool, False, "AC debug capture is not built"),
     "activation_checkpoint.force_recompute_mm_shapes_by_fqns": Fixed(
-        list, ["moe.router.gate"], "op-level AC here saves every other matmul; which it recomputes is memory only",
+        list,
+        ["moe.router.gate"],
+        "op-level AC here saves every other matmul; which it recomputes is memory only",
         also=([],),
     ),
     "activation_checkpoint.memory_budget": Computed("activation_checkpoint.memory_budget (with MemoryBudgetAC)"),
@@ -256,7 +256,9 @@ RULES: dict[str, Rule2026] = {
         extra=_bf16_states,
     ),
     "optimizer.optimizer_factory_kwargs_by_name": Fixed(dict, {}, "optimizer factory arguments are not built"),
-    "lr_scheduler.warmup_steps": To("training.warmup_steps", note="+ training.lr_schedule = 'wsd' (upstream's)", extra=_wsd),
+    "lr_scheduler.warmup_steps": To(
+        "training.warmup_steps", note="+ training.lr_schedule = 'wsd' (upstream's)", extra=_wsd
+    ),
     "lr_scheduler.total_steps": Fixed(object, None, "the schedule spans training.steps"),
     "lr_scheduler.decay_ratio": To("training.lr_decay_ratio"),
     "lr_scheduler.decay_type": To("training.lr_decay_type"),
@@ -266,3 +268,38 @@ RULES: dict[str, Rule2026] = {
     "validator.steps": To("validation.steps", note="-1 (the whole set) refused by validation.steps' range"),
     "validator.dataloader": Computed("validation.dataset (a DATASETS name) or validation.dataset_path"),
 }
+
+
+def describe_2026(rule: Rule2026) -> str:
+    """One line for --help and docs/compatibility.md's 2026 table."""
+    if isinstance(rule, To):
+        return f"-> {rule.target}" + (f" ({rule.note})" if rule.note else "")
+    if isinstance(rule, Fixed):
+        return describe(rule)
+    if isinstance(rule, Warns):
+        return f"no effect here, said once unless {rule.quiet!r}: {rule.why}"
+    return rule.what
+
+
+def _kind(rule: Rule2026) -> str:
+    if isinstance(rule, To):
+        return "maps"
+    if isinstance(rule, Fixed):
+        return "refused unless " + " or ".join(repr(v) for v in (rule.value, *rule.also))
+    return "warns" if isinstance(rule, Warns) else "computed"
+
+
+def help_2026() -> list[str]:
+    """--help's section on upstream's 2026 Trainer.Config fields (the recipes of --module torchtitan_recipes.*)."""
+    out = ["", "[upstream torchtitan 2026 Trainer.Config fields] (--module torchtitan_recipes.tests.features --config F;"
+           " docs/compatibility.md, 2026 configurations)"]  # fmt: skip
+    return out + [f"  Trainer.Config.{path}: {describe_2026(rule)}" for path, rule in RULES.items()]
+
+
+def markdown_table() -> str:
+    """docs/compatibility.md's 2026 field table (tests/unit/test_config_2026.py holds the docs to it)."""
+    rows = ["| upstream `Trainer.Config` field | here | what it means here |", "|---|---|---|"]
+    for path, rule in RULES.items():
+        text = describe_2026(rule).replace("|", "\\|")
+        rows.append(f"| `{path}` | {_kind(rule)} | {text} |")
+    return "\n".join(rows)

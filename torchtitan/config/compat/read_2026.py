@@ -10,7 +10,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from torchtitan.config.compat.keys_2026 import RULES, Computed, To, Warns
+from torchtitan.config.compat.keys_2026 import RULES, To, Warns
 from torchtitan.config.compat.spellings import Fixed
 from torchtitan.config.compat.upstream_2026 import classes as c
 from torchtitan.config.errors import ConfigError
@@ -113,7 +113,9 @@ def _model(r: _Reader) -> None:
                                "runs torch._scaled_mm)")  # fmt: skip
             r.set("float8.enable_float8_linear", True)
         elif isinstance(conv, c.LoRAConverter):
-            names = [n for m in conv.target_modules for n in {"wkv": ["wk", "wv"], "wqkv": ["wq", "wk", "wv"]}.get(m, [m])]
+            names = [
+                n for m in conv.target_modules for n in {"wkv": ["wk", "wv"], "wqkv": ["wq", "wk", "wv"]}.get(m, [m])
+            ]
             r.out.update({"lora.enable": True, "lora.rank": conv.rank, "lora.alpha": conv.alpha,
                           "lora.target_modules": names})  # fmt: skip
         else:
@@ -139,7 +141,11 @@ def _loss(r: _Reader) -> None:
         raise r.refuse("loss", loss, "ChunkedLossWrapper or CrossEntropyLoss", ConfigError)
     if loss.chunked and (loss.num_chunks < 1 or length % loss.num_chunks):
         raise r.refuse("loss.num_chunks", loss.num_chunks, f"must divide max_context_length ({length})", ConfigError)
-    r.set("training.loss_chunk_size", length // loss.num_chunks if loss.chunked else 0)
+    compiled = r.config.compile.enable and "loss" in r.config.compile.components
+    if loss.chunked and compiled:  # our compiled loss is the full-logits one; chunking changes memory only
+        r.warn("loss", "ChunkedLossWrapper", "with the loss compiled it runs here over the full logits, in one "
+               "chunk (the same loss; chunking changes memory only)")  # fmt: skip
+    r.set("training.loss_chunk_size", length // loss.num_chunks if loss.chunked and not compiled else 0)
 
 
 def _ac(r: _Reader) -> None:
@@ -151,7 +157,9 @@ def _ac(r: _Reader) -> None:
     elif isinstance(ac, c.SelectiveACConfig):
         r.out.update({"activation_checkpoint.mode": "selective", "activation_checkpoint.selective_ac_option": "op"})
     elif isinstance(ac, c.MemoryBudgetACConfig):
-        r.out.update({"activation_checkpoint.mode": "memory_budget", "activation_checkpoint.memory_budget": ac.memory_budget})
+        r.out.update(
+            {"activation_checkpoint.mode": "memory_budget", "activation_checkpoint.memory_budget": ac.memory_budget}
+        )
     else:
         raise r.refuse("activation_checkpoint", ac, "None, FullAC.Config(), SelectiveAC.Config() or "
                        "MemoryBudgetAC.Config()", ConfigError)  # fmt: skip
@@ -200,6 +208,8 @@ _COMPUTED = {
 
 def _apply(r: _Reader, path: str, value: Any) -> None:
     rule = RULES[path]
+    if isinstance(rule, To) and path.startswith("checkpoint.") and not r.config.checkpoint.enable:
+        return  # upstream's checkpoint values act only with checkpointing on (here a given one would be warned about)
     if isinstance(rule, To):
         try:
             r.set(rule.target, rule.convert(value) if rule.convert else value)

@@ -37,7 +37,9 @@ def is_upstream_recipe(module: str) -> bool:
 
 
 def _module(name: str, names: dict[str, object]) -> ModuleType:
-    module = ModuleType(name, f"stand-in for upstream torchtitan 2026's {name} (torchtitan/config/compat/upstream_2026)")
+    module = ModuleType(
+        name, f"stand-in for upstream torchtitan 2026's {name} (torchtitan/config/compat/upstream_2026)"
+    )
     module.__dict__.update(names)
     module.__getattr__ = lambda attr: _missing(name, attr, names)  # a name upstream has that is not here
     return module

@@ -36,7 +36,9 @@ class MemoryBudgetAC:
 def _adamw(lr: float) -> c.OptimizerConfig:
     """upstream's ``default_adamw(lr)``: one AdamW group over every parameter."""
     kwargs = {"lr": lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-    return c.OptimizerConfig(param_groups=[c.ParamGroup(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs=kwargs)])
+    return c.OptimizerConfig(
+        param_groups=[c.ParamGroup(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs=kwargs)]
+    )
 
 
 def _debug_schedule() -> c.LRSchedulerConfig:
