@@ -98,12 +98,14 @@ def logged_steps(folder: str) -> list[int]:
 
 
 def run_one(entry: Entry, index: int, config: str, work: str, steps: int, seq_len: int) -> tuple[str, str, float]:
-    resumes = any("load" in c for c in entry.configs)  # a save -> load entry shares one folder, as upstream's runner
-    folder = os.path.join(work, "outputs", entry.name if resumes else f"{entry.name}.{config}")
+    shared = os.path.join(work, "outputs", entry.name)
+    from_hf = "hf_checkpoint_load" in config  # a fresh run from the weights an earlier one exported
+    resumes = any("load" in c for c in entry.configs) and not from_hf  # save -> load: one folder, as upstream's runner
+    folder = shared if resumes else f"{shared}.{config}"
     total = steps * (index + 1) if resumes else steps
     argv = ["--module", MODULE, "--config", config, *flags(config, folder, total, seq_len)]
-    if "hf_checkpoint_load" in config:
-        argv += hf_export(folder)
+    if from_hf:
+        argv += hf_export(shared)
     env = dict(os.environ, NGPU=str(entry.ngpu), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     before = len(logged_steps(folder))
     start = time.monotonic()

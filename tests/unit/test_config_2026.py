@@ -97,10 +97,12 @@ def test_values_read_from_upstreams_fields(recipes):
         8,
         "1F1B",
     )
+    assert parse("llama3_debugmodel_fsdp2_pp2_1f1b", 4).training.loss_chunk_size == 0  # the pipeline's: full logits
+    assert parse("llama3_debugmodel_sft", 2).validation.enabled is False  # upstream's validator (steps = -1) is off
     accumulation = parse("llama3_debugmodel_gradient_accumulation", 2).training  # 65536 / (16384 x dp 2)
     assert (accumulation.batch_size, accumulation.gradient_accumulation_steps) == (8, 2)
     bf16 = parse("llama3_debugmodel_optimizer_bf16_states", 2).optimizer
-    assert (bf16.fused, bf16.state_dtype) == (True, "bfloat16")
+    assert (bf16.fused, bf16.state_dtype) == (False, "bfloat16")  # torch's fused kernel: states in the param dtype
     compiled = parse("llama3_debugmodel_compile_sac_op", 4)
     assert (compiled.training.compile, compiled.training.compile_loss, compiled.training.loss_chunk_size) == (
         True,

@@ -34,6 +34,7 @@ class To:
     convert: Callable[[Any], Any] | None = None
     note: str = ""
     extra: Callable[[Any], dict[str, Any]] | None = None  # value -> other keys of ours it also sets
+    said: Callable[[Any], str | None] | None = None  # value -> a speed-only difference, said once (None: none)
 
 
 @dataclass(frozen=True)
@@ -70,11 +71,19 @@ def _implementation(value: str) -> bool:
         raise NotImplementedError("'for-loop' is not built: the optimizer runs 'foreach' or 'fused'")
     if value not in ("foreach", "fused", "fused_opt_states_bf16"):
         raise ConfigError(f"got {value!r}; allowed: 'foreach', 'fused', 'fused_opt_states_bf16'")
-    return value != "foreach"
+    return (
+        value == "fused"
+    )  # fused_opt_states_bf16: foreach here (torch's fused kernel keeps states in the param dtype)
 
 
 def _bf16_states(value: str) -> dict[str, Any]:
     return {"optimizer.state_dtype": "bfloat16"} if value == "fused_opt_states_bf16" else {}
+
+
+def _unfused(value: str) -> str | None:
+    if value != "fused_opt_states_bf16":
+        return None
+    return "the update runs unfused here (speed only): torch's fused kernel keeps its states in the parameters' dtype"
 
 
 def _wsd(value: Any) -> dict[str, Any]:
@@ -106,8 +115,8 @@ RULES: dict[str, Rule2026] = {
         "'chat', loss on the assistant's tokens; shuffle = True is said once (the data is read in order here)"
     ),
     "loss": Computed(
-        "ChunkedLossWrapper(num_chunks) -> training.loss_chunk_size = max_context_length / num_chunks; "
-        "CrossEntropyLoss -> 0 (the full logits)"
+        "ChunkedLossWrapper(num_chunks) -> training.loss_chunk_size = max_context_length / num_chunks (with the "
+        "loss compiled or pipeline parallel: 0, memory only, said once); CrossEntropyLoss -> 0 (the full logits)"
     ),
     "activation_checkpoint": Computed(
         "None -> activation_checkpoint.mode 'none'; FullAC -> 'full'; SelectiveAC -> 'selective', op-level; "
@@ -251,9 +260,11 @@ RULES: dict[str, Rule2026] = {
     "optimizer.implementation": To(
         "optimizer.fused",
         _implementation,
-        note="'fused' -> fused; 'foreach' -> not; 'fused_opt_states_bf16' -> fused + optimizer.state_dtype "
-        "'bfloat16'; 'for-loop' refused",
+        note="'fused' -> fused; 'foreach' -> not; 'fused_opt_states_bf16' -> optimizer.state_dtype 'bfloat16', "
+        "not fused (torch's fused kernel keeps its states in the parameters' dtype; fused is speed only: said once); "
+        "'for-loop' refused",
         extra=_bf16_states,
+        said=_unfused,
     ),
     "optimizer.optimizer_factory_kwargs_by_name": Fixed(dict, {}, "optimizer factory arguments are not built"),
     "lr_scheduler.warmup_steps": To(

@@ -142,10 +142,13 @@ def _loss(r: _Reader) -> None:
     if loss.chunked and (loss.num_chunks < 1 or length % loss.num_chunks):
         raise r.refuse("loss.num_chunks", loss.num_chunks, f"must divide max_context_length ({length})", ConfigError)
     compiled = r.config.compile.enable and "loss" in r.config.compile.components
-    if loss.chunked and compiled:  # our compiled loss is the full-logits one; chunking changes memory only
-        r.warn("loss", "ChunkedLossWrapper", "with the loss compiled it runs here over the full logits, in one "
-               "chunk (the same loss; chunking changes memory only)")  # fmt: skip
-    r.set("training.loss_chunk_size", length // loss.num_chunks if loss.chunked and not compiled else 0)
+    piped = r.config.parallelism.pipeline_parallel_degree > 1
+    if loss.chunked and (compiled or piped):  # ours: the compiled loss and the pipeline's are full-logits ones
+        why = "the loss compiled" if compiled else "pipeline parallel (the last stage's loss)"
+        r.warn("loss", f"ChunkedLossWrapper(num_chunks={loss.num_chunks})", f"with {why} it runs here over the full "
+               "logits, in one chunk (the same loss; chunking changes memory only)")  # fmt: skip
+    chunked = loss.chunked and not compiled and not piped
+    r.set("training.loss_chunk_size", length // loss.num_chunks if chunked else 0)
 
 
 def _ac(r: _Reader) -> None:
@@ -197,7 +200,9 @@ def _overrides(r: _Reader) -> None:
 _COMPUTED = {
     "model_spec": _model,
     "dataloader": lambda r: _data(r, "dataloader", r.config.dataloader, "training"),
-    "validator.dataloader": lambda r: _data(r, "validator.dataloader", r.config.validator.dataloader, "validation"),
+    "validator.dataloader": lambda r: (
+        r.config.validator.enable and _data(r, "validator.dataloader", r.config.validator.dataloader, "validation")
+    ),
     "loss": _loss,
     "activation_checkpoint": _ac,
     "training.num_tokens_per_microbatch_per_dp_rank": _tokens,
@@ -208,14 +213,17 @@ _COMPUTED = {
 
 def _apply(r: _Reader, path: str, value: Any) -> None:
     rule = RULES[path]
-    if isinstance(rule, To) and path.startswith("checkpoint.") and not r.config.checkpoint.enable:
-        return  # upstream's checkpoint values act only with checkpointing on (here a given one would be warned about)
+    off = {"checkpoint.": r.config.checkpoint.enable, "validator.": r.config.validator.enable}
+    if isinstance(rule, To) and any(path.startswith(s) and not on for s, on in off.items()) and path[-7:] != ".enable":
+        return  # upstream's values of a section act only with it on (here a given one would be warned about)
     if isinstance(rule, To):
         try:
             r.set(rule.target, rule.convert(value) if rule.convert else value)
         except (ConfigError, NotImplementedError) as e:
             raise r.refuse(path, value, str(e), type(e)) from None
         r.out.update(rule.extra(value) if rule.extra else {})
+        if rule.said and (note := rule.said(value)):
+            r.warn(path, value, note)
     elif isinstance(rule, Fixed):
         if not rule.accepts(value):
             allowed = " or ".join(repr(v) for v in (rule.value, *rule.also))
