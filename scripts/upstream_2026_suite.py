@@ -107,6 +107,9 @@ def run_one(entry: Entry, index: int, config: str, work: str, steps: int, seq_le
     if from_hf:
         argv += hf_export(shared)
     env = dict(os.environ, NGPU=str(entry.ngpu), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # inductor's code cache of this suite only: a graph cached by another run's layout names process groups by that
+    # run's numbering ("Could not resolve the process group registered under the name 4" on a hit)
+    env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(work, "inductor_cache")
     before = len(logged_steps(folder))
     start = time.monotonic()
     proc = subprocess.run([os.path.join(ROOT, "run_llama_train.sh"), *argv], cwd=work, env=env,
