@@ -98,6 +98,18 @@ def test_layout_is_computed_once_per_batch(ac):
     assert model.document_cache.num_computed == 3
 
 
+def test_interleaved_micro_batches_under_op_level_ac():
+    """A pipeline schedule's order: two micro-batches' forwards, then their backwards. Each backward's recompute
+    finds its own batch's layout (computing it again would run ops op-level AC did not record: it raises)."""
+    model = _model()
+    apply_ac(model, ActivationCheckpoint(mode="selective", selective_ac_option="op"))
+    tokens, ids = torch.randint(0, 61, (3, 40)), _doc_ids(LAYOUTS)
+    first, second = model(tokens, doc_ids=ids).sum(), model(tokens, doc_ids=ids.clone()).sum()
+    first.backward()
+    second.backward()
+    assert model.document_cache.num_computed == 2
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 def test_fake_tensor_forward_and_backward(backend):
     """The memory estimator's run: fake tensors, whose ids cannot be read, go through a stand-in."""

@@ -4,11 +4,13 @@ The function's config enters the parser where a TOML file's would, as the same `
 (``config_table``: its values that differ from a default JobConfig), so one path checks both: unknown keys (an
 attribute JobConfig does not have included), types, torchtitan 2025's spellings, then the flags on top and the
 ranges before launch. ``M`` is a dotted module name, imported from the current directory or the installed
-packages, or a ``.py`` file. Every error is one line naming the module and the function. A leaf of config/: it
-imports the user's module by name at run time, nothing of the package.
+packages, or a ``.py`` file. Every error is one line naming the module and the function. It imports the user's
+module by name at run time, and of the package only config/.
 
-Another kind of returned object (upstream torchtitan's 2026 ``Trainer.Config``) would be one more branch of
-``config_table``, giving its keys in its own spellings for config/compat's rules to translate.
+Upstream torchtitan's 2026 recipes (``--module torchtitan_recipes.tests.features --config F``, its package copied
+unchanged) run too: while such a module is imported and called, upstream's module names resolve to the stand-ins
+of config/compat/upstream_2026, and the ``Trainer.Config`` it returns is the other branch of ``config_table``,
+read by the rules of config/compat/keys_2026.py (docs/compatibility.md, "2026 configurations").
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from torchtitan.config.compat.read_2026 import config_table_2026
+from torchtitan.config.compat.upstream_2026 import TrainerConfig, aliased, is_upstream_recipe
 from torchtitan.config.errors import ConfigError
 
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -172,6 +176,11 @@ def call_function(module_name: str, function: str) -> tuple[Any, ConfigFunction]
     Raises:
         ConfigError: any failure on the way, in one line naming the module and the function.
     """
+    with aliased(is_upstream_recipe(module_name)):
+        return _call_function(module_name, function)
+
+
+def _call_function(module_name: str, function: str) -> tuple[Any, ConfigFunction]:
     module = import_module(module_name)
     file, sha256 = _file_record(module)
     source = ConfigFunction(module_name, function, file, sha256)
@@ -207,10 +216,14 @@ def config_table(config: Any, expected: type, source: ConfigFunction, *, records
     """The values of ``config`` (what ``source`` returned) that differ from a default ``expected()``, as the tables
     of a parsed TOML file: ``{section: {key: value}}``. An attribute that is no field is kept, for the parser to
     refuse as an unknown key; ``records`` name attributes that are no config values (``JobConfig.built_by``).
+    An upstream 2026 ``Trainer.Config``: every field, read onto our keys by keys_2026's rules.
 
     Raises:
         ConfigError: ``config`` is not an ``expected``, or one of its sections is not its section's class.
+        NotImplementedError: an upstream 2026 field at a value not built here.
     """
+    if isinstance(config, TrainerConfig):
+        return config_table_2026(config, source.describe())
     if not isinstance(config, expected):
         raise ConfigError(
             f"{source.describe()} returned {_a(config)}, expected a {expected.__name__}: start from "

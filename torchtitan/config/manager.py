@@ -18,6 +18,7 @@ from typing import Any
 
 from torchtitan.config.as_code import ConfigFunction, call_function, config_table, function_flags
 from torchtitan.config.compat.keys_2025 import RULES, SECTIONS_2025
+from torchtitan.config.compat.keys_2026 import help_2026
 from torchtitan.config.compat.resolve_2025 import resolve
 from torchtitan.config.compat.spellings import Alias, Given, describe, translate
 from torchtitan.config.errors import ConfigError  # also importable from here, as before
@@ -244,7 +245,7 @@ class JobConfig(JobConfigTree):
             return []
         built, self.built_by = call_function(*function)
         table = config_table(built, type(self), self.built_by, records=("built_by",))
-        if table.get("optimizer", {}).get("state_dtype") == built.training.dtype:
+        if isinstance(built, type(self)) and table.get("optimizer", {}).get("state_dtype") == built.training.dtype:
             del table["optimizer"]["state_dtype"]  # the moments following the parameters (parse_args): unset
         with _naming(self.built_by.describe()):  # an attribute that is no section: an unknown key
             return _toml_pairs(table)
@@ -335,7 +336,7 @@ def format_help() -> str:
                 )
             for spelling, rule in spelled_as.get(f"{section}.{f.name}", []):
                 out.append(f"  --{spelling} (torchtitan 2025): {describe(rule)}")
-    return "\n".join(out + _help_2025_only())
+    return "\n".join(out + _help_2025_only() + help_2026())
 
 
 def _help_2025_only() -> list[str]:

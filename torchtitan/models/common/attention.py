@@ -16,6 +16,7 @@ so it is computed once per forward and shared by every layer (``DocumentLayoutCa
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -50,30 +51,35 @@ def resolve_attention_backend(requested: str, device_type: str) -> str:
 
 
 class DocumentLayoutCache:
-    """The last batch's document layout, shared by every attention kernel of one model.
+    """The document layout of each live batch, shared by every attention kernel of one model.
 
     The Transformer creates one and hands it to its blocks. Within a forward every layer gets the
     same ``doc_ids`` tensor object, and activation-checkpoint recompute passes it again, so an
-    identity check finds it; the strong reference keeps that tensor alive so a new batch's tensor
-    cannot reuse its id, and its version counter catches an in-place edit. A miss (a new
-    micro-batch; a pipeline schedule interleaving micro-batches) recomputes: correctness never
-    depends on a hit. It also holds the compiled FlexAttention functions, built on first use.
+    identity check finds it; its version counter catches an in-place edit. A layout is kept while its
+    ``doc_ids`` tensor lives (a weak reference drops it after), for every micro-batch in flight: a
+    pipeline schedule runs several micro-batches' forwards before their backwards, and op-level
+    activation checkpointing refuses a recompute that runs ops its forward did not (a layout computed
+    again because a later micro-batch replaced it). It also holds the compiled FlexAttention
+    functions, built on first use.
     """
 
     def __init__(self) -> None:
         self.num_computed = 0  # layouts computed so far (one per batch when the cache works)
-        self._key: tuple[torch.Tensor, int, str] | None = None
-        self._layout: Any = None
+        self._layouts: dict[int, tuple[weakref.ref, int, dict[str, Any]]] = {}  # id -> (tensor, version, kinds)
         self._compiled: dict[Callable, Callable] = {}
 
     def get(self, doc_ids: torch.Tensor, kind: str, compute: Callable[[torch.Tensor], Any]) -> Any:
-        """``compute(doc_ids)``, or the layout of this ``kind`` from the last call with this very tensor."""
-        key = self._key
-        if key is None or key[0] is not doc_ids or key[1] != doc_ids._version or key[2] != kind:
-            self._layout = compute(doc_ids)
-            self._key = (doc_ids, doc_ids._version, kind)
+        """``compute(doc_ids)``, or the layout of this ``kind`` computed before for this very tensor."""
+        key = id(doc_ids)
+        entry = self._layouts.get(key)
+        if entry is None or entry[0]() is not doc_ids or entry[1] != doc_ids._version:
+            layouts = self._layouts
+            entry = (weakref.ref(doc_ids, lambda _: layouts.pop(key, None)), doc_ids._version, {})
+            layouts[key] = entry
+        if kind not in entry[2]:
+            entry[2][kind] = compute(doc_ids)
             self.num_computed += 1
-        return self._layout
+        return entry[2][kind]
 
     def compiled(self, fn: Callable) -> Callable:
         """``torch.compile(fn)``, made on first use (dynamo's code cache is shared by every model anyway)."""
