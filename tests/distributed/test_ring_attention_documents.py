@@ -101,13 +101,17 @@ def _case(rank: int, world: int, group, rotate_method: str, load_balance: bool) 
     out.backward(shard_sequence([dout], 2, positions)[0])
     counted = (planner.blocks_skipped, planner.blocks_computed)
     layers[0](*[t.detach() for t in local], doc_ids=local_docs.clone())  # equal values, new micro-batch
+    counted_twice = (planner.blocks_skipped, planner.blocks_computed)
+    # the first micro-batch again after a later one (a pipeline schedule's backward recompute): its plans were kept
+    layers[0](*[t.detach() for t in local], doc_ids=local_docs)
     got = [_gather_window(t, world, load_balance) for t in (out.detach(), *(t.grad for t in local))]
     want = _reference(q, k, v, dout, docs)
     return {
         "max_diff": {name: float((g - w).abs().max()) for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)},
         "second_layer_equal": bool(torch.equal(second, out.detach())),
         "counted_once": counted,
-        "counted_twice": (planner.blocks_skipped, planner.blocks_computed),
+        "counted_twice": counted_twice,
+        "counted_after_return": (planner.blocks_skipped, planner.blocks_computed),
         "expected_skips": _expected_skips(docs, world, rank, load_balance),
     }
 
@@ -141,6 +145,7 @@ def test_planner_skips_fully_masked_blocks_once_per_micro_batch(world: int, case
         # two layers and the checkpoint recompute share one doc_ids tensor: planned (and counted) once
         assert result["counted_once"] == (skipped, world - skipped), f"rank {rank}"
         assert result["counted_twice"] == (2 * skipped, 2 * (world - skipped)), f"rank {rank}"
+        assert result["counted_after_return"] == result["counted_twice"], f"rank {rank}: a live micro-batch planned again"
     total = sum(result["expected_skips"] for result in results)
     print(f"cp={world} {case}: {total} of {world * world} (rank, block) pairs skipped per micro-batch")
     assert total > 0

@@ -7,11 +7,13 @@ balancing the sequence is cut into 2 * cp chunks and rank r holds chunk r and it
 A block plan says which part of a K/V block a rank's queries see (``ring_attention_math._BlockPlan``).
 ``RingAttentionPlanner`` holds them for every RingAttention of one model: causal plans depend on
 the local seqlen only (host ints, once per shape); block-causal plans depend on the micro-batch's
-documents, so they are built once per micro-batch and shared by every layer and by the
-activation-checkpoint recompute.
+documents, so they are built once per micro-batch (kept while its doc_ids tensor lives) and shared
+by every layer and by the activation-checkpoint recompute.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -67,14 +69,12 @@ class RingAttentionPlanner:
     def __init__(self, cp_group: dist.ProcessGroup, *, load_balance: bool):
         self.cp_group, self.load_balance = cp_group, load_balance
         self._causal: dict[tuple[int, int | None], list[_BlockPlan | None]] = {}  # (local seqlen, window) -> plans
-        # The last micro-batch's doc_ids (a strong reference: an `is` match must not be a reused
-        # address), every rank's gathered copy, and its plans per window. Every layer, and the
-        # activation-checkpoint recompute, passes the same tensor object. A schedule that interleaves
-        # micro-batches (pipeline parallel) recomputes with an older tensor: that re-plans (same
-        # plans, one more all-gather, counted again).
-        self._doc_ids: torch.Tensor | None = None
-        self._all_docs: torch.Tensor | None = None
-        self._doc_plans: dict[int | None, list[_BlockPlan | None]] = {}  # window -> plans
+        # Per live micro-batch doc_ids tensor (keyed by id, dropped by a weak reference when the tensor
+        # dies): every rank's gathered copy and its plans per window. Every layer, and the
+        # activation-checkpoint recompute, passes the same tensor object; a pipeline schedule runs
+        # several micro-batches' forwards before their backwards, so every micro-batch in flight keeps
+        # its plans (op-level AC refuses a recompute that plans again: ops its forward did not run).
+        self._docs: dict[int, tuple[weakref.ref, int, torch.Tensor, dict[int | None, list[_BlockPlan | None]]]] = {}
         self.blocks_computed = 0
         self.blocks_skipped = 0
 
@@ -113,14 +113,20 @@ class RingAttentionPlanner:
                 "model.attn_mask_type = 'block_causal'; estimate with context_parallel_degree = 1 or "
                 "model.attn_mask_type = 'causal'"
             )
-        if doc_ids is not self._doc_ids:  # a new micro-batch: every rank gathers its documents once
-            self._doc_ids, self._doc_plans = doc_ids, {}
-            self._all_docs = _all_gather(doc_ids, self.cp_group)  # (cp, bs, s): every rank's documents
-        if window not in self._doc_plans:
+        key = id(doc_ids)
+        entry = self._docs.get(key)
+        if entry is None or entry[0]() is not doc_ids or entry[1] != doc_ids._version:
+            # a new micro-batch: every rank gathers its documents once
+            docs = self._docs
+            all_docs = _all_gather(doc_ids, self.cp_group)  # (cp, bs, s): every rank's documents
+            entry = (weakref.ref(doc_ids, lambda _: docs.pop(key, None)), doc_ids._version, all_docs, {})
+            docs[key] = entry
+        _, _, all_docs, doc_plans = entry
+        if window not in doc_plans:
             positions = torch.tensor(self._positions(doc_ids.shape[1]), device=doc_ids.device)  # (cp, s)
-            plans = plan_document_blocks(doc_ids, self._all_docs, positions[self.cp_group.rank()], positions, window)
+            plans = plan_document_blocks(doc_ids, all_docs, positions[self.cp_group.rank()], positions, window)
             skipped = sum(plan is None for plan in plans)
             self.blocks_skipped += skipped
             self.blocks_computed += len(plans) - skipped
-            self._doc_plans[window] = plans
-        return self._doc_plans[window]
+            doc_plans[window] = plans
+        return doc_plans[window]
