@@ -145,7 +145,9 @@ def test_planner_skips_fully_masked_blocks_once_per_micro_batch(world: int, case
         # two layers and the checkpoint recompute share one doc_ids tensor: planned (and counted) once
         assert result["counted_once"] == (skipped, world - skipped), f"rank {rank}"
         assert result["counted_twice"] == (2 * skipped, 2 * (world - skipped)), f"rank {rank}"
-        assert result["counted_after_return"] == result["counted_twice"], f"rank {rank}: a live micro-batch planned again"
+        assert result["counted_after_return"] == result["counted_twice"], (
+            f"rank {rank}: a live micro-batch planned again"
+        )
     total = sum(result["expected_skips"] for result in results)
     print(f"cp={world} {case}: {total} of {world * world} (rank, block) pairs skipped per micro-batch")
     assert total > 0
