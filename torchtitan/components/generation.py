@@ -148,6 +148,7 @@ def generate(
     logprobs: list[torch.Tensor] | None = None,
     all_done: Callable[[torch.Tensor], bool] | None = None,
     pad_multiple: int = 1,
+    steer: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """prompt (bs, n) token ids -> (bs, n + generated): the prompt followed by up to ``max_new_tokens``.
 
@@ -164,6 +165,10 @@ def generate(
     ``pad_multiple``: with the cache, each forward's new tokens are padded on the right to a multiple of this
     (tensor parallel's sequence parallel shards the sequence over the tp ranks: a 1-token step would leave a rank
     none). Padding is harmless: no real token attends to a later one, and the next step overwrites its cache slots.
+
+    ``steer``: the sampled (bs,) ids -> (the ids to append, (bs,) bool "row is done"), in place of the stop test: a
+    multi-turn episode (reinforcement learning's environments) forces an environment's reply into a row, one token
+    per step, so every row still grows by one token a step and the cache and the ranks' agreement hold.
     """
     stops = _stop_ids(stop_token, prompt.device)  # (n_stops,) or None
     tokens = prompt
@@ -184,12 +189,15 @@ def generate(
                 cache.length = tokens.shape[1]
             logits = _full(logits).float()  # (bs, vocab)
             nxt = sampling.pick(logits, generator)  # (bs,)
+            if steer is not None:
+                nxt, done = steer(nxt)
             if logprobs is not None:
                 scaled = sampling.scaled(logits).log_softmax(dim=-1)
                 logprobs.append(scaled.gather(-1, nxt[:, None]).squeeze(-1))
             tokens = torch.cat([tokens, nxt[:, None]], dim=1)
-            if stops is not None:
-                done |= torch.isin(nxt, stops)
+            if steer is not None or stops is not None:
+                if steer is None:
+                    done |= torch.isin(nxt, stops)
                 if all_done(done) if all_done is not None else bool(done.all()):
                     break
     finally:
