@@ -234,3 +234,48 @@ def test_the_importance_cap_weights_tokens_and_is_off_by_default():
     assert torch.allclose(stats["importance_capped"], torch.tensor(1 / 3))
     capped.backward()
     assert torch.allclose(logprobs.grad, torch.tensor([[-1 / 3, -2 / 3, -1 / 3]]))
+
+
+def test_the_asynchronous_generator_runs_the_same_episodes(prompts):
+    """rollouts.generate_step (the generator process's) goes through the one episode loop: a step's rows carry the
+    environment's tokens marked, as the ranks' rows do."""
+    from torchtitan.features.rl.rollouts import generate_step
+
+    tok = prompts.tokenizer
+    rl = SimpleNamespace(environment=CALCULATOR, max_new_tokens=64, max_turns=4, group_size=2, reward="unused")
+    model = Scripted(
+        tok.encode_chat("<calc>2+2</calc><|im_end|>")[0],
+        tok.encode_chat("2 plus 2 is 4.<|im_end|>")[0],
+        tok.encode_chat("<|im_start|>assistant\n")[0],
+        tok.base.n_words,
+    )
+    kwargs = dict(rl=rl, seed=0, reward_fn=None, stop_ids=prompts.stop_ids, sampling=Sampling(1.0), device="cpu")
+    rows = generate_step(model, prompts, 1, episodes=episode_spec(rl, prompts, prompts.stop_ids), **kwargs)
+    reply = tok.encode_chat("\n<|im_start|>user\n<result>4</result><|im_end|>\n<|im_start|>assistant\n")[0]
+    assert len(rows) == 2 and all(sum(r.env_mask) == len(reply) and r.env_mask[0] == 0 for r in rows), rows
+    assert "<result>4</result>" in tok.base.model.decode(rows[0].completion_ids, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (
+            ["--rl.environment", "torchtitan.features.rl.environments:Calc"],
+            "rl.environment = 'torchtitan.features.rl.environments:Calc': torchtitan.features.rl.environments has no "
+            "class 'Calc' (it has: CalcError, CalculatorEnvironment, EnvStep, Environment)",
+        ),
+        (
+            ["--rl.rollouts_path", "/tmp/r.jsonl"],
+            f"rl.environment = '{CALCULATOR}' with rl.rollouts_path = '/tmp/r.jsonl': an outside engine generates the "
+            "rollouts, so it runs the episodes (its rows' env_mask marks the environment's tokens); unset one",
+        ),
+    ],
+    ids=["no-such-class", "with-an-engine"],
+)
+def test_the_preflight_command_refuses_in_one_line(flags, error, capsys):
+    from torchtitan.preflight.__main__ import main as preflight
+
+    args = ["--world_size", "2", "--job.config_file", "train_configs/grpo_calc.toml"]
+    assert preflight([*args, *flags]) == 2
+    assert capsys.readouterr() == ("", f"error: {error}\n")
+    assert preflight(args) == 0

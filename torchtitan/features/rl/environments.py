@@ -55,7 +55,11 @@ def load_environment(spec: str) -> type:
         raise ValueError(f"{where}: module {module_name!r} cannot be imported ({e}); put it on PYTHONPATH") from e
     cls = getattr(module, name, None)
     if not isinstance(cls, type):
-        found = sorted(n for n, v in vars(module).items() if isinstance(v, type) and not n.startswith("_"))[:8]
+        found = sorted(
+            n
+            for n, v in vars(module).items()
+            if isinstance(v, type) and v.__module__ == module.__name__ and not n.startswith("_")
+        )[:8]
         raise ValueError(f"{where}: {module_name} has no class {name!r} (it has: {', '.join(found)})")
     try:
         env = cls()
