@@ -35,12 +35,12 @@ from bench.sft_arith import ASSETS, first_questions, generate_script, machine
 from torchtitan.components.generation import Sampling
 from torchtitan.datasets.sft.chat_template import ChatTokenizer
 from torchtitan.datasets.sft.prompting import chat_stop_ids
-from torchtitan.features.rl.episodes import episode_spec, generate_episodes
+from torchtitan.features.rl.environments.episodes import episode_spec, generate_episodes
 from torchtitan.features.rl.prompts import PromptSource
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = "train_configs/grpo_calc.toml"
-ENVIRONMENT = "torchtitan.features.rl.environments:CalculatorEnvironment"
+ENVIRONMENT = "torchtitan.features.rl.environments.calculator:CalculatorEnvironment"
 MAX_NEW_TOKENS, MAX_TURNS, SEQ_LEN = 64, 4, 96  # grpo_calc.toml's
 
 

@@ -12,15 +12,16 @@ from torch import nn
 
 from torchtitan.components.generation import Sampling
 from torchtitan.datasets.sft.chat_template import ChatTokenizer
-from torchtitan.features.rl.environments import CalcError, CalculatorEnvironment, EnvStep, evaluate, load_environment
-from torchtitan.features.rl.episodes import episode_spec, generate_episodes
+from torchtitan.features.rl.environments import EnvStep, load_environment
+from torchtitan.features.rl.environments.calculator import CalcError, CalculatorEnvironment, evaluate
+from torchtitan.features.rl.environments.episodes import episode_spec, generate_episodes
 from torchtitan.features.rl.losses import Clip, policy_loss, token_weights
 from torchtitan.features.rl.prompts import PromptSource
 from torchtitan.features.rl.records import step_records
 from torchtitan.features.rl.rollouts import Rollout, update_batch
 from torchtitan.models.common.documents import IGNORE_INDEX
 
-CALCULATOR = "torchtitan.features.rl.environments:CalculatorEnvironment"
+CALCULATOR = "torchtitan.features.rl.environments.calculator:CalculatorEnvironment"
 HERE = "tests.unit.test_rl_environments"
 
 
@@ -81,7 +82,7 @@ class NoStep:
     [
         ("calculator", "rl.environment = 'calculator': expected 'module:Class'"),
         ("no_such_module:Env", "module 'no_such_module' cannot be imported"),
-        ("torchtitan.features.rl.environments:Calculator", "has no class 'Calculator' (it has: "),
+        ("torchtitan.features.rl.environments:Calculator", "has no class 'Calculator' (it has: EnvStep, Environment)"),
         (f"{HERE}:Raises", "Raises() raised RuntimeError: no calculator here; an environment is built with no"),
         (f"{HERE}:NoStep", "NoStep has no reset(row) and step(turn) methods"),
     ],
@@ -260,9 +261,9 @@ def test_the_asynchronous_generator_runs_the_same_episodes(prompts):
     "flags, error",
     [
         (
-            ["--rl.environment", "torchtitan.features.rl.environments:Calc"],
-            "rl.environment = 'torchtitan.features.rl.environments:Calc': torchtitan.features.rl.environments has no "
-            "class 'Calc' (it has: CalcError, CalculatorEnvironment, EnvStep, Environment)",
+            ["--rl.environment", "torchtitan.features.rl.environments.calculator:Calc"],
+            "rl.environment = 'torchtitan.features.rl.environments.calculator:Calc': "
+            "torchtitan.features.rl.environments.calculator has no class 'Calc' (it has: CalcError, CalculatorEnvironment)",
         ),
         (
             ["--rl.rollouts_path", "/tmp/r.jsonl"],

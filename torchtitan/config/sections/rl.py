@@ -57,7 +57,7 @@ class Rl:
         "multi-turn episodes: 'module:Class' of an environment (reset(row), step(turn) -> EnvStep(reply, reward)) that "
         "answers each model turn, its reply appended as a user turn, until it replies None; its tokens are out of the "
         "loss and the episode's reward is its environment's (rl.reward is not called). Shipped: "
-        "torchtitan.features.rl.environments:CalculatorEnvironment ('' : one turn, scored by rl.reward)",
+        "torchtitan.features.rl.environments.calculator:CalculatorEnvironment ('' : one turn, scored by rl.reward)",
     )
     max_turns: int = _f(
         4,

@@ -121,7 +121,7 @@ def serve(config: JobConfig, out: str, *, run: str, first_step: int, steps: int,
     from torchtitan.components.generation import Sampling
     from torchtitan.datasets.sft.chat_template import ChatTokenizer
     from torchtitan.distributed.backend.device import get_device_info
-    from torchtitan.features.rl.episodes import episode_spec
+    from torchtitan.features.rl.environments.episodes import episode_spec
     from torchtitan.features.rl.prompts import PromptSource
     from torchtitan.features.rl.rewards import load_reward
     from torchtitan.features.rl.rollouts import generate_step

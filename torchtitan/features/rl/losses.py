@@ -8,8 +8,14 @@ gradient are the same under every layout (one process, FSDP, TP, accumulation), 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from torchtitan.components.run_control import NonFiniteStep
+
+if TYPE_CHECKING:
+    from torchtitan.features.rl.rollouts import UpdateBatch
 
 ADVANTAGE_EPS = 1e-6  # added to a group's reward std: a group of equal rewards has advantages 0, not NaN
 
@@ -100,3 +106,28 @@ def policy_loss(
         if kl_coef > 0:
             per_token = per_token + kl_coef * kl
     return (per_token * weights).sum(), stats
+
+
+def count_nonfinite_logprobs(batch: UpdateBatch, step: int, *, max_share: float, rollouts_path: str) -> int:
+    """The step's completion tokens whose generator log-prob is not finite (the token weights leave them out of the
+    loss). Every rank holds the whole step's rollouts (gathered, or read from the same file): every rank counts the
+    same, and stops together.
+
+    Raises:
+        NonFiniteStep: more than ``max_share`` (rl.max_nonfinite_logprob_share) of them, before the step's update.
+    """
+    bad, tokens = batch.nonfinite_tokens()
+    if bad and bad / tokens > max_share:
+        where = f"read from rl.rollouts_path {rollouts_path}" if rollouts_path else "from the in-process generator"
+        fix = (
+            "fix the engine's log-probs"
+            if rollouts_path
+            else "resume from the last good checkpoint with a lower optimizer.lr (the policy's logits overflowed)"
+        )
+        raise NonFiniteStep(
+            f"step {step}: {bad} of its {tokens} completion tokens ({bad / tokens:.1%}) have a generator log-prob that "
+            f"is not finite (NaN, inf or null; {where}), more than rl.max_nonfinite_logprob_share = {max_share:g}; "
+            f"stopped before the step's update, so no checkpoint holds it. {fix[0].upper()}{fix[1:]}, or raise "
+            "rl.max_nonfinite_logprob_share (such tokens are left out of the loss)"
+        )
+    return bad

@@ -35,8 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan.components.generation import Sampling, generate
-from torchtitan.components.run_control import NonFiniteStep
-from torchtitan.features.rl.episodes import EpisodeSpec, generate_episodes
+from torchtitan.features.rl.environments.episodes import EpisodeSpec, generate_episodes
 from torchtitan.features.rl.prompts import Prompt, PromptSource, mix_seed
 from torchtitan.features.rl.rewards import score
 from torchtitan.models.common.documents import IGNORE_INDEX
@@ -398,28 +397,3 @@ def update_batch(rollouts: list[Rollout], advantages: list[float], seq_len: int,
             env = torch.tensor(r.env_mask, dtype=torch.bool)
             labels[i, p - 1 : p - 1 + c] = labels[i, p - 1 : p - 1 + c].masked_fill(env, IGNORE_INDEX)
     return UpdateBatch(inputs, labels, old, torch.tensor(advantages, dtype=torch.float32), finite)
-
-
-def count_nonfinite_logprobs(batch: UpdateBatch, step: int, *, max_share: float, rollouts_path: str) -> int:
-    """The step's completion tokens whose generator log-prob is not finite (the token weights leave them out of the
-    loss). Every rank holds the whole step's rollouts (gathered, or read from the same file): every rank counts the
-    same, and stops together.
-
-    Raises:
-        NonFiniteStep: more than ``max_share`` (rl.max_nonfinite_logprob_share) of them, before the step's update.
-    """
-    bad, tokens = batch.nonfinite_tokens()
-    if bad and bad / tokens > max_share:
-        where = f"read from rl.rollouts_path {rollouts_path}" if rollouts_path else "from the in-process generator"
-        fix = (
-            "fix the engine's log-probs"
-            if rollouts_path
-            else "resume from the last good checkpoint with a lower optimizer.lr (the policy's logits overflowed)"
-        )
-        raise NonFiniteStep(
-            f"step {step}: {bad} of its {tokens} completion tokens ({bad / tokens:.1%}) have a generator log-prob that "
-            f"is not finite (NaN, inf or null; {where}), more than rl.max_nonfinite_logprob_share = {max_share:g}; "
-            f"stopped before the step's update, so no checkpoint holds it. {fix[0].upper()}{fix[1:]}, or raise "
-            "rl.max_nonfinite_logprob_share (such tokens are left out of the loss)"
-        )
-    return bad

@@ -27,11 +27,11 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from torchtitan.components.generation import Sampling
 from torchtitan.components.seams import StepResult
-from torchtitan.features.rl.episodes import episode_spec
+from torchtitan.features.rl.environments.episodes import episode_spec
 from torchtitan.features.rl.generator import FOLDER as GENERATOR_FOLDER
 from torchtitan.features.rl.generator import ROWS as GENERATOR_ROWS
 from torchtitan.features.rl.generator import start_generator
-from torchtitan.features.rl.losses import Clip, group_advantages, policy_loss, token_weights
+from torchtitan.features.rl.losses import Clip, count_nonfinite_logprobs, group_advantages, policy_loss, token_weights
 from torchtitan.features.rl.prompts import PromptSource
 from torchtitan.features.rl.publish import publish_policy, run_identity
 from torchtitan.features.rl.records import format_rl_line, step_records
@@ -41,7 +41,6 @@ from torchtitan.features.rl.rollouts import (
     RolloutFile,
     UpdateBatch,
     agree_all_done,
-    count_nonfinite_logprobs,
     group_seed,
     rollout_group,
     update_batch,
