@@ -13,7 +13,7 @@
 
 Prints one JSON object.
 
-    python -m bench.rl_calc [--seed 0] [--sft_steps 200] [--steps 30] [--dump_folder /tmp/torchtitan_bench_rl_calc]
+    python -m bench.rl_calc [--seed 0] [--sft_steps 300] [--steps 30] [--dump_folder /tmp/torchtitan_bench_rl_calc]
         [-- trainer flags for the GRPO run]
 """
 
@@ -130,7 +130,7 @@ def val_prompts(base: Path) -> Path:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seed", type=int, default=0, help="SFT's and GRPO's seed")
-    p.add_argument("--sft_steps", type=int, default=200, help="SFT steps on the tool rows (short: a partial policy)")
+    p.add_argument("--sft_steps", type=int, default=300, help="SFT steps on the tool rows (short: a partial policy)")
     p.add_argument("--sft_lr", type=float, default=3e-3)
     p.add_argument("--sft_hf", default="", help="an HF export of an earlier run's SFT (skips the SFT)")
     p.add_argument("--steps", type=int, default=30, help="GRPO steps")
