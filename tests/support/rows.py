@@ -136,6 +136,19 @@ RL = [
 # an MoE policy (train_configs/grpo_arith_moe.toml: Qwen3-MoE's tiny flavor, expert parallel 2) under the same run
 # (the config file and its flavor in place of RL's first four arguments: grpo_arith.toml's, the nano flavor)
 RL_MOE = ["--job.config_file", "./train_configs/grpo_arith_moe.toml", *RL[4:]]
+# multi-turn episodes (train_configs/grpo_calc.toml) on the nano flavor: a turn ends at any of the first 200 ids, so a
+# random policy's turns are short, and tests/support/rl_environments.py answers each episode's first turn
+RL_CALC = [
+    *("--job.config_file", "./train_configs/grpo_calc.toml", "--model.flavor", "debugmodel_nano"),
+    *(
+        "--rl.environment",
+        "tests.support.rl_environments:ReplyOnce",
+        "--rl.stop_ids",
+        ",".join(map(str, range(2, 200))),
+    ),
+    *("--rl.prompts_per_step", "2", "--rl.group_size", "3", "--rl.max_new_tokens", "40", "--training.seq_len", "72"),
+    *("--optimizer.lr", "1e-2", "--training.steps", "2", "--metrics.log_freq", "1"),
+]
 HF_STEPS = 4
 HF = [
     *("--job.config_file", "./train_configs/hf_debug.toml", "--training.steps", str(HF_STEPS)),

@@ -16,10 +16,10 @@ from torchtitan.config.manager import JobConfig
 from torchtitan.datasets.sft.chat_template import ChatTokenizer
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.features.rl.checks import check_rl, check_rl_machine
-from torchtitan.features.rl.losses import Clip, group_advantages, policy_loss, token_weights
+from torchtitan.features.rl.losses import Clip, count_nonfinite_logprobs, group_advantages, policy_loss, token_weights
 from torchtitan.features.rl.prompts import PromptSource
 from torchtitan.features.rl.rewards import exact_match, format_reward, load_reward, number_match, score
-from torchtitan.features.rl.rollouts import Rollout, RolloutFile, count_nonfinite_logprobs, cut_at_stop, update_batch
+from torchtitan.features.rl.rollouts import Rollout, RolloutFile, cut_at_stop, update_batch
 from torchtitan.preflight.__main__ import main as preflight
 
 PROMPTS = "tests/assets/rl/arith_prompts.jsonl"

@@ -148,6 +148,7 @@ def generate(
     logprobs: list[torch.Tensor] | None = None,
     all_done: Callable[[torch.Tensor], bool] | None = None,
     pad_multiple: int = 1,
+    steer: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """prompt (bs, n) token ids -> (bs, n + generated): the prompt followed by up to ``max_new_tokens``.
 
@@ -164,37 +165,62 @@ def generate(
     ``pad_multiple``: with the cache, each forward's new tokens are padded on the right to a multiple of this
     (tensor parallel's sequence parallel shards the sequence over the tp ranks: a 1-token step would leave a rank
     none). Padding is harmless: no real token attends to a later one, and the next step overwrites its cache slots.
+
+    ``steer``: the sampled (bs,) ids -> (the ids to append, (bs,) bool "row is done"), in place of the stop test:
+    RL's multi-turn episodes force an environment's reply into a row, one token a step (the cache and the ranks'
+    agreement hold).
     """
-    stops = _stop_ids(stop_token, prompt.device)  # (n_stops,) or None
     tokens = prompt
     cache = KVCache(prompt.shape[1] + max_new_tokens + pad_multiple - 1) if use_cache else None
     swapped = cache.install(model, pad_multiple) if cache is not None else []
-    done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+    if steer is None:
+        steer = _stop_test(_stop_ids(stop_token, prompt.device), prompt.shape[0])
     try:
         for _ in range(max_new_tokens):
             if cache is None:  # the whole sequence again, positions 0..len-1
                 logits = model(tokens)[:, -1]
-            else:  # only the tokens not yet cached, at their true positions
-                new = tokens[:, cache.length :]
-                n = new.shape[1]
-                if n % pad_multiple:  # repeat the last token into the padding
-                    new = torch.cat([new, new[:, -1:].expand(-1, pad_multiple - n % pad_multiple)], dim=1)
-                positions = torch.arange(cache.length, cache.length + new.shape[1], device=tokens.device)
-                logits = model(new, positions)[:, n - 1]
-                cache.length = tokens.shape[1]
+            else:
+                logits = _forward_new(model, tokens, cache, pad_multiple)
             logits = _full(logits).float()  # (bs, vocab)
             nxt = sampling.pick(logits, generator)  # (bs,)
+            if steer is not None:
+                nxt, done = steer(nxt)
             if logprobs is not None:
                 scaled = sampling.scaled(logits).log_softmax(dim=-1)
                 logprobs.append(scaled.gather(-1, nxt[:, None]).squeeze(-1))
             tokens = torch.cat([tokens, nxt[:, None]], dim=1)
-            if stops is not None:
-                done |= torch.isin(nxt, stops)
-                if all_done(done) if all_done is not None else bool(done.all()):
-                    break
+            if steer is not None and (all_done(done) if all_done is not None else bool(done.all())):
+                break
     finally:
         KVCache.uninstall(swapped)
     return tokens
+
+
+def _forward_new(model: nn.Module, tokens: torch.Tensor, cache: KVCache, pad_multiple: int) -> torch.Tensor:
+    """The last new token's logits (bs, vocab), forwarding only the tokens not yet cached, at their true positions."""
+    new = tokens[:, cache.length :]
+    n = new.shape[1]
+    if n % pad_multiple:  # repeat the last token into the padding
+        new = torch.cat([new, new[:, -1:].expand(-1, pad_multiple - n % pad_multiple)], dim=1)
+    positions = torch.arange(cache.length, cache.length + new.shape[1], device=tokens.device)
+    logits = model(new, positions)[:, n - 1]
+    cache.length = tokens.shape[1]
+    return logits
+
+
+def _stop_test(
+    stops: torch.Tensor | None, bs: int
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
+    """``generate``'s default ``steer``: the sampled ids unchanged, a row done once it has produced a stop id."""
+    if stops is None:
+        return None
+    done = torch.zeros(bs, dtype=torch.bool, device=stops.device)
+
+    def test(nxt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        done.logical_or_(torch.isin(nxt, stops))
+        return nxt, done
+
+    return test
 
 
 def _stop_ids(stop_token: int | Collection[int] | None, device: torch.device) -> torch.Tensor | None:

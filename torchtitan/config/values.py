@@ -23,7 +23,8 @@ def type_name(tp: Any) -> str:
     if typing.get_origin(tp) is list:
         if _is_table_list(tp):
             return "list of tables ([[section.key]] in TOML; a TOML inline array on the CLI)"
-        return "list[str] (comma-separated on the CLI)"
+        item = (typing.get_args(tp) or (str,))[0]
+        return f"list[{getattr(item, '__name__', item)}] (comma-separated on the CLI)"
     return "None" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
@@ -56,11 +57,12 @@ def _coerce_plain(value: Any, tp: Any, from_cli: bool) -> Any:
             raise TypeError
         return [dict(v) for v in value]
     if typing.get_origin(tp) is list:
+        item = (typing.get_args(tp) or (str,))[0]  # list[int] (rl.stop_ids) parses its items as ints
         if from_cli or isinstance(value, str):
-            return [v.strip() for v in str(value).split(",") if v.strip()]
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            return [_coerce_plain(v.strip(), item, True) for v in str(value).split(",") if v.strip()]
+        if not isinstance(value, list):
             raise TypeError
-        return list(value)
+        return [_coerce_plain(v, item, False) for v in value]
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -23,7 +23,7 @@ import pytest
 
 from tests.support.matrix import Row
 from tests.support.pool import run_train_job
-from tests.support.rows import RL, RL_MOE, RL_STEPS
+from tests.support.rows import RL, RL_CALC, RL_MOE, RL_STEPS
 from tests.support.runs import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2, 4)]
@@ -358,3 +358,26 @@ def _served(engine_out: str) -> str:
     """The run id an engine said it serves."""
     (line,) = [line for line in engine_out.splitlines() if line.startswith("rl_engine: serving run ")]
     return line.split()[3]
+
+
+def test_multi_turn_episodes_under_fsdp_at_parity(tmp_path):
+    """Issue 87, item 5: train_configs/grpo_calc.toml's layout (FSDP over 2 ranks) with an environment that answers
+    every episode's first turn generates the one process's episodes token for token, their environment tokens marked,
+    and updates to its loss and grad norm (the environment's tokens out of both, and of the policy's token count)."""
+    rows = {"calc_1proc": Row("calc_1proc", 1, 6), "calc_fsdp2": Row("calc_fsdp2", 2, 3)}  # pool jobs, not rows
+    folders = {name: str(tmp_path / name) for name in rows}
+    for name, row in rows.items():
+        _ok(row, folders[name], base=RL_CALC)
+    want, got = (_rollouts(folders[n]) for n in rows)
+    _same_rollouts(got, want)
+    for r in got:
+        assert len(r["env_mask"]) == len(r["completion_ids"]) == len(r["logprobs"]), r
+        assert 0 < sum(r["env_mask"]) < len(r["env_mask"]) and r["env_mask"][0] == 0, r  # a reply between turns
+    for step, (a, b) in enumerate(zip(*(_records(folders[n]) for n in rows), strict=True)):
+        assert abs(a["loss"] - b["loss"]) <= LOSS_ATOL, (a, b)  # ~0: one update per step, the ratio 1
+        _close(a["grad_norm"], b["grad_norm"], RTOL, f"step {a['step']} grad_norm")
+        assert b["grad_norm"] > 0, b
+        policy = [len(r["env_mask"]) - sum(r["env_mask"]) for r in got[step * 6 : step * 6 + 6]]
+        assert b["completion_length"] == pytest.approx(sum(policy) / 6), "the environment's tokens are not the policy's"
+    log = open(os.path.join(folders["calc_fsdp2"], "rank0.log")).read()
+    assert "episodes of up to 4 turns with tests.support.rl_environments:ReplyOnce" in log

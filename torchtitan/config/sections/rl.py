@@ -52,6 +52,26 @@ class Rl:
         "'module:function' called as function(prompt=..., completion=..., row=...) -> float per completion; shipped "
         "(torchtitan.features.rl.rewards): exact_match, number_match, format_reward, arith (format + number)",
     )
+    environment: str = _f(
+        "",
+        "multi-turn episodes: 'module:Class' of an environment (reset(row), step(turn) -> EnvStep(reply, reward)) that "
+        "answers each model turn, its reply appended as a user turn, until it replies None; its tokens are out of the "
+        "loss and the episode's reward is its environment's (rl.reward is not called). Shipped: "
+        "torchtitan.features.rl.environments.calculator:CalculatorEnvironment ('' : one turn, scored by rl.reward)",
+    )
+    max_turns: int = _f(
+        4,
+        "with rl.environment: model turns per episode at most (the episode also ends where rl.max_new_tokens, its "
+        "whole window, runs out)",
+        bound=POSITIVE,
+    )
+    importance_cap: float = _f(
+        0.0,
+        "truncated importance sampling (TIS): the ratio is taken to the trainer's own log-probs at the step's start, "
+        "and each token weighted by min(exp(trainer - generator log-prob), this cap), for a generator whose log-probs "
+        "differ from the trainer's (an outside engine, stale rollouts); 0: off (the ratio is to the generator's)",
+        bound=Bound(ge=0),
+    )
     correct_reward: float = _f(1.0, "a completion counts as correct (the logged accuracy) at a reward >= this")
     std_normalize: bool = _f(True, "divide each group's advantages by its reward std (false: Dr. GRPO)")
     clip_low: float = _f(0.2, "the ratio is clipped below at 1 - clip_low", bound=Bound(gt=0))

@@ -33,6 +33,11 @@ def check_rl(config: JobConfig, dims: ParallelDims) -> list[str]:
         )
     _check_sampling(config)
     _check_staleness(config)
+    if rl.environment and rl.rollouts_path:
+        raise ValueError(
+            f"rl.environment = {rl.environment!r} with rl.rollouts_path = {rl.rollouts_path!r}: an outside engine "
+            "generates the rollouts, so it runs the episodes (its rows' env_mask marks the environment's tokens); unset one"
+        )
     if rl.top_p > 1:
         raise ValueError(f"rl.top_p = {rl.top_p}: a probability mass in (0, 1]")
     if rl.clip_low >= 1:
@@ -125,7 +130,11 @@ def check_rl_machine(config: JobConfig, dims: ParallelDims) -> list[str]:
         return []
     if rl.prompts_path and not os.path.isfile(rl.prompts_path):
         raise FileNotFoundError(f"rl.prompts_path = '{rl.prompts_path}' does not exist")
-    if not rl.rollouts_path:
+    if rl.environment and not rl.rollouts_path:
+        from torchtitan.features.rl.environments import load_environment
+
+        load_environment(rl.environment)
+    elif not rl.rollouts_path:
         from torchtitan.features.rl.rewards import load_reward
 
         load_reward(rl.reward)

@@ -121,6 +121,7 @@ def serve(config: JobConfig, out: str, *, run: str, first_step: int, steps: int,
     from torchtitan.components.generation import Sampling
     from torchtitan.datasets.sft.chat_template import ChatTokenizer
     from torchtitan.distributed.backend.device import get_device_info
+    from torchtitan.features.rl.environments.episodes import episode_spec
     from torchtitan.features.rl.prompts import PromptSource
     from torchtitan.features.rl.rewards import load_reward
     from torchtitan.features.rl.rollouts import generate_step
@@ -129,8 +130,9 @@ def serve(config: JobConfig, out: str, *, run: str, first_step: int, steps: int,
     torch.manual_seed(t.seed)
     tokenizer = ChatTokenizer(config.model.tokenizer_path)
     prompts = PromptSource.of_run(rl, t, tokenizer)
-    reward = load_reward(rl.reward)
     stop_ids = tuple(rl.stop_ids) or prompts.stop_ids
+    reward = None if rl.environment else load_reward(rl.reward)
+    episodes = episode_spec(rl, prompts, stop_ids)
     sampling = Sampling(temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p)
     root = rl.publish_folder or os.path.join(config.job.dump_folder, "policy")
     device = get_device_info(0).device  # the run's device choice, as rank 0's
@@ -149,6 +151,7 @@ def serve(config: JobConfig, out: str, *, run: str, first_step: int, steps: int,
             rl=rl,
             seed=t.seed,
             reward_fn=reward,
+            episodes=episodes,
             stop_ids=stop_ids,
             sampling=sampling,
             device=device,

@@ -8,8 +8,14 @@ gradient are the same under every layout (one process, FSDP, TP, accumulation), 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from torchtitan.components.run_control import NonFiniteStep
+
+if TYPE_CHECKING:
+    from torchtitan.features.rl.rollouts import UpdateBatch
 
 ADVANTAGE_EPS = 1e-6  # added to a group's reward std: a group of equal rewards has advantages 0, not NaN
 
@@ -58,6 +64,8 @@ def policy_loss(
     *,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    proximal_logprobs: torch.Tensor | None = None,
+    importance_cap: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped surrogate loss of some sequences, summed with ``weights`` (b, seq_len; 0 off the trained tokens).
 
@@ -65,17 +73,32 @@ def policy_loss(
     advantages (b,): per sequence; ref_logprobs: the frozen reference's, for ``kl_coef`` * k3 (exp(r - p) - (r - p) - 1,
     an unbiased, non-negative KL estimate). Returns the loss and weighted sums for the records: the fraction of tokens
     whose ratio was clipped, the KL, and the off-policy gap (|policy - generator| log-prob).
+
+    proximal_logprobs (truncated importance sampling, ``importance_cap`` > 0): the trainer's own log-probs at the
+    step's start, no gradient. The ratio is then to them, and each token's term is weighted by
+    min(exp(proximal - generator), cap): the generator's distribution corrected to the trainer's, its variance capped
+    (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"). Recorded: the share
+    of tokens whose weight was capped.
     """
     on = weights > 0
     diff = torch.where(on, logprobs - old_logprobs, 0.0)
     ratio = diff.exp()
+    if proximal_logprobs is not None:
+        ratio = torch.where(on, logprobs - proximal_logprobs, 0.0).exp()
     adv = advantages[:, None]
     unclipped, clipped = -adv * ratio, -adv * ratio.clamp(1.0 - clip.low, 1.0 + clip.high)
     per_token = torch.maximum(unclipped, clipped)
+    capped = None
+    if proximal_logprobs is not None:
+        behaviour = torch.where(on, proximal_logprobs - old_logprobs, 0.0).exp()
+        per_token = per_token * behaviour.clamp(max=importance_cap)
+        capped = ((behaviour > importance_cap) & on).float().mul(weights).sum()
     stats = {
         "clip_fraction": ((clipped > unclipped) & on).float().mul(weights).sum().detach(),
         "offpolicy_gap": diff.detach().abs().mul(weights).sum(),
     }
+    if capped is not None:
+        stats["importance_capped"] = capped
     if ref_logprobs is not None:  # the KL is recorded only with a reference
         delta = torch.where(on, ref_logprobs - logprobs, 0.0)
         kl = delta.exp() - delta - 1.0
@@ -83,3 +106,28 @@ def policy_loss(
         if kl_coef > 0:
             per_token = per_token + kl_coef * kl
     return (per_token * weights).sum(), stats
+
+
+def count_nonfinite_logprobs(batch: UpdateBatch, step: int, *, max_share: float, rollouts_path: str) -> int:
+    """The step's completion tokens whose generator log-prob is not finite (the token weights leave them out of the
+    loss). Every rank holds the whole step's rollouts (gathered, or read from the same file): every rank counts the
+    same, and stops together.
+
+    Raises:
+        NonFiniteStep: more than ``max_share`` (rl.max_nonfinite_logprob_share) of them, before the step's update.
+    """
+    bad, tokens = batch.nonfinite_tokens()
+    if bad and bad / tokens > max_share:
+        where = f"read from rl.rollouts_path {rollouts_path}" if rollouts_path else "from the in-process generator"
+        fix = (
+            "fix the engine's log-probs"
+            if rollouts_path
+            else "resume from the last good checkpoint with a lower optimizer.lr (the policy's logits overflowed)"
+        )
+        raise NonFiniteStep(
+            f"step {step}: {bad} of its {tokens} completion tokens ({bad / tokens:.1%}) have a generator log-prob that "
+            f"is not finite (NaN, inf or null; {where}), more than rl.max_nonfinite_logprob_share = {max_share:g}; "
+            f"stopped before the step's update, so no checkpoint holds it. {fix[0].upper()}{fix[1:]}, or raise "
+            "rl.max_nonfinite_logprob_share (such tokens are left out of the loss)"
+        )
+    return bad

@@ -24,7 +24,7 @@ def step_records(
     """The step's rewards, lengths and rates; ``generation_s``: the seconds its rollouts took to come (generated
     here, or waited for); with ``rl.max_staleness``, the generator's staleness, seconds and the share overlapped."""
     rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
-    lengths = torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float64)
+    lengths = torch.tensor([r.model_tokens for r in rollouts], dtype=torch.float64)  # the policy's tokens
     stats = {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()) if len(rollouts) > 1 else 0.0,

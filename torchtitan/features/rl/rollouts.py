@@ -15,7 +15,8 @@ A rollout row (the file format, and what the run writes to ``<dump_folder>/rollo
 ``completion_ids`` end with the stop token when one was generated (it is trained: the policy learns to stop);
 ``logprobs`` are the generator's log-probabilities of those tokens at the sampling temperature, one per id. One that
 is not finite (NaN, Infinity, -Infinity, or null: an engine that could not score a token) leaves its token out of the
-loss (``UpdateBatch.finite``).
+loss (``UpdateBatch.finite``). With an environment (``rl.environment``, episodes.py) a row also has ``env_mask``, 1 per
+completion id the environment wrote: those tokens are out of the loss, its token counts and the ratio.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan.components.generation import Sampling, generate
-from torchtitan.components.run_control import NonFiniteStep
+from torchtitan.features.rl.environments.episodes import EpisodeSpec, generate_episodes
 from torchtitan.features.rl.prompts import Prompt, PromptSource, mix_seed
 from torchtitan.features.rl.rewards import score
 from torchtitan.models.common.documents import IGNORE_INDEX
@@ -54,6 +55,12 @@ class Rollout:
     # the asynchronous generator's (generator.py): the published step whose policy made it, its step's seconds
     policy_step: int | None = None
     generation_s: float | None = None
+    env_mask: list[int] | None = None  # with rl.environment: 1 per completion id the environment wrote
+
+    @property
+    def model_tokens(self) -> int:
+        """The completion's tokens the policy wrote (the environment's left out)."""
+        return len(self.completion_ids) - (sum(self.env_mask) if self.env_mask else 0)
 
     def record(self, run: str | None = None) -> dict:
         """The row written for it; ``run``: the id of the run whose policy made it (publish.py)."""
@@ -61,7 +68,7 @@ class Rollout:
         return row if run is None else {**row, "run": run}
 
 
-OPTIONAL_FIELDS = ("policy_step", "generation_s")
+OPTIONAL_FIELDS = ("policy_step", "generation_s", "env_mask")
 
 
 def cut_at_stop(ids: list[int], logprobs: list[float], stops: set[int]) -> tuple[list[int], list[float]]:
@@ -210,6 +217,51 @@ class RolloutFile:
             ) from e
 
 
+def rollout_group(
+    model: nn.Module,
+    prompt: Prompt,
+    *,
+    step: int,
+    position: int,
+    rl: Any,
+    prompts: PromptSource,
+    reward_fn: Callable[..., float] | None,
+    episodes: EpisodeSpec | None,
+    stop_ids: tuple[int, ...],
+    sampling: Sampling,
+    seed: int,
+    device: torch.device,
+    all_done: Callable[[torch.Tensor], bool] | None = None,
+    pad_multiple: int = 1,
+) -> tuple[list[Rollout], str | None]:
+    """One prompt's group, generated and scored: the ranks' in-process path and the asynchronous generator's.
+
+    With ``episodes`` (rl.environment) each completion is a multi-turn episode whose reward is its environment's;
+    else one turn scored with ``rl.reward``. Returns the rows and the first error (the reward's or the environment's),
+    which the caller raises once every rank has generated (no rank waits alone in a collective)."""
+    where = f"prompt row {prompt.index + 1} of {prompts.path}"
+    kwargs = dict(group_size=rl.group_size, sampling=sampling, seed=seed, device=device)
+    kwargs.update(all_done=all_done, pad_multiple=pad_multiple)
+    if episodes is not None:
+        done, error = generate_episodes(model, prompt, episodes, where=where, **kwargs)
+        rows = [
+            Rollout(step, position, prompt.index, prompt.ids, e.ids, e.logprobs, e.reward, env_mask=e.env_mask)
+            for e in done
+        ]
+        return rows, error
+    completions = generate_group(model, prompt, max_new_tokens=rl.max_new_tokens, stop_ids=stop_ids, **kwargs)
+    group, error = [], None
+    for ids, logprobs in completions:
+        reward = 0.0
+        if error is None:
+            try:
+                reward = score_completion(reward_fn, rl.reward, prompts, prompt, ids, stop_ids)
+            except ValueError as e:
+                error = str(e)
+        group.append(Rollout(step, position, prompt.index, prompt.ids, ids, logprobs, reward))
+    return group, error
+
+
 def generate_step(
     model: nn.Module,
     prompts: PromptSource,
@@ -217,22 +269,38 @@ def generate_step(
     *,
     rl: Any,
     seed: int,
-    reward_fn: Callable[..., float],
+    reward_fn: Callable[..., float] | None,
+    episodes: EpisodeSpec | None,
     stop_ids: tuple[int, ...],
     sampling: Sampling,
     device: torch.device,
 ) -> list[Rollout]:
     """A whole step's groups generated and scored by one process (the asynchronous generator): the step's prompts
-    with the trainer's seeds, so its rows equal those the ranks generate in process."""
-    chosen = prompts.sample(step)
-    kwargs = dict(group_size=rl.group_size, sampling=sampling, max_new_tokens=rl.max_new_tokens, stop_ids=stop_ids)
-    groups = [
-        generate_group(model, prompt, **kwargs, seed=group_seed(seed, step, 0, position), device=device)
-        for position, prompt in enumerate(chosen)
-    ]
-    return scored_rollouts(
-        step, chosen, groups, prompts=prompts, reward_fn=reward_fn, spec=rl.reward, stop_ids=stop_ids
-    )
+    with the trainer's seeds, so its rows equal those the ranks generate in process.
+
+    Raises:
+        ValueError: the reward or the environment failed (its one line).
+    """
+    rows = []
+    for position, prompt in enumerate(prompts.sample(step)):
+        group, error = rollout_group(
+            model,
+            prompt,
+            step=step,
+            position=position,
+            rl=rl,
+            prompts=prompts,
+            reward_fn=reward_fn,
+            episodes=episodes,
+            stop_ids=stop_ids,
+            sampling=sampling,
+            seed=group_seed(seed, step, 0, position),
+            device=device,
+        )
+        if error:
+            raise ValueError(error)
+        rows.extend(group)
+    return rows
 
 
 def scored_rollouts(
@@ -325,29 +393,7 @@ def update_batch(rollouts: list[Rollout], advantages: list[float], seq_len: int,
         ok = logprobs.isfinite()
         old[i, p - 1 : p - 1 + c] = torch.where(ok, logprobs, 0.0)  # no NaN reaches the loss, even times 0
         finite[i, p - 1 : p - 1 + c] = ok
+        if r.env_mask:  # the environment's tokens are no label: out of the loss, its counts and the ratio
+            env = torch.tensor(r.env_mask, dtype=torch.bool)
+            labels[i, p - 1 : p - 1 + c] = labels[i, p - 1 : p - 1 + c].masked_fill(env, IGNORE_INDEX)
     return UpdateBatch(inputs, labels, old, torch.tensor(advantages, dtype=torch.float32), finite)
-
-
-def count_nonfinite_logprobs(batch: UpdateBatch, step: int, *, max_share: float, rollouts_path: str) -> int:
-    """The step's completion tokens whose generator log-prob is not finite (the token weights leave them out of the
-    loss). Every rank holds the whole step's rollouts (gathered, or read from the same file): every rank counts the
-    same, and stops together.
-
-    Raises:
-        NonFiniteStep: more than ``max_share`` (rl.max_nonfinite_logprob_share) of them, before the step's update.
-    """
-    bad, tokens = batch.nonfinite_tokens()
-    if bad and bad / tokens > max_share:
-        where = f"read from rl.rollouts_path {rollouts_path}" if rollouts_path else "from the in-process generator"
-        fix = (
-            "fix the engine's log-probs"
-            if rollouts_path
-            else "resume from the last good checkpoint with a lower optimizer.lr (the policy's logits overflowed)"
-        )
-        raise NonFiniteStep(
-            f"step {step}: {bad} of its {tokens} completion tokens ({bad / tokens:.1%}) have a generator log-prob that "
-            f"is not finite (NaN, inf or null; {where}), more than rl.max_nonfinite_logprob_share = {max_share:g}; "
-            f"stopped before the step's update, so no checkpoint holds it. {fix[0].upper()}{fix[1:]}, or raise "
-            "rl.max_nonfinite_logprob_share (such tokens are left out of the loss)"
-        )
-    return bad

@@ -27,10 +27,11 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from torchtitan.components.generation import Sampling
 from torchtitan.components.seams import StepResult
+from torchtitan.features.rl.environments.episodes import episode_spec
 from torchtitan.features.rl.generator import FOLDER as GENERATOR_FOLDER
 from torchtitan.features.rl.generator import ROWS as GENERATOR_ROWS
 from torchtitan.features.rl.generator import start_generator
-from torchtitan.features.rl.losses import Clip, group_advantages, policy_loss, token_weights
+from torchtitan.features.rl.losses import Clip, count_nonfinite_logprobs, group_advantages, policy_loss, token_weights
 from torchtitan.features.rl.prompts import PromptSource
 from torchtitan.features.rl.publish import publish_policy, run_identity
 from torchtitan.features.rl.records import format_rl_line, step_records
@@ -40,10 +41,8 @@ from torchtitan.features.rl.rollouts import (
     RolloutFile,
     UpdateBatch,
     agree_all_done,
-    count_nonfinite_logprobs,
-    generate_group,
     group_seed,
-    score_completion,
+    rollout_group,
     update_batch,
 )
 from torchtitan.models.common.documents import IGNORE_INDEX
@@ -88,7 +87,9 @@ class RLStep:
         published policy (the memory estimator's step has none of them), and the run's id they carry (rank 0's)."""
         rl = self.rl
         self.run = self._agreed(run_identity(self.publish_root, resumed=self.start_step > 0))
-        self.reward_fn = load_reward(rl.reward) if rl.generates_in_process() else None
+        in_process = rl.generates_in_process()
+        self.reward_fn = load_reward(rl.reward) if in_process and not rl.environment else None
+        self.episodes = episode_spec(rl, self.prompts, self.stop_ids) if in_process else None
         # an engine (or the asynchronous generator) generates from the policy this run publishes: only its rows
         live = rl.publish_every > 0 or rl.max_staleness > 0
         self.rollout_file, self.generator = None, None
@@ -127,6 +128,8 @@ class RLStep:
                 "before (rl.max_staleness)"
             )
         reward = f"reward {rl.reward}" if not rl.rollouts_path else "rewards from the rollouts"
+        if rl.environment and not rl.rollouts_path:
+            reward = f"episodes of up to {rl.max_turns} turns with {rl.environment}, its rewards"
         kl = f", KL to the start's policy x {rl.kl_coef:g}" if rl.kl_coef > 0 else ""
         return {
             "batch": f"{rl.prompts_per_step} prompts x {rl.group_size} completions (<= {rl.max_new_tokens} tokens, "
@@ -207,30 +210,23 @@ class RLStep:
         mine, error = [], None
         with self.core.step_fn.autocast():
             for position in range(dp_rank * share, (dp_rank + 1) * share):
-                prompt = prompts[position]
-                completions = generate_group(
+                group, failed = rollout_group(
                     model,
-                    prompt,
-                    group_size=rl.group_size,
-                    sampling=self.sampling,
-                    max_new_tokens=rl.max_new_tokens,
+                    prompts[position],
+                    step=step,
+                    position=position,
+                    rl=rl,
+                    prompts=self.prompts,
+                    reward_fn=self.reward_fn,
+                    episodes=self.episodes,
                     stop_ids=self.stop_ids,
+                    sampling=self.sampling,
                     seed=group_seed(self.config.training.seed, step, round, position),
                     device=self.device,
                     all_done=all_done,
                     pad_multiple=dims.tp,
                 )
-                group = []
-                for ids, logprobs in completions:
-                    reward = 0.0
-                    if error is None:
-                        try:
-                            reward = score_completion(
-                                self.reward_fn, rl.reward, self.prompts, prompt, ids, self.stop_ids
-                            )
-                        except ValueError as e:  # raised on every rank after the gather: no rank waits alone
-                            error = str(e)
-                    group.append(Rollout(step, position, prompt.index, prompt.ids, ids, logprobs, reward))
+                error = error or failed  # raised on every rank after the gather: no rank waits alone
                 mine.append(group)
         groups, errors = self._gather(mine, error)
         if errors:
@@ -281,6 +277,7 @@ class RLStep:
         loss_sum = torch.zeros((), device=self.device)
         grad_norm = torch.zeros((), device=self.device)
         stop = False
+        proximal = self._proximal_logprobs(batch, per_update, per_rank) if rl.importance_cap > 0 else None
         for u in range(rl.updates_per_step):
             update = batch.rows(u * per_update, (u + 1) * per_update)
             weights = token_weights(update.mask, algorithm=rl.algorithm, finite=update.finite)
@@ -290,7 +287,8 @@ class RLStep:
             for m in range(t.gradient_accumulation_steps):
                 rows = slice(m * t.batch_size, (m + 1) * t.batch_size)
                 micro = mine.rows(rows.start, rows.stop)
-                loss, stats = self._micro_batch(micro, my_weights[rows].to(self.device))
+                near = None if proximal is None else proximal[u][rows]
+                loss, stats = self._micro_batch(micro, my_weights[rows].to(self.device), near)
                 # FSDP and DDP average gradients over the dp ranks; the weights already divide by the update's size
                 (loss * dp).backward()
                 update_loss += loss.detach()
@@ -302,7 +300,28 @@ class RLStep:
         core.lr_scheduler.step()
         return StepResult(loss_sum, grad_norm, True, stop=stop), sums
 
-    def _micro_batch(self, micro: UpdateBatch, weights: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    @torch.no_grad()
+    def _proximal_logprobs(self, batch: UpdateBatch, per_update: int, per_rank: int) -> list[torch.Tensor]:
+        """rl.importance_cap: this rank's rows' log-probs under the policy as the step starts, per update."""
+        dp_rank, size = self.core.world.local_rank("dp"), self.config.training.batch_size
+        out = []
+        for u in range(self.rl.updates_per_step):
+            start = u * per_update + dp_rank * per_rank
+            mine = batch.rows(start, start + per_rank)
+            parts = [
+                self._logprobs(
+                    self.model_parts[0],
+                    mine.inputs[m : m + size].to(self.device),
+                    mine.labels[m : m + size].to(self.device),
+                )
+                for m in range(0, per_rank, size)
+            ]
+            out.append(torch.cat(parts))
+        return out
+
+    def _micro_batch(
+        self, micro: UpdateBatch, weights: torch.Tensor, proximal: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict]:
         rl = self.rl
         inputs, labels = micro.inputs.to(self.device), micro.labels.to(self.device)
         logprobs = self._logprobs(self.model_parts[0], inputs, labels)
@@ -318,6 +337,8 @@ class RLStep:
             Clip(rl.clip_low, rl.clip_high),
             ref_logprobs=ref,
             kl_coef=rl.kl_coef,
+            proximal_logprobs=proximal,
+            importance_cap=rl.importance_cap,
         )
 
     def _logprobs(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
