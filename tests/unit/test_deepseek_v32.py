@@ -309,3 +309,35 @@ def test_the_hf_import_refuses_what_it_cannot_build():
     layers = ["dense", "sparse", "dense"]
     with pytest.raises(NotImplementedError, match=r"mlp_layer_types = \['dense', 'sparse', 'dense'\]"):
         ADAPTER.model_args_from_hf({**HF_CONFIG, "mlp_layer_types": layers})
+
+
+def test_block_causal_equals_each_document_alone():
+    """Each query's top-k runs over its own document's past only, with positions restarting per document."""
+    from torchtitan.models.common.documents import document_ids, document_positions
+
+    model = _tiny(index_topk=4).eval()
+    eos = 3
+    tokens = torch.randint(4, 64, (2, 24), generator=torch.Generator().manual_seed(2))
+    tokens[0, [6, 15]], tokens[1, 10] = eos, eos  # row 0: documents of 7, 9, 8; row 1: 11, 13
+    doc_ids = document_ids(tokens, eos)
+    with torch.no_grad():
+        got = model(tokens, document_positions(doc_ids), doc_ids=doc_ids)
+        for row in range(2):
+            for doc in doc_ids[row].unique():
+                cols = (doc_ids[row] == doc).nonzero().flatten()
+                alone = model(tokens[row : row + 1, cols])
+                torch.testing.assert_close(got[row : row + 1, cols], alone, rtol=1e-5, atol=1e-5)
+        assert (got - model(tokens)).abs().max() > 1e-3
+
+
+def test_671b_size_equals_transformers_of_the_published_config():
+    from tests.support.published import DSV3_PUBLISHED
+
+    mla = {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+    dsa = {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
+    with torch.device("meta"):
+        hf = transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(**DSV3_PUBLISHED["671B"], **mla, **dsa))
+        ours = DeepSeekV32Transformer(deepseek_v32_configs["671B"])
+    total = sum(p.numel() for p in ours.parameters())
+    print(f"\n671B: ours {total:,}, transformers {sum(p.numel() for p in hf.parameters()):,}")
+    assert total == sum(p.numel() for p in hf.parameters())

@@ -118,10 +118,13 @@ class SparseAttention(nn.Module):
         allowed = causal_allowed(q.shape[2], 0, doc_ids, q.device)
         scores = compute_index_scores(*index)  # (bs, n, n)
         keep = allowed.expand_as(scores) if self.stage == "dense_warmup" else select_top_k(scores, allowed, self.top_k)
-        # The loss only where the autograd engine is not running: activation checkpointing's recompute would keep a
-        # second graph alive (as MoE's aux loss does).
-        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-            self.indexer_loss = compute_indexer_loss(scores, q, k, keep)
+        if torch.is_grad_enabled():  # training: only training back-propagates it
+            loss = compute_indexer_loss(scores, q, k, keep)
+            # Kept only from a forward the autograd engine is not running: activation checkpointing's recompute (in
+            # backward; computed all the same, so it saves the tensors the first forward saved) would keep the
+            # recomputed graph alive until the next forward (as MoE's aux loss).
+            if torch._C._current_graph_task_id() == -1:
+                self.indexer_loss = loss
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep.unsqueeze(1))
 
     def cached(self, cache) -> CachedSparseAttention:

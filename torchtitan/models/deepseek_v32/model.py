@@ -23,9 +23,11 @@ from torchtitan.models.moe import MoE
 class _RequireGrad(torch.autograd.Function):
     """``x`` unchanged, with a graph through ``anchor`` that passes no gradient to it.
 
-    In the dense warm-up a block's own parameters are frozen, so its output would carry no graph: FSDP's
-    pre-backward hook (on a unit's outputs) would then never gather the block's parameters again for its indexer's
-    backward. Anchored on the indexer's loss, the block's output keeps a graph and FSDP's hooks run in order."""
+    In the dense warm-up a block's own parameters are frozen, so without it the logits would carry no graph and the
+    step's backward of the LM loss (with the indexer loss) fails ("element 0 of tensors does not require grad",
+    measured on the FSDP2 row); with it the backward runs through every block as in training, so FSDP's hooks on
+    each unit's output gather the block for its indexer's backward and reduce its gradients in order. The LM loss
+    passes no gradient into the indexer through here: the indexer learns from its own loss only."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
