@@ -299,8 +299,25 @@ def test_preflight_accepts_the_debug_config_and_refuses_what_dsa_cannot_run_unde
     for message, argv in refused.items():
         with pytest.raises(NotImplementedError, match=message):
             run_preflight(_config(*argv), 2, this_machine=False)
-    warnings = run_preflight(_config("--training.seq_len", "32", "--model.flavor", "debugmodel"), 1, this_machine=False)
+    short = ("--training.seq_len", "32", "--model.flavor", "debugmodel")
+    warnings = run_preflight(_config(*short), 1, this_machine=False)
     assert any("index_topk = 64 >= training.seq_len = 32" in w for w in warnings), warnings
+    assert run_preflight(_config(*short, "--model.dsa_stage", "dense_warmup"), 1, this_machine=False) == []
+
+
+def test_model_dsa_stage_sets_the_stage_and_is_refused_elsewhere():
+    from torchtitan.config.errors import ConfigError
+    from torchtitan.preflight import run_preflight
+    from torchtitan.spec import flavor_args
+
+    assert flavor_args(_config().model).dsa_stage == "sparse"
+    assert flavor_args(_config("--model.dsa_stage", "dense_warmup").model).dsa_stage == "dense_warmup"
+    with pytest.raises(
+        ConfigError, match="model.dsa_stage = 'dense_warmup' with model.name = 'deepseek_v3': the family"
+    ):
+        run_preflight(
+            _config("--model.name", "deepseek_v3", "--model.dsa_stage", "dense_warmup"), 1, this_machine=False
+        )
 
 
 def test_the_hf_import_refuses_what_it_cannot_build():

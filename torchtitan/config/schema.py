@@ -107,6 +107,12 @@ class Model:
         "image models (qwen3_5_vl, qwen3_5_moe_vl): train the language model and the tower's merger only, the "
         "vision tower's patch embedding, positions and blocks frozen (the common recipe; docs/vision.md)",
     )
+    dsa_stage: Literal["flavor", "sparse", "dense_warmup"] = _f(
+        "flavor",
+        "deepseek_v32: DeepSeek-V3.2's training stage: 'sparse' (top-k attention; the model learns from the LM loss, "
+        "the indexers from their KL loss), 'dense_warmup' (dense attention, only the indexers train), or 'flavor' "
+        "(the flavor's own; docs/models.md, DeepSeek-V3.2)",
+    )
     hf_config: str = _f(
         "",
         "model.name = 'hf' with model.flavor = 'config': the transformers causal LM to build, as a local HF model "

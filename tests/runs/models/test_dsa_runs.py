@@ -1,5 +1,6 @@
 """DeepSeek-V3.2's sparse attention through the trainer (worker-pool jobs): ``debugmodel_tiny`` (each query keeps 16
-of the 64 tokens) in the sparse stage and ``debugmodel_tiny_warmup`` (dense attention, only the indexers train), each
+of the 64 tokens) in the sparse stage and in the dense warm-up (``model.dsa_stage = "dense_warmup"``: dense attention, only the
+indexers train), each
 FSDP2 at 2 ranks against its own single-process run: per-step loss within RTOL, grad norm within GRAD_NORM_RTOL (the
 indexers' KL loss is in the backward, so in the warm-up the grad norm is the indexers' alone), the same expert load.
 
@@ -19,7 +20,7 @@ from tests.support.runs import GLOBAL_BATCH, read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]
 
-WARMUP = ["--model.flavor", "debugmodel_tiny_warmup"]
+WARMUP = ["--model.dsa_stage", "dense_warmup"]
 DSA_REFERENCES = [
     Row("dsv32_1proc", 1, GLOBAL_BATCH, frontier_family("deepseek_v32")),
     Row("dsv32_warmup_1proc", 1, GLOBAL_BATCH, [*frontier_family("deepseek_v32"), *WARMUP]),

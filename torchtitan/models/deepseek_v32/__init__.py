@@ -3,9 +3,9 @@
 debugmodel: deepseek_v3's debugmodel (dim 256, 6 layers, a q bottleneck of 128, YaRN, 8 experts in 2 groups) with a
 lightning indexer of 4 heads of 32 picking 64 keys per query. debugmodel_tiny: the loss-parity tests' size (dim 64,
 4 layers, 4 heads, q bottleneck 32, 4 experts; an indexer of 4 heads of 16 picking 16 keys, a quarter of the parity
-runs' 64 tokens). debugmodel_tiny_warmup: the same in the dense warm-up stage. 671B: DeepSeek-V3.2-Exp's
-config.json (DeepSeek-V3's shapes, 64 indexer heads of 128, top 2048). The stage is ``dsa_stage`` ("sparse" or
-"dense_warmup"); the indexer's loss weight ``indexer_loss_coeff`` (docs/models.md, "DeepSeek-V3.2").
+runs' 64 tokens). 671B: DeepSeek-V3.2-Exp's
+config.json (DeepSeek-V3's shapes, 64 indexer heads of 128, top 2048). Every flavor is the sparse stage: ``model.dsa_stage``
+sets another (spec.py); the indexer's loss weight is ``indexer_loss_coeff`` (docs/models.md, "DeepSeek-V3.2").
 """
 
 import dataclasses
@@ -31,6 +31,3 @@ deepseek_v32_configs = {
     # HF deepseek-ai/DeepSeek-V3.2-Exp config.json
     "671B": _with_indexer("671B", index_n_heads=64, index_head_dim=128, index_topk=2048),
 }
-deepseek_v32_configs["debugmodel_tiny_warmup"] = dataclasses.replace(
-    deepseek_v32_configs["debugmodel_tiny"], dsa_stage="dense_warmup"
-)

@@ -7,11 +7,13 @@ this module may import ``torchtitan.spec`` and the config's errors.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.models.deepseek_v3.spec import check_deepseek_v3_config
 from torchtitan.models.deepseek_v32 import DeepSeekV32Transformer, deepseek_v32_configs
 from torchtitan.models.deepseek_v32.hf_adapter import ADAPTER
@@ -19,7 +21,9 @@ from torchtitan.models.moe.spec import BUILD_LOAD_BALANCER, MOE_WIRING
 from torchtitan.spec import AdapterLayout, ModelSpec, StepHooks, chain_hooks
 
 if TYPE_CHECKING:
+    from torchtitan.config.manager import JobConfig
     from torchtitan.config.schema import Experimental, Model, Training
+    from torchtitan.distributed.parallel_dims import ParallelDims
 
 
 def check_deepseek_v32_config(args: Any, *, model: Model, training: Training, experimental: Experimental) -> list[str]:
@@ -60,6 +64,21 @@ def check_deepseek_v32_config(args: Any, *, model: Model, training: Training, ex
             "index_topk for sparse attention"
         )
     return warnings
+
+
+def configure_dsa_stage(flavor: Any, model: Model) -> Any:
+    """The flavor's args under ``model.dsa_stage`` (its own stage where "flavor")."""
+    return flavor if model.dsa_stage == "flavor" else dataclasses.replace(flavor, dsa_stage=model.dsa_stage)
+
+
+def check_dsa_stage_key(config: JobConfig, dims: ParallelDims) -> list[str]:
+    """``model.dsa_stage`` set: only this family has DSA's stages (the registry's "dsa_stage" row)."""
+    if config.model.dsa_stage != "flavor" and config.model.name != "deepseek_v32":
+        raise ConfigError(
+            f"model.dsa_stage = {config.model.dsa_stage!r} with model.name = {config.model.name!r}: the family has no "
+            "sparse attention stages; use model.name = 'deepseek_v32' or drop the key"
+        )
+    return []
 
 
 class IndexerLoss:
@@ -111,4 +130,5 @@ SPEC = ModelSpec(
     hf_model_type="deepseek_v32",
     hf_refusal=deepseek_v32_hf_refusal,
     pipeline_split_fn=None,
+    configure=configure_dsa_stage,
 )
