@@ -137,7 +137,7 @@ def test_import_and_export_match_transformers(tmp_path):
 def test_cached_sparse_decoding_equals_a_full_forward():
     """Each decoding step's top-k over the cached indexer keys equals the full forward's, past index_topk tokens."""
     args = dataclasses.replace(
-        deepseek_v32_configs["debugmodel_tiny"], vocab_size=128, max_seq_len=48, index_topk=8, index_n_heads=16
+        deepseek_v32_configs["debugmodel_tiny"], vocab_size=128, max_seq_len=32, index_topk=8, index_n_heads=16
     )
     torch.manual_seed(0)
     model = DeepSeekV32Transformer(args)
@@ -145,14 +145,14 @@ def test_cached_sparse_decoding_equals_a_full_forward():
     for p in model.parameters():
         p.add_(torch.randn_like(p) * 0.05)
     model.eval()
-    tokens = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
     full = model(tokens)
-    cache = KVCache(48)
+    cache = KVCache(32)
     swapped = cache.install(model)
     try:
         cached = [model(tokens[:, :16])]
         cache.length = 16
-        for t in range(16, 48):
+        for t in range(16, 32):
             cached.append(model(tokens[:, t : t + 1], torch.arange(t, t + 1)))
             cache.length = t + 1
     finally:

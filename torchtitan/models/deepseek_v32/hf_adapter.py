@@ -3,7 +3,7 @@ weights (``self_attn.indexer.{wq_b, wk, k_norm, weights_proj}``, the same names 
 its ``config.json`` keys (``index_n_heads``, ``index_head_dim``, ``index_topk``) for ``DeepseekV32ForCausalLM``.
 
 The training stage and the indexer loss's weight are ours alone (HF's model is the sparse forward): an import
-trains the sparse stage unless the flavor says otherwise, and an export does not record them.
+trains the sparse stage unless ``model.dsa_stage`` says otherwise, and an export does not record them.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ weight (``weights_proj``, times ``index_n_heads^-0.5``); RoPE rotates the first 
 as halves (transformers' DeepseekV32Indexer; the main attention rotates pairs). Each query then attends, in the
 main MLA, to the ``index_topk`` causal keys of highest score (every causal key while there are fewer).
 
-The indexer's loss (DeepSeek-V3.2's paper, section 2.1): the target is the main attention's distribution, summed
+The indexer's loss (DeepSeek-V3.2's paper, its continued pre-training): the target is the main attention's distribution, summed
 over its heads and L1-normalised (each head's sums to 1, so a mean over heads), detached; the loss is
 ``KL(p_s || softmax(I_s))`` per query, over the selected keys in the sparse stage and over every causal key in the
 dense warm-up, averaged over the queries. The indexer reads detached inputs, so this loss trains the indexer
