@@ -93,7 +93,9 @@ class KVCache:
             attention = block.attention
             if hasattr(attention, "sdpa"):
                 swapped.append((attention, "sdpa", attention.sdpa))
-                attention.sdpa = CachedAttention(self, window=getattr(attention.sdpa, "window", None))
+                kernel = attention.sdpa  # a kernel with more to cache (DSA's indexer keys) builds its own twin
+                cached = kernel.cached(self) if hasattr(kernel, "cached") else None
+                attention.sdpa = cached or CachedAttention(self, window=getattr(kernel, "window", None))
             else:
                 swapped.append((attention, "state", attention.state))
                 attention.state = attention.new_state()

@@ -66,7 +66,8 @@ class Profiling:
 class Model:
     name: str = _f(
         "llama3",
-        "model family: llama3, llama3_moe, qwen3, qwen3_moe, deepseek_v3, gpt_oss, qwen3_5 / qwen3_5_moe (Qwen3.5's "
+        "model family: llama3, llama3_moe, qwen3, qwen3_moe, deepseek_v3, deepseek_v32 (DeepSeek-V3.2's sparse attention), "
+        "gpt_oss, qwen3_5 / qwen3_5_moe (Qwen3.5's "
         "text models), or hf (any transformers causal LM)",
     )
     flavor: str = _f(
@@ -105,6 +106,12 @@ class Model:
         False,
         "image models (qwen3_5_vl, qwen3_5_moe_vl): train the language model and the tower's merger only, the "
         "vision tower's patch embedding, positions and blocks frozen (the common recipe; docs/vision.md)",
+    )
+    dsa_stage: Literal["flavor", "sparse", "dense_warmup"] = _f(
+        "flavor",
+        "deepseek_v32: DeepSeek-V3.2's training stage: 'sparse' (top-k attention; the model learns from the LM loss, "
+        "the indexers from their KL loss), 'dense_warmup' (dense attention, only the indexers train), or 'flavor' "
+        "(the flavor's own; docs/models.md, DeepSeek-V3.2)",
     )
     hf_config: str = _f(
         "",

@@ -198,6 +198,13 @@ FEATURES: tuple[Feature, ...] = (  # declarative table
         **_same(_FREEZE_VISION),
     ),
     Feature(
+        "dsa_stage",  # DeepSeek-V3.2's training stage, read by that family's flavor args (models/deepseek_v32/spec.py)
+        (_c("torchtitan.models.deepseek_v32.spec:check_dsa_stage_key"),),
+        enabled=lambda c: c.model.dsa_stage != "flavor",
+        switch="model.dsa_stage",
+        **_same({}),
+    ),
+    Feature(
         "tensor_parallel",
         (
             _c("torchtitan.distributed.tensor_parallel.checks:check_tensor_parallel"),

@@ -29,6 +29,7 @@ SHIPPED = {
     "debug_moe": LLAMA3_MOE,
     "sft_debug": None,
     "deepseek_v3_debug": None,
+    "deepseek_v32_debug": None,
     "gpt_oss_debug": None,
 }
 

@@ -1,0 +1,49 @@
+"""DeepSeek-V3.2's sparse attention through the trainer (worker-pool jobs): ``debugmodel_tiny`` (each query keeps 16
+of the 64 tokens) in the sparse stage and in the dense warm-up (``model.dsa_stage = "dense_warmup"``: dense attention, only the
+indexers train), each
+FSDP2 at 2 ranks against its own single-process run: per-step loss within RTOL, grad norm within GRAD_NORM_RTOL (the
+indexers' KL loss is in the backward, so in the warm-up the grad norm is the indexers' alone), the same expert load.
+
+The warm-up row is the path no other row takes: every block's own parameters frozen but its indexer's, so FSDP's
+hooks must still gather each block for its indexer's backward (models/deepseek_v32/model.py ``_RequireGrad``). The
+other layouts DSA runs under (expert parallel, HSDP, accumulation) change nothing in its attention: they ride on
+deepseek_v3's rows; CP, TP and PP are refused before launch (tests/unit/test_deepseek_v32.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.matrix import GRAD_NORM_RTOL, RTOL, MatrixLaunches, Row, check_row
+from tests.support.rows import frontier_family
+from tests.support.runs import GLOBAL_BATCH, read_metrics
+
+pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]
+
+WARMUP = ["--model.dsa_stage", "dense_warmup"]
+DSA_REFERENCES = [
+    Row("dsv32_1proc", 1, GLOBAL_BATCH, frontier_family("deepseek_v32")),
+    Row("dsv32_warmup_1proc", 1, GLOBAL_BATCH, [*frontier_family("deepseek_v32"), *WARMUP]),
+]
+DSA_ROWS = [
+    Row("dsv32_fsdp2", 2, 4, frontier_family("deepseek_v32")),
+    Row("dsv32_warmup_fsdp2", 2, 4, [*frontier_family("deepseek_v32"), *WARMUP]),
+]
+CASES = list(zip(DSA_ROWS, DSA_REFERENCES, strict=True))
+
+
+@pytest.mark.parametrize(("row", "reference"), CASES, ids=[row.name for row, _ in CASES])
+def test_dsa_loss_parity(row: Row, reference: Row, matrix: MatrixLaunches):
+    check_row(row)
+    for run in (row, reference):
+        matrix.run(run)
+    got, want = ([r for r in read_metrics(matrix.folder(run)) if "loss" in r] for run in (row, reference))
+    assert [r["step"] for r in got] == [r["step"] for r in want] and len(want) > 1
+    for g, w in zip(got, want, strict=True):
+        step = w["step"]
+        assert abs(g["loss"] - w["loss"]) <= RTOL * abs(w["loss"]), f"step {step}: {row.name} {g} vs {w}"
+        assert abs(g["grad_norm"] - w["grad_norm"]) <= GRAD_NORM_RTOL * w["grad_norm"], (step, g, w)
+        assert g["expert_load"] == w["expert_load"], f"step {step}: {row.name} routed other tokens"
+    print(f"\n{row.name}: losses {[round(r['loss'], 4) for r in want]}, grad norms {[r['grad_norm'] for r in want]}")
+    if "warmup" not in row.name:
+        assert want[-1]["loss"] < want[0]["loss"], [r["loss"] for r in want]
