@@ -77,6 +77,7 @@ class DeepSeekV4Adapter(HfAdapter):
         return head | super().to_hf_state_dict({k: w for k, w in sd.items() if k not in _HEAD}, args)
 
     def from_hf_state_dict(self, hf: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, torch.Tensor]:
+        hf = _saved_to_memory_names(hf)
         by_hf = {v: k for k, v in _HEAD.items()}
         head = {by_hf[k]: w.contiguous() for k, w in hf.items() if k in by_hf}
         return head | super().from_hf_state_dict({k: w for k, w in hf.items() if k not in by_hf}, args)
@@ -255,6 +256,60 @@ def _yarn(compress: Mapping[str, Any]) -> dict[str, Any] | None:
         "truncate": compress.get("truncate", True),
         "attention_factor": compress.get("attention_factor", 1.0),  # transformers forces 1.0 when unset
     }
+
+
+# Our block suffix -> the name transformers' save_pretrained writes (it reverses its conversion mapping: DeepSeek's
+# own names, which ours follow), where it differs from ours.
+_SAVED = {
+    "attention.kv_norm.weight": "attn.norm.weight",
+    "attention.compressor.norm.weight": "attn.compressor.norm.weight",
+    "attention.indexer.compressor.norm.weight": "attn.indexer.compressor.norm.weight",
+    "attention.sinks": "attn.attn_sink",
+    "attention_norm.weight": "attn_norm.weight",
+    **{f"{hc}_hc.{p}": f"hc_{hc}_{p}" for hc in ("attn", "ffn") for p in ("fn", "base", "scale")},
+    "feed_forward.router.gate.weight": "ffn.gate.weight",
+    "feed_forward.expert_bias": "ffn.gate.bias",
+    "feed_forward.tid2eid": "ffn.gate.tid2eid",
+    **{f"feed_forward.shared_expert.w{i}.weight": f"ffn.shared_experts.w{i}.weight" for i in (1, 2, 3)},
+}
+
+
+def _saved_name(ours: str) -> str:
+    if ours in _SAVED:
+        return _SAVED[ours]
+    return "attn." + ours.removeprefix("attention.") if ours.startswith("attention.") else ours
+
+
+_SAVED_TO_MEMORY = {_saved_name(ours): hf for ours, hf in DeepSeekV4Adapter.block.items()}
+
+
+def _saved_to_memory_names(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A folder's weights as transformers' save_pretrained writes them (``head.weight``, ``layers.{i}.attn.wq_a``,
+    per-expert ``ffn.experts.{e}.w1``) -> the names its model holds in memory (ours map to those); weights already
+    under those names pass through."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for key, w in hf.items():
+        if key == "head.weight":
+            out["lm_head.weight"] = w
+            continue
+        parts = key.split(".", 3)  # model, layers, i, suffix
+        suffix = parts[3] if len(parts) == 4 and parts[:2] == ["model", "layers"] else None
+        expert = suffix.split(".") if suffix is not None and suffix.startswith("ffn.experts.") else None
+        if expert is not None and len(expert) == 5 and expert[2].isdigit():
+            experts.setdefault((parts[2], expert[3]), {})[int(expert[2])] = w
+        elif suffix in _SAVED_TO_MEMORY:
+            out[f"model.layers.{parts[2]}.{_SAVED_TO_MEMORY[suffix]}"] = w
+        else:
+            out[key] = w
+    for (layer, name), per_expert in sorted(experts.items()):
+        stacked = torch.stack([per_expert[e] for e in sorted(per_expert)])  # (E, out, in)
+        out[f"model.layers.{layer}.mlp.experts.{name}"] = stacked
+    for layer in {layer for layer, _ in experts}:
+        w1, w3 = (out.pop(f"model.layers.{layer}.mlp.experts.{n}") for n in ("w1", "w3"))
+        out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat([w1, w3], dim=1)
+        out[f"model.layers.{layer}.mlp.experts.down_proj"] = out.pop(f"model.layers.{layer}.mlp.experts.w2")
+    return out
 
 
 ADAPTER = DeepSeekV4Adapter()

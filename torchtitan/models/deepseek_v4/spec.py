@@ -65,14 +65,17 @@ def check_deepseek_v4_config(args: Any, *, model: Model, training: Training, exp
 
 
 def deepseek_v4_layer_pattern(args: Any) -> tuple[int, int]:
-    """The first layer index from which the (attention, MLP) kinds repeat, and the shortest period."""
+    """(prefix, period): after ``prefix`` layers the (attention, MLP) kinds repeat with ``period``, at least twice;
+    the shortest prefix + period, else the whole stack as one period."""
     kinds = list(zip(args.layer_types, args.mlp_layer_types))
     n = len(kinds)
-    for prefix in range(n):
-        for period in range(1, n - prefix + 1):
-            if all(kinds[i] == kinds[i + period] for i in range(prefix, n - period)):
-                return prefix, period
-    return 0, max(n, 1)
+    found = [
+        (prefix, period)
+        for prefix in range(n)
+        for period in range(1, (n - prefix) // 2 + 1)
+        if all(kinds[i] == kinds[i + period] for i in range(prefix, n - period))
+    ]
+    return min(found, key=sum, default=(0, max(n, 1)))
 
 
 SPEC = ModelSpec(
