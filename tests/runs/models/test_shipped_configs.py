@@ -30,6 +30,7 @@ SHIPPED = {
     "sft_debug": None,
     "deepseek_v3_debug": None,
     "gpt_oss_debug": None,
+    "deepseek_v4_debug": None,
 }
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from torchtitan.models.deepseek_v4 import DeepSeekV4Transformer, deepseek_v4_configs
-from torchtitan.models.deepseek_v4.args import HASH_MOE
 from torchtitan.models.deepseek_v4.hf_adapter import ADAPTER
 from torchtitan.models.moe.spec import MOE_WIRING, check_moe_config
 from torchtitan.spec import ModelSpec
@@ -41,10 +40,10 @@ def check_deepseek_v4_config(args: Any, *, model: Model, training: Training, exp
             "shard cannot see; use context_parallel_degree = 1",
         ),
         (
-            exp.pipeline_parallel_degree > 1 and HASH_MOE in args.mlp_layer_types,
-            f"experimental.pipeline_parallel_degree = {exp.pipeline_parallel_degree} with {named}: its hash_moe "
-            "layers route by token id, which later stages do not receive (only the residual streams cross stages); "
-            "use pipeline_parallel_degree = 1",
+            exp.pipeline_parallel_degree > 1,
+            f"experimental.pipeline_parallel_degree = {exp.pipeline_parallel_degree} with {named}: not built yet "
+            "(hash_moe layers route by token id, which later stages do not receive, and the residual crosses stages "
+            "as hc_mult streams); use pipeline_parallel_degree = 1",
         ),
         (
             model.attn_mask_type == "block_causal",
@@ -87,6 +86,7 @@ SPEC = ModelSpec(
         "documents": False,
         "check_fn": check_deepseek_v4_config,
         "layer_pattern": deepseek_v4_layer_pattern,
+        "pipeline_split_fn": None,
     },
     state_dict_adapter=ADAPTER,
     hf_model_type="deepseek_v4",
