@@ -284,6 +284,7 @@ _FAMILIES: dict[str, str] = {
     "qwen3_moe": "torchtitan.models.qwen3.spec",
     "deepseek_v3": "torchtitan.models.deepseek_v3.spec",
     "deepseek_v32": "torchtitan.models.deepseek_v32.spec",
+    "deepseek_v4": "torchtitan.models.deepseek_v4.spec",
     "gpt_oss": "torchtitan.models.gpt_oss.spec",
     "qwen3_5": "torchtitan.models.qwen3_5.spec",
     "qwen3_5_moe": "torchtitan.models.qwen3_5.spec",

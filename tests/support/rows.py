@@ -52,12 +52,15 @@ def _frontier_rows(short: str, name: str, compiled: str) -> list[Row]:
 FRONTIER_REFERENCES = [
     Row("dsv3_1proc", 1, GLOBAL_BATCH, frontier_family("deepseek_v3")),
     Row("gpt_oss_1proc", 1, GLOBAL_BATCH, frontier_family("gpt_oss")),
+    Row("dsv4_1proc", 1, GLOBAL_BATCH, frontier_family("deepseek_v4")),
 ]
 DSV3_ROWS = _frontier_rows("dsv3", "deepseek_v3", compiled="ep2")
 GPT_OSS_ROWS = [
     *_frontier_rows("gpt_oss", "gpt_oss", compiled="tp2_ep2"),
     Row("gpt_oss_cp2", 2, 8, frontier_family("gpt_oss"), cp=2),
 ]
+# DeepSeek-V4: FSDP2 with its experts split over the same 2 ranks (EP2); TP, CP and PP (its hash layers) are refused
+DSV4_ROWS = [Row("dsv4_ep2", 2, 4, frontier_family("deepseek_v4", ep=2))]
 # ---- tied embeddings, Qwen3, Qwen3-MoE (tests/runs/models/test_model_family_runs.py)
 TIED = ["--model.flavor", "debugmodel_tied_tiny"]
 TIED_REFERENCE = Row("tied_1proc", 1, GLOBAL_BATCH, TIED)

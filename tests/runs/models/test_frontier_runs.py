@@ -5,7 +5,8 @@ run: per-step loss within RTOL, grad norm within GRAD_NORM_RTOL, and the exact p
 (both balance with the expert bias, which follows the global counts). Layouts: FSDP2, EP2 (the experts
 split over the two FSDP ranks), FSDP2 x EP2 (4 ranks: each expert sharded by FSDP over 2), TP2 with EP2 (MLA's latent projections replicated, its
 per-head projections and gpt-oss's sinks sharded over heads), PP2 1F1B; gpt-oss also CP2 (the ring
-with its sliding window and sinks). DeepSeek-V3's EP2 row and gpt-oss's TP2 x EP2 row compile (training.compile: the
+with its sliding window and sinks). DeepSeek-V4 (hyper-connection streams, compressed attention, hash routing) runs
+FSDP2 with EP2 over the same 2 ranks. DeepSeek-V3's EP2 row and gpt-oss's TP2 x EP2 row compile (training.compile: the
 MoE blocks around their routed experts, gpt-oss's sinks as TP shards in the graph) against the same eager reference.
 """
 
@@ -16,13 +17,17 @@ import torch
 
 from tests.support.matrix import GRAD_NORM_RTOL, RTOL, MatrixLaunches, Row, check_row
 from tests.support.pool import run_train_job
-from tests.support.rows import DSV3_ROWS, FRONTIER_REFERENCES, GPT_OSS_ROWS
+from tests.support.rows import DSV3_ROWS, DSV4_ROWS, FRONTIER_REFERENCES, GPT_OSS_ROWS
 from tests.support.runs import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2, 4)]
 
 
-CASES = [(row, FRONTIER_REFERENCES[0]) for row in DSV3_ROWS] + [(row, FRONTIER_REFERENCES[1]) for row in GPT_OSS_ROWS]
+CASES = [
+    *((row, FRONTIER_REFERENCES[0]) for row in DSV3_ROWS),
+    *((row, FRONTIER_REFERENCES[1]) for row in GPT_OSS_ROWS),
+    *((row, FRONTIER_REFERENCES[2]) for row in DSV4_ROWS),
+]
 
 
 @pytest.mark.parametrize(("row", "reference"), CASES, ids=[row.name for row, _ in CASES])

@@ -31,6 +31,7 @@ SHIPPED = {
     "deepseek_v3_debug": None,
     "deepseek_v32_debug": None,
     "gpt_oss_debug": None,
+    "deepseek_v4_debug": None,
 }
 
 

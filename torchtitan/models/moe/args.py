@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from torchtitan.models.llama.model import ModelArgs
 
-_SCORE_FUNCS = ("softmax", "sigmoid")
+_SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 _LOAD_BALANCE = ("aux_loss", "bias", "none")
 
 
@@ -21,7 +21,9 @@ class MoEArgs(ModelArgs):
     num_experts: int = 8
     top_k: int = 2
     moe_hidden_dim: int = 256  # SwiGLU hidden size of each routed (and the shared) expert
-    score_func: str = "softmax"  # "softmax" over experts, or an independent "sigmoid" per expert
+    score_func: str = (
+        "softmax"  # "softmax" over experts, or an independent "sigmoid" / "sqrtsoftplus" (DeepSeek-V4) per expert
+    )
     route_norm: bool = False  # rescale each token's top-k weights to sum to 1
     route_scale: float = 1.0  # the routed experts' weights times this (DeepSeek-V3's routed_scaling_factor)
     # Group-limited routing (DeepSeek-V3's n_group / topk_group): the experts form num_expert_groups

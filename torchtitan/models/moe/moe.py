@@ -37,6 +37,13 @@ from torchtitan.models.moe.args import MoEArgs
 StatsSum = Callable[[torch.Tensor], torch.Tensor]
 
 
+def compute_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
+    """Router logits (T, E) -> scores: softmax over the experts, or per expert sigmoid or sqrt(softplus) (DeepSeek-V4)."""
+    if score_func == "softmax":
+        return logits.softmax(dim=-1)
+    return logits.sigmoid() if score_func == "sigmoid" else F.softplus(logits).sqrt()
+
+
 class TokenChoiceRouter(nn.Module):
     """Scores every expert for every token and picks each token's top-k experts.
 
@@ -76,7 +83,7 @@ class TokenChoiceRouter(nn.Module):
         ``expert_bias`` (E,) shifts which experts are *selected*; the weights are the unbiased scores.
         """
         logits = self.gate(x).float()  # (T, E); fp32 so bf16 training still routes stably
-        scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()  # (T, E)
+        scores = compute_scores(logits, self.score_func)  # (T, E)
         choice = scores if expert_bias is None else scores + expert_bias
         if self.num_groups > 1:
             choice = self._limit_groups(choice)
@@ -239,11 +246,18 @@ class MoE(nn.Module):
                 self.expert_bias.zero_()
             self.tokens_per_expert.zero_()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (bs, seqlen, dim) -> (bs, seqlen, dim)."""
+    def route(self, x: torch.Tensor, tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (T, dim) -> weights (T, k), experts (T, k), scores (T, E); ``tokens`` (T,): the token ids, which a
+        hash-routed layer (DeepSeek-V4's) picks its experts by; unused here."""
+        return self.router(x, self.expert_bias)
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """x (bs, seqlen, dim) -> (bs, seqlen, dim); tokens (bs, seqlen): the input ids, for ``route``."""
         bs, seqlen, dim = x.shape
         x = x.reshape(-1, dim)  # (T, dim)
-        weights, experts, scores = self.router(x, self.expert_bias)  # (T, k), (T, k), (T, E)
+        weights, experts, scores = self.route(
+            x, None if tokens is None else tokens.reshape(-1)
+        )  # (T, k), (T, k), (T, E)
         counts = self.count_tokens(experts)  # (E,)
         self.tokens_per_expert = counts.detach().float()
         if self.load_balance == "aux_loss" and torch.is_grad_enabled():  # only training backpropagates it
