@@ -67,7 +67,7 @@ class Model:
     name: str = _f(
         "llama3",
         "model family: llama3, llama3_moe, qwen3, qwen3_moe, deepseek_v3, deepseek_v32 (DeepSeek-V3.2's sparse attention), "
-        "gpt_oss, qwen3_5 / qwen3_5_moe (Qwen3.5's "
+        "deepseek_v4 (DeepSeek-V4), gpt_oss, qwen3_5 / qwen3_5_moe (Qwen3.5's "
         "text models), or hf (any transformers causal LM)",
     )
     flavor: str = _f(
