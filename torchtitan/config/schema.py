@@ -106,6 +106,14 @@ class Model:
         "image models (qwen3_5_vl, qwen3_5_moe_vl): train the language model and the tower's merger only, the "
         "vision tower's patch embedding, positions and blocks frozen (the common recipe; docs/vision.md)",
     )
+    mtp_layers: int = _f(
+        0,
+        "multi-token-prediction depths after the model (deepseek_v3; DeepSeek-V3 publishes 1, its config.json's "
+        "num_nextn_predict_layers): depth k predicts token i+k+1 from the previous depth's hidden state and token "
+        "i+k's embedding, through one more block and the shared output head; its loss is weighed by "
+        "training.mtp_loss_weight (docs/models.md, Multi-token prediction)",
+        bound=Bound(ge=0),
+    )
     hf_config: str = _f(
         "",
         "model.name = 'hf' with model.flavor = 'config': the transformers causal LM to build, as a local HF model "
