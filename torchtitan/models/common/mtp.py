@@ -14,7 +14,7 @@ ignored (``mtp_labels``). Pure math: no parallelism here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
@@ -94,3 +94,52 @@ def mtp_labels(labels: torch.Tensor, depth: int) -> torch.Tensor:
         out = out.masked_fill(labels.roll(-j, dims=1) == IGNORE_INDEX, IGNORE_INDEX)
     out[:, labels.shape[1] - depth :] = IGNORE_INDEX
     return out
+
+
+# -- Hugging Face names (DeepSeek-V3's published layout): depth k+1 is ``model.layers.{n_layers + k}``, its block's
+# weights under the block's usual names beside these; the embedding table and the head are the model's own, which a
+# published folder stores again under the layer (equal copies).
+MTP_OWN = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "norm.weight": "shared_head.norm.weight",
+}  # our suffix under ``mtp.{k}.`` -> HF's under the layer
+MTP_SHARED = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
+"""HF suffix under an MTP layer -> the model's weight it copies."""
+
+
+def mtp_as_layers(sd: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
+    """Our ``mtp.{k}.block.X`` -> ``layers.{n_layers + k}.X`` and ``mtp.{k}.enorm.weight`` (etc.) ->
+    ``layers.{n_layers + k}.enorm.weight``: the depths named as the published layers, for the block's name map."""
+    out = {}
+    for key, w in sd.items():
+        if not key.startswith("mtp."):
+            out[key] = w
+            continue
+        _, k, rest = key.split(".", 2)
+        out[f"layers.{n_layers + int(k)}.{rest.removeprefix('block.')}"] = w
+    return out
+
+
+def layers_as_mtp(sd: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
+    """``mtp_as_layers``' inverse: ``layers.{n}.X`` with n >= ``n_layers`` -> ``mtp.{n - n_layers}.[block.]X``."""
+    out = {}
+    for key, w in sd.items():
+        parts = key.split(".", 2)
+        if parts[0] != "layers" or int(parts[1]) < n_layers:
+            out[key] = w
+            continue
+        rest = parts[2] if parts[2] in MTP_OWN else f"block.{parts[2]}"
+        out[f"mtp.{int(parts[1]) - n_layers}.{rest}"] = w
+    return out
+
+
+def held_mtp_layers(declared: int, n_layers: int, weight_names: Collection[str]) -> int:
+    """The MTP layers a Hugging Face folder holds: of the ``declared`` ones (config.json's num_nextn_predict_layers),
+    those whose ``eh_proj`` it stores, in order (transformers writes its default 1 with no MTP weight: it builds none).
+    """
+    held = 0
+    while held < declared and f"model.layers.{n_layers + held}.eh_proj.weight" in weight_names:
+        held += 1
+    return held
