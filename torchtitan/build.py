@@ -233,15 +233,11 @@ def build_step_function(
     them (with the features' batch feed over the parts; ``eos_id``: the tokenizer's end of document,
     ``cp_positions``: context parallel's positions of this rank, or None)."""
     loss_fn = build_loss_fn(compile=config.training.compile_loss)  # one loss for the schedule and the step
+    # multi-token prediction (model.mtp_layers): the depths' loss beside the model's, and its metrics; else None
     mtp = build_mtp_step(
-        loss_fn,
-        depths=getattr(model_args, "mtp_layers", 0),
-        weight=config.training.mtp_loss_weight,
-        world=world,
-        device=device,
+        loss_fn, config.training, depths=getattr(model_args, "mtp_layers", 0), world=world, device=device
     )
-    if mtp is not None:  # multi-token prediction: the depths' loss beside the model's, their metrics
-        loss_fn = mtp
+    loss_fn = mtp or loss_fn
     pipeline_loss = PipelineLoss(loss_fn)
     shape_inference = ShapeInference()  # the stages mark it; the step hooks and the batch feed read it
     parts, pipeline = build_model_parts(
@@ -252,8 +248,7 @@ def build_step_function(
         hooks = spec.build_step_hooks(model_args, whole, parts, world, device, shape_inference=shape_inference)
     for build_hooks in features.hooks:
         hooks = chain_hooks(hooks, build_hooks(config, parts))
-    if mtp is not None:
-        hooks = chain_hooks(hooks, mtp)
+    hooks = chain_hooks(hooks, mtp)
     feed = None
     if features.feed is not None:
         feed = features.feed(

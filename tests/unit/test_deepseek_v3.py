@@ -283,7 +283,11 @@ def test_published_config_json_is_the_flavor(flavor):
     }
     config |= {"hidden_act": "silu", "rms_norm_eps": 1e-6, "attention_bias": False, "tie_word_embeddings": False}
     theirs = DeepSeekV3Args.from_dict(ADAPTER.model_args_from_hf(config))
-    assert theirs == dataclasses.replace(deepseek_v3_configs[flavor], max_seq_len=theirs.max_seq_len)
+    published = PUBLISHED_REST[flavor][
+        "num_nextn_predict_layers"
+    ]  # the multi-token-prediction layers (model.mtp_layers)
+    want = dataclasses.replace(deepseek_v3_configs[flavor], max_seq_len=theirs.max_seq_len, mtp_layers=published)
+    assert theirs == want
 
 
 def _config(*args: str) -> JobConfig:

@@ -16,16 +16,21 @@ models/deepseek_v3/model.py ``init_units``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
-from torchtitan.components.loss import LossFn
 from torchtitan.models.common.documents import IGNORE_INDEX
 from torchtitan.models.common.mtp import mtp_labels
 
+# components/loss.py's LossFn, spelled out: this folder sits below components/ (docs/design.md's floors)
+LossFn = Callable[..., torch.Tensor]
+
 if TYPE_CHECKING:
+    from torchtitan.config.schema import Training
     from torchtitan.distributed.mesh import OuterSum, WorldMesh
 
 
@@ -73,7 +78,8 @@ class MtpLoss:
         group = self.world.group("dp_cp")
         if group is not None:
             dist.all_reduce(totals, group=group)
-        self.last = (totals[0] / totals[1].clamp(min=1)).tolist()
+        if not is_fake(totals):  # the memory estimator's fake step has no values to log
+            self.last = (totals[0] / totals[1].clamp(min=1)).tolist()
 
     def after_optimizer_step(self) -> None:
         pass
@@ -96,9 +102,10 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def build_mtp_step(
-    loss_fn: LossFn, *, depths: int, weight: float, world: WorldMesh, device: torch.device
+    loss_fn: LossFn, training: Training, *, depths: int, world: WorldMesh, device: torch.device
 ) -> MtpLoss | None:
-    """The loss and step hooks of ``depths`` MTP depths (``model_args.mtp_layers``) over ``loss_fn``; None for 0."""
+    """The loss and step hooks of ``depths`` MTP depths (``model_args.mtp_layers``) over ``loss_fn``, weighed by
+    ``training.mtp_loss_weight``; None for 0 depths."""
     if depths == 0:
         return None
-    return MtpLoss(loss_fn, depths=depths, weight=weight, world=world, device=device)
+    return MtpLoss(loss_fn, depths=depths, weight=training.mtp_loss_weight, world=world, device=device)
