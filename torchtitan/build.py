@@ -31,6 +31,7 @@ from torchtitan.distributed.mesh import WorldMesh
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline.stages import PipelineParts, ShapeInference, build_pipeline
 from torchtitan.dtypes import to_dtype
+from torchtitan.features.mtp.step import build_mtp_step
 from torchtitan.features.registry import build_slot, enabled_builders, model_transforms
 from torchtitan.models.common.attention import resolve_attention_backend
 from torchtitan.spec import chain_hooks, get_model_spec
@@ -232,6 +233,11 @@ def build_step_function(
     them (with the features' batch feed over the parts; ``eos_id``: the tokenizer's end of document,
     ``cp_positions``: context parallel's positions of this rank, or None)."""
     loss_fn = build_loss_fn(compile=config.training.compile_loss)  # one loss for the schedule and the step
+    # multi-token prediction (model.mtp_layers): the depths' loss beside the model's, and its metrics; else None
+    mtp = build_mtp_step(
+        loss_fn, config.training, depths=getattr(model_args, "mtp_layers", 0), world=world, device=device
+    )
+    loss_fn = mtp or loss_fn
     pipeline_loss = PipelineLoss(loss_fn)
     shape_inference = ShapeInference()  # the stages mark it; the step hooks and the batch feed read it
     parts, pipeline = build_model_parts(
@@ -242,6 +248,7 @@ def build_step_function(
         hooks = spec.build_step_hooks(model_args, whole, parts, world, device, shape_inference=shape_inference)
     for build_hooks in features.hooks:
         hooks = chain_hooks(hooks, build_hooks(config, parts))
+    hooks = chain_hooks(hooks, mtp)
     feed = None
     if features.feed is not None:
         feed = features.feed(
@@ -264,6 +271,7 @@ def build_step_function(
         pipeline_loss=pipeline_loss,
         hooks=hooks,
         feed=feed,
+        train_kwargs={"mtp": True} if mtp is not None else None,
     )
 
 

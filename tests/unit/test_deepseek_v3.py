@@ -9,7 +9,6 @@ softmax scale, the correction bias, the expert groups (each is checked to matter
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 from tests.support.published import DSV3_PUBLISHED
 from torchtitan.checkpointing.common import load_model_weights
 from torchtitan.checkpointing.hf.convert import export_to_hf, import_from_hf
+from torchtitan.checkpointing.hf.files import hf_folder_args
 from torchtitan.config.manager import JobConfig
 from torchtitan.models.common.documents import document_ids, document_positions
 from torchtitan.models.common.rope.yarn import yarn_attention_factor
@@ -114,8 +114,7 @@ def _logits(model, tokens: torch.Tensor) -> torch.Tensor:
 def test_import_and_export_match_transformers(tmp_path, config):
     hf_dir = _hf_folder(tmp_path, config)
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        args = ADAPTER.model_args_from_hf(json.load(f))
+    args = hf_folder_args(hf_dir, ADAPTER)  # transformers writes num_nextn_predict_layers 1 and no MTP layer: 0 held
     seed = str(tmp_path / "seed" / "step-0")
     import_from_hf(hf_dir, seed, model_name="deepseek_v3")
     weights, _ = load_model_weights(seed)
@@ -143,8 +142,7 @@ def test_import_and_export_match_transformers(tmp_path, config):
 def test_each_feature_moves_the_parity_logits(tmp_path):
     """Guards the parity test: dropping YaRN's softmax scale, the groups or the bias changes the logits."""
     hf_dir = _hf_folder(tmp_path, HF_CONFIG)
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        args = ADAPTER.model_args_from_hf(json.load(f))
+    args = hf_folder_args(hf_dir, ADAPTER)  # transformers writes num_nextn_predict_layers 1 and no MTP layer: 0 held
     seed = str(tmp_path / "seed" / "step-0")
     import_from_hf(hf_dir, seed, model_name="deepseek_v3")
     weights, _ = load_model_weights(seed)
@@ -283,7 +281,11 @@ def test_published_config_json_is_the_flavor(flavor):
     }
     config |= {"hidden_act": "silu", "rms_norm_eps": 1e-6, "attention_bias": False, "tie_word_embeddings": False}
     theirs = DeepSeekV3Args.from_dict(ADAPTER.model_args_from_hf(config))
-    assert theirs == dataclasses.replace(deepseek_v3_configs[flavor], max_seq_len=theirs.max_seq_len)
+    published = PUBLISHED_REST[flavor][
+        "num_nextn_predict_layers"
+    ]  # the multi-token-prediction layers (model.mtp_layers)
+    want = dataclasses.replace(deepseek_v3_configs[flavor], max_seq_len=theirs.max_seq_len, mtp_layers=published)
+    assert theirs == want
 
 
 def _config(*args: str) -> JobConfig:

@@ -39,6 +39,7 @@ IMPORT_LIMITS = {
     "in_loop_eval": 2,
     "lora": 2,
     "moe_balance": 1,
+    "mtp": 2,  # the registry (its check) and build.py (the loss and hooks, beside the step function it builds)
     "replay": 1,
     "rl": 3,
     "stragglers": 1,

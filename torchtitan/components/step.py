@@ -11,9 +11,9 @@ knows losses live on one pipeline rank.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -98,17 +98,21 @@ class StepFunction:
         pipeline_loss: PipelineLoss | None = None,
         hooks: StepHooks | None = None,
         feed: BatchFeed | None = None,
+        train_kwargs: Mapping[str, Any] | None = None,
     ):
         """``amp_dtype``: autocast's dtype, or None (FSDP's mixed precision or fp32 computes without it).
         ``feed``: block_causal attention's feed of each batch's documents to the forwards (built over
         these model parts, built with them by ``build.build_step_function``), else None. ``loss_fn``: the
-        loss over the logits (``loss.build_loss_fn``; the pipeline's ``pipeline_loss`` holds the same one)."""
+        loss over the logits (``loss.build_loss_fn``; the pipeline's ``pipeline_loss`` holds the same one).
+        ``train_kwargs``: keyword arguments of the training forwards only (multi-token prediction's ``mtp=True``:
+        features/mtp/step.py), not of validation's."""
         self.model_parts, self.world, self.device = model_parts, world, device
         self.amp_dtype, self.loss_fn, self.loss_chunk_size = amp_dtype, loss_fn, loss_chunk_size
         self.pipeline, self.hooks = pipeline, hooks
         self.loss_context = loss_parallel if world.dims.loss_parallel_enabled else contextlib.nullcontext
         self.pipeline_loss = pipeline_loss
         self.feed = feed
+        self.train_kwargs = dict(train_kwargs or {})
 
     def count_tokens(self, batches: list[Batch], *, outer_sum: OuterSum | None = None) -> float | None:
         """block_causal: the token weight that weighs each token equally over the global batch, for
@@ -162,7 +166,7 @@ class StepFunction:
                 with self.pipeline_loss.scaled(scale), self.autocast(), self.loss_context():
                     loss = pipeline_step(self.pipeline, batch.inputs, batch.labels)
                 return None if loss is None else _plain(loss)
-            loss = self._loss(batch, token_weight) * (1.0 / accum_steps)
+            loss = self._loss(batch, token_weight, self.train_kwargs) * (1.0 / accum_steps)
             with self.loss_context():
                 self._backward(loss, 1.0 / accum_steps)
             return _plain(loss)
@@ -200,8 +204,9 @@ class StepFunction:
             counted = torch.zeros_like(counted)
         return self.forward_loss(batch, token_weight=weight).float(), counted
 
-    def _loss(self, batch: Batch, token_weight: float | None) -> torch.Tensor:
-        """The micro-batch's mean loss, or with a ``token_weight`` its summed loss times the weight."""
+    def _loss(self, batch: Batch, token_weight: float | None, kwargs: Mapping[str, Any] | None = None) -> torch.Tensor:
+        """The micro-batch's mean loss, or with a ``token_weight`` its summed loss times the weight; ``kwargs``: the
+        forward's (training's ``train_kwargs``)."""
         inputs, labels = batch.inputs, batch.labels
         reduction = "mean" if token_weight is None else "sum"
         model = self.model_parts[0]
@@ -221,7 +226,7 @@ class StepFunction:
                 )
                 return loss if token_weight is None else loss * token_weight
         with self.autocast():
-            pred = model(inputs)  # (bs, seqlen, vocab); vocab-sharded DTensor under loss parallel
+            pred = model(inputs, **(kwargs or {}))  # (bs, seqlen, vocab); vocab-sharded DTensor under loss parallel
         with self.loss_context():
             loss = self.loss_fn(pred, labels, reduction=reduction)
             return loss if token_weight is None else loss * token_weight

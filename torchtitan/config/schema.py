@@ -113,6 +113,14 @@ class Model:
         "the indexers from their KL loss), 'dense_warmup' (dense attention, only the indexers train), or 'flavor' "
         "(the flavor's own; docs/models.md, DeepSeek-V3.2)",
     )
+    mtp_layers: int = _f(
+        0,
+        "multi-token-prediction depths after the model (deepseek_v3; DeepSeek-V3 publishes 1, its config.json's "
+        "num_nextn_predict_layers): depth k predicts token i+k+1 from the previous depth's hidden state and token "
+        "i+k's embedding, through one more block and the shared output head; its loss is weighed by "
+        "training.mtp_loss_weight (docs/models.md, Multi-token prediction)",
+        bound=Bound(ge=0),
+    )
     hf_config: str = _f(
         "",
         "model.name = 'hf' with model.flavor = 'config': the transformers causal LM to build, as a local HF model "

@@ -234,11 +234,12 @@ def _apply_cp(
 
 def _units(model: nn.Module) -> list[nn.Module] | None:
     """FSDP's units in forward order: an image model's tower blocks, then the tower itself (patch embedding, positions,
-    merger), then the blocks; None (the blocks) for a text model."""
-    tower = getattr(model, "visual", None)
-    if tower is None:
+    merger), then the blocks, then each multi-token-prediction depth (``mtp``: its experts then get their own unit
+    under EP, as a block's); None (the blocks) for a text model without depths."""
+    tower, mtp = getattr(model, "visual", None), getattr(model, "mtp", None)
+    if tower is None and mtp is None:
         return None
-    return [*tower.blocks, tower, *model.layers.values()]
+    return [*((*tower.blocks, tower) if tower is not None else ()), *model.layers.values(), *(mtp or {}).values()]
 
 
 def _apply_fsdp(

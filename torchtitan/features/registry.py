@@ -154,6 +154,7 @@ FEATURES: tuple[Feature, ...] = (  # declarative table
     ),
     # The family and flavor exist; the flavor's shapes under TP and PP; the family's own check (FFN width, experts).
     Feature("model", (_c("torchtitan.spec:check_model"),)),
+    Feature("mtp", (_c("torchtitan.features.mtp.checks:check_mtp"),)),  # multi-token prediction: after the model's
     # CUDA graphs of the compiled blocks: after the model check (it reads the flavor), beside its device
     Feature(
         "cuda_graphs",

@@ -60,6 +60,12 @@ def format_step_line(step: int, total: int, record: dict[str, float | None], eta
             if "trained_tokens_per_step" in record
             else ""
         )
+        # multi-token prediction: each depth's loss (model.mtp_layers)
+        + (
+            f"mtp_loss {c.value}{' '.join(f'{v:.4f}' for v in record['mtp_loss'])}{c.reset}  "
+            if "mtp_loss" in record
+            else ""
+        )
         # MoE: the worst layer's max/mean tokens per expert (per layer: metrics.jsonl)
         + (
             f"moe_imbalance {c.value}{record['expert_imbalance_max']:4.2f}{c.reset}  "

@@ -19,7 +19,7 @@ from torchtitan.checkpointing.common import (
     save_model_weights,
 )
 from torchtitan.checkpointing.files.marker import read_marker
-from torchtitan.checkpointing.hf.files import load_hf_weights, read_hf_config, save_hf_folder
+from torchtitan.checkpointing.hf.files import hf_folder_args, load_hf_weights, read_hf_config, save_hf_folder
 from torchtitan.checkpointing.scope import partial_scope_of
 from torchtitan.spec import (
     StateDictAdapter,
@@ -109,11 +109,12 @@ def check_hf_matches(hf_dir: str, model_name: str, args: dict[str, Any]) -> None
             f"checkpoint.initial_load_path = {hf_dir!r} holds a {config.get('model_type')!r} model and "
             f"model.name = {model_name!r} reads {spec.hf_model_type!r}; set model.name to that family"
         )
-    theirs = adapter.model_args_from_hf(config)
+    theirs = hf_folder_args(hf_dir, adapter)
+    _check_at_most(hf_dir, args, theirs)
     differ = {
         k: (args[k], v)
         for k, v in theirs.items()
-        if k in args and k not in _NOT_SHAPES and _as_plain(_kv(args, k)) != _as_plain(_kv(theirs, k))
+        if k in args and k not in (*_NOT_SHAPES, *_AT_MOST) and _as_plain(_kv(args, k)) != _as_plain(_kv(theirs, k))
     }
     if differ:
         listed = ", ".join(f"{k}: flavor {ours!r} vs checkpoint {hf!r}" for k, (ours, hf) in sorted(differ.items()))
@@ -128,6 +129,20 @@ def check_hf_matches(hf_dir: str, model_name: str, args: dict[str, Any]) -> None
 # shapes are checked as they load). The ``hf`` family's ``config`` is the config.json text, which a saved folder
 # spells with transformers' bookkeeping (its version, ``architectures``): the shapes read from it are compared.
 _NOT_SHAPES = ("max_seq_len", "norm_type", "multiple_of", "ffn_dim_multiplier", "config")
+
+
+# Args a run may take fewer of than the folder holds: DeepSeek-V3's multi-token-prediction layers (config.json's
+# num_nextn_predict_layers) past the run's model.mtp_layers are not read.
+_AT_MOST = {"mtp_layers": ("model.mtp_layers", "multi-token-prediction layers (config.json num_nextn_predict_layers)")}
+
+
+def _check_at_most(hf_dir: str, args: dict[str, Any], theirs: dict[str, Any]) -> None:
+    for k, (key, what) in _AT_MOST.items():
+        if args.get(k, 0) > theirs.get(k, 0):
+            raise ValueError(
+                f"{key} = {args[k]} with checkpoint.initial_load_path = {hf_dir!r}, which holds {theirs.get(k, 0)} "
+                f"{what}; allowed: 0..{theirs.get(k, 0)}; set {key} <= {theirs.get(k, 0)}"
+            )
 
 
 def _kv(args: dict[str, Any], key: str) -> Any:

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from torchtitan.checkpointing.files.marker import does_not_exist
 from torchtitan.config.parse_errors import parsing
+from torchtitan.models.common.mtp import held_mtp_layers
 
 if TYPE_CHECKING:
     from torchtitan.config.manager import JobConfig
@@ -182,9 +183,18 @@ def hf_folder_tokenizer(hf_dir: str) -> str | None:
     return hf_dir if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")) else None
 
 
+def hf_folder_args(hf_dir: str, adapter: Any) -> dict[str, Any]:
+    """Our model args (a dict) of an HF folder: its config.json's, through the family's ``StateDictAdapter``, with
+    the multi-token-prediction layers it holds weights of (``mtp_layers``: DeepSeek-V3's)."""
+    fields = adapter.model_args_from_hf(read_hf_config(hf_dir))
+    if fields.get("mtp_layers"):
+        fields["mtp_layers"] = held_mtp_layers(fields["mtp_layers"], fields["n_layers"], hf_weight_files(hf_dir))
+    return fields
+
+
 def load_hf_weights(hf_dir: str, adapter: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(our model args as a dict, our weights) of an HF folder, through the family's ``StateDictAdapter``."""
-    fields = adapter.model_args_from_hf(read_hf_config(hf_dir))
+    fields = hf_folder_args(hf_dir, adapter)
     hf: dict[str, torch.Tensor] = {}
     for path in sorted(set(hf_weight_files(hf_dir).values())):  # one file, or save_pretrained's shards
         hf.update(read_safetensors(path))

@@ -63,7 +63,7 @@ def load_hf_into(
     groups: dict[str, list[str]] = {}
     for key in files:  # "model.layers.3.mlp..." (or "model.language_model.layers.3...") -> "3"; the rest -> ""
         groups.setdefault(_layer_of(key), []).append(key)
-    ours_needed = {_layer_of(k) for k in targets}
+    ours_needed = {_hf_group_of(k, args) for k in targets}
     loaded: dict[str, torch.Tensor] = {}
     with contextlib.ExitStack() as stack:
         handles: dict[str, Any] = {}
@@ -99,6 +99,16 @@ def _layer_of(key: str) -> str:
     """Our key's layer ("layers.3...", or "hf.model.layers.3..." for a transformers model), "" outside the layers."""
     found = _LAYER.search(key)
     return found.group(1) if found else ""
+
+
+_MTP_DEPTH = re.compile(r"^mtp\.(\d+)\.")
+
+
+def _hf_group_of(key: str, args: dict[str, Any]) -> str:
+    """The HF layer group of our key: its layer, or for a multi-token-prediction depth k (``mtp.{k}.``, DeepSeek-V3's
+    layout) the published layer ``n_layers + k``."""
+    found = _MTP_DEPTH.match(key)
+    return str(args["n_layers"] + int(found.group(1))) if found else _layer_of(key)
 
 
 def local_slice(target: torch.Tensor, full: torch.Tensor, key: str, hf_dir: str) -> torch.Tensor:

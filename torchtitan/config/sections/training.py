@@ -117,6 +117,13 @@ class Training:
         "recomputed in backward, never all held); 0 = one chunk (the full logits)",
         bound=Bound(ge=0, text=">= 0 (0 = one chunk, the full logits)"),
     )
+    mtp_loss_weight: float = _f(
+        0.3,
+        "with model.mtp_layers = D: the multi-token-prediction loss's weight, DeepSeek-V3's lambda (0.3 for its "
+        "first 10T tokens, then 0.1): the loss trained is the model's plus lambda / D times each depth's; 0 trains "
+        "exactly as without MTP (the depths then learn nothing). The logged loss is the model's; mtp_loss each depth's",
+        bound=Bound(ge=0),
+    )
     dtype: Literal["float32", "bfloat16"] = _f(
         "float32",
         "dtype of parameters, gradients and optimizer states. bfloat16 = pure bf16 training: no fp32 copy of the "

@@ -10,7 +10,7 @@ instead of the bias.
 
 16B: DeepSeek-V2-Lite's published config (15.7B parameters): softmax routing, top 6 of 64 experts
 unnormalised, two shared experts' width, the sequence-wise aux loss (0.001). 671B: DeepSeek-V3's
-config.json (without its multi-token-prediction layer). kimi_k2: Kimi K2's (384 experts, 64 heads,
+config.json (its multi-token-prediction layer: ``model.mtp_layers``). kimi_k2: Kimi K2's (384 experts, 64 heads,
 layer 0 dense, 1.03T parameters). Vocab sizes as published; the trainer replaces them with the
 tokenizer's (and ``max_seq_len`` with ``training.seq_len``).
 """

@@ -36,6 +36,9 @@ class DeepSeekV3Args(MoEArgs):
     qk_nope_head_dim: int = 128  # per-head q/k dims without position
     qk_rope_head_dim: int = 64  # per-head q dims (and the one shared k) that RoPE rotates
     v_head_dim: int = 128
+    # Multi-token prediction depths after the model (models/common/mtp.py; HF num_nextn_predict_layers); the
+    # run's model.mtp_layers sets it (spec.py), no flavor does.
+    mtp_layers: int = 0
 
     @property
     def qk_head_dim(self) -> int:
@@ -63,6 +66,7 @@ class DeepSeekV3Args(MoEArgs):
             ),
             (self.qk_nope_head_dim >= 0, "qk_nope_head_dim", self.qk_nope_head_dim, "use 0 or more"),
             (self.v_head_dim >= 1, "v_head_dim", self.v_head_dim, "use a positive size"),
+            (self.mtp_layers >= 0, "mtp_layers", self.mtp_layers, "use 0 (no multi-token prediction) or more"),
             (
                 self.n_kv_heads in (None, self.n_heads),
                 "n_kv_heads",

@@ -6,7 +6,11 @@ DeepSeek-V3 / Kimi K2 checkpoint's; ``rope_interleave = false`` is refused). Rou
 (``feed_forward.experts.w1`` (E, hidden, dim) holds every expert's gate_proj, ``w3`` the up_proj,
 ``w2`` the down_proj) and per expert in HF files (``mlp.experts.{e}.gate_proj.weight``).
 ``e_score_correction_bias`` is our ``expert_bias`` (zeros where our flavor balances without it).
-Layers past ``n_layers`` (DeepSeek-V3's multi-token-prediction layer 61) are not built and are skipped.
+Multi-token prediction (``mtp_layers``, models/common/mtp.py): depth k+1 is the published layer ``n_layers + k``
+(DeepSeek-V3's 61): its block under the block's names, ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, and
+copies of the embedding and the head (``embed_tokens``, ``shared_head.head``), which are not read (ours are the
+model's own; a folder whose copies differ from them is refused) and are written from the model's on export. Layers
+past ``n_layers + mtp_layers`` are skipped.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from torchtitan.models.common.hf_adapter import HfAdapter, StackedExperts, base_model_args, torch_dtype_name
 from torchtitan.models.common.hf_rope import RopeDefaults, hf_rope_parameters, parse_hf_rope
+from torchtitan.models.common.mtp import MTP_OWN, MTP_SHARED, layers_as_mtp, mtp_as_layers
 
 
 class DeepSeekV3Adapter(HfAdapter):
@@ -44,8 +49,46 @@ class DeepSeekV3Adapter(HfAdapter):
     experts = StackedExperts()
     skip_layers_past_n = True
 
+    def to_hf_state_dict(self, sd: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return super().to_hf_state_dict(mtp_as_layers(sd, args["n_layers"]), args)
+
+    def from_hf_state_dict(self, hf: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The base mapping over the model's layers and its MTP depths (``mtp_layers``), the depths renamed ours.
+
+        Raises:
+            ValueError: an MTP layer's embedding or head copy that differs from the model's (both in ``hf``).
+        """
+        n_layers, depths = args["n_layers"], args.get("mtp_layers", 0)
+        for k in range(depths):
+            for suffix, main in MTP_SHARED.items():
+                key = f"model.layers.{n_layers + k}.{suffix}"
+                if key in hf and main in hf and not torch.equal(hf[key], hf[main]):
+                    raise ValueError(
+                        f"Hugging Face {self.hf_name} weight {key!r} differs from {main!r}: our multi-token "
+                        "prediction shares the model's; allowed: equal copies (as published); fix: train with "
+                        "model.mtp_layers = 0, or copy the model's tensor into the layer"
+                    )
+        out = super().from_hf_state_dict(hf, {**args, "n_layers": n_layers + depths})
+        return layers_as_mtp(out, n_layers)
+
+    def extra_to_hf(self, suffix: str, w: torch.Tensor, layer: str, sd, args) -> dict[str, torch.Tensor] | None:
+        """An MTP depth's own weights (``enorm``, ``hnorm``, ``eh_proj``, ``norm``) -> the published names."""
+        return {MTP_OWN[suffix]: w.contiguous()} if int(layer) >= args["n_layers"] and suffix in MTP_OWN else None
+
+    def extra_from_hf(self, suffix: str, w: torch.Tensor, args: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        """An MTP layer's own weights -> ours; its embedding and head copies are known and not read (``{}``)."""
+        by_hf = {v: k for k, v in MTP_OWN.items()}
+        if suffix in by_hf:
+            return {by_hf[suffix]: w.contiguous()}
+        return {} if suffix in MTP_SHARED else None
+
     def finish_to_hf(self, out: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, torch.Tensor]:
-        for layer in range(args["first_k_dense"], args["n_layers"]):
+        depths = args.get("mtp_layers", 0)
+        for k in range(depths):  # the published copies of the shared embedding and head (own storage: safetensors)
+            for suffix, main in MTP_SHARED.items():
+                if main in out:
+                    out[f"model.layers.{args['n_layers'] + k}.{suffix}"] = out[main].clone()
+        for layer in range(args["first_k_dense"], args["n_layers"] + depths):
             router = f"model.layers.{layer}.mlp.gate.weight"
             bias = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
             if router in out and bias not in out:  # a flavor balanced without the bias: HF's is zeros
@@ -85,7 +128,7 @@ class DeepSeekV3Adapter(HfAdapter):
             else args["max_seq_len"],
             "rope_parameters": hf_rope_parameters(args["rope_theta"], "yarn" if yarn else "default", yarn),
             "rope_interleave": True,
-            "num_nextn_predict_layers": 0,
+            "num_nextn_predict_layers": args.get("mtp_layers", 0),
             "hidden_act": "silu",
             "attention_bias": False,
             "tie_word_embeddings": bool(args.get("tie_word_embeddings", False)),
@@ -138,6 +181,7 @@ class DeepSeekV3Adapter(HfAdapter):
             "moe_every": 1,
             "score_func": "sigmoid",
             "load_balance": "bias",
+            "mtp_layers": config.get("num_nextn_predict_layers", 0),
         }
 
 

@@ -17,10 +17,13 @@ the weights import without reordering. Heads are read from shapes (``view(bs, se
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import torch
 from torch import nn
 
 from torchtitan.models.common.init import trunc_normal_
+from torchtitan.models.common.mtp import build_mtp, mtp_logits
 from torchtitan.models.common.rope.yarn import compute_yarn_rope_cache
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args, softmax_scale_multiplier
 from torchtitan.models.llama.model import (
@@ -28,6 +31,7 @@ from torchtitan.models.llama.model import (
     FeedForward,
     TransformerBlock,
     apply_rotary_emb,
+    build_norm,
     compute_rope_cache,
 )
 from torchtitan.models.moe import MoE, MoETransformer
@@ -105,10 +109,21 @@ def build_deepseek_v3_block(layer_id: int, args: DeepSeekV3Args) -> TransformerB
 
 class DeepSeekV3Transformer(MoETransformer):
     """llama's MoE Transformer (embedding, norm, output, init units, forward, load balancing) with
-    DeepSeek-V3 blocks and a RoPE table of ``qk_rope_head_dim`` (YaRN-scaled)."""
+    DeepSeek-V3 blocks and a RoPE table of ``qk_rope_head_dim`` (YaRN-scaled); with ``mtp_layers``, the
+    multi-token-prediction depths ``mtp`` ("0".."D-1", models/common/mtp.py), None on a model without them."""
 
     def __init__(self, args: DeepSeekV3Args):
         super().__init__(args, build_block=build_deepseek_v3_block)
+        self.mtp = build_mtp(
+            args.mtp_layers,
+            args.dim,
+            args.n_layers,
+            lambda layer_id: build_deepseek_v3_block(layer_id, args),
+            lambda: build_norm(args.norm_type, args.dim, args.norm_eps),
+        )
+        for module in self.mtp.modules() if self.mtp is not None else ():
+            if isinstance(module, CausalAttention):
+                module.documents = self.document_cache
 
     def _rope_cache(self) -> torch.Tensor:
         """(max_seq_len, qk_rope_head_dim): [cos | sin] of each position's angles (times YaRN's attention factor)."""
@@ -116,3 +131,37 @@ class DeepSeekV3Transformer(MoETransformer):
         if args.rope_scaling is None:
             return compute_rope_cache(args.qk_rope_head_dim, args.max_seq_len, args.rope_theta)
         return compute_yarn_rope_cache(args.qk_rope_head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling)
+
+    def init_units(self) -> Iterator[tuple[str, Callable[[], None]]]:
+        """llama's units, then each MTP depth ("mtp.0", ...): seeded by name, so the model's own init does not
+        depend on whether it has MTP depths."""
+        yield from super().init_units()
+        for name, depth in self.mtp.items() if self.mtp is not None else ():
+            yield f"mtp.{name}", depth.init_weights
+
+    def moe_layers(self) -> dict[str, MoE]:
+        """MoETransformer's, plus each MTP depth's MoE under its published layer number (n_layers + k)."""
+        layers = super().moe_layers()
+        for name, depth in self.mtp.items() if self.mtp is not None else ():
+            layers.update({str(self.args.n_layers + int(name)): m for m in depth.modules() if isinstance(m, MoE)})
+        return layers
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        *,
+        doc_ids: torch.Tensor | None = None,
+        return_hidden: bool = False,
+        mtp: bool = False,
+    ) -> torch.Tensor:
+        """llama's forward; ``mtp`` (training with MTP depths): the logits (bs, (1 + D) * seqlen, vocab), the model's
+        then each depth's (depth k predicts token i+k+1 at position i) concatenated on the sequence dim."""
+        if not mtp or self.mtp is None:
+            return super().forward(tokens, positions, doc_ids=doc_ids, return_hidden=return_hidden)
+        h = super().forward(tokens, positions, doc_ids=doc_ids, return_hidden=True)  # (bs, seqlen, dim), normed
+        rope = self.rope_at(positions)
+        depths = mtp_logits(
+            self.mtp, h, tokens, embed=self.tok_embeddings, output=self.output, rope=rope, doc_ids=doc_ids
+        )
+        return torch.cat([self.output(h), *depths], dim=1)  # (bs, (1 + D) * seqlen, vocab)

@@ -8,6 +8,7 @@ under fake tensors, layer period, load balancer). Not part of the pure model: th
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,11 @@ def deepseek_v3_hf_refusal(args: Mapping[str, Any]) -> str | None:
     )
 
 
+def with_mtp(args: Any, model: Model) -> Any:
+    """The flavor's args with the run's multi-token-prediction depths (``model.mtp_layers``)."""
+    return args if model.mtp_layers == args.mtp_layers else dataclasses.replace(args, mtp_layers=model.mtp_layers)
+
+
 SPEC = ModelSpec(
     "deepseek_v3",
     DeepSeekV3Transformer,
@@ -67,4 +73,5 @@ SPEC = ModelSpec(
     adapters=AdapterLayout(ADAPTER.block_names, ("feed_forward", "feed_forward.shared_expert"), peft_ffn_remapped=True),
     hf_model_type="deepseek_v3",
     hf_refusal=deepseek_v3_hf_refusal,
+    configure=with_mtp,
 )

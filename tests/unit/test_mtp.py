@@ -1,0 +1,145 @@
+"""Multi-token prediction (model.mtp_layers): the depths' math, the init that leaves the model's unchanged, lambda = 0
+bit for bit, the published layout round trip, and the one-line refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.support.mtp import write_mtp_folder
+from torchtitan.checkpointing.common import load_model_weights
+from torchtitan.checkpointing.hf.convert import check_hf_matches, export_to_hf, import_from_hf
+from torchtitan.components.loss import cross_entropy_loss
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.manager import JobConfig
+from torchtitan.distributed.init import init_model_weights
+from torchtitan.features.mtp.step import MtpLoss
+from torchtitan.models.common.documents import IGNORE_INDEX
+from torchtitan.models.common.mtp import mtp_labels
+from torchtitan.models.deepseek_v3 import DeepSeekV3Transformer, deepseek_v3_configs
+from torchtitan.preflight import run_preflight
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SEQ = 16
+
+
+def _model(mtp_layers: int, seed: int = 0) -> DeepSeekV3Transformer:
+    args = dataclasses.replace(deepseek_v3_configs["debugmodel_tiny"], vocab_size=64, max_seq_len=32)
+    model = DeepSeekV3Transformer(dataclasses.replace(args, mtp_layers=mtp_layers))
+    init_model_weights(model, seed, torch.device("cpu"))
+    return model
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, 64, (2, SEQ + 1), generator=torch.Generator().manual_seed(1))
+
+
+def test_depths_leave_the_model_init_and_logits_unchanged():
+    plain, with_mtp = _model(0), _model(2)
+    ours = with_mtp.state_dict()
+    assert all(torch.equal(w, ours[k]) for k, w in plain.state_dict().items())
+    assert sorted({k.split(".")[1] for k in ours if k.startswith("mtp.")}) == ["0", "1"]
+    x = _tokens()[:, :-1]
+    assert torch.equal(plain(x), with_mtp(x))
+    assert with_mtp(x, mtp=True).shape == (2, 3 * SEQ, 64)
+    assert list(with_mtp.moe_layers())[-2:] == ["4", "5"]  # the depths' MoE as published layers n_layers + k
+
+
+def test_depth_one_is_the_report_module_by_hand():
+    """logits of depth 1 at position i = head(norm(block(eh_proj([enorm(emb(t_{i+1})), hnorm(h_i)])))), h the model's
+    final-normed hidden state; the rolled tail never reaches an earlier position (causal)."""
+    model = _model(1).eval()
+    x = _tokens()[:, :-1]
+    with torch.no_grad():
+        got = model(x, mtp=True)[:, SEQ:]  # (bs, seqlen, vocab): depth 1
+        h = model(x, return_hidden=True)[:, :-1]
+        depth = model.mtp["0"]
+        e = model.tok_embeddings(x[:, 1:])
+        mixed = depth.eh_proj(torch.cat([depth.enorm(e), depth.hnorm(h)], dim=-1))
+        want = model.output(depth.norm(depth.block(mixed, model.rope_at(None))))
+    torch.testing.assert_close(got[:, :-1], want, rtol=1e-5, atol=1e-6)
+
+
+def test_mtp_labels_predict_token_i_plus_k_plus_one_within_a_chain():
+    labels = torch.tensor([[1, 2, IGNORE_INDEX, 4, 5, 6]])
+    assert mtp_labels(labels, 1).tolist() == [[2, IGNORE_INDEX, IGNORE_INDEX, 5, 6, IGNORE_INDEX]]
+    assert mtp_labels(labels, 2).tolist() == [[IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, 6] + [IGNORE_INDEX] * 2]
+
+
+def _grads(model, loss_fn, *, mtp: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    t = _tokens()
+    loss = loss_fn(model(t[:, :-1], mtp=mtp), t[:, 1:])
+    aux = loss_fn.aux_loss(model, 1.0) if isinstance(loss_fn, MtpLoss) else None
+    torch.autograd.backward([loss] if aux is None else [loss, aux])
+    return loss.detach(), {k: p.grad for k, p in model.named_parameters()}
+
+
+def test_weight_zero_is_the_run_without_mtp_bit_for_bit():
+    want_loss, want = _grads(_model(0), cross_entropy_loss, mtp=False)
+    world = type("World", (), {"group": lambda self, name: None})()
+    mtp_loss = MtpLoss(cross_entropy_loss, depths=1, weight=0.0, world=world, device=torch.device("cpu"))
+    got_loss, got = _grads(_model(1), mtp_loss, mtp=True)
+    assert torch.equal(got_loss, want_loss)
+    assert all(torch.equal(got[k], g) for k, g in want.items())
+    assert all(g.abs().sum() == 0 for k, g in got.items() if k.startswith("mtp."))
+    mtp_loss.reduce_step(keep_metrics=True, outer_sum=None)
+    fields, scalars = mtp_loss.metrics()
+    assert (
+        len(fields["mtp_loss"]) == 1 and 3.5 < fields["mtp_loss"][0] < 5 and "loss_metrics/mtp_loss_depth_1" in scalars
+    )
+    weighted = MtpLoss(cross_entropy_loss, depths=1, weight=0.3, world=world, device=torch.device("cpu"))
+    _, moved = _grads(_model(1), weighted, mtp=True)
+    assert not torch.equal(moved["layers.0.attention.wo.weight"], want["layers.0.attention.wo.weight"])
+
+
+def test_published_mtp_folder_round_trips_bit_for_bit(tmp_path):
+    pytest.importorskip("transformers")
+    hf_dir = write_mtp_folder(str(tmp_path / "hf_in"))
+    seed = str(tmp_path / "seed" / "step-0")
+    import_from_hf(hf_dir, seed, model_name="deepseek_v3")
+    weights, _ = load_model_weights(seed)
+    assert {k.split(".")[2] for k in weights if k.startswith("mtp.0.")} >= {
+        "enorm",
+        "hnorm",
+        "eh_proj",
+        "norm",
+        "block",
+    }
+    out = str(tmp_path / "hf_out")
+    export_to_hf(seed, out)
+    want, got = load_file(os.path.join(hf_dir, "model.safetensors")), load_file(os.path.join(out, "model.safetensors"))
+    assert got.keys() == want.keys(), sorted(got.keys() ^ want.keys())
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["num_nextn_predict_layers"] == 1
+
+
+def _config(*args: str) -> JobConfig:
+    dsv3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_tiny"]
+    return JobConfig.parse_args(
+        ["--job.config_file", os.path.join(ROOT, "train_configs/debug_model.toml"), *dsv3, *args]
+    )
+
+
+def test_bad_inputs_end_in_one_line(tmp_path):
+    assert run_preflight(_config("--model.mtp_layers", "1"), 1, this_machine=False) == []
+    llama = JobConfig.parse_args(
+        ["--job.config_file", os.path.join(ROOT, "train_configs/debug_model.toml"), "--model.mtp_layers", "1"]
+    )
+    with pytest.raises(ConfigError, match=r"model.mtp_layers = 1 with model.name = 'llama3'.*deepseek_v3.*set model"):
+        run_preflight(llama, 1, this_machine=False)
+    pp = ["--experimental.pipeline_parallel_degree", "2"]
+    with pytest.raises(NotImplementedError, match=r"model.mtp_layers = 1 with experimental.pipeline_parallel_degree"):
+        run_preflight(_config("--model.mtp_layers", "1", *pp), 2, this_machine=False)
+    pytest.importorskip("transformers")
+    hf_dir = write_mtp_folder(str(tmp_path / "hf_in"))
+    args = dataclasses.asdict(dataclasses.replace(deepseek_v3_configs["debugmodel_tiny"], vocab_size=256))
+    check_hf_matches(hf_dir, "deepseek_v3", {**args, "mtp_layers": 1})
+    check_hf_matches(hf_dir, "deepseek_v3", args)  # fewer depths than the folder: its layer is not read
+    with pytest.raises(ValueError, match=r"model.mtp_layers = 2 .* holds 1 .*allowed: 0..1; set model.mtp_layers <= 1"):
+        check_hf_matches(hf_dir, "deepseek_v3", {**args, "mtp_layers": 2})

@@ -1,0 +1,63 @@
+"""Pre-launch check of ``model.mtp_layers`` and ``training.mtp_loss_weight`` (multi-token prediction): a family that
+builds the depths, and the layouts they are built for. Light: the preflight runs it before any process group."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.spec import flavor_args, get_model_spec, model_names
+
+if TYPE_CHECKING:
+    from torchtitan.config.manager import JobConfig
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+
+def mtp_families() -> list[str]:
+    """The families whose args have ``mtp_layers`` (their model builds the depths)."""
+    return [name for name in model_names() if _has_mtp(name)]
+
+
+def _has_mtp(name: str) -> bool:
+    return any(hasattr(args, "mtp_layers") for args in get_model_spec(name).flavors.values())
+
+
+def check_mtp(config: JobConfig, dims: ParallelDims) -> list[str]:
+    """Raise on MTP settings that cannot run as asked; warn of a weight with no depths to weigh."""
+    depths, weight = config.model.mtp_layers, config.training.mtp_loss_weight
+    key = f"model.mtp_layers = {depths}"
+    if depths == 0:
+        return []
+    if not hasattr(flavor_args(config.model), "mtp_layers"):
+        raise ConfigError(
+            f"{key} with model.name = {config.model.name!r}: this family has no multi-token prediction; allowed: "
+            f"model.mtp_layers = 0 here, or a family that builds it ({', '.join(mtp_families())}); set "
+            "model.mtp_layers = 0"
+        )
+    unbuilt = (
+        (
+            dims.pp_enabled,
+            f"experimental.pipeline_parallel_degree = {dims.pp}",
+            "the depths read the embedding table, which lives on the first stage, from the last one",
+        ),
+        (dims.tp_enabled, f"training.tensor_parallel_degree = {dims.tp}", "the depths have no tensor-parallel plan"),
+        (
+            dims.cp_enabled,
+            f"experimental.context_parallel_degree = {dims.cp}",
+            "depth k reads token i+k, which another rank's sequence shard holds",
+        ),
+        (
+            config.training.loss_chunk_size > 0,
+            f"training.loss_chunk_size = {config.training.loss_chunk_size}",
+            "the chunked loss computes the model's logits only",
+        ),
+        (config.rl.enable, "rl.enable", "RL's update runs its own forward, without the depths"),
+    )
+    for found, setting, why in unbuilt:
+        if found:
+            raise NotImplementedError(
+                f"{key} with {setting}: not built ({why}); set model.mtp_layers = 0 or drop {setting.split(' =')[0]}"
+            )
+    if weight == 0:
+        return [f"{key} with training.mtp_loss_weight = 0: the depths are computed but learn nothing"]
+    return []

@@ -1,0 +1,111 @@
+"""Multi-token prediction in the training step: the loss over the depths' logits, and their per-depth metrics.
+
+With ``model.mtp_layers = D``, the training forward (``StepFunction.forward_backward``) asks the model for its
+depths too (``model(inputs, mtp=True)``: the logits (bs, (1 + D) * seqlen, vocab), the model's first).
+``MtpLoss`` wraps the run's loss: it returns the model's loss (what the step logs as ``loss``) and keeps
+``training.mtp_loss_weight / D`` times the sum of the depths' losses (the DeepSeek-V3 report's lambda / D), which
+the step back-propagates with it as a family's aux loss (``StepHooks.aux_loss``, at the micro-batch's scale). Each
+depth's loss is its mean cross-entropy over its own counted labels (models/common/mtp.py ``mtp_labels``) in the
+micro-batch. Validation and evaluation forwards ask for no depths: their loss is the model's alone. ``mtp_loss`` in
+the step record: each depth's mean cross-entropy over the step's global batch, depth 1 first.
+
+With ``mtp_loss_weight = 0`` every depth term is an exact zero: the model's loss, gradients and updates are bit
+for bit those of the run without MTP (the depths' own weights do not touch them, and are initialised by name:
+models/deepseek_v3/model.py ``init_units``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
+
+from torchtitan.models.common.documents import IGNORE_INDEX
+from torchtitan.models.common.mtp import mtp_labels
+
+# components/loss.py's LossFn, spelled out: this folder sits below components/ (docs/design.md's floors)
+LossFn = Callable[..., torch.Tensor]
+
+if TYPE_CHECKING:
+    from torchtitan.config.schema import Training
+    from torchtitan.distributed.mesh import OuterSum, WorldMesh
+
+
+class MtpLoss:
+    """The run's loss over ``model(inputs, mtp=True)``'s logits, and the step hooks (``spec.StepHooks``) that add the
+    depths' term to its backward and log each depth's loss."""
+
+    def __init__(self, loss_fn: LossFn, *, depths: int, weight: float, world: WorldMesh, device: torch.device):
+        self.loss_fn, self.depths, self.weight, self.world = loss_fn, depths, weight, world
+        self.totals = torch.zeros(2, depths, dtype=torch.float64, device=device)  # (sums, counts) this step
+        self.term: torch.Tensor | None = None  # the last training forward's lambda / D * sum of depth losses
+        self.last: list[float] | None = None
+
+    def __call__(
+        self, pred: torch.Tensor, labels: torch.Tensor, reduction: Literal["mean", "sum"] = "mean"
+    ) -> torch.Tensor:
+        """The model's loss. pred (bs, seqlen, vocab): the model's logits alone (validation); (bs, (1 + D) * seqlen,
+        vocab): a training forward's, whose depths' term ``aux_loss`` then hands to the backward."""
+        seqlen = labels.shape[1]
+        if pred.shape[1] == seqlen:
+            return self.loss_fn(pred, labels, reduction=reduction)
+        model_logits, *depths = pred.split(seqlen, dim=1)  # each (bs, seqlen, vocab)
+        terms = []
+        for k, logits in enumerate(depths, start=1):
+            target = mtp_labels(labels, k)  # (bs, seqlen)
+            counted = (target != IGNORE_INDEX).sum()
+            total = self.loss_fn(logits, target, reduction="sum")
+            self.totals[0, k - 1] += _plain(total).double()
+            self.totals[1, k - 1] += counted.double()
+            terms.append(total / counted.clamp(min=1))
+        self.term = torch.stack(terms).sum() * (self.weight / len(depths))
+        return self.loss_fn(model_logits, labels, reduction=reduction)
+
+    def aux_loss(self, model_part: Any, scale: float) -> torch.Tensor | None:
+        """The last training forward's depth term at the micro-batch's ``scale`` (taken: once per forward)."""
+        term, self.term = self.term, None
+        return None if term is None else term * scale
+
+    @torch.no_grad()
+    def reduce_step(self, *, keep_metrics: bool, outer_sum: OuterSum | None) -> None:
+        """Log steps: each depth's sums over every rank holding other tokens (data parallel); every rank calls it."""
+        totals, self.totals = self.totals, torch.zeros_like(self.totals)
+        if not keep_metrics:
+            return
+        group = self.world.group("dp_cp")
+        if group is not None:
+            dist.all_reduce(totals, group=group)
+        if not is_fake(totals):  # the memory estimator's fake step has no values to log
+            self.last = (totals[0] / totals[1].clamp(min=1)).tolist()
+
+    def after_optimizer_step(self) -> None:
+        pass
+
+    def discard_step(self) -> None:
+        self.last = None
+
+    def metrics(self) -> tuple[dict[str, Any], dict[str, float]] | None:
+        """({"mtp_loss": [depth 1, ...]}, TensorBoard's "loss_metrics/mtp_loss_depth_k"), or None."""
+        if self.last is None:
+            return None
+        last, self.last = self.last, None
+        return {"mtp_loss": last}, {f"loss_metrics/mtp_loss_depth_{k}": v for k, v in enumerate(last, start=1)}
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A detached plain tensor (loss parallel returns a replicated DTensor)."""
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def build_mtp_step(
+    loss_fn: LossFn, training: Training, *, depths: int, world: WorldMesh, device: torch.device
+) -> MtpLoss | None:
+    """The loss and step hooks of ``depths`` MTP depths (``model_args.mtp_layers``) over ``loss_fn``, weighed by
+    ``training.mtp_loss_weight``; None for 0 depths."""
+    if depths == 0:
+        return None
+    return MtpLoss(loss_fn, depths=depths, weight=training.mtp_loss_weight, world=world, device=device)
