@@ -48,8 +48,8 @@ IMPORT_LIMITS = {
 
 # feature -> (its folders under torchtitan/, the pattern that names it)
 FEATURES: dict[str, tuple[tuple[str, ...], re.Pattern]] = {
-    # MLA's q_lora_rank / kv_lora_rank are not it
-    "lora": (("features/lora",), re.compile(r"(?<![qv]_)lora", re.IGNORECASE)),
+    # MLA's q_lora_rank / kv_lora_rank and DeepSeek-V4's grouped low-rank output (o_lora_rank) are not it
+    "lora": (("features/lora",), re.compile(r"(?<![qvo]_)lora", re.IGNORECASE)),
     "fault_tolerance": (
         ("features/fault_tolerance",),
         re.compile(r"fault_tol|torchft|replica(?!te|tion)", re.IGNORECASE),

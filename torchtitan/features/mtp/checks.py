@@ -14,12 +14,16 @@ if TYPE_CHECKING:
 
 
 def mtp_families() -> list[str]:
-    """The families whose args have ``mtp_layers`` (their model builds the depths)."""
+    """The families whose model builds the depths (their args have ``mtp_layers`` and say ``builds_mtp``)."""
     return [name for name in model_names() if _has_mtp(name)]
 
 
 def _has_mtp(name: str) -> bool:
-    return any(hasattr(args, "mtp_layers") for args in get_model_spec(name).flavors.values())
+    return any(_builds_mtp(args) for args in get_model_spec(name).flavors.values())
+
+
+def _builds_mtp(args: object) -> bool:
+    return hasattr(args, "mtp_layers") and getattr(args, "builds_mtp", False)
 
 
 def check_mtp(config: JobConfig, dims: ParallelDims) -> list[str]:
@@ -28,7 +32,7 @@ def check_mtp(config: JobConfig, dims: ParallelDims) -> list[str]:
     key = f"model.mtp_layers = {depths}"
     if depths == 0:
         return []
-    if not hasattr(flavor_args(config.model), "mtp_layers"):
+    if not _builds_mtp(flavor_args(config.model)):
         raise ConfigError(
             f"{key} with model.name = {config.model.name!r}: this family has no multi-token prediction; allowed: "
             f"model.mtp_layers = 0 here, or a family that builds it ({', '.join(mtp_families())}); set "

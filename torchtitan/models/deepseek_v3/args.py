@@ -6,6 +6,7 @@ Its own module, as models/moe/args.py is: the model (model.py) and the flavors i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from torchtitan.models.common.rope.yarn import YarnScaling, yarn_mscale
 from torchtitan.models.moe.args import MoEArgs
@@ -39,6 +40,8 @@ class DeepSeekV3Args(MoEArgs):
     # Multi-token prediction depths after the model (models/common/mtp.py; HF num_nextn_predict_layers); the
     # run's model.mtp_layers sets it (spec.py), no flavor does.
     mtp_layers: int = 0
+    # The model class builds the depths (a family deriving these args without them says False: refused before launch).
+    builds_mtp: ClassVar[bool] = True
 
     @property
     def qk_head_dim(self) -> int:

@@ -90,6 +90,7 @@ class DeepSeekV32Transformer(DeepSeekV3Transformer):
 
     def __init__(self, args: DeepSeekV32Args):
         super(DeepSeekV3Transformer, self).__init__(args, build_block=build_deepseek_v32_block)
+        self.mtp = None  # multi-token prediction is not built for DSA blocks (args.builds_mtp; refused before launch)
         if args.dsa_stage == "dense_warmup":  # the paper's warm-up: only the indexers train
             for name, param in self.named_parameters():
                 param.requires_grad_(".attention.indexer." in f".{name}")
