@@ -134,7 +134,9 @@ def test_bad_inputs_end_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"model.mtp_layers = 1 with model.name = 'llama3'.*deepseek_v3.*set model"):
         run_preflight(llama, 1, this_machine=False)
     v32 = _config("--model.name", "deepseek_v32", "--model.mtp_layers", "1")  # args with mtp_layers, no depths built
-    with pytest.raises(ConfigError, match=r"model.name = 'deepseek_v32': this family has no multi-token.*\(deepseek_v3\)"):
+    with pytest.raises(
+        ConfigError, match=r"model.name = 'deepseek_v32': this family has no multi-token.*\(deepseek_v3\)"
+    ):
         run_preflight(v32, 1, this_machine=False)
     pp = ["--experimental.pipeline_parallel_degree", "2"]
     with pytest.raises(NotImplementedError, match=r"model.mtp_layers = 1 with experimental.pipeline_parallel_degree"):
