@@ -76,11 +76,12 @@ class MLAttention(nn.Module):
             if norm is not None:
                 norm.reset_parameters()
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """x (bs, seqlen, dim); rope ([bs,] >= seqlen, qk_rope_head_dim), row i for the i-th token of x;
-        doc_ids (bs, seqlen) or None: see CausalAttention."""
+    def qkv(
+        self, x: torch.Tensor, q: torch.Tensor, rope: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (bs, seqlen, dim) and its query projection q (bs, seqlen, n_heads * qk_head_dim) -> q, k, v
+        (bs, n_heads, seqlen, .): RoPE on q's and the one shared k's rope dims, k and v expanded from the latent."""
         bs, seqlen, _ = x.shape
-        q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
         # -1: the local head count, which tensor parallel divides by the TP degree.
         q = q.view(bs, seqlen, -1, self.qk_head_dim)  # (bs, seqlen, n_heads, qk_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
@@ -95,7 +96,14 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)  # like q
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (bs, n_heads, seqlen, .)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (bs, n_heads, seqlen, .)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x (bs, seqlen, dim); rope ([bs,] >= seqlen, qk_rope_head_dim), row i for the i-th token of x;
+        doc_ids (bs, seqlen) or None: see CausalAttention."""
+        bs, seqlen, _ = x.shape
+        q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
+        q, k, v = self.qkv(x, q, rope)
         out = self.sdpa(q, k, v) if doc_ids is None else self.sdpa(q, k, v, doc_ids=doc_ids)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))  # (bs, seqlen, dim)
 

@@ -16,7 +16,7 @@ from torch import nn
 from torchtitan.models.deepseek_v3.model import DeepSeekV3Transformer, MLAttention
 from torchtitan.models.deepseek_v32.args import DeepSeekV32Args
 from torchtitan.models.deepseek_v32.indexer import Indexer, SparseAttention
-from torchtitan.models.llama.model import FeedForward, TransformerBlock, apply_rotary_emb
+from torchtitan.models.llama.model import FeedForward, TransformerBlock
 from torchtitan.models.moe import MoE
 
 
@@ -56,21 +56,11 @@ class DSAttention(MLAttention):
         """x (bs, seqlen, dim); rope ([bs,] >= seqlen, qk_rope_head_dim); doc_ids (bs, seqlen) or None."""
         bs, seqlen, _ = x.shape
         q_latent = self.q_norm(self.wq_a(x))  # (bs, seqlen, q_lora_rank)
-        q = self.wq_b(q_latent).view(bs, seqlen, -1, self.qk_head_dim)  # (bs, seqlen, n_heads, qk_head_dim)
-        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        latent, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        rope = rope[..., :seqlen, :]
-        q_pe = apply_rotary_emb(q_pe, rope)  # (bs, seqlen, n_heads, qk_rope_head_dim)
-        k_pe = apply_rotary_emb(k_pe.unsqueeze(2), rope)  # (bs, seqlen, 1, qk_rope_head_dim)
-        kv = self.wkv_b(self.kv_norm(latent)).view(bs, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
-        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # (bs, seqlen, n_heads, .)
-        q = torch.cat([q_nope, q_pe], dim=-1)  # (bs, seqlen, n_heads, qk_head_dim)
-        k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)  # like q
-        if self.q_scale != 1.0:
-            q = q * self.q_scale
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (bs, n_heads, seqlen, .)
+        q, k, v = self.qkv(x, self.wq_b(q_latent), rope)  # (bs, n_heads, seqlen, .)
         # detached: the indexer learns from its own loss only, and the LM loss never reaches it
-        index = self.indexer(x.detach(), q_latent.detach(), rope)  # (bs, seqlen, heads, d), (bs, seqlen, d), w
+        index = self.indexer(
+            x.detach(), q_latent.detach(), rope[..., :seqlen, :]
+        )  # (bs, seqlen, heads, d), (bs, seqlen, d), w
         out = self.sdpa(q, k, v, index) if doc_ids is None else self.sdpa(q, k, v, index, doc_ids=doc_ids)
         out = self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))  # (bs, seqlen, dim)
         loss = getattr(self.sdpa, "indexer_loss", None)
