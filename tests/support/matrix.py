@@ -304,6 +304,22 @@ def check_row(row: Row) -> None:
     assert dp * row.local_batch * grad_accum == GLOBAL_BATCH
 
 
+def check_moe_parity(row: Row, reference: Row, matrix: MatrixLaunches) -> tuple[list[dict], list[dict]]:
+    """Run an MoE family's ``row`` and its one-process ``reference``; every step's loss within RTOL, grad norm
+    within GRAD_NORM_RTOL and the same expert load. Returns both runs' loss records (row's, reference's)."""
+    check_row(row)
+    for run in (row, reference):
+        matrix.run(run)
+    got, want = ([r for r in read_metrics(matrix.folder(run)) if "loss" in r] for run in (row, reference))
+    assert [r["step"] for r in got] == [r["step"] for r in want] and len(want) > 1
+    for g, w in zip(got, want, strict=True):
+        step = w["step"]
+        assert abs(g["loss"] - w["loss"]) <= RTOL * abs(w["loss"]), f"step {step}: {row.name} {g} vs {w}"
+        assert abs(g["grad_norm"] - w["grad_norm"]) <= GRAD_NORM_RTOL * w["grad_norm"], (step, g, w)
+        assert g["expert_load"] == w["expert_load"], f"step {step}: {row.name} routed other tokens"
+    return got, want
+
+
 def stored_dtypes(step_folder: str) -> set[str]:
     """The dtypes of a DCP checkpoint's model parameters and Adam moments, read from its metadata."""
     from torch.distributed.checkpoint import FileSystemReader

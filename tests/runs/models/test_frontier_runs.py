@@ -15,10 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.matrix import GRAD_NORM_RTOL, RTOL, MatrixLaunches, Row, check_row
+from tests.support.matrix import MatrixLaunches, Row, check_moe_parity
 from tests.support.pool import run_train_job
 from tests.support.rows import DSV3_ROWS, DSV4_ROWS, FRONTIER_REFERENCES, GPT_OSS_ROWS
-from tests.support.runs import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2, 4)]
 
@@ -32,16 +31,7 @@ CASES = [
 
 @pytest.mark.parametrize(("row", "reference"), CASES, ids=[row.name for row, _ in CASES])
 def test_frontier_family_loss_parity(row: Row, reference: Row, matrix: MatrixLaunches):
-    check_row(row)
-    for run in (row, reference):
-        matrix.run(run)
-    got, want = ([r for r in read_metrics(matrix.folder(run)) if "loss" in r] for run in (row, reference))
-    assert [r["step"] for r in got] == [r["step"] for r in want] and len(want) > 1
-    for g, w in zip(got, want, strict=True):
-        step = w["step"]
-        assert abs(g["loss"] - w["loss"]) <= RTOL * abs(w["loss"]), f"step {step}: {row.name} {g} vs {w}"
-        assert abs(g["grad_norm"] - w["grad_norm"]) <= GRAD_NORM_RTOL * w["grad_norm"], (step, g, w)
-        assert g["expert_load"] == w["expert_load"], f"step {step}: {row.name} routed other tokens"
+    got, want = check_moe_parity(row, reference, matrix)
     assert want[-1]["loss"] < want[0]["loss"], [r["loss"] for r in want]
 
 

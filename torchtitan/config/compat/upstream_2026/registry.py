@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchtitan.config.compat.upstream_2026 import classes as c
+import torchtitan.config.compat.upstream_2026.classes as c
 
 
 class Trainer:
