@@ -232,6 +232,30 @@ def test_the_sparse_stage_trains_the_model_on_the_lm_loss_and_the_indexer_on_its
     assert model.indexer_loss() == 0  # taken by the first call
 
 
+def test_the_indexer_loss_hook_adds_the_term_and_logs_its_mean_over_micro_batches():
+    from torchtitan.models.deepseek_v32.spec import IndexerLoss
+
+    model = _tiny(index_topk=8)
+    world = type("World", (), {"group": lambda self, name: None})()  # one process: no data-parallel group
+    hooks = IndexerLoss(world, torch.device("cpu"))
+    terms = []
+    for seed in (1, 2):  # two micro-batches of one step, each at scale 1/2
+        tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(seed))
+        model(tokens)
+        kernels = [m.attention.sdpa for m in model.layers.values()]
+        want = model.args.indexer_loss_coeff * torch.stack([k.indexer_loss for k in kernels]).sum()
+        got = hooks.aux_loss(model, 0.5)
+        torch.testing.assert_close(got, want * 0.5, rtol=0, atol=0)
+        terms.append(want.item())
+    hooks.reduce_step(keep_metrics=True, outer_sum=None)
+    fields, scalars = hooks.metrics()
+    assert fields["indexer_loss"] == pytest.approx(sum(terms) / 2, rel=1e-12) and terms[0] != terms[1]
+    assert scalars == {"loss_metrics/indexer_loss": fields["indexer_loss"]}
+    assert hooks.metrics() is None  # taken
+    hooks.reduce_step(keep_metrics=False, outer_sum=None)  # an empty step that logs nothing
+    assert hooks.metrics() is None
+
+
 def test_the_dense_warmup_attends_densely_and_trains_only_the_indexers():
     warmup = _tiny(index_topk=8, dsa_stage="dense_warmup")
     dense = _tiny(index_topk=32)  # the same weights (same seed), every key kept
@@ -279,6 +303,7 @@ def _config(*args: str):
 
 
 def test_preflight_accepts_the_debug_config_and_refuses_what_dsa_cannot_run_under():
+    from torchtitan.config.errors import ConfigError
     from torchtitan.preflight import run_preflight
 
     assert run_preflight(_config(), 1, this_machine=False) == []
@@ -300,8 +325,11 @@ def test_preflight_accepts_the_debug_config_and_refuses_what_dsa_cannot_run_unde
         with pytest.raises(NotImplementedError, match=message):
             run_preflight(_config(*argv), 2, this_machine=False)
     short = ("--training.seq_len", "32", "--model.flavor", "debugmodel")
-    warnings = run_preflight(_config(*short), 1, this_machine=False)
-    assert any("index_topk = 64 >= training.seq_len = 32" in w for w in warnings), warnings
+    with pytest.raises(ConfigError) as refused:
+        run_preflight(_config(*short), 1, this_machine=False)
+    assert str(refused.value).count("\n") == 0
+    assert "index_topk = 64 >= training.seq_len = 32: every query would keep every causal key" in str(refused.value)
+    assert "debugmodel_tiny (16)" in str(refused.value)  # the flavor whose top-k fits, named
     assert run_preflight(_config(*short, "--model.dsa_stage", "dense_warmup"), 1, this_machine=False) == []
 
 

@@ -218,6 +218,24 @@ def test_layouts_that_cannot_be_built_are_refused_in_one_line(monkeypatch, overr
     assert "\n" not in str(info.value)
 
 
+def test_an_index_topk_the_sequence_cannot_make_sparse_is_refused_in_one_line(monkeypatch):
+    from torchtitan.config.errors import ConfigError
+
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    spec = get_model_spec("deepseek_v4")
+    config = JobConfig.parse_args(["--job.config_file", "train_configs/deepseek_v4_debug.toml"])
+    sections = dict(model=config.model, training=config.training, experimental=config.experimental)
+    flavor = spec.flavors["debugmodel"]  # top 8 of seq_len // csa_rate compressed entries
+    config.training.seq_len = 36  # 9 entries: the top 8 still choose
+    assert spec.check_fn(flavor, **sections) == []
+    config.training.seq_len = 32  # 8 entries: all kept
+    with pytest.raises(ConfigError, match="index_topk = 8 >= training.seq_len // csa_rate = 32 // 4 = 8") as info:
+        spec.check_fn(flavor, **sections)
+    assert "\n" not in str(info.value)
+    sliding_only = dataclasses.replace(flavor, layer_types=("sliding_attention",) * 4)  # no layer ranks entries
+    assert spec.check_fn(sliding_only, **sections) == []
+
+
 def test_layer_pattern_is_the_repeating_tail():
     spec = get_model_spec("deepseek_v4")
     assert spec.layer_pattern(deepseek_v4_configs["flash"]) == (3, 2)  # hash layers 0-2, then CSA/HCA alternate

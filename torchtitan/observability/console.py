@@ -66,6 +66,8 @@ def format_step_line(step: int, total: int, record: dict[str, float | None], eta
             if "mtp_loss" in record
             else ""
         )
+        # DeepSeek-V3.2: the indexers' loss term (added to the loss; not in ``loss``)
+        + (f"indexer_loss {c.value}{record['indexer_loss']:.4f}{c.reset}  " if "indexer_loss" in record else "")
         # MoE: the worst layer's max/mean tokens per expert (per layer: metrics.jsonl)
         + (
             f"moe_imbalance {c.value}{record['expert_imbalance_max']:4.2f}{c.reset}  "

@@ -11,7 +11,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.models.deepseek_v3.spec import check_deepseek_v3_config
@@ -23,14 +26,19 @@ from torchtitan.spec import AdapterLayout, ModelSpec, StepHooks, chain_hooks
 if TYPE_CHECKING:
     from torchtitan.config.manager import JobConfig
     from torchtitan.config.schema import Experimental, Model, Training
+    from torchtitan.distributed.mesh import OuterSum, WorldMesh
     from torchtitan.distributed.parallel_dims import ParallelDims
 
 
 def check_deepseek_v32_config(args: Any, *, model: Model, training: Training, experimental: Experimental) -> list[str]:
-    """What DSA cannot run under (CP, TP, PP), then DeepSeek-V3's check.
+    """What DSA cannot run under (CP, TP, PP), an index_topk the sequence cannot make sparse, then DeepSeek-V3's
+    check.
+
+    Raises ConfigError for an ``index_topk`` not below ``training.seq_len`` in the sparse stage (its attention would
+    be dense: the stage would not be what it says).
 
     Returns:
-        warnings: ``index_topk`` not below ``training.seq_len`` in the sparse stage (attention is then dense).
+        DeepSeek-V3's warnings.
     """
     named = f"model.name = {model.name!r} (flavor {model.flavor!r})"
     exp = experimental
@@ -56,14 +64,17 @@ def check_deepseek_v32_config(args: Any, *, model: Model, training: Training, ex
     for bad, message in refused:
         if bad:
             raise NotImplementedError(message)
-    warnings = check_deepseek_v3_config(args, model=model, training=training, experimental=experimental)
     if args.dsa_stage == "sparse" and args.index_topk >= training.seq_len:
-        warnings.append(
-            f"{named}: index_topk = {args.index_topk} >= training.seq_len = {training.seq_len}, so every query keeps "
-            "every causal key and attention is dense; train with a longer seq_len or a flavor with a smaller "
-            "index_topk for sparse attention"
+        smaller = [
+            f"{name} ({a.index_topk})" for name, a in deepseek_v32_configs.items() if a.index_topk < training.seq_len
+        ]
+        raise ConfigError(
+            f"{named}: index_topk = {args.index_topk} >= training.seq_len = {training.seq_len}: every query would keep "
+            "every causal key, so the sparse stage would train dense attention; allowed: index_topk < seq_len; set "
+            f"training.seq_len > {args.index_topk}, model.dsa_stage = 'dense_warmup', or a flavor with a smaller "
+            f"index_topk ({', '.join(smaller) or 'none listed'})"
         )
-    return warnings
+    return check_deepseek_v3_config(args, model=model, training=training, experimental=experimental)
 
 
 def configure_dsa_stage(flavor: Any, model: Model) -> Any:
@@ -82,27 +93,51 @@ def check_dsa_stage_key(config: JobConfig, dims: ParallelDims) -> list[str]:
 
 
 class IndexerLoss:
-    """``StepHooks`` adding the model's indexer loss (DSA) to each micro-batch's loss at its scale."""
+    """``StepHooks`` adding the model's indexer loss (DSA) to each micro-batch's loss at its scale, and logging it:
+    ``indexer_loss`` in the step record (TensorBoard "loss_metrics/indexer_loss"), the term as added to the loss
+    (``indexer_loss_coeff`` times the layers' summed KL) averaged over the step's micro-batches and data-parallel
+    ranks."""
 
-    def aux_loss(self, model_part: nn.Module, scale: float) -> Any:
-        return model_part.indexer_loss() * scale
+    def __init__(self, world: WorldMesh, device: torch.device):
+        self.world = world
+        self.totals = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of terms, micro-batches) this step
+        self.last: float | None = None
 
-    def reduce_step(self, *, keep_metrics: bool, outer_sum: Any) -> None:
-        pass
+    def aux_loss(self, model_part: nn.Module, scale: float) -> torch.Tensor:
+        loss = model_part.indexer_loss()  # () the last training forward's term
+        self.totals += torch.stack([loss.detach().double(), torch.ones_like(self.totals[1])])
+        return loss * scale
+
+    @torch.no_grad()
+    def reduce_step(self, *, keep_metrics: bool, outer_sum: OuterSum | None) -> None:
+        """Log steps: the sums over every rank holding other tokens (data parallel); every rank calls it."""
+        totals, self.totals = self.totals, torch.zeros_like(self.totals)
+        if not keep_metrics:
+            return
+        group = self.world.group("dp_cp")
+        if group is not None:
+            dist.all_reduce(totals, group=group)
+        if not is_fake(totals):  # the memory estimator's fake step has no values to log
+            self.last = (totals[0] / totals[1].clamp(min=1)).item()
 
     def after_optimizer_step(self) -> None:
         pass
 
     def discard_step(self) -> None:
-        pass
+        self.last = None
 
-    def metrics(self) -> None:
-        return None
+    def metrics(self) -> tuple[dict[str, float], dict[str, float]] | None:
+        if self.last is None:
+            return None
+        last, self.last = self.last, None
+        return {"indexer_loss": last}, {"loss_metrics/indexer_loss": last}
 
 
-def build_dsa_step_hooks(args: Any, whole: nn.Module, *rest: Any, **kwargs: Any) -> StepHooks | None:
+def build_dsa_step_hooks(
+    args: Any, whole: nn.Module, parts: list[nn.Module], world: WorldMesh, device: torch.device, **kwargs: Any
+) -> StepHooks | None:
     """MoE's load balancer, then the indexer loss."""
-    return chain_hooks(BUILD_LOAD_BALANCER(args, whole, *rest, **kwargs), IndexerLoss())
+    return chain_hooks(BUILD_LOAD_BALANCER(args, whole, parts, world, device, **kwargs), IndexerLoss(world, device))
 
 
 def deepseek_v32_hf_refusal(args: Mapping[str, Any]) -> str | None:

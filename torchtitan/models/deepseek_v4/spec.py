@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.models.deepseek_v4 import DeepSeekV4Transformer, deepseek_v4_configs
+from torchtitan.models.deepseek_v4.args import CSA
 from torchtitan.models.deepseek_v4.hf_adapter import ADAPTER
 from torchtitan.models.moe.spec import MOE_WIRING, check_moe_config
 from torchtitan.spec import ModelSpec
@@ -19,10 +21,11 @@ if TYPE_CHECKING:
 
 
 def check_deepseek_v4_config(args: Any, *, model: Model, training: Training, experimental: Experimental) -> list[str]:
-    """What V4's layers cannot be built under yet (one line each, naming why), then the MoE check.
+    """What V4's layers cannot be built under yet (one line each, naming why), an index_topk the sequence cannot make
+    sparse, then the MoE check.
 
     Returns:
-        warnings; raises NotImplementedError naming the key.
+        warnings; raises NotImplementedError naming the key, ConfigError for the index_topk.
     """
     named = f"model.name = 'deepseek_v4' (flavor {model.flavor!r})"
     exp = experimental
@@ -54,6 +57,14 @@ def check_deepseek_v4_config(args: Any, *, model: Model, training: Training, exp
     for bad, message in refused:
         if bad:
             raise NotImplementedError(message)
+    entries = training.seq_len // args.csa_rate  # compressed entries the last query of a sequence can rank
+    if CSA in args.layer_types and args.index_topk >= entries:
+        raise ConfigError(
+            f"{named}: index_topk = {args.index_topk} >= training.seq_len // csa_rate = {training.seq_len} // "
+            f"{args.csa_rate} = {entries}: every query would keep every compressed entry, so the compressed-sparse "
+            f"layers would attend densely; allowed: index_topk < seq_len // csa_rate; set training.seq_len > "
+            f"{args.index_topk * args.csa_rate} or a flavor with a smaller index_topk"
+        )
     warnings = check_moe_config(args, model=model, training=training, experimental=experimental)
     if model.attention_backend != "auto":
         warnings.append(
