@@ -23,6 +23,7 @@ from torchtitan.models.common.documents import IGNORE_INDEX
 from torchtitan.models.common.mtp import mtp_labels
 from torchtitan.models.deepseek_v3 import DeepSeekV3Transformer, deepseek_v3_configs
 from torchtitan.preflight import run_preflight
+from torchtitan.spec import flavor_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ = 16
@@ -133,11 +134,14 @@ def test_bad_inputs_end_in_one_line(tmp_path):
     )
     with pytest.raises(ConfigError, match=r"model.mtp_layers = 1 with model.name = 'llama3'.*deepseek_v3.*set model"):
         run_preflight(llama, 1, this_machine=False)
-    v32 = _config("--model.name", "deepseek_v32", "--model.mtp_layers", "1")  # args with mtp_layers, no depths built
+    v4 = _config("--model.name", "deepseek_v4", "--model.mtp_layers", "1")  # builds no depths
     with pytest.raises(
-        ConfigError, match=r"model.name = 'deepseek_v32': this family has no multi-token.*\(deepseek_v3\)"
+        ConfigError, match=r"model.name = 'deepseek_v4': this family has no multi-token.*\(deepseek_v3, deepseek_v32\)"
     ):
-        run_preflight(v32, 1, this_machine=False)
+        run_preflight(v4, 1, this_machine=False)
+    v32 = _config("--model.name", "deepseek_v32", "--model.mtp_layers", "1", "--model.dsa_stage", "dense_warmup")
+    assert run_preflight(v32, 1, this_machine=False) == []
+    assert (flavor_args(v32.model).mtp_layers, flavor_args(v32.model).dsa_stage) == (1, "dense_warmup")  # both keys
     pp = ["--experimental.pipeline_parallel_degree", "2"]
     with pytest.raises(NotImplementedError, match=r"model.mtp_layers = 1 with experimental.pipeline_parallel_degree"):
         run_preflight(_config("--model.mtp_layers", "1", *pp), 2, this_machine=False)
@@ -148,3 +152,32 @@ def test_bad_inputs_end_in_one_line(tmp_path):
     check_hf_matches(hf_dir, "deepseek_v3", args)  # fewer depths than the folder: its layer is not read
     with pytest.raises(ValueError, match=r"model.mtp_layers = 2 .* holds 1 .*allowed: 0..1; set model.mtp_layers <= 1"):
         check_hf_matches(hf_dir, "deepseek_v3", {**args, "mtp_layers": 2})
+
+
+def test_deepseek_v32_depths_are_dsa_blocks_whose_indexers_train_and_export_under_the_published_names():
+    from torchtitan.models.deepseek_v32 import DeepSeekV32Transformer, deepseek_v32_configs
+    from torchtitan.models.deepseek_v32.hf_adapter import ADAPTER
+    from torchtitan.models.deepseek_v32.indexer import SparseAttention
+
+    args = dataclasses.replace(
+        deepseek_v32_configs["debugmodel_tiny"], vocab_size=64, max_seq_len=32, index_topk=4, mtp_layers=1
+    )
+    model = DeepSeekV32Transformer(args)
+    init_model_weights(model, 0, torch.device("cpu"))
+    plain = DeepSeekV32Transformer(dataclasses.replace(args, mtp_layers=0))
+    init_model_weights(plain, 0, torch.device("cpu"))
+    x = _tokens()[:, :-1]
+    assert torch.equal(plain(x), model(x))  # the depth leaves the model's init and logits unchanged
+    assert model(x, mtp=True).shape == (2, 2 * SEQ, 64)
+    depth_kernel = model.mtp["0"].block.attention.sdpa
+    assert isinstance(depth_kernel, SparseAttention) and depth_kernel.indexer_loss is not None  # its indexer ran
+    layer_terms = [m.attention.sdpa.indexer_loss for m in model.layers.values()]
+    want = args.indexer_loss_coeff * torch.stack([*layer_terms, depth_kernel.indexer_loss]).sum()
+    torch.testing.assert_close(model.indexer_loss(), want, rtol=0, atol=0)  # the depth's indexer loss counts
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    hf = ADAPTER.to_hf_state_dict(sd, dataclasses.asdict(args))
+    assert {"model.layers.4.eh_proj.weight", "model.layers.4.self_attn.indexer.wk.weight"} <= hf.keys()
+    back = ADAPTER.from_hf_state_dict(hf, dataclasses.asdict(args))
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+    config = ADAPTER.hf_config(dataclasses.asdict(args), hf, torch.float32)
+    assert config["num_nextn_predict_layers"] == 1 and ADAPTER.model_args_from_hf(config)["mtp_layers"] == 1

@@ -120,13 +120,18 @@ class DeepSeekV3Transformer(MoETransformer):
     DeepSeek-V3 blocks and a RoPE table of ``qk_rope_head_dim`` (YaRN-scaled); with ``mtp_layers``, the
     multi-token-prediction depths ``mtp`` ("0".."D-1", models/common/mtp.py), None on a model without them."""
 
-    def __init__(self, args: DeepSeekV3Args):
-        super().__init__(args, build_block=build_deepseek_v3_block)
+    def __init__(
+        self,
+        args: DeepSeekV3Args,
+        build_block: Callable[[int, DeepSeekV3Args], TransformerBlock] = build_deepseek_v3_block,
+    ):
+        """``build_block(layer_id, args)`` builds the layers and each MTP depth's block (DeepSeek-V3.2: DSA's)."""
+        super().__init__(args, build_block=build_block)
         self.mtp = build_mtp(
             args.mtp_layers,
             args.dim,
             args.n_layers,
-            lambda layer_id: build_deepseek_v3_block(layer_id, args),
+            lambda layer_id: build_block(layer_id, args),
             lambda: build_norm(args.norm_type, args.dim, args.norm_eps),
         )
         for module in self.mtp.modules() if self.mtp is not None else ():

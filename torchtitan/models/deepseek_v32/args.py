@@ -6,7 +6,6 @@ Its own module, as deepseek_v3/args.py is: the model (model.py), the indexer (in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
 
@@ -30,9 +29,6 @@ class DeepSeekV32Args(DeepSeekV3Args):
     index_topk: int = 2048  # keys each query attends to (all of them while fewer are causal)
     dsa_stage: str = "sparse"
     indexer_loss_coeff: float = 1.0  # the indexer's KL loss (summed over layers, mean over tokens) times this
-    # Multi-token prediction is built for DeepSeek-V3's blocks, not these (a depth's indexer, its loss and its
-    # published names are not): model.mtp_layers > 0 is refused before launch (features/mtp/checks.py).
-    builds_mtp: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -2,6 +2,10 @@
 weights (``self_attn.indexer.{wq_b, wk, k_norm, weights_proj}``, the same names under our ``attention.indexer``) and
 its ``config.json`` keys (``index_n_heads``, ``index_head_dim``, ``index_topk``) for ``DeepseekV32ForCausalLM``.
 
+Multi-token prediction (``mtp_layers``) is DeepSeek-V3's layout with DSA blocks: depth k+1 is the published layer
+``n_layers + k``, its indexer under ``self_attn.indexer`` as every layer's (DeepSeek-V3.2-Exp's checkpoint ships
+one such layer and ``num_nextn_predict_layers`` = 1; transformers builds none and ignores it on load).
+
 The training stage and the indexer loss's weight are ours alone (HF's model is the sparse forward): an import
 trains the sparse stage unless ``model.dsa_stage`` says otherwise, and an export does not record them.
 """
@@ -27,8 +31,9 @@ class DeepSeekV32Adapter(DeepSeekV3Adapter):
     def hf_config(self, args: dict[str, Any], weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
         """``config.json`` for ``DeepseekV32ForCausalLM`` from our DeepSeekV32Args (as a dict)."""
         config = super().hf_config(args, weights, dtype)
-        for key in ("rope_interleave", "num_nextn_predict_layers"):  # DeepseekV32Config has neither
-            config.pop(key)
+        config.pop("rope_interleave")  # DeepseekV32Config has no such key (RoPE on pairs is its only layout)
+        if not args.get("mtp_layers", 0):  # nor this one; the published config.json has it, with the MTP layer
+            config.pop("num_nextn_predict_layers")
         return {
             **config,
             "architectures": ["DeepseekV32ForCausalLM"],

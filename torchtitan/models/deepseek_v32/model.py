@@ -79,16 +79,16 @@ class DeepSeekV32Transformer(DeepSeekV3Transformer):
     """DeepSeek-V3's Transformer with DSA blocks; ``indexer_loss()`` the indexers' loss of the last forward."""
 
     def __init__(self, args: DeepSeekV32Args):
-        super(DeepSeekV3Transformer, self).__init__(args, build_block=build_deepseek_v32_block)
-        self.mtp = None  # multi-token prediction is not built for DSA blocks (args.builds_mtp; refused before launch)
+        super().__init__(args, build_block=build_deepseek_v32_block)  # MTP depths (mtp_layers) of DSA blocks too
         if args.dsa_stage == "dense_warmup":  # the paper's warm-up: only the indexers train
             for name, param in self.named_parameters():
                 param.requires_grad_(".attention.indexer." in f".{name}")
 
     def indexer_loss(self) -> torch.Tensor:
         """``indexer_loss_coeff`` times the sum over this module's layers of their indexer losses of the last
-        training forward, taken (a second call before the next forward returns 0)."""
-        kernels = [m for m in self.layers.modules() if isinstance(m, SparseAttention)]  # inside AC/FSDP wrappers
+        training forward, taken (a second call before the next forward returns 0). The MTP depths' blocks count: a
+        training forward with them runs their indexers too."""
+        kernels = [m for m in self.modules() if isinstance(m, SparseAttention)]  # inside AC/FSDP wrappers
         losses = [s.indexer_loss for s in kernels if s.indexer_loss is not None]
         for s in kernels:
             s.indexer_loss = None

@@ -17,7 +17,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.models.deepseek_v3.spec import check_deepseek_v3_config
+from torchtitan.models.deepseek_v3.spec import check_deepseek_v3_config, with_mtp
 from torchtitan.models.deepseek_v32 import DeepSeekV32Transformer, deepseek_v32_configs
 from torchtitan.models.deepseek_v32.hf_adapter import ADAPTER
 from torchtitan.models.moe.spec import BUILD_LOAD_BALANCER, MOE_WIRING
@@ -78,8 +78,10 @@ def check_deepseek_v32_config(args: Any, *, model: Model, training: Training, ex
 
 
 def configure_dsa_stage(flavor: Any, model: Model) -> Any:
-    """The flavor's args under ``model.dsa_stage`` (its own stage where "flavor")."""
-    return flavor if model.dsa_stage == "flavor" else dataclasses.replace(flavor, dsa_stage=model.dsa_stage)
+    """The flavor's args under ``model.dsa_stage`` (its own stage where "flavor") with the run's multi-token-prediction
+    depths (``model.mtp_layers``, as DeepSeek-V3's)."""
+    args = with_mtp(flavor, model)
+    return args if model.dsa_stage == "flavor" else dataclasses.replace(args, dsa_stage=model.dsa_stage)
 
 
 def check_dsa_stage_key(config: JobConfig, dims: ParallelDims) -> list[str]:
