@@ -1,5 +1,5 @@
 """Multi-token prediction (model.mtp_layers): the depths' math, the init that leaves the model's unchanged, lambda = 0
-bit for bit, the published layout round trip, and the one-line refusals."""
+bit for bit, the published layout round trip, the depth's tensor-parallel plan, and the one-line refusals."""
 
 from __future__ import annotations
 
@@ -142,9 +142,16 @@ def test_bad_inputs_end_in_one_line(tmp_path):
     v32 = _config("--model.name", "deepseek_v32", "--model.mtp_layers", "1", "--model.dsa_stage", "dense_warmup")
     assert run_preflight(v32, 1, this_machine=False) == []
     assert (flavor_args(v32.model).mtp_layers, flavor_args(v32.model).dsa_stage) == (1, "dense_warmup")  # both keys
-    pp = ["--experimental.pipeline_parallel_degree", "2"]
-    with pytest.raises(NotImplementedError, match=r"model.mtp_layers = 1 with experimental.pipeline_parallel_degree"):
-        run_preflight(_config("--model.mtp_layers", "1", *pp), 2, this_machine=False)
+    tp = ["--training.tensor_parallel_degree", "2", "--experimental.expert_parallel_degree", "2"]
+    assert run_preflight(_config("--model.mtp_layers", "1", *tp), 2, this_machine=False) == []  # built
+    for setting, world in (
+        (["--experimental.pipeline_parallel_degree", "2"], 2),
+        (["--experimental.context_parallel_degree", "2"], 2),
+        (["--training.loss_chunk_size", "8"], 1),
+    ):
+        key = setting[0].removeprefix("--")
+        with pytest.raises(NotImplementedError, match=rf"model.mtp_layers = 1 with {key} = .*not built"):
+            run_preflight(_config("--model.mtp_layers", "1", *setting), world, this_machine=False)
     pytest.importorskip("transformers")
     hf_dir = write_mtp_folder(str(tmp_path / "hf_in"))
     args = dataclasses.asdict(dataclasses.replace(deepseek_v3_configs["debugmodel_tiny"], vocab_size=256))
@@ -181,3 +188,13 @@ def test_deepseek_v32_depths_are_dsa_blocks_whose_indexers_train_and_export_unde
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
     config = ADAPTER.hf_config(dataclasses.asdict(args), hf, torch.float32)
     assert config["num_nextn_predict_layers"] == 1 and ADAPTER.model_args_from_hf(config)["mtp_layers"] == 1
+
+
+def test_depth_tp_plan_covers_the_depth_outside_its_block():
+    """Every parameter of a depth outside its block (which takes the blocks' plan) has a style: one left out
+    would stay a plain tensor beside DTensors."""
+    from torchtitan.distributed.tensor_parallel.plan import mtp_depth_plan
+
+    depth = _model(1).mtp["0"]
+    own = {name.rsplit(".", 1)[0] for name, _ in depth.named_parameters() if not name.startswith("block.")}
+    assert set(mtp_depth_plan()) == own == {"enorm", "hnorm", "eh_proj", "norm"}

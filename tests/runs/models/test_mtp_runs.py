@@ -1,9 +1,10 @@
 """Multi-token prediction through the trainer (worker-pool jobs): DeepSeek-V3 ``debugmodel_tiny`` with one MTP depth.
 
 Rows only where the path differs from the frontier rows (tests/runs/models/test_frontier_runs.py): a 1-rank MTP
-reference, FSDP2 (the depth its own FSDP unit beside the blocks) and EP2 (its experts split like the blocks') at 2
-ranks against it: per-step loss, grad norm and MTP loss within RTOL, the exact expert load (the depth's MoE
-included); and lambda = 0 against the frontier 1-rank reference without MTP: its losses bit for bit. One 1-rank pool job
+reference, FSDP2 (the depth its own FSDP unit beside the blocks), EP2 (its experts split like the blocks') and
+TP2 x EP2 (the depth's own modules sequence-parallel, its block by the blocks' plan, its logits vocab-sharded under
+loss parallel) at 2 ranks against it: per-step loss, grad norm and MTP loss within RTOL, the exact expert load (the
+depth's MoE included); and lambda = 0 against the frontier 1-rank reference without MTP: its losses bit for bit. One 1-rank pool job
 trains from a published-layout MTP folder and exports the trained depth under its published names.
 """
 
@@ -27,6 +28,8 @@ MTP_REFERENCE = Row("dsv3_mtp_1proc", 1, GLOBAL_BATCH, [*frontier_family("deepse
 MTP_ROWS = [
     Row("dsv3_mtp_fsdp2", 2, 4, [*frontier_family("deepseek_v3"), *MTP]),
     Row("dsv3_mtp_ep2", 2, 4, [*frontier_family("deepseek_v3", ep=2), *MTP]),
+    # the depth's own modules sequence-parallel, its block by the blocks' plan; the EP group is the TP group
+    Row("dsv3_mtp_tp2_ep2", 2, 8, [*frontier_family("deepseek_v3", ep=2), *MTP], tp=2),
 ]
 MTP_ZERO = Row(
     "dsv3_mtp0_1proc", 1, GLOBAL_BATCH, [*frontier_family("deepseek_v3"), *MTP, "--training.mtp_loss_weight", "0"]

@@ -260,28 +260,54 @@ def apply_tp(
     if tower is not None:
         replicate_tower(tower, tp_mesh)
     for block in model.layers.values():
-        mla = is_mla(block.attention)
-        if (isinstance(block.feed_forward, MoE) or mla) and ring_async:
-            raise NotImplementedError(
-                "experimental.enable_async_tensor_parallel with an MoE model or multi-head latent attention: the "
-                "async plan has neither; turn async TP off"
-            )
-        if isinstance(block.feed_forward, MoE):
-            moe = block.feed_forward
-            plan = moe_block_plan(moe.shared_expert is not None, moe.shared_expert_gate is not None)
-        elif ring_async:
-            plan = async_block_plan()
-        elif mla:  # MLA's dense blocks: the plain styles (its linears are not all wq/wk/wv)
-            plan = block_plan()
-        else:
-            linears = [k for k in block_plan() if k.count(".") == 1]
-            plan = block_plan(float8=float8 and _all_float8(block, linears))
-        plan = _attention_plan(block.attention, plan, mla)
-        parallelize_module(block, tp_mesh, with_module_styles(plan, block))  # e.g. adapted linears: adapters alike
-        shard_sinks(block.attention, tp_mesh)
-        if is_gated_delta(block.attention):
-            shard_gated_delta_heads(block.attention, tp_mesh)
+        apply_block_tp(block, tp_mesh, ring_async=ring_async, float8=float8)
+    for depth in (getattr(model, "mtp", None) or {}).values():  # multi-token prediction's depths
+        apply_block_tp(depth.block, tp_mesh, ring_async=ring_async, float8=float8)
+        parallelize_module(depth, tp_mesh, mtp_depth_plan())
     refreeze(model, frozen)
+
+
+def apply_block_tp(block: nn.Module, tp_mesh: DeviceMesh, *, ring_async: bool, float8: bool) -> None:
+    """Shard one transformer block in place by the plan its attention and feed-forward call for."""
+    mla = is_mla(block.attention)
+    if (isinstance(block.feed_forward, MoE) or mla) and ring_async:
+        raise NotImplementedError(
+            "experimental.enable_async_tensor_parallel with an MoE model or multi-head latent attention: the "
+            "async plan has neither; turn async TP off"
+        )
+    if isinstance(block.feed_forward, MoE):
+        moe = block.feed_forward
+        plan = moe_block_plan(moe.shared_expert is not None, moe.shared_expert_gate is not None)
+    elif ring_async:
+        plan = async_block_plan()
+    elif mla:  # MLA's dense blocks: the plain styles (its linears are not all wq/wk/wv)
+        plan = block_plan()
+    else:
+        linears = [k for k in block_plan() if k.count(".") == 1]
+        plan = block_plan(float8=float8 and _all_float8(block, linears))
+    plan = _attention_plan(block.attention, plan, mla)
+    parallelize_module(block, tp_mesh, with_module_styles(plan, block))  # e.g. adapted linears: adapters alike
+    shard_sinks(block.attention, tp_mesh)
+    if is_gated_delta(block.attention):
+        shard_gated_delta_heads(block.attention, tp_mesh)
+
+
+def mtp_depth_plan() -> dict[str, ParallelStyle]:
+    """An MTP depth's own modules (models/common/mtp.py ``MTPDepth``; its block takes ``apply_block_tp``): all
+    per-token, so all sequence-parallel with replicated weights, their gradients Partial like the block norms'.
+
+    Inputs: the embedding of the tokens ahead, plain (bs, seq/tp, dim) (the embedding's output layout), and the
+    previous hidden state, the final norm's Shard(1) DTensor (depth 1) or a block's plain sequence shard. enorm
+    and hnorm return Shard(1) DTensors, whose concatenation on the last dim stays Shard(1); eh_proj returns the
+    plain sequence shard the block's residual stream is; norm's Shard(1) output is what the shared output head
+    (``top_level_plan``) takes, so each depth's logits come out as the model's (vocab-sharded under loss parallel).
+    """
+    return {
+        "enorm": SequenceParallel(),
+        "hnorm": SequenceParallel(),
+        "eh_proj": SequenceParallel(use_local_output=True),
+        "norm": SequenceParallel(),
+    }
 
 
 def _attention_plan(attention: nn.Module, plan: dict[str, ParallelStyle], mla: bool) -> dict[str, ParallelStyle]:

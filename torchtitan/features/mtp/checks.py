@@ -44,7 +44,6 @@ def check_mtp(config: JobConfig, dims: ParallelDims) -> list[str]:
             f"experimental.pipeline_parallel_degree = {dims.pp}",
             "the depths read the embedding table, which lives on the first stage, from the last one",
         ),
-        (dims.tp_enabled, f"training.tensor_parallel_degree = {dims.tp}", "the depths have no tensor-parallel plan"),
         (
             dims.cp_enabled,
             f"experimental.context_parallel_degree = {dims.cp}",
