@@ -59,8 +59,12 @@ GPT_OSS_ROWS = [
     *_frontier_rows("gpt_oss", "gpt_oss", compiled="tp2_ep2"),
     Row("gpt_oss_cp2", 2, 8, frontier_family("gpt_oss"), cp=2),
 ]
-# DeepSeek-V4: FSDP2 with its experts split over the same 2 ranks (EP2); TP, CP and PP (its hash layers) are refused
-DSV4_ROWS = [Row("dsv4_ep2", 2, 4, frontier_family("deepseek_v4", ep=2))]
+# DeepSeek-V4: FSDP2 with its experts split over the same 2 ranks (EP2), and PP2 1F1B (the hc streams between the
+# stages, the hash layer 0 on the first); TP and CP are refused
+DSV4_ROWS = [
+    Row("dsv4_ep2", 2, 4, frontier_family("deepseek_v4", ep=2)),
+    Row("dsv4_pp2_1f1b", 2, 8, [*frontier_family("deepseek_v4"), *pp_schedule("1F1B")], pp=2),
+]
 # ---- tied embeddings, Qwen3, Qwen3-MoE (tests/runs/models/test_model_family_runs.py)
 TIED = ["--model.flavor", "debugmodel_tied_tiny"]
 TIED_REFERENCE = Row("tied_1proc", 1, GLOBAL_BATCH, TIED)

@@ -199,7 +199,6 @@ def test_bad_args_end_in_one_line(fields, match):
     [
         (["--training.tensor_parallel_degree", "2"], "no TP plan of ours shards yet"),
         (["--experimental.context_parallel_degree", "2"], "a sequence shard cannot see"),
-        (["--experimental.pipeline_parallel_degree", "2"], "not built yet \\(hash_moe layers route by token id"),
         (["--model.attn_mask_type", "block_causal"], "pool across document boundaries"),
     ],
 )
@@ -216,6 +215,59 @@ def test_layouts_that_cannot_be_built_are_refused_in_one_line(monkeypatch, overr
     with pytest.raises(NotImplementedError, match=match) as info:
         check(*overrides)
     assert "\n" not in str(info.value)
+
+
+def test_pipeline_parallel_needs_every_hash_layer_on_the_first_stage(monkeypatch):
+    """PP2 of the debug config (hash layer 0; stages 0-1, 2-3) is accepted; a hash layer on a later stage, placed
+    there by the flavor or by the split points, is refused in one line naming the layer, the stage and the fix."""
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    spec = get_model_spec("deepseek_v4")
+    pp2 = ["--experimental.pipeline_parallel_degree", "2", "--training.data_parallel_shard_degree", "1"]
+
+    def check(args: DeepSeekV4Args, *extra: str) -> list[str]:
+        config = JobConfig.parse_args(["--job.config_file", "train_configs/deepseek_v4_debug.toml", *pp2, *extra])
+        return spec.check_fn(args, model=config.model, training=config.training, experimental=config.experimental)
+
+    debug = spec.flavors["debugmodel"]
+    assert check(debug) == []
+    assert check(debug, "--experimental.pipeline_parallel_split_points", "layers.1") == []
+    last_hashed = dataclasses.replace(debug, mlp_layer_types=("moe", "moe", "moe", "hash_moe"))
+    two_hashed = dataclasses.replace(debug, mlp_layer_types=("hash_moe", "hash_moe", "moe", "moe"))
+    for args, extra, match in (
+        (last_hashed, [], r"hash_moe layer 3 falls on pipeline stage 1 \(layers 2\.\.3\).*last layer is hash-routed"),
+        (
+            two_hashed,
+            ["--experimental.pipeline_parallel_split_points", "layers.1"],
+            "hash_moe layer 1 falls on "
+            r"pipeline stage 1 \(layers 1\.\.3\).*split_points starting at layers\.2 or later, or fewer stages",
+        ),
+    ):
+        with pytest.raises(NotImplementedError, match=match) as info:
+            check(args, *extra)
+        assert "\n" not in str(info.value)
+
+
+def test_pipeline_stages_pass_the_streams_and_compute_the_whole_models_logits():
+    """Two stages pruned from fresh builds (``output_modules``: hc_head, norm and output only on the last) pass the
+    (bs, n, hc, dim) streams and give the whole model's logits exactly (fp32, same seed)."""
+    from torchtitan.distributed.init import init_model_weights
+    from torchtitan.distributed.pipeline.stages import prune_to_stage
+
+    args = dataclasses.replace(deepseek_v4_configs["debugmodel_tiny"], vocab_size=VOCAB, max_seq_len=64)
+    parts = []
+    for bounds in ((0, 4, True, True), (0, 2, True, False), (2, 4, False, True)):
+        with torch.device("meta"):
+            part = DeepSeekV4Transformer(args)
+        prune_to_stage(part, *bounds)
+        part.to_empty(device="cpu")
+        init_model_weights(part, 0, torch.device("cpu"))
+        parts.append(part)
+    whole, first, last = parts
+    assert first.hc_head is None and first.norm is None and last.tok_embeddings is None and last.hc_head is not None
+    tokens = _tokens()[:1]  # (1, SEQ)
+    streams = first(tokens)
+    assert streams.shape == (1, SEQ, args.hc_mult, args.dim)
+    assert torch.equal(last(streams), whole(tokens))
 
 
 def test_an_index_topk_the_sequence_cannot_make_sparse_is_refused_in_one_line(monkeypatch):

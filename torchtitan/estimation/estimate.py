@@ -220,8 +220,9 @@ def _pipeline_patches(config, world_size: int, vocab: int):
     # The residual stream: sequence-sharded over CP, and over TP by sequence parallel; FSDP computes
     # in its param dtype, as do bf16 parameters (training.dtype); otherwise the stream stays fp32 (autocast leaves
     # the residual adds fp32).
-    dim = build_model_args(config, get_model_spec(config.model.name), vocab).dim
-    shape = (t.batch_size // microbatches, t.seq_len // (dims.cp * dims.tp), dim)
+    spec = get_model_spec(config.model.name)
+    hidden = spec.model_cls.hidden_dims(build_model_args(config, spec, vocab))  # (dim,); V4: (hc_mult, dim)
+    shape = (t.batch_size // microbatches, t.seq_len // (dims.cp * dims.tp), *hidden)
     dtype = to_dtype(t.mixed_precision_param) if dims.fsdp_enabled or t.dtype != "float32" else torch.float32
     return pipeline_patches(shape, dtype)
 

@@ -184,9 +184,10 @@ def pipeline_patches(hidden_shape: tuple[int, ...], hidden_dtype: torch.dtype) -
     each stage's input/output metadata from its neighbours over P2P object messages; the fake
     group delivers nothing. Here every stage infers dynamically as in a real run, and what a
     neighbour would have sent is supplied in place: the hidden state every stage boundary carries,
-    (micro-batch, local seqlen, dim) in the residual stream's dtype, and for backward the gradient
-    of this stage's own output. The data P2P of the actual steps runs through the fake group as is
-    (receive buffers are allocated as in a real run; see also ``p2p_works_hold_tensors``).
+    (micro-batch, local seqlen, *the model class's ``hidden_dims``) in the residual stream's dtype,
+    and for backward the gradient of this stage's own output. The data P2P of the actual steps runs
+    through the fake group as is (receive buffers are allocated as in a real run; see also
+    ``p2p_works_hold_tensors``).
     """
     from torch.distributed.pipelining import schedules, stage
     from torch.distributed.pipelining._utils import (

@@ -6,7 +6,8 @@ run: per-step loss within RTOL, grad norm within GRAD_NORM_RTOL, and the exact p
 split over the two FSDP ranks), FSDP2 x EP2 (4 ranks: each expert sharded by FSDP over 2), TP2 with EP2 (MLA's latent projections replicated, its
 per-head projections and gpt-oss's sinks sharded over heads), PP2 1F1B; gpt-oss also CP2 (the ring
 with its sliding window and sinks). DeepSeek-V4 (hyper-connection streams, compressed attention, hash routing) runs
-FSDP2 with EP2 over the same 2 ranks. DeepSeek-V3's EP2 row and gpt-oss's TP2 x EP2 row compile (training.compile: the
+FSDP2 with EP2 over the same 2 ranks, and PP2 1F1B (the streams sent between stages, the hash layer on the
+first). DeepSeek-V3's EP2 row and gpt-oss's TP2 x EP2 row compile (training.compile: the
 MoE blocks around their routed experts, gpt-oss's sinks as TP shards in the graph) against the same eager reference.
 """
 

@@ -47,18 +47,15 @@ logger = logging.getLogger(__name__)
 
 
 def prune_to_stage(model: nn.Module, first_layer: int, end_layer: int, is_first: bool, is_last: bool) -> None:
-    """Keep layers [first_layer, end_layer) of a llama-style meta model and the ends it owns (else None); an image
-    model's vision tower stays with the embedding, on the first stage."""
+    """Keep layers [first_layer, end_layer) of a llama-style meta model and the ends it owns, else None: the model's
+    ``input_modules`` (the embedding; an image model's vision tower) only on the first stage, its ``output_modules``
+    (the final norm and output; DeepSeek-V4's ``hc_head``) only on the last."""
     for name in list(model.layers.keys()):
         if not first_layer <= int(name) < end_layer:
             del model.layers[name]
-    if not is_first:
-        model.tok_embeddings = None
-        if getattr(model, "visual", None) is not None:
-            model.visual = None
-    if not is_last:
-        model.norm = None
-        model.output = None
+    dropped = (() if is_first else model.input_modules) + (() if is_last else model.output_modules)
+    for name in dropped:
+        setattr(model, name, None)
 
 
 class ShapeInference:

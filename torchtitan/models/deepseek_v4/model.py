@@ -72,6 +72,13 @@ class DeepSeekV4Transformer(MoETransformer):
     """llama's MoE Transformer (embedding, norm, output, init units, load balancing) with V4's blocks, streams
     and two RoPE tables. ``hc_head`` may be None (pipeline stages that do not own the output)."""
 
+    output_modules = ("hc_head", "norm", "output")  # the streams collapse just before the final norm
+
+    @staticmethod
+    def hidden_dims(args: DeepSeekV4Args) -> tuple[int, ...]:
+        """Between blocks the residual is ``hc_mult`` streams: (hc, dim) after (bs, n)."""
+        return (args.hc_mult, args.dim)
+
     def __init__(self, args: DeepSeekV4Args, build_block: Callable[[int, DeepSeekV4Args], nn.Module] = V4Block):
         super().__init__(args, build_block=build_block)
         self.hc_head: HyperHead | None = HyperHead(args)

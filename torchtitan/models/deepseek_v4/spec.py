@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.distributed.pipeline.layout import resolve_stage_layout
 from torchtitan.models.deepseek_v4 import DeepSeekV4Transformer, deepseek_v4_configs
-from torchtitan.models.deepseek_v4.args import CSA
+from torchtitan.models.deepseek_v4.args import CSA, HASH_MOE
 from torchtitan.models.deepseek_v4.hf_adapter import ADAPTER
 from torchtitan.models.moe.spec import MOE_WIRING, check_moe_config
 from torchtitan.spec import ModelSpec
@@ -21,8 +22,8 @@ if TYPE_CHECKING:
 
 
 def check_deepseek_v4_config(args: Any, *, model: Model, training: Training, experimental: Experimental) -> list[str]:
-    """What V4's layers cannot be built under yet (one line each, naming why), an index_topk the sequence cannot make
-    sparse, then the MoE check.
+    """What V4's layers cannot be built under yet (one line each, naming why), a pipeline split with a hash_moe layer
+    past the first stage, an index_topk the sequence cannot make sparse, then the MoE check.
 
     Returns:
         warnings; raises NotImplementedError naming the key, ConfigError for the index_topk.
@@ -43,12 +44,6 @@ def check_deepseek_v4_config(args: Any, *, model: Model, training: Training, exp
             "shard cannot see; use context_parallel_degree = 1",
         ),
         (
-            exp.pipeline_parallel_degree > 1,
-            f"experimental.pipeline_parallel_degree = {exp.pipeline_parallel_degree} with {named}: not built yet "
-            "(hash_moe layers route by token id, which later stages do not receive, and the residual crosses stages "
-            "as hc_mult streams); use pipeline_parallel_degree = 1",
-        ),
-        (
             model.attn_mask_type == "block_causal",
             f"model.attn_mask_type = 'block_causal' with {named}: the compressed entries pool across document "
             "boundaries (transformers' model has no documents either); use attn_mask_type = 'causal'",
@@ -57,6 +52,7 @@ def check_deepseek_v4_config(args: Any, *, model: Model, training: Training, exp
     for bad, message in refused:
         if bad:
             raise NotImplementedError(message)
+    _check_hash_layers_on_first_stage(args, named, experimental)
     entries = training.seq_len // args.csa_rate  # compressed entries the last query of a sequence can rank
     if CSA in args.layer_types and args.index_topk >= entries:
         raise ConfigError(
@@ -72,6 +68,38 @@ def check_deepseek_v4_config(args: Any, *, model: Model, training: Training, exp
             "(sinks, window, compressed entries) always runs its own masked-softmax kernel"
         )
     return warnings
+
+
+def _check_hash_layers_on_first_stage(args: Any, named: str, exp: Experimental) -> None:
+    """Pipeline parallel: every hash_moe layer on the first stage, the only one that receives the token ids (later
+    stages receive the hc_mult streams); NotImplementedError naming the first layer that is not."""
+    if exp.pipeline_parallel_degree == 1:
+        return
+    stages = resolve_stage_layout(
+        args.n_layers,
+        exp.pipeline_parallel_degree,
+        exp.pipeline_parallel_schedule,
+        exp.pipeline_parallel_split_points,
+        exp.pipeline_parallel_schedule_csv,
+    )
+    hashed = [i for i, kind in enumerate(args.mlp_layer_types) if kind == HASH_MOE]
+    late = [(i, s) for i in hashed for s, (first, end) in enumerate(stages) if s > 0 and first <= i < end]
+    if not late:
+        return
+    layer, stage = late[0]
+    first, end = stages[stage]
+    start = hashed[-1] + 1  # the earliest layer a later stage may start at
+    fix = (
+        f"put layers 0..{hashed[-1]} on stage 0: experimental.pipeline_parallel_split_points starting at "
+        f"layers.{start} or later, or fewer stages (a lower pipeline_parallel_degree, or a single-stage schedule)"
+        if start < args.n_layers
+        else "the last layer is hash-routed, so no split keeps it on stage 0: use pipeline_parallel_degree = 1"
+    )
+    raise NotImplementedError(
+        f"experimental.pipeline_parallel_degree = {exp.pipeline_parallel_degree} with {named}: hash_moe layer "
+        f"{layer} falls on pipeline stage {stage} (layers {first}..{end - 1}), but hash routing reads the token "
+        f"ids, which only stage 0 receives; {fix}"
+    )
 
 
 def deepseek_v4_layer_pattern(args: Any) -> tuple[int, int]:
@@ -97,7 +125,6 @@ SPEC = ModelSpec(
         "documents": False,
         "check_fn": check_deepseek_v4_config,
         "layer_pattern": deepseek_v4_layer_pattern,
-        "pipeline_split_fn": None,
     },
     state_dict_adapter=ADAPTER,
     hf_model_type="deepseek_v4",

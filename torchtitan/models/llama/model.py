@@ -26,6 +26,7 @@ from torchtitan.models.common.attention import (
     block_causal_attention,
     repeat_kv,
 )
+from torchtitan.models.common.ends import ModelEnds
 from torchtitan.models.common.init import trunc_normal_
 
 
@@ -286,7 +287,7 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Transformer(nn.Module):
+class Transformer(ModelEnds, nn.Module):
     """Embedding, ``n_layers`` blocks, norm and output.
 
     Args:

@@ -140,6 +140,8 @@ class VisionModel:
     tree, the text model's names (``tok_embeddings``, ``layers``, ``norm``, ``output``) plus ``visual``, so the
     trainer's layouts, LoRA and checkpoints take it as the text family."""
 
+    input_modules = ("tok_embeddings", "visual")  # the tower's features are placed in the embedding: one end
+
     def __init__(self, args: Qwen35VLArgs):
         super().__init__(args)
         self.visual = VisionTower(args.vision)
