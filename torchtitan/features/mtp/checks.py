@@ -19,10 +19,11 @@ def mtp_families() -> list[str]:
 
 
 def _has_mtp(name: str) -> bool:
-    return any(_builds_mtp(args) for args in get_model_spec(name).flavors.values())
+    return any(builds_mtp(args) for args in get_model_spec(name).flavors.values())
 
 
-def _builds_mtp(args: object) -> bool:
+def builds_mtp(args: object) -> bool:
+    """Whether a model of these args builds the depths (speculative decoding asks it of a loaded model's args)."""
     return hasattr(args, "mtp_layers") and getattr(args, "builds_mtp", False)
 
 
@@ -32,7 +33,7 @@ def check_mtp(config: JobConfig, dims: ParallelDims) -> list[str]:
     key = f"model.mtp_layers = {depths}"
     if depths == 0:
         return []
-    if not _builds_mtp(flavor_args(config.model)):
+    if not builds_mtp(flavor_args(config.model)):
         raise ConfigError(
             f"{key} with model.name = {config.model.name!r}: this family has no multi-token prediction; allowed: "
             f"model.mtp_layers = 0 here, or a family that builds it ({', '.join(mtp_families())}); set "
