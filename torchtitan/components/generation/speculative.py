@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from torchtitan.components.generation import KVCache, _full
-from torchtitan.features.mtp.checks import builds_mtp, mtp_families
+from torchtitan.models.common.mtp import builds_mtp
 
 FLAG = "--speculative mtp"
 
@@ -87,7 +87,7 @@ def mtp_depths(model: nn.Module) -> nn.ModuleDict:
     if not builds_mtp(args):
         raise ValueError(
             f"{FLAG} with a {type(model).__name__} model: its family builds no multi-token-prediction depths "
-            f"(allowed families: {', '.join(mtp_families())}); drop --speculative"
+            "(allowed: a family whose model.mtp_layers builds them, docs/models.md); drop --speculative"
         )
     if model.mtp is None:
         raise ValueError(

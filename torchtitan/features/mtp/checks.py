@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.models.common.mtp import builds_mtp
 from torchtitan.spec import flavor_args, get_model_spec, model_names
 
 if TYPE_CHECKING:
@@ -20,11 +21,6 @@ def mtp_families() -> list[str]:
 
 def _has_mtp(name: str) -> bool:
     return any(builds_mtp(args) for args in get_model_spec(name).flavors.values())
-
-
-def builds_mtp(args: object) -> bool:
-    """Whether a model of these args builds the depths (speculative decoding asks it of a loaded model's args)."""
-    return hasattr(args, "mtp_layers") and getattr(args, "builds_mtp", False)
 
 
 def check_mtp(config: JobConfig, dims: ParallelDims) -> list[str]:
