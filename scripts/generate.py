@@ -9,12 +9,16 @@
         --prompt "What is 12 plus 7?" [--system "Answer with the number only."]   # a chat model
     python scripts/generate.py CKPT --chat --image shape.png --prompt "What colour is the shape?"   # an image model
     NGPU=2 torchrun --nproc_per_node 2 scripts/generate.py CKPT ...  # tensor parallel over the ranks
+    python scripts/generate.py CKPT --prompt "..." --speculative mtp  # DeepSeek-V3's MTP depths draft (greedy)
 
 A LoRA run's checkpoint (adapters only) is merged into the base its marker names. The model (family, shapes)
 comes from the checkpoint's marker (or the HF config.json); the tokenizer
 from ``--tokenizer`` (default: the one the checkpoint's run trained with, which its marker records; an HF
 folder's own tokenizer.json, as transformers reads it; else the shipped one the debug configs train with). CPU without a GPU, else
-CUDA. Greedy by default (temperature 0); with a KV cache unless ``--no_cache``.
+CUDA. Greedy by default (temperature 0); with a KV cache unless ``--no_cache``. ``--speculative mtp`` (greedy, batch
+size 1, one process): a DeepSeek-V3 model's multi-token-prediction depths draft and the model checks
+(``components/generation/speculative.py``, docs/models.md); the same text, then a line of drafted and accepted
+tokens and tokens/s.
 
 Plain, the prompt is text to continue, framed as the tokenizer frames a prompt (``Tokenizer.encode_prompt``): a
 Hugging Face tokenizer as transformers' ``tokenizer(text)`` does (its own special tokens: a bos only where its
@@ -166,6 +170,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no_cache", action="store_true", help="run the whole sequence every step (the reference)")
+    parser.add_argument(
+        "--speculative",
+        choices=["mtp"],
+        help="mtp: greedy decoding with a DeepSeek-V3 model's multi-token-prediction depths drafting the next tokens "
+        "and the model checking them in one forward (the same tokens as plain greedy decoding); then prints a line "
+        "with the drafted and accepted tokens and tokens/s. Batch size 1, one process, with the cache",
+    )
     return parser
 
 
@@ -265,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         init_distributed(info, 300, 0)
     try:
+        check_speculative(args, None)
         args.tokenizer = args.tokenizer or default_tokenizer(args.hf, args.checkpoint)
         if args.image:
             prompt, model = image_prompt_and_model(args, info.device)
@@ -272,13 +284,44 @@ def main(argv: list[str] | None = None) -> int:
             prompt = build_prompt(args)
             max_len = len(prompt.ids) + args.max_new_tokens
             model = load_model(args.checkpoint, args.hf, max_len, prompt.n_words, info.device, args.adapter)
+        check_speculative(args, model)
     except (ValueError, NotImplementedError, FileNotFoundError, ImportError, jinja2.TemplateError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    generated = complete(model, prompt, args, info.device)
+    if args.speculative:
+        generated, stats = complete_speculative(model, prompt, args.max_new_tokens, info.device)
+    else:
+        generated, stats = complete(model, prompt, args, info.device), None
     if int(os.environ.get("RANK", "0")) == 0:
         print(prompt.to_text(generated))
+        if stats is not None:
+            print(stats.line())
     return 0
+
+
+def check_speculative(args: argparse.Namespace, model: torch.nn.Module | None) -> None:
+    """With ``--speculative``: refuse sampling, ``--no_cache`` and several ranks (before loading), and a model
+    without multi-token-prediction depths (``model``, once loaded), each in one line."""
+    if not args.speculative:
+        return
+    from torchtitan.components.generation.speculative import check_speculative_settings, mtp_depths
+
+    if model is not None:
+        mtp_depths(model)
+        return
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_speculative_settings(
+        temperature=args.temperature, top_k=args.top_k, use_cache=not args.no_cache, world_size=world
+    )
+
+
+def complete_speculative(model: torch.nn.Module, prompt: Prompt, max_new_tokens: int, device: torch.device):
+    """``complete`` with ``--speculative mtp``: (the ids generated after the prompt, the run's ``SpeculativeStats``)."""
+    from torchtitan.components.generation.speculative import generate_speculative
+
+    ids = torch.tensor([prompt.ids], device=device)
+    out, stats = generate_speculative(model, ids, max_new_tokens, stop_token=prompt.stop_ids)
+    return out[0, len(prompt.ids) :].tolist(), stats
 
 
 def complete(model: torch.nn.Module, prompt: Prompt, args: argparse.Namespace, device: torch.device) -> list[int]:

@@ -1,4 +1,4 @@
-"""Generation (components/generation.py): the KV cache changes nothing but the cost."""
+"""Generation (components/generation/): the KV cache changes nothing but the cost."""
 
 from __future__ import annotations
 

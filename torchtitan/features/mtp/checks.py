@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.models.common.mtp import builds_mtp
 from torchtitan.spec import flavor_args, get_model_spec, model_names
 
 if TYPE_CHECKING:
@@ -19,11 +20,7 @@ def mtp_families() -> list[str]:
 
 
 def _has_mtp(name: str) -> bool:
-    return any(_builds_mtp(args) for args in get_model_spec(name).flavors.values())
-
-
-def _builds_mtp(args: object) -> bool:
-    return hasattr(args, "mtp_layers") and getattr(args, "builds_mtp", False)
+    return any(builds_mtp(args) for args in get_model_spec(name).flavors.values())
 
 
 def check_mtp(config: JobConfig, dims: ParallelDims) -> list[str]:
@@ -32,7 +29,7 @@ def check_mtp(config: JobConfig, dims: ParallelDims) -> list[str]:
     key = f"model.mtp_layers = {depths}"
     if depths == 0:
         return []
-    if not _builds_mtp(flavor_args(config.model)):
+    if not builds_mtp(flavor_args(config.model)):
         raise ConfigError(
             f"{key} with model.name = {config.model.name!r}: this family has no multi-token prediction; allowed: "
             f"model.mtp_layers = 0 here, or a family that builds it ({', '.join(mtp_families())}); set "

@@ -13,7 +13,7 @@ What a real step holds, phase by phase:
   clipped loss; the optimizer step after each update. Here the sequences are full length (prompt + completion
   = ``training.seq_len``), as the real update pads them.
 
-Both phases run the RL step's own code (``RLStep``: generation through ``components/generation.py``, the update
+Both phases run the RL step's own code (``RLStep``: generation through ``components/generation/``, the update
 through ``train_update``); only the inputs are made up. The reference's parameters are tracked with the
 policy's (the report's parameter rows hold both).
 """

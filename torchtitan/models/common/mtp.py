@@ -23,6 +23,11 @@ from torchtitan.models.common.documents import IGNORE_INDEX
 from torchtitan.models.common.init import trunc_normal_
 
 
+def builds_mtp(args: object) -> bool:
+    """Whether a model of these args builds the depths: args with ``mtp_layers`` that say ``builds_mtp``."""
+    return hasattr(args, "mtp_layers") and getattr(args, "builds_mtp", False)
+
+
 class MTPDepth(nn.Module):
     """One MTP depth: ``enorm``, ``hnorm``, ``eh_proj`` (2 dim -> dim), ``block``, ``norm`` (before the shared head)."""
 

@@ -128,7 +128,7 @@ class SparseAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep.unsqueeze(1))
 
     def cached(self, cache) -> CachedSparseAttention:
-        """Its KV-cache twin (components/generation.py ``KVCache.install``)."""
+        """Its KV-cache twin (components/generation/ ``KVCache.install``)."""
         return CachedSparseAttention(cache, self.top_k)
 
 

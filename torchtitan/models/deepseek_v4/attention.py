@@ -13,7 +13,7 @@ low-rank output projection. Two layer kinds add compressed entries to the keys:
 transformers' ``DeepseekV4Attention`` computes the same; the math here follows it step for step so the logits agree
 to rounding. The attention is explicit (bs, heads, queries, keys) scores: exact, memory O(n * (n + entries)).
 
-Generation: ``state`` (None while training) is the seam ``components/generation.py`` fills with a ``ContextState``;
+Generation: ``state`` (None while training) is the seam ``components/generation/`` fills with a ``ContextState``;
 the attention then appends the new tokens' key/values and its compressors' projections to it and attends over the
 whole context, so a cached step computes exactly what a forward over the whole sequence does for those tokens.
 """
@@ -173,7 +173,7 @@ class V4Attention(nn.Module):
         rate = args.layer_rate(layer_id)
         self.compressor = Compressor(args.dim, args.head_dim, rate, self.kind == CSA, eps) if rate else None
         self.indexer = Indexer(args) if self.kind == CSA else None
-        self.state: ContextState | None = None  # generation's seam (components/generation.py)
+        self.state: ContextState | None = None  # generation's seam (components/generation/)
 
     def new_state(self) -> ContextState:
         return ContextState()

@@ -21,7 +21,7 @@ estimator's fake tensors run the same code as eager training.
 Generation (``GatedDeltaNet.state``, a ``RecurrentState``): while one is set, each call continues the sequence of
 the previous calls: the convolution reads the last ``conv_kernel - 1`` inputs kept from them and the rule starts
 from their final state, so a prompt then one token at a time gives what one forward over the whole sequence gives
-(components/generation.py sets it beside the attention's KV cache).
+(components/generation/ sets it beside the attention's KV cache).
 """
 
 from __future__ import annotations

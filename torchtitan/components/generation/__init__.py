@@ -1,4 +1,4 @@
-"""Sampling text from a trained model: greedy, temperature and top-k, with or without a KV cache.
+"""Sampling text from a trained model: greedy, temperature and top-k, with or without a KV cache, or speculative.
 
 The model is not edited: ``KVCache.install`` swaps each block's attention kernel
 (``layers[*].attention.sdpa``, the seam context parallel uses too) for one that appends the step's
@@ -9,6 +9,7 @@ new tokens' true positions (its ``positions`` argument), so RoPE rotates them as
 Without the cache every step runs the whole sequence again: the reference the cache is tested against.
 
 Works on the local heads a tensor-parallel rank holds (the kernel reads head counts from shapes).
+``speculative.py``: greedy decoding with a DeepSeek-V3 model's multi-token-prediction depths as the draft.
 """
 
 from __future__ import annotations
@@ -77,19 +78,23 @@ class KVCache:
         )
 
     def install(self, model: nn.Module, pad_multiple: int = 1) -> list[tuple[nn.Module, str, object]]:
-        """Swap the attention kernels and give each recurrent layer an empty state; returns (module, attribute,
-        original) for ``uninstall``.
+        """Swap the attention kernels of ``model.layers`` and give each recurrent layer an empty state; returns
+        (module, attribute, original) for ``uninstall``."""
+        return self.install_blocks(list(model.layers.values()), pad_multiple)
+
+    def install_blocks(self, blocks: list[nn.Module], pad_multiple: int = 1) -> list[tuple[nn.Module, str, object]]:
+        """``install`` on these blocks (a block outside ``layers``: a multi-token-prediction depth's has its own cache).
 
         Raises:
             NotImplementedError: ``pad_multiple`` > 1 (``generate``'s padding) on a model with recurrent layers.
         """
-        if pad_multiple > 1 and any(hasattr(b.attention, "state") for b in model.layers.values()):
+        if pad_multiple > 1 and any(hasattr(b.attention, "state") for b in blocks):
             raise NotImplementedError(
                 f"generate with pad_multiple = {pad_multiple} on a model with recurrent layers: padding tokens would "
                 "enter their state; generate without tensor parallel's sequence sharding (pad_multiple = 1)"
             )
         swapped: list[tuple[nn.Module, str, object]] = []
-        for block in model.layers.values():
+        for block in blocks:
             attention = block.attention
             if hasattr(attention, "sdpa"):
                 swapped.append((attention, "sdpa", attention.sdpa))
