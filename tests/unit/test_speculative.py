@@ -139,3 +139,19 @@ def test_the_command_prints_plain_decoding_s_text_and_the_counts(tmp_path, capsy
     assert script.main([folders[0], *argv[1:], "--speculative", "mtp"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 3 and all(e.startswith("error: --speculative mtp") for e in err), err
+
+
+def test_deepseek_v32_depths_draft_through_their_sparse_attention_cache():
+    """V3.2's depths are DSA blocks: their cached kernel (the indexer's keys kept) serves the draft and the check;
+    past index_topk tokens (4 here), so the selection is in play. 16 indexer heads: exact ties are rare."""
+    from torchtitan.models.deepseek_v32 import DeepSeekV32Transformer, deepseek_v32_configs
+
+    args = dataclasses.replace(
+        deepseek_v32_configs["debugmodel_tiny"], vocab_size=64, max_seq_len=32, mtp_layers=1, index_topk=4
+    )
+    model = DeepSeekV32Transformer(dataclasses.replace(args, index_n_heads=16))
+    init_model_weights(model, 0, torch.device("cpu"))
+    model.eval()
+    out, stats = generate_speculative(model, _prompt(), NEW)
+    assert torch.equal(out, generate(model, _prompt(), NEW)) and stats.drafted > 0
+    assert torch.equal(out, generate(model, _prompt(), NEW, use_cache=False))
