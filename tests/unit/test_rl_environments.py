@@ -67,6 +67,20 @@ def test_the_calculator_replies_to_a_call_and_scores_the_final_turn():
     assert env.step("3 plus 14 is 18.") == EnvStep(None, 0.0)
 
 
+def test_the_shaped_calculator_credits_the_first_right_call_once():
+    from torchtitan.features.rl.environments.calculator import ShapedCalculatorEnvironment
+
+    env = ShapedCalculatorEnvironment()
+    env.reset({"answer": "3 plus 14 is 17."})
+    assert env.step("<calc>4+14</calc>") == EnvStep("<result>18</result>", 0.0)  # operands copied wrong
+    assert env.step("<calc>3/0</calc>").reward == 0.0
+    assert env.step("<calc>3+14</calc>") == EnvStep("<result>17</result>", 0.5)
+    assert env.step("<calc>14+3</calc>") == EnvStep("<result>17</result>", 0.0)  # once an episode
+    assert env.step("3 plus 14 is 17.") == EnvStep(None, 1.0)
+    env.reset({"answer": "3 plus 14 is 17."})  # a new episode is credited again
+    assert env.step("<calc>3+14</calc>").reward == 0.5 and env.step("3 plus 14 is 18.").reward == 0.0
+
+
 class Raises:
     def __init__(self):
         raise RuntimeError("no calculator here")
@@ -263,7 +277,7 @@ def test_the_asynchronous_generator_runs_the_same_episodes(prompts):
         (
             ["--rl.environment", "torchtitan.features.rl.environments.calculator:Calc"],
             "rl.environment = 'torchtitan.features.rl.environments.calculator:Calc': "
-            "torchtitan.features.rl.environments.calculator has no class 'Calc' (it has: CalcError, CalculatorEnvironment)",
+            "torchtitan.features.rl.environments.calculator has no class 'Calc' (it has: CalcError, CalculatorEnvironment, ShapedCalculatorEnvironment)",
         ),
         (
             ["--rl.rollouts_path", "/tmp/r.jsonl"],

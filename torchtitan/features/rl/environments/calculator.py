@@ -1,5 +1,6 @@
 """The shipped environment: a calculator on the arithmetic task (``rl.environment =
-"torchtitan.features.rl.environments.calculator:CalculatorEnvironment"``, train_configs/grpo_calc.toml)."""
+"torchtitan.features.rl.environments.calculator:CalculatorEnvironment"``, train_configs/grpo_calc.toml), and its
+partial-credit variant (``ShapedCalculatorEnvironment``: a right call earns part of the reward)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtitan.features.rl.environments import EnvStep
-from torchtitan.features.rl.rewards import exact_match
+from torchtitan.features.rl.rewards import exact_match, number_match
 
 CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 MAX_OPERAND = 10**12  # a calculator, not a bignum engine: larger values are answered as an error
@@ -92,3 +93,24 @@ class CalculatorEnvironment:
         except CalcError as e:
             result = f"error: {e}"
         return EnvStep(f"<result>{result}</result>")
+
+
+class ShapedCalculatorEnvironment(CalculatorEnvironment):
+    """``CalculatorEnvironment`` with partial credit: ``CALL_CREDIT`` for the episode's first call whose value is the
+    answer's number (the operands copied right), then the final turn's exact match as there: an episode earns 0,
+    ``CALL_CREDIT``, 1 or 1 + ``CALL_CREDIT``. A sampled episode that copies the operands but not the sentence is
+    told apart from one that copies nothing, which the exact match alone scores the same (docs/rl.md)."""
+
+    CALL_CREDIT = 0.5
+
+    def reset(self, row: Mapping[str, Any]) -> None:
+        super().reset(row)
+        self.credited = False
+
+    def step(self, turn: str) -> EnvStep:
+        out = super().step(turn)
+        if out.reply is None or self.credited or not out.reply.startswith("<result>") or "error:" in out.reply:
+            return out
+        value = out.reply.removeprefix("<result>").removesuffix("</result>")
+        self.credited = number_match(prompt="", completion=value, row=self.row) == 1.0
+        return EnvStep(out.reply, self.CALL_CREDIT if self.credited else 0.0)
