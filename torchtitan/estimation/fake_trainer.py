@@ -177,15 +177,17 @@ def estimation_builders(vocab: int, *, n_layers: int | None = None, tokenizer_pa
 
 
 @contextlib.contextmanager
-def pipeline_patches(hidden_shape: tuple[int, ...], hidden_dtype: torch.dtype) -> Iterator[None]:
+def pipeline_patches(
+    hidden_shape: tuple[int, ...], hidden_dtype: torch.dtype, boundary_tensors: int = 1
+) -> Iterator[None]:
     """Run torch's pipeline schedules for one simulated rank under the fake process group.
 
     A schedule's first step votes (a P2P all-stage agreement read with ``.item()``) and then infers
     each stage's input/output metadata from its neighbours over P2P object messages; the fake
     group delivers nothing. Here every stage infers dynamically as in a real run, and what a
-    neighbour would have sent is supplied in place: the hidden state every stage boundary carries,
-    (micro-batch, local seqlen, dim) in the residual stream's dtype, and for backward the gradient
-    of this stage's own output. The data P2P of the actual steps runs through the fake group as is
+    neighbour would have sent is supplied in place: the hidden state every stage boundary carries, (micro-batch,
+    local seqlen, dim) in the residual stream's dtype (``boundary_tensors`` of them: MTP's D embedded tokens ahead
+    beside it), and for backward the gradient of this stage's own output. The data P2P of the actual steps runs through the fake group as is
     (receive buffers are allocated as in a real run; see also ``p2p_works_hold_tensors``).
     """
     from torch.distributed.pipelining import schedules, stage
@@ -205,7 +207,7 @@ def pipeline_patches(hidden_shape: tuple[int, ...], hidden_dtype: torch.dtype) -
 
     def recv_meta(self, src_stage):
         if src_stage < self.stage_index:
-            return _StageForwardMeta(forward_metas=(hidden,))
+            return _StageForwardMeta(forward_metas=(hidden,) * boundary_tensors)
         return _StageBackwardMeta(backward_metas=_derive_grad_metas(self._stage_meta.outputs))
 
     with (
