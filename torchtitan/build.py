@@ -233,13 +233,12 @@ def build_step_function(
     them (with the features' batch feed over the parts; ``eos_id``: the tokenizer's end of document,
     ``cp_positions``: context parallel's positions of this rank, or None)."""
     loss_fn = build_loss_fn(compile=config.training.compile_loss)  # one loss for the schedule and the step
+    shape_inference = ShapeInference()  # the stages mark it; the step hooks, the MTP loss and the batch feed read it
     # multi-token prediction (model.mtp_layers): the depths' loss beside the model's, and its metrics; else None
-    mtp = build_mtp_step(
-        loss_fn, config.training, depths=getattr(model_args, "mtp_layers", 0), world=world, device=device
-    )
+    depths = getattr(model_args, "mtp_layers", 0)
+    mtp = build_mtp_step(loss_fn, config.training, depths=depths, world=world, device=device, inference=shape_inference)
     loss_fn = mtp or loss_fn
-    pipeline_loss = PipelineLoss(loss_fn)
-    shape_inference = ShapeInference()  # the stages mark it; the step hooks and the batch feed read it
+    pipeline_loss = PipelineLoss(loss_fn, aux_term=mtp.take_term if mtp is not None else None)
     parts, pipeline = build_model_parts(
         whole, build_stage_model, spec, config, world, device, pipeline_loss, shape_inference, features.transforms
     )

@@ -18,6 +18,7 @@ from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import JobConfig
 from torchtitan.distributed.init import init_model_weights
+from torchtitan.distributed.pipeline.stages import prune_to_stage
 from torchtitan.features.mtp.step import MtpLoss
 from torchtitan.models.common.documents import IGNORE_INDEX
 from torchtitan.models.common.mtp import mtp_labels
@@ -64,6 +65,29 @@ def test_depth_one_is_the_report_module_by_hand():
         mixed = depth.eh_proj(torch.cat([depth.enorm(e), depth.hnorm(h)], dim=-1))
         want = model.output(depth.norm(depth.block(mixed, model.rope_at(None))))
     torch.testing.assert_close(got[:, :-1], want, rtol=1e-5, atol=1e-6)
+
+
+def test_pipeline_stages_hand_the_embedded_tokens_ahead_to_the_depths_on_the_last():
+    """Pruned to two stages (distributed/pipeline/stages.py ``prune_to_stage``), the first embeds the tokens ahead and
+    hands them on beside its hidden state, the depths only on the last: the whole model's logits and gradients
+    (the one embedding table's included) bit for bit; validation's forwards hand on the hidden state alone."""
+    whole, first, last = _model(2), _model(2), _model(2)
+    prune_to_stage(first, 0, 2, True, False)
+    prune_to_stage(last, 2, whole.args.n_layers, False, True)
+    assert first.mtp is None and last.mtp is not None and last.tok_embeddings is None
+    x = _tokens()[:, :-1]
+    want = whole(x, mtp=True)
+    sent = first(x, mtp=True)  # (hidden, *ahead): each (bs, seqlen, dim)
+    received = [t.detach().requires_grad_() for t in sent]  # as the schedule receives them
+    got = last(*received, mtp=True)
+    assert len(sent) == 3 and torch.equal(got, want)
+    want.square().mean().backward()
+    got.square().mean().backward()
+    torch.autograd.backward(list(sent), [t.grad for t in received])  # the schedule's backward send
+    grads = {k: p.grad for part in (first, last) for k, p in part.named_parameters()}
+    assert grads.keys() == dict(whole.named_parameters()).keys()
+    assert all(torch.equal(grads[k], p.grad) for k, p in whole.named_parameters()), "gradients differ"
+    assert isinstance(first(x), torch.Tensor)  # validation: no depths, nothing ahead
 
 
 def test_mtp_labels_predict_token_i_plus_k_plus_one_within_a_chain():
@@ -144,8 +168,9 @@ def test_bad_inputs_end_in_one_line(tmp_path):
     assert (flavor_args(v32.model).mtp_layers, flavor_args(v32.model).dsa_stage) == (1, "dense_warmup")  # both keys
     tp = ["--training.tensor_parallel_degree", "2", "--experimental.expert_parallel_degree", "2"]
     assert run_preflight(_config("--model.mtp_layers", "1", *tp), 2, this_machine=False) == []  # built
+    pp = ["--experimental.pipeline_parallel_degree", "2"]
+    assert run_preflight(_config("--model.mtp_layers", "1", *pp), 2, this_machine=False) == []  # built
     for setting, world in (
-        (["--experimental.pipeline_parallel_degree", "2"], 2),
         (["--experimental.context_parallel_degree", "2"], 2),
         (["--training.loss_chunk_size", "8"], 1),
     ):

@@ -11,7 +11,7 @@ knows losses live on one pipeline rank.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,10 +56,16 @@ class PipelineLoss:
     The schedule takes its loss function once, when it is built, and its ``step`` / ``eval`` pass
     nothing through to it; so each call's ``LossScale`` reaches it through ``scaled``, for that
     call only. Outside ``scaled`` the loss refuses to run.
+
+    ``aux_term(scale)``: a term the loss function computed beside the loss it returns (multi-token prediction's
+    depths: features/mtp/step.py ``MtpLoss.take_term``) at the micro-batch's scale, or None; the step adds a
+    family's aux loss to its backward itself, but here the schedule runs the backward of the one loss it gets.
     """
 
-    def __init__(self, loss_fn: LossFn = cross_entropy_loss) -> None:
-        self.loss_fn = loss_fn
+    def __init__(
+        self, loss_fn: LossFn = cross_entropy_loss, aux_term: Callable[[float], torch.Tensor | None] | None = None
+    ) -> None:
+        self.loss_fn, self.aux_term = loss_fn, aux_term
         self._scale: LossScale | None = None
 
     @contextlib.contextmanager
@@ -78,8 +84,14 @@ class PipelineLoss:
                 "PipelineLoss ran outside PipelineLoss.scaled: a trainer bug, not a configuration problem"
             )
         if scale.token_weight is None:
-            return self.loss_fn(pred, labels) / scale.divisor
-        return self.loss_fn(pred, labels, reduction="sum") * (scale.token_weight / scale.divisor)
+            loss = self.loss_fn(pred, labels) / scale.divisor
+        else:
+            loss = self.loss_fn(pred, labels, reduction="sum") * (scale.token_weight / scale.divisor)
+        term = self.aux_term(1.0 / scale.divisor) if self.aux_term is not None else None
+        if term is None:
+            return loss
+        # The schedule logs the loss it back-propagates: the term joins its gradient, not its value (x - x is 0)
+        return loss + (term - term.detach())
 
 
 class StepFunction:
@@ -164,7 +176,7 @@ class StepFunction:
                 scale = LossScale(accum_steps, token_weight)
                 # the schedule runs the loss and its backward inside
                 with self.pipeline_loss.scaled(scale), self.autocast(), self.loss_context():
-                    loss = pipeline_step(self.pipeline, batch.inputs, batch.labels)
+                    loss = pipeline_step(self.pipeline, batch.inputs, batch.labels, self.train_kwargs)
                 return None if loss is None else _plain(loss)
             loss = self._loss(batch, token_weight, self.train_kwargs) * (1.0 / accum_steps)
             with self.loss_context():

@@ -221,10 +221,12 @@ def _pipeline_patches(config, world_size: int, vocab: int):
     # in its param dtype, as do bf16 parameters (training.dtype); otherwise the stream stays fp32 (autocast leaves
     # the residual adds fp32).
     spec = get_model_spec(config.model.name)
-    hidden = spec.model_cls.hidden_dims(build_model_args(config, spec, vocab))  # (dim,); V4: (hc_mult, dim)
+    args = build_model_args(config, spec, vocab)
+    hidden = spec.model_cls.hidden_dims(args)  # (dim,); V4: (hc_mult, dim)
     shape = (t.batch_size // microbatches, t.seq_len // (dims.cp * dims.tp), *hidden)
     dtype = to_dtype(t.mixed_precision_param) if dims.fsdp_enabled or t.dtype != "float32" else torch.float32
-    return pipeline_patches(shape, dtype)
+    # multi-token prediction: the embedded tokens ahead, one per depth, in the embedding's (the stream's) dtype
+    return pipeline_patches(shape, dtype, boundary_tensors=1 + getattr(args, "mtp_layers", 0))
 
 
 @dataclass(frozen=True)

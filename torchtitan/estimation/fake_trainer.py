@@ -177,17 +177,18 @@ def estimation_builders(vocab: int, *, n_layers: int | None = None, tokenizer_pa
 
 
 @contextlib.contextmanager
-def pipeline_patches(hidden_shape: tuple[int, ...], hidden_dtype: torch.dtype) -> Iterator[None]:
+def pipeline_patches(
+    hidden_shape: tuple[int, ...], hidden_dtype: torch.dtype, boundary_tensors: int = 1
+) -> Iterator[None]:
     """Run torch's pipeline schedules for one simulated rank under the fake process group.
 
     A schedule's first step votes (a P2P all-stage agreement read with ``.item()``) and then infers
     each stage's input/output metadata from its neighbours over P2P object messages; the fake
     group delivers nothing. Here every stage infers dynamically as in a real run, and what a
-    neighbour would have sent is supplied in place: the hidden state every stage boundary carries,
-    (micro-batch, local seqlen, *the model class's ``hidden_dims``) in the residual stream's dtype,
-    and for backward the gradient of this stage's own output. The data P2P of the actual steps runs
-    through the fake group as is (receive buffers are allocated as in a real run; see also
-    ``p2p_works_hold_tensors``).
+    neighbour would have sent is supplied in place: the hidden state every stage boundary carries, (micro-batch,
+    local seqlen, *the model class's ``hidden_dims``) in the stream's dtype (``boundary_tensors`` of them: MTP's
+    embedded tokens ahead beside it), and for backward the gradient of this stage's own output. The data P2P of the
+    actual steps runs through the fake group as is (receive buffers allocated as in a real run; ``p2p_works_hold_tensors``).
     """
     from torch.distributed.pipelining import schedules, stage
     from torch.distributed.pipelining._utils import (
@@ -206,7 +207,7 @@ def pipeline_patches(hidden_shape: tuple[int, ...], hidden_dtype: torch.dtype) -
 
     def recv_meta(self, src_stage):
         if src_stage < self.stage_index:
-            return _StageForwardMeta(forward_metas=(hidden,))
+            return _StageForwardMeta(forward_metas=(hidden,) * boundary_tensors)
         return _StageBackwardMeta(backward_metas=_derive_grad_metas(self._stage_meta.outputs))
 
     with (

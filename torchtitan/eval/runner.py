@@ -59,7 +59,7 @@ class ModelRunner:
         em = self.em
         amp = torch.autocast(em.device.type, dtype=em.amp_dtype) if em.amp_dtype else contextlib.nullcontext()
         with torch.no_grad(), amp, em.forwards():
-            out = em.model(tokens) if positions is None else em.model(tokens, positions)
+            out = em.model(tokens) if positions is None else em.model(tokens, positions=positions)
         if hasattr(out, "full_tensor"):  # a DTensor: the TP head's vocab-sharded logits (loss parallel)
             out = out.full_tensor()
         return out.float()

@@ -3,7 +3,8 @@
 Rows only where the path differs from the frontier rows (tests/runs/models/test_frontier_runs.py): a 1-rank MTP
 reference, FSDP2 (the depth its own FSDP unit beside the blocks), EP2 (its experts split like the blocks') and
 TP2 x EP2 (the depth's own modules sequence-parallel, its block by the blocks' plan, its logits vocab-sharded under
-loss parallel) at 2 ranks against it: per-step loss, grad norm and MTP loss within RTOL, the exact expert load (the
+loss parallel) and PP2 1F1B (the depth on the last stage, the tokens ahead embedded on the first and sent down) at 2
+ranks against it: per-step loss, grad norm and MTP loss within RTOL, the exact expert load (the
 depth's MoE included); and lambda = 0 against the frontier 1-rank reference without MTP: its losses bit for bit. One 1-rank pool job
 trains from a published-layout MTP folder and exports the trained depth under its published names.
 """
@@ -18,7 +19,7 @@ import torch
 
 from tests.support.matrix import RTOL, MatrixLaunches, Row, check_moe_parity
 from tests.support.pool import run_train_job
-from tests.support.rows import FRONTIER_REFERENCES, frontier_family
+from tests.support.rows import FRONTIER_REFERENCES, frontier_family, pp_schedule
 from tests.support.runs import GLOBAL_BATCH, read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool(1, 2)]
@@ -30,6 +31,8 @@ MTP_ROWS = [
     Row("dsv3_mtp_ep2", 2, 4, [*frontier_family("deepseek_v3", ep=2), *MTP]),
     # the depth's own modules sequence-parallel, its block by the blocks' plan; the EP group is the TP group
     Row("dsv3_mtp_tp2_ep2", 2, 8, [*frontier_family("deepseek_v3", ep=2), *MTP], tp=2),
+    # the depth on the last stage; the first stage embeds its tokens ahead and sends them down beside the hidden state
+    Row("dsv3_mtp_pp2_1f1b", 2, 8, [*frontier_family("deepseek_v3"), *MTP, *pp_schedule("1F1B")], pp=2),
 ]
 MTP_ZERO = Row(
     "dsv3_mtp0_1proc", 1, GLOBAL_BATCH, [*frontier_family("deepseek_v3"), *MTP, "--training.mtp_loss_weight", "0"]

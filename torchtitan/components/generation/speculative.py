@@ -182,7 +182,7 @@ def _check(
     positions and rolls the cache back to them. (The first call, with no drafts, is the prompt's forward.)"""
     start = cache.length
     new = torch.cat([tokens[0, start:], drafts])[None]  # (1, n): at positions start..start+n-1
-    logits = model(new, torch.arange(start, start + new.shape[1], device=tokens.device))
+    logits = model(new, positions=torch.arange(start, start + new.shape[1], device=tokens.device))
     greedy = _full(logits)[0, -drafts.numel() - 1 :].float().argmax(dim=-1)  # (m+1,)
     agree = (greedy[:-1] == drafts).long().cumprod(dim=0)
     a = int(agree.sum())

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +49,8 @@ logger = logging.getLogger(__name__)
 def prune_to_stage(model: nn.Module, first_layer: int, end_layer: int, is_first: bool, is_last: bool) -> None:
     """Keep layers [first_layer, end_layer) of a llama-style meta model and the ends it owns, else None: the model's
     ``input_modules`` (the embedding; an image model's vision tower) only on the first stage, its ``output_modules``
-    (the final norm and output; DeepSeek-V4's ``hc_head``) only on the last."""
+    (the final norm and output; DeepSeek-V4's ``hc_head``; DeepSeek-V3's multi-token-prediction depths ``mtp``,
+    with the head they share) only on the last."""
     for name in list(model.layers.keys()):
         if not first_layer <= int(name) < end_layer:
             del model.layers[name]
@@ -61,10 +62,10 @@ def prune_to_stage(model: nn.Module, first_layer: int, end_layer: int, is_first:
 class ShapeInference:
     """Whether one of a pipeline's stages is running torch's metadata (shape) inference forward.
 
-    torch 2.13 stages infer their input/output shapes by running the stage once on the first ``step`` (later
-    stages on uninitialised tensors). Side effects of that forward, like MoE token counts
-    (features/moe_balance/load_balancing.py) or the document feed's queue (features/documents/feed.py), must be
-    ignored: the build makes one, hands it to the stages (the one writer) and to those hooks (readers).
+    torch 2.13 stages infer their input/output shapes by running the stage once on the first ``step`` of each mode
+    (training, evaluation; later stages on uninitialised tensors), and the last stage's loss on its output. Side
+    effects of that forward, like MoE token counts (features/moe_balance/load_balancing.py) or the document feed's
+    queue (features/documents/feed.py), and of that loss (features/mtp/step.py's per-depth sums), must be ignored: the build makes one, hands it to the stages (the one writer) and to those hooks (readers).
     Without pipeline parallel nothing enters it, so it is never active.
     """
 
@@ -98,6 +99,11 @@ class _Stage(PipelineStage):
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any):
         with self.shape_inference.running():
             return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _backward_metadata_inference(self, *args: Any, **kwargs: Any):
+        # torch 2.13 runs the last stage's loss on that forward's output (multi-token prediction's per-depth sums)
+        with self.shape_inference.running():
+            return super()._backward_metadata_inference(*args, **kwargs)
 
     def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
         # torch 2.11 warms up each neighbour with a send and a receive, a neighbour on this rank too (the V
@@ -255,16 +261,20 @@ def _first_stage_args(parts: PipelineParts, inputs: torch.Tensor) -> tuple[torch
     return (inputs.contiguous(),) if parts.has_first_stage else ()
 
 
-def pipeline_step(parts: PipelineParts, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+def pipeline_step(
+    parts: PipelineParts, inputs: torch.Tensor, labels: torch.Tensor, kwargs: Mapping[str, Any] | None = None
+) -> torch.Tensor | None:
     """One forward + backward over the whole local batch; the mean microbatch loss on last-stage ranks.
 
-    Gradients are those of the mean loss over the batch (schedules scale by 1/n_microbatches).
+    Gradients are those of the mean loss over the batch (schedules scale by 1/n_microbatches). ``kwargs``: every
+    stage's forward gets them (each rank passes the same); they may change what stages hand on (multi-token
+    prediction's ``mtp=True``), which torch infers once per mode, so all training steps must pass the same ones.
     """
     args = _first_stage_args(parts, inputs)
     target = labels if parts.has_last_stage else None
     losses: list[torch.Tensor] | None = [] if parts.has_last_stage else None
     # return_outputs=False: the last stage would otherwise keep every microbatch's logits
-    parts.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+    parts.schedule.step(*args, target=target, losses=losses, return_outputs=False, **(kwargs or {}))
     for stage in parts.stages:
         if isinstance(stage, _OutputReleasingStage):
             stage.finish_sends()

@@ -37,11 +37,6 @@ def check_mtp(config: JobConfig, dims: ParallelDims) -> list[str]:
         )
     unbuilt = (
         (
-            dims.pp_enabled,
-            f"experimental.pipeline_parallel_degree = {dims.pp}",
-            "the depths read the embedding table, which lives on the first stage, from the last one",
-        ),
-        (
             dims.cp_enabled,
             f"experimental.context_parallel_degree = {dims.cp}",
             "depth k reads token i+k, which another rank's sequence shard holds",

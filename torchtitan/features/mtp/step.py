@@ -32,14 +32,27 @@ LossFn = Callable[..., torch.Tensor]
 if TYPE_CHECKING:
     from torchtitan.config.schema import Training
     from torchtitan.distributed.mesh import OuterSum, WorldMesh
+    from torchtitan.distributed.pipeline.stages import ShapeInference
 
 
 class MtpLoss:
     """The run's loss over ``model(inputs, mtp=True)``'s logits, and the step hooks (``spec.StepHooks``) that add the
     depths' term to its backward and log each depth's loss."""
 
-    def __init__(self, loss_fn: LossFn, *, depths: int, weight: float, world: WorldMesh, device: torch.device):
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        *,
+        depths: int,
+        weight: float,
+        world: WorldMesh,
+        device: torch.device,
+        shape_inference: ShapeInference | None = None,
+    ):
+        """``shape_inference``: active while a pipeline's last stage runs this loss on its shape-inference forward's
+        output (not counted)."""
         self.loss_fn, self.depths, self.weight, self.world = loss_fn, depths, weight, world
+        self.shape_inference = shape_inference
         self.totals = torch.zeros(2, depths, dtype=torch.float64, device=device)  # (sums, counts) this step
         self.term: torch.Tensor | None = None  # the last training forward's lambda / D * sum of depth losses
         self.last: list[float] | None = None
@@ -54,30 +67,38 @@ class MtpLoss:
             return self.loss_fn(pred, labels, reduction=reduction)
         model_logits, *depths = pred.split(seqlen, dim=1)  # each (bs, seqlen, vocab)
         terms = []
+        record = self.shape_inference is None or not self.shape_inference.active
         for k, logits in enumerate(depths, start=1):
             target = mtp_labels(labels, k)  # (bs, seqlen)
             counted = (target != IGNORE_INDEX).sum()
             total = self.loss_fn(logits, target, reduction="sum")
-            self.totals[0, k - 1] += _plain(total).double()
-            self.totals[1, k - 1] += counted.double()
+            if record:
+                self.totals[0, k - 1] += _plain(total).double()
+                self.totals[1, k - 1] += counted.double()
             terms.append(total / counted.clamp(min=1))
         self.term = torch.stack(terms).sum() * (self.weight / len(depths))
         return self.loss_fn(model_logits, labels, reduction=reduction)
 
     def aux_loss(self, model_part: Any, scale: float) -> torch.Tensor | None:
-        """The last training forward's depth term at the micro-batch's ``scale`` (taken: once per forward)."""
+        """The step's hook: ``take_term``."""
+        return self.take_term(scale)
+
+    def take_term(self, scale: float) -> torch.Tensor | None:
+        """The last training forward's depth term at the micro-batch's ``scale`` (taken: once per forward). Under
+        pipeline parallel the last stage's loss takes it (components/step.py ``PipelineLoss``), not the step."""
         term, self.term = self.term, None
         return None if term is None else term * scale
 
     @torch.no_grad()
     def reduce_step(self, *, keep_metrics: bool, outer_sum: OuterSum | None) -> None:
-        """Log steps: each depth's sums over every rank holding other tokens (data parallel); every rank calls it."""
+        """Log steps: each depth's sums over every rank holding other tokens (data parallel) and over the pipeline
+        ranks (only the last stage's hold them, the others zeros); every rank calls it."""
         totals, self.totals = self.totals, torch.zeros_like(self.totals)
         if not keep_metrics:
             return
-        group = self.world.group("dp_cp")
-        if group is not None:
-            dist.all_reduce(totals, group=group)
+        for group in (self.world.group("pp"), self.world.group("dp_cp")):
+            if group is not None:
+                dist.all_reduce(totals, group=group)
         if not is_fake(totals):  # the memory estimator's fake step has no values to log
             self.last = (totals[0] / totals[1].clamp(min=1)).tolist()
 
@@ -102,10 +123,23 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def build_mtp_step(
-    loss_fn: LossFn, training: Training, *, depths: int, world: WorldMesh, device: torch.device
+    loss_fn: LossFn,
+    training: Training,
+    *,
+    depths: int,
+    world: WorldMesh,
+    device: torch.device,
+    inference: ShapeInference | None = None,
 ) -> MtpLoss | None:
     """The loss and step hooks of ``depths`` MTP depths (``model_args.mtp_layers``) over ``loss_fn``, weighed by
-    ``training.mtp_loss_weight``; None for 0 depths."""
+    ``training.mtp_loss_weight``; None for 0 depths. ``inference``: the pipeline stages' shape inference."""
     if depths == 0:
         return None
-    return MtpLoss(loss_fn, depths=depths, weight=training.mtp_loss_weight, world=world, device=device)
+    return MtpLoss(
+        loss_fn,
+        depths=depths,
+        weight=training.mtp_loss_weight,
+        world=world,
+        device=device,
+        shape_inference=inference,
+    )

@@ -14,7 +14,7 @@ ignored (``mtp_labels``). Pure math: no parallelism here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -66,24 +66,28 @@ def build_mtp(
     )
 
 
+def mtp_ahead(tokens: torch.Tensor, embed: nn.Module, num_depths: int) -> Iterator[torch.Tensor]:
+    """Each depth's embedding input (bs, seqlen, dim), depth 1 first: the tokens rolled left by k (token i+k at
+    position i; the last k wrap, never trained), embedded. Lazy: each is computed when its depth reads it."""
+    return (embed(tokens.roll(-k, dims=1)) for k in range(1, num_depths + 1))
+
+
 def mtp_logits(
     mtp: nn.ModuleDict,
     h: torch.Tensor,
-    tokens: torch.Tensor,
+    ahead: Iterable[torch.Tensor],
     *,
-    embed: nn.Module,
     output: nn.Module,
     rope: torch.Tensor,
     doc_ids: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Each depth's logits (bs, seqlen, vocab), depth 1 first.
 
-    h (bs, seqlen, dim): the model's final-normed hidden state; tokens (bs, seqlen): the model's input tokens.
+    h (bs, seqlen, dim): the model's final-normed hidden state; ahead: each depth's embedded tokens (``mtp_ahead``).
     """
     logits = []
-    for k, depth in enumerate(mtp.values(), start=1):
-        ahead = tokens.roll(-k, dims=1)  # (bs, seqlen): token i+k at position i (the last k wrap, never trained)
-        h = depth(h, embed(ahead), rope, doc_ids)
+    for depth, embedded in zip(mtp.values(), ahead, strict=True):
+        h = depth(h, embedded, rope, doc_ids)
         logits.append(output(depth.norm(h)))
     return logits
 

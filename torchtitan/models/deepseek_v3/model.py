@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from torchtitan.models.common.init import trunc_normal_
-from torchtitan.models.common.mtp import build_mtp, mtp_logits
+from torchtitan.models.common.mtp import build_mtp, mtp_ahead, mtp_logits
 from torchtitan.models.common.rope.yarn import compute_yarn_rope_cache
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args, softmax_scale_multiplier
 from torchtitan.models.llama.model import (
@@ -120,6 +120,8 @@ class DeepSeekV3Transformer(MoETransformer):
     DeepSeek-V3 blocks and a RoPE table of ``qk_rope_head_dim`` (YaRN-scaled); with ``mtp_layers``, the
     multi-token-prediction depths ``mtp`` ("0".."D-1", models/common/mtp.py), None on a model without them."""
 
+    output_modules = ("norm", "output", "mtp")  # the depths read the head they share: on the last pipeline stage
+
     def __init__(
         self,
         args: DeepSeekV3Args,
@@ -163,18 +165,33 @@ class DeepSeekV3Transformer(MoETransformer):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
-        *,
+        *ahead: torch.Tensor,
         doc_ids: torch.Tensor | None = None,
         return_hidden: bool = False,
         mtp: bool = False,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """llama's forward; ``mtp`` (training with MTP depths): the logits (bs, (1 + D) * seqlen, vocab), the model's
-        then each depth's (depth k predicts token i+k+1 at position i) concatenated on the sequence dim."""
-        if not mtp or self.mtp is None:
+        then each depth's (depth k predicts token i+k+1 at position i) concatenated on the sequence dim.
+
+        A part without the output head (a pipeline stage before the last; the depths live with the head) returns,
+        with ``mtp``, (hidden (bs, seqlen, dim), *ahead): the depths' embedded tokens ``ahead`` (D of (bs, seqlen,
+        dim), ``mtp_ahead``) computed where the embedding table is and handed on to the part holding the depths,
+        so the table has no copy there and its gradient comes back the same way. A later part receives them as the
+        pipeline hands a stage its predecessor's outputs, positionally after the hidden state: the first lands in
+        ``positions``' place, told apart by its dtype (positions are integers, the embedded tokens floating)."""
+        if positions is not None and positions.is_floating_point():
+            positions, ahead = None, (positions, *ahead)
+        if ahead and not mtp:
+            raise TypeError(
+                f"{type(self).__name__}.forward: {len(ahead)} embedded tensors after the tokens without mtp"
+            )
+        if not mtp or self.args.mtp_layers == 0:
             return super().forward(tokens, positions, doc_ids=doc_ids, return_hidden=return_hidden)
-        h = super().forward(tokens, positions, doc_ids=doc_ids, return_hidden=True)  # (bs, seqlen, dim), normed
+        if self.tok_embeddings is not None:  # (bs, seqlen) tokens: the whole model, or the first of its parts
+            ahead = mtp_ahead(tokens, self.tok_embeddings, self.args.mtp_layers)
+        h = super().forward(tokens, positions, doc_ids=doc_ids, return_hidden=True)  # (bs, seqlen, dim)
+        if self.output is None:
+            return (h, *ahead)
         rope = self.rope_at(positions)
-        depths = mtp_logits(
-            self.mtp, h, tokens, embed=self.tok_embeddings, output=self.output, rope=rope, doc_ids=doc_ids
-        )
+        depths = mtp_logits(self.mtp, h, ahead, output=self.output, rope=rope, doc_ids=doc_ids)
         return torch.cat([self.output(h), *depths], dim=1)  # (bs, (1 + D) * seqlen, vocab)
