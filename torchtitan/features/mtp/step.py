@@ -20,9 +20,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-import torch.distributed as dist
-from torch._subclasses.fake_tensor import is_fake
 
+from torchtitan.distributed.mesh import StepMeans
 from torchtitan.models.common.documents import IGNORE_INDEX
 from torchtitan.models.common.mtp import mtp_labels
 
@@ -53,9 +52,8 @@ class MtpLoss:
         output (not counted)."""
         self.loss_fn, self.depths, self.weight, self.world = loss_fn, depths, weight, world
         self.shape_inference = shape_inference
-        self.totals = torch.zeros(2, depths, dtype=torch.float64, device=device)  # (sums, counts) this step
+        self.means = StepMeans(depths, world, device)  # each depth's loss over the step's global batch
         self.term: torch.Tensor | None = None  # the last training forward's lambda / D * sum of depth losses
-        self.last: list[float] | None = None
 
     def __call__(
         self, pred: torch.Tensor, labels: torch.Tensor, reduction: Literal["mean", "sum"] = "mean"
@@ -73,8 +71,7 @@ class MtpLoss:
             counted = (target != IGNORE_INDEX).sum()
             total = self.loss_fn(logits, target, reduction="sum")
             if record:
-                self.totals[0, k - 1] += _plain(total).double()
-                self.totals[1, k - 1] += counted.double()
+                self.means.add(k - 1, _plain(total), counted.double())
             terms.append(total / counted.clamp(min=1))
         self.term = torch.stack(terms).sum() * (self.weight / len(depths))
         return self.loss_fn(model_logits, labels, reduction=reduction)
@@ -93,26 +90,19 @@ class MtpLoss:
     def reduce_step(self, *, keep_metrics: bool, outer_sum: OuterSum | None) -> None:
         """Log steps: each depth's sums over every rank holding other tokens (data parallel) and over the pipeline
         ranks (only the last stage's hold them, the others zeros); every rank calls it."""
-        totals, self.totals = self.totals, torch.zeros_like(self.totals)
-        if not keep_metrics:
-            return
-        for group in (self.world.group("pp"), self.world.group("dp_cp")):
-            if group is not None:
-                dist.all_reduce(totals, group=group)
-        if not is_fake(totals):  # the memory estimator's fake step has no values to log
-            self.last = (totals[0] / totals[1].clamp(min=1)).tolist()
+        self.means.reduce(keep_metrics)
 
     def after_optimizer_step(self) -> None:
         pass
 
     def discard_step(self) -> None:
-        self.last = None
+        self.means.take()
 
     def metrics(self) -> tuple[dict[str, Any], dict[str, float]] | None:
         """({"mtp_loss": [depth 1, ...]}, TensorBoard's "loss_metrics/mtp_loss_depth_k"), or None."""
-        if self.last is None:
+        last = self.means.take()
+        if last is None:
             return None
-        last, self.last = self.last, None
         return {"mtp_loss": last}, {f"loss_metrics/mtp_loss_depth_{k}": v for k, v in enumerate(last, start=1)}
 
 

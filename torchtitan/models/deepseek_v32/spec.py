@@ -12,11 +12,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.distributed.mesh import StepMeans
 from torchtitan.models.deepseek_v3.spec import check_deepseek_v3_config, with_mtp
 from torchtitan.models.deepseek_v32 import DeepSeekV32Transformer, deepseek_v32_configs
 from torchtitan.models.deepseek_v32.hf_adapter import ADAPTER
@@ -101,38 +100,28 @@ class IndexerLoss:
     ranks."""
 
     def __init__(self, world: WorldMesh, device: torch.device):
-        self.world = world
-        self.totals = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of terms, micro-batches) this step
-        self.last: float | None = None
+        self.means = StepMeans(1, world, device)
 
     def aux_loss(self, model_part: nn.Module, scale: float) -> torch.Tensor:
         loss = model_part.indexer_loss()  # () the last training forward's term
-        self.totals += torch.stack([loss.detach().double(), torch.ones_like(self.totals[1])])
+        self.means.add(0, loss, 1.0)
         return loss * scale
 
     @torch.no_grad()
     def reduce_step(self, *, keep_metrics: bool, outer_sum: OuterSum | None) -> None:
-        """Log steps: the sums over every rank holding other tokens (data parallel); every rank calls it."""
-        totals, self.totals = self.totals, torch.zeros_like(self.totals)
-        if not keep_metrics:
-            return
-        group = self.world.group("dp_cp")
-        if group is not None:
-            dist.all_reduce(totals, group=group)
-        if not is_fake(totals):  # the memory estimator's fake step has no values to log
-            self.last = (totals[0] / totals[1].clamp(min=1)).item()
+        self.means.reduce(keep_metrics)
 
     def after_optimizer_step(self) -> None:
         pass
 
     def discard_step(self) -> None:
-        self.last = None
+        self.means.take()
 
     def metrics(self) -> tuple[dict[str, float], dict[str, float]] | None:
-        if self.last is None:
+        last = self.means.take()
+        if last is None:
             return None
-        last, self.last = self.last, None
-        return {"indexer_loss": last}, {"loss_metrics/indexer_loss": last}
+        return {"indexer_loss": last[0]}, {"loss_metrics/indexer_loss": last[0]}
 
 
 def build_dsa_step_hooks(
