@@ -6,14 +6,14 @@
    environment's, as in RL). ``bench/sft_arith.py``'s run on those rows, short on purpose (``--sft_steps``), so that
    the policy calls the tool but not always well.
 2. **GRPO with the environment**: ``python -m torchtitan.train`` on train_configs/grpo_calc.toml
-   (``rl.environment = CalculatorEnvironment``) from that export, on one process, publishing the last policy.
-3. **Score**: greedy episodes (the same environment, up to ``rl.max_turns`` turns) on the 44 held-out questions
+   (``rl.environment = ShapedCalculatorEnvironment``: a right call earns 0.5) from that export, on one process, publishing the last policy.
+3. **Score**: greedy episodes (``CalculatorEnvironment``: exact match alone, up to ``rl.max_turns`` turns) on the 44 held-out questions
    (tests/assets/sft/arith_val.jsonl, pairs neither SFT nor RL sees), before and after: exact match of the final
    answer (the environment's reward), and the share of episodes that called the calculator.
 
 Prints one JSON object.
 
-    python -m bench.rl_calc [--seed 0] [--sft_steps 300] [--steps 30] [--dump_folder /tmp/torchtitan_bench_rl_calc]
+    python -m bench.rl_calc [--seed 0] [--sft_steps 400] [--steps 300] [--dump_folder /tmp/torchtitan_bench_rl_calc]
         [-- trainer flags for the GRPO run]
 """
 
@@ -130,14 +130,14 @@ def val_prompts(base: Path) -> Path:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seed", type=int, default=0, help="SFT's and GRPO's seed")
-    p.add_argument("--sft_steps", type=int, default=300, help="SFT steps on the tool rows (short: a partial policy)")
+    p.add_argument("--sft_steps", type=int, default=400, help="SFT steps on the tool rows (short: a partial policy)")
     p.add_argument("--sft_lr", type=float, default=3e-3)
     p.add_argument("--sft_hf", default="", help="an HF export of an earlier run's SFT (skips the SFT)")
-    p.add_argument("--steps", type=int, default=30, help="GRPO steps")
+    p.add_argument("--steps", type=int, default=300, help="GRPO steps")
     p.add_argument("--prompts", type=int, default=8, help="rl.prompts_per_step")
     p.add_argument("--group", type=int, default=8, help="rl.group_size")
-    p.add_argument("--lr", type=float, default=1e-4, help="GRPO's optimizer.lr")
-    p.add_argument("--temperature", type=float, default=1.5, help="rl.temperature")
+    p.add_argument("--lr", type=float, default=5e-5, help="GRPO's optimizer.lr")
+    p.add_argument("--temperature", type=float, default=0.5, help="rl.temperature")
     p.add_argument("--dump_folder", default="/tmp/torchtitan_bench_rl_calc", help="emptied first")
     p.add_argument("overrides", nargs=argparse.REMAINDER, help="after --: trainer flags for GRPO")
     args = p.parse_args()

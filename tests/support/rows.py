@@ -154,7 +154,7 @@ RL_CALC = [
         ",".join(map(str, range(2, 200))),
     ),
     *("--rl.prompts_per_step", "2", "--rl.group_size", "3", "--rl.max_new_tokens", "40", "--training.seq_len", "72"),
-    *("--optimizer.lr", "1e-2", "--training.steps", "2", "--metrics.log_freq", "1"),
+    *("--optimizer.lr", "1e-2", "--training.steps", "2", "--metrics.log_freq", "1", "--rl.temperature", "1.5"),
 ]
 HF_STEPS = 4
 HF = [

@@ -281,7 +281,7 @@ def test_the_asynchronous_generator_runs_the_same_episodes(prompts):
         ),
         (
             ["--rl.rollouts_path", "/tmp/r.jsonl"],
-            f"rl.environment = '{CALCULATOR}' with rl.rollouts_path = '/tmp/r.jsonl': an outside engine generates the "
+            f"rl.environment = '{CALCULATOR.replace(':', ':Shaped')}' with rl.rollouts_path = '/tmp/r.jsonl': an outside engine generates the "
             "rollouts, so it runs the episodes (its rows' env_mask marks the environment's tokens); unset one",
         ),
     ],
