@@ -35,6 +35,7 @@ from torchtitan.estimation.foreach import use_per_parameter_step
 from torchtitan.estimation.images import describe, image_folder
 from torchtitan.estimation.tracker import DDP_BUCKETS, StepMemory, track_steps
 from torchtitan.features.registry import check_estimable_features, plan_terms
+from torchtitan.models.common.ends import hidden_dims
 from torchtitan.preflight import run_preflight
 from torchtitan.spec import get_model_spec
 from torchtitan.train import Trainer
@@ -222,7 +223,7 @@ def _pipeline_patches(config, world_size: int, vocab: int):
     # the residual adds fp32).
     spec = get_model_spec(config.model.name)
     args = build_model_args(config, spec, vocab)
-    hidden = spec.model_cls.hidden_dims(args)  # (dim,); V4: (hc_mult, dim)
+    hidden = hidden_dims(spec.model_cls, args)  # (dim,); V4: (hc_mult, dim)
     shape = (t.batch_size // microbatches, t.seq_len // (dims.cp * dims.tp), *hidden)
     dtype = to_dtype(t.mixed_precision_param) if dims.fsdp_enabled or t.dtype != "float32" else torch.float32
     # multi-token prediction: the embedded tokens ahead, one per depth, in the embedding's (the stream's) dtype

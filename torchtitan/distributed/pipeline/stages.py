@@ -39,6 +39,7 @@ from torchtitan.distributed.pipeline.layout import (
     stage_ids_for_rank,
     validate_microbatches,
 )
+from torchtitan.models.common.ends import model_ends
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -54,7 +55,8 @@ def prune_to_stage(model: nn.Module, first_layer: int, end_layer: int, is_first:
     for name in list(model.layers.keys()):
         if not first_layer <= int(name) < end_layer:
             del model.layers[name]
-    dropped = (() if is_first else model.input_modules) + (() if is_last else model.output_modules)
+    inputs, outputs = model_ends(model)
+    dropped = (() if is_first else inputs) + (() if is_last else outputs)
     for name in dropped:
         setattr(model, name, None)
 

@@ -22,3 +22,17 @@ class ModelEnds:
     def hidden_dims(args: Any) -> tuple[int, ...]:
         """The hidden state's dims after (bs, seqlen) between blocks: ``(dim,)``."""
         return (args.dim,)
+
+
+def model_ends(model: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(input modules, output modules) of a layered model: its own lists, llama's for a model without them (a family
+    defined outside the package, built on ``nn.Module`` alone)."""
+    return (
+        getattr(model, "input_modules", ModelEnds.input_modules),
+        getattr(model, "output_modules", ModelEnds.output_modules),
+    )
+
+
+def hidden_dims(model_cls: type, args: Any) -> tuple[int, ...]:
+    """The hidden state's dims after (bs, seqlen): the model class's ``hidden_dims``, else ``(args.dim,)``."""
+    return model_cls.hidden_dims(args) if hasattr(model_cls, "hidden_dims") else (args.dim,)
