@@ -105,9 +105,8 @@ class MtpDrafter:
     def __init__(self, model: nn.Module, max_len: int):
         self.model, self.depths = model, list(mtp_depths(model).values())
         self.caches = [KVCache(max_len) for _ in self.depths]
-        dim = model.tok_embeddings.weight.shape[1]
-        weight = model.tok_embeddings.weight
-        self.hidden = [weight.new_zeros(1, max_len, dim) for _ in range(len(self.depths) + 1)]  # (1, max_len, dim)
+        weight = model.tok_embeddings.weight  # (vocab, dim)
+        self.hidden = [weight.new_zeros(1, max_len, weight.shape[1]) for _ in range(len(self.depths) + 1)]
 
     def install(self) -> list[tuple[nn.Module, str, object]]:
         return [s for depth, cache in zip(self.depths, self.caches) for s in cache.install_blocks([depth.block])]
